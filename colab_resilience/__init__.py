@@ -1,0 +1,80 @@
+"""colab_resilience: notebook training that survives out-of-memory errors and kernel deaths.
+
+Load it in a notebook with ``%load_ext colab_resilience``; then
+
+``%%replay``
+    marks a set-up cell (imports, data, model) to re-run after a kernel restart;
+``%%resilient [--retries N] [--shrink NAME[=FACTOR]]``
+    runs a cell and recovers from an out-of-memory error in process: frees what the error
+    holds, shrinks the batch size and runs the cell again.
+
+Options are traitlets: ``%config ResilienceMagics.retries = 3`` in a notebook, or
+``c.ResilienceMagics.retries = 3`` in ``ipython_config.py``.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .oom import classify, is_oom  # noqa: E402  (light: imports no framework)
+
+__all__ = [
+    "__version__",
+    "classify",
+    "is_oom",
+    "load_ipython_extension",
+    "replay_cells",
+    "unload_ipython_extension",
+]
+
+# shell -> the ResilienceMagics instance loaded into it
+_loaded: dict[int, object] = {}
+
+
+def load_ipython_extension(ipython) -> None:
+    """Register the magics, the configuration and the event callbacks (idempotent)."""
+    if id(ipython) in _loaded:
+        return
+    from .magics import ResilienceMagics
+
+    magics = ResilienceMagics(shell=ipython, parent=ipython)
+    ipython.register_magics(magics)
+    ipython.configurables.append(magics)
+    ipython.events.register("post_run_cell", magics.post_run_cell)
+    _loaded[id(ipython)] = magics
+
+
+def unload_ipython_extension(ipython) -> None:
+    """Unregister every callback and magic that :func:`load_ipython_extension` registered."""
+    magics = _loaded.pop(id(ipython), None)
+    if magics is None:
+        return
+    try:
+        ipython.events.unregister("post_run_cell", magics.post_run_cell)
+    except ValueError:
+        pass
+    for kind, table in magics.magics.items():
+        registered = ipython.magics_manager.magics.get(kind, {})
+        for name in table:
+            registered.pop(name, None)
+    if magics in ipython.configurables:
+        ipython.configurables.remove(magics)
+    ipython.magics_manager.registry.pop(type(magics).__name__, None)
+
+
+def _magics_of(shell=None):
+    if shell is None:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    magics = _loaded.get(id(shell)) if shell is not None else None
+    if magics is None:
+        raise RuntimeError(
+            "colab_resilience is not loaded in this IPython; run %load_ext colab_resilience first"
+        )
+    return magics
+
+
+def replay_cells(shell=None) -> list[str]:
+    """The sources of the recorded ``%%replay`` cells, in the order they will be replayed."""
+    return [cell.source for cell in _magics_of(shell).replay_log.cells]

@@ -1,0 +1,106 @@
+"""Run a cell magic's body as if it were the cell itself.
+
+``run_body`` compiles the body the way IPython compiles a cell (input transforms, AST
+transformers, display of the last expression) with line numbers that match the notebook (the
+``%%magic`` header is line 1), and runs it in the user's namespace. An exception escapes as
+:class:`BodyError`, which carries the user's exception and the part of the traceback that belongs
+to the user's code.
+
+``reraise(shell, exc, tb)`` raises the user's exception out of the magic so that IPython reports
+it exactly as it would without the magic: the same exception type and message in the
+``execute_reply`` (so queued cells are aborted), and a traceback that starts in the cell, without
+the frames of IPython's magic machinery and of this package. The traceback is rendered once,
+before any frame locals are cleared, and handed to IPython through its ``_render_traceback_``
+protocol; :func:`forget_rendered` removes that hook again after the cell.
+"""
+
+from __future__ import annotations
+
+import ast
+from types import TracebackType
+
+#: exceptions whose ``_render_traceback_`` hook this module set; emptied after each cell
+_RENDERED: list[BaseException] = []
+
+
+class BodyError(Exception):
+    """The body raised ``exc``; ``tb`` is its traceback from the first user frame on."""
+
+    def __init__(self, exc: BaseException, tb: TracebackType | None):
+        super().__init__(exc)
+        self.exc = exc
+        self.tb = tb
+
+
+def _split_last_expr(tree: ast.Module):
+    """Like IPython's ``last_expr`` interactivity: the final expression is displayed."""
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Interactive(body=[tree.body.pop()])
+        return tree, last
+    return tree, None
+
+
+def compile_body(shell, header: str, body: str):
+    """Compile ``body`` (the lines under ``header``) into code objects named like the cell."""
+    transformed = shell.transform_cell(body)
+    # Cache the whole cell (header included) under the name IPython gives this execution, so a
+    # traceback shows "Cell In[7], line 3" with the line the user sees in the notebook.
+    name = shell.compile.cache(header + "\n" + transformed, shell.execution_count)
+    try:
+        tree = ast.parse(transformed, filename=name)
+    except SyntaxError as e:
+        if e.lineno is not None:
+            e.lineno += 1
+        e.filename = name
+        raise
+    ast.increment_lineno(tree, 1)
+    tree = shell.transform_ast(tree)
+    tree, last = _split_last_expr(tree)
+    flags = getattr(shell.compile, "flags", 0)
+    codes = [compile(tree, name, "exec", flags=flags, dont_inherit=True)]
+    if last is not None:
+        codes.append(compile(last, name, "single", flags=flags, dont_inherit=True))
+    return codes
+
+
+def run_body(shell, codes) -> None:
+    """Execute compiled body code in the user's namespace; raise BodyError on any exception."""
+    try:
+        for code in codes:
+            exec(code, shell.user_global_ns, shell.user_ns)
+    except BaseException as exc:
+        tb = exc.__traceback__
+        # the first entry is this frame's exec(); the user's code starts after it
+        if tb is not None and tb.tb_frame.f_code is run_body.__code__:
+            tb = tb.tb_next
+        raise BodyError(exc, tb) from None
+
+
+def render(shell, exc: BaseException, tb: TracebackType | None) -> list[str]:
+    """The structured traceback IPython would show for ``exc`` raised from the cell itself."""
+    return shell.InteractiveTB.structured_traceback(type(exc), exc, tb, tb_offset=0)
+
+
+def reraise(shell, exc: BaseException, tb: TracebackType | None, stb: list[str] | None = None):
+    """Raise ``exc`` out of the magic, shown with ``stb`` (rendered now from ``tb`` if None)."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)) or hasattr(exc, "_render_traceback_"):
+        raise exc.with_traceback(tb)
+    if stb is None:
+        stb = render(shell, exc, tb)
+    try:
+        exc._render_traceback_ = lambda: stb  # type: ignore[attr-defined]
+        _RENDERED.append(exc)
+    except (AttributeError, TypeError):  # an exception type that refuses attributes
+        pass
+    raise exc.with_traceback(tb)
+
+
+def forget_rendered() -> None:
+    """Remove the rendering hooks set by :func:`reraise` (call after the cell has finished)."""
+    while _RENDERED:
+        exc = _RENDERED.pop()
+        try:
+            del exc._render_traceback_  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+

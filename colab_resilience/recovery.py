@@ -1,0 +1,148 @@
+"""In-process recovery: run a cell, and on an out-of-memory error free memory and run it again.
+
+This is the engine behind ``%%resilient``; it knows nothing about argument parsing. One
+:class:`Recovery` runs one cell:
+
+1. run the body (see :mod:`colab_resilience.execution`);
+2. an error that is not an OOM leaves exactly as it would without the magic;
+3. an OOM is released (:func:`colab_resilience.oom.release`), the ``--shrink`` variables are made
+   smaller, the ``before_retry`` hook runs (the checkpoint layer rolls the declared state back to
+   the last safe point there), one line says what happened, and the body runs again;
+4. when the retries are spent, or the error poisons the process (a CUDA device-side assert), the
+   ``give_up`` hook decides what comes next. Without one, the last error is re-raised after a
+   one-line summary of the attempts, its frames already cleared so the memory stays free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from . import oom
+from .execution import BodyError, compile_body, render, reraise, run_body
+
+PREFIX = "colab_resilience:"
+
+
+@dataclass(frozen=True)
+class Shrink:
+    """``--shrink NAME=FACTOR``: on OOM, ``NAME = max(1, int(NAME * FACTOR))``."""
+
+    name: str
+    factor: float = 0.5
+
+
+@dataclass
+class Outcome:
+    """What happened to one ``%%resilient`` execution, for hooks and for the final summary."""
+
+    attempts: int = 0
+    labels: list[str] = field(default_factory=list)
+    shrink_history: dict[str, list[int]] = field(default_factory=dict)
+    freed: list[int] = field(default_factory=list)
+
+    def describe_shrinks(self) -> str:
+        parts = []
+        for name, values in self.shrink_history.items():
+            parts.append(f"{name} " + " → ".join(str(v) for v in values))
+        return "; ".join(parts)
+
+
+class Recovery:
+    """Run one cell body with up to ``retries`` in-process recoveries from OOM."""
+
+    def __init__(
+        self,
+        shell,
+        *,
+        retries: int = 2,
+        shrink: tuple[Shrink, ...] = (),
+        say: Callable[[str], None] = print,
+        before_retry: Callable[[Outcome], None] | None = None,
+        give_up: Callable[[BaseException, oom.OOMVerdict, Outcome], None] | None = None,
+    ):
+        self.shell = shell
+        self.retries = retries
+        self.shrink = shrink
+        self.say = say
+        self.before_retry = before_retry
+        self.give_up = give_up
+        self.outcome = Outcome()
+
+    def run(self, header: str, body: str) -> None:
+        codes = compile_body(self.shell, header, body)
+        outcome = self.outcome
+        ns = self.shell.user_ns
+        for s in self.shrink:
+            outcome.shrink_history[s.name] = [ns[s.name]]
+        while True:
+            outcome.attempts += 1
+            failure = None
+            try:
+                run_body(self.shell, codes)
+                return
+            except BodyError as e:
+                failure = e
+            # Handled outside the except block, so a re-raised error gets no BodyError context.
+            exc, tb = failure.exc, failure.tb
+            del failure
+            verdict = oom.classify(exc)
+            if verdict is None:
+                reraise(self.shell, exc, tb)
+            outcome.labels.append(verdict.label)
+            if verdict.needs_restart or outcome.attempts > self.retries:
+                self._give_up(exc, tb, verdict)
+                return
+            del tb, verdict
+            freed = oom.release(exc, self.shell, self.shell.execution_count)
+            del exc
+            outcome.freed.append(freed)
+            changes = self._shrink()
+            if self.before_retry is not None:
+                self.before_retry(outcome)
+            parts = [f"{PREFIX} OOM ({outcome.labels[-1]}) — freed {oom.format_bytes(freed)}"]
+            parts += changes
+            parts.append(f"retry {outcome.attempts}/{self.retries}")
+            self.say("; ".join(parts))
+
+    def _shrink(self) -> list[str]:
+        ns = self.shell.user_ns
+        changes = []
+        for s in self.shrink:
+            old = ns.get(s.name)
+            if not _is_int(old):
+                changes.append(f"{s.name} is no longer an integer ({type(old).__name__}), not shrunk")
+                continue
+            new = max(1, int(old * s.factor))
+            ns[s.name] = new
+            self.outcome.shrink_history[s.name].append(new)
+            changes.append(f"{s.name} {old} → {new}" if new != old else f"{s.name} already {old}")
+        return changes
+
+    def _give_up(self, exc: BaseException, tb, verdict: oom.OOMVerdict) -> None:
+        stb = render(self.shell, exc, tb)
+        oom.release(exc, self.shell, self.shell.execution_count)
+        if self.give_up is not None:
+            self.give_up(exc, verdict, self.outcome)
+        self.say(self.summary(verdict))
+        reraise(self.shell, exc, tb, stb)
+
+    def summary(self, verdict: oom.OOMVerdict) -> str:
+        o = self.outcome
+        if verdict.needs_restart:
+            return (
+                f"{PREFIX} {verdict.label}: the CUDA context cannot recover in this process, so no "
+                "retry was made; restart the kernel and run the cell again."
+            )
+        shrinks = o.describe_shrinks()
+        tried = f"{o.attempts} attempt{'s' if o.attempts != 1 else ''}"
+        what = f" ({shrinks})" if shrinks else ""
+        hint = "lower the batch size or free memory" if not shrinks else "lower the starting value or free memory"
+        return (
+            f"{PREFIX} still out of memory after {tried}{what}; memory was freed, the error "
+            f"follows. To go on, {hint} and run the cell again, or allow more with --retries."
+        )
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,157 @@
+"""Real kernels for the tests: jupyter_client for fine control, nbclient for whole notebooks."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+import nbformat
+from jupyter_client import KernelManager
+from nbclient import NotebookClient
+
+KERNEL_NAME = "colab-resilience-test"
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+# In the kernel: read resident memory / address-space size and cap the address space, so that
+# torch's CPU allocator really fails (FACTS: a lowered soft RLIMIT_AS is a real OOM on a CPU).
+MEMORY_TOOLS = r"""
+import os, resource
+def rss():
+    with open('/proc/self/statm') as f:
+        return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+def vm_size():
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith('VmSize:'):
+                return int(line.split()[1]) * 1024
+def cap_memory(budget):
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (vm_size() + budget, hard))
+GiB = 1 << 30
+MiB = 1 << 20
+"""
+
+
+def strip_ansi(text: str) -> str:
+    return ANSI.sub("", text)
+
+
+@dataclass
+class Reply:
+    status: str
+    ename: str | None = None
+    evalue: str | None = None
+    traceback: list[str] = field(default_factory=list)
+    stdout: str = ""
+    stderr: str = ""
+    outputs: list[dict] = field(default_factory=list)
+
+    @property
+    def traceback_text(self) -> str:
+        return strip_ansi("\n".join(self.traceback))
+
+
+class Kernel:
+    """One kernel started through jupyter_client, driven message by message."""
+
+    def __init__(self, extra_env: dict | None = None):
+        import os
+
+        self.km = KernelManager(kernel_name=KERNEL_NAME)
+        env = dict(os.environ)
+        env.update(extra_env or {})
+        self.km.start_kernel(env=env)
+        self.kc = self.km.blocking_client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    @property
+    def pid(self) -> int:
+        return self.km.provisioner.process.pid
+
+    def submit(self, code: str, metadata: dict | None = None) -> str:
+        content = dict(code=code, silent=False, store_history=True, user_expressions={},
+                       allow_stdin=False, stop_on_error=True)
+        msg = self.kc.session.msg("execute_request", content, metadata=metadata or {})
+        self.kc.shell_channel.send(msg)
+        return msg["header"]["msg_id"]
+
+    def collect(self, msg_id: str, timeout: float = 180) -> Reply:
+        deadline = time.monotonic() + timeout
+        reply = None
+        while reply is None:
+            msg = self.kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if msg["parent_header"].get("msg_id") == msg_id:
+                reply = msg
+        content = reply["content"]
+        result = Reply(status=content["status"], ename=content.get("ename"),
+                       evalue=content.get("evalue"), traceback=content.get("traceback", []))
+        # iopub: everything up to this request's 'idle'
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, c = msg["msg_type"], msg["content"]
+            if kind == "status" and c["execution_state"] == "idle":
+                break
+            if kind == "stream":
+                if c["name"] == "stdout":
+                    result.stdout += c["text"]
+                else:
+                    result.stderr += c["text"]
+            if kind in ("stream", "error", "execute_result", "display_data"):
+                result.outputs.append({"type": kind, **c})
+        return result
+
+    def execute(self, code: str, metadata: dict | None = None, timeout: float = 180) -> Reply:
+        return self.collect(self.submit(code, metadata), timeout)
+
+    def ok(self, code: str, **kw) -> Reply:
+        """Execute and insist on success (the assertion shows the traceback otherwise)."""
+        r = self.execute(code, **kw)
+        assert r.status == "ok", f"{r.ename}: {r.evalue}\n{r.traceback_text}\n{r.stdout}\n{r.stderr}"
+        return r
+
+    def value(self, expr: str):
+        """Evaluate ``expr`` in the kernel and return it (it must be a literal)."""
+        import ast
+
+        r = self.ok(f"print(repr({expr}))")
+        return ast.literal_eval(r.stdout.strip().splitlines()[-1])
+
+    def shutdown(self) -> None:
+        try:
+            self.kc.stop_channels()
+        finally:
+            self.km.shutdown_kernel(now=True)
+
+
+def notebook(*sources: str, tags: dict[int, list[str]] | None = None):
+    nb = nbformat.v4.new_notebook()
+    for i, src in enumerate(sources):
+        cell = nbformat.v4.new_code_cell(src)
+        if tags and i in tags:
+            cell.metadata["tags"] = tags[i]
+        nb.cells.append(cell)
+    return nb
+
+
+def run_notebook(nb, *, allow_errors: bool = False, timeout: int = 180):
+    """Execute ``nb`` headless with nbclient in a fresh kernel; return the executed notebook."""
+    client = NotebookClient(nb, kernel_name=KERNEL_NAME, timeout=timeout, allow_errors=allow_errors)
+    client.execute()
+    return nb
+
+
+def cell_text(cell) -> str:
+    """All stream text and plain-text results of an executed cell."""
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.output_type == "stream":
+            parts.append(out.text)
+        elif out.output_type in ("execute_result", "display_data"):
+            parts.append(out.data.get("text/plain", ""))
+        elif out.output_type == "error":
+            parts.append(strip_ansi("\n".join(out.traceback)))
+    return "".join(parts)
