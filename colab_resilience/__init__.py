@@ -38,8 +38,7 @@ def load_ipython_extension(ipython) -> None:
     from .magics import ResilienceMagics
 
     magics = ResilienceMagics(shell=ipython, parent=ipython)
-    ipython.register_magics(magics)
-    ipython.configurables.append(magics)
+    ipython.register_magics(magics)  # Magics.__init__ already listed it in shell.configurables
     ipython.events.register("post_run_cell", magics.post_run_cell)
     _loaded[id(ipython)] = magics
 
@@ -57,8 +56,7 @@ def unload_ipython_extension(ipython) -> None:
         registered = ipython.magics_manager.magics.get(kind, {})
         for name in table:
             registered.pop(name, None)
-    if magics in ipython.configurables:
-        ipython.configurables.remove(magics)
+    ipython.configurables[:] = [c for c in ipython.configurables if c is not magics]
     ipython.magics_manager.registry.pop(type(magics).__name__, None)
 
 

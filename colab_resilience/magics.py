@@ -131,7 +131,8 @@ class ResilienceMagics(Magics):
         assigned = _assigned_names(cell)
         for s in shrinks:
             if s.name not in ns:
-                close = difflib.get_close_matches(s.name, [k for k in ns if not k.startswith("_")], n=1)
+                ints = [k for k, v in ns.items() if not k.startswith("_") and type(v) is int]
+                close = difflib.get_close_matches(s.name, ints, n=1)
                 also = f" (did you mean {close[0]!r}?)" if close else ""
                 raise UsageError(
                     f"%%resilient: --shrink {s.name}: no variable {s.name!r} exists{also}; "

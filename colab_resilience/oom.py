@@ -19,7 +19,6 @@ import ctypes.util
 import gc
 import os
 import sys
-import traceback
 from dataclasses import dataclass
 
 #: The verdicts. ``RECOVERABLE``: free memory and retry in this process.
@@ -180,8 +179,18 @@ def clear_exception(exc: BaseException | None) -> None:
     """Drop the frame locals held by ``exc``'s traceback and by every chained exception's."""
     for e in _chain(exc):
         tb = e.__traceback__
-        if tb is not None:
-            traceback.clear_frames(tb)
+        while tb is not None:
+            frame = tb.tb_frame
+            try:
+                frame.clear()
+            except RuntimeError:  # still executing (one of ours): nothing of the user's in it
+                pass
+            else:
+                # Before Python 3.13, anything that read frame.f_locals (a traceback renderer,
+                # a debugger) left a snapshot dict on the frame that clear() does not touch;
+                # reading f_locals again re-syncs that snapshot with the now empty frame.
+                frame.f_locals
+            tb = tb.tb_next
         e.__traceback__ = None
 
 

@@ -60,9 +60,9 @@ def kernel():
 @pytest.fixture
 def ip():
     """An in-process IPython shell with the extension loaded (for parsing and messages)."""
-    from IPython.testing.globalipapp import start_ipython
+    from IPython.testing.globalipapp import get_ipython
 
-    shell = start_ipython()
+    shell = get_ipython()
     shell.run_line_magic("load_ext", "colab_resilience")
     yield shell
     shell.run_line_magic("unload_ext", "colab_resilience")

@@ -1,0 +1,175 @@
+"""Argument parsing, messages, configuration and loading, in an in-process IPython shell."""
+
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+from traitlets.config import Config
+
+import colab_resilience
+from colab_resilience.magics import ResilienceMagics
+
+
+def usage_error(ip, cell: str) -> str:
+    """Run ``cell`` and return the one-line UsageError it must raise."""
+    with pytest.raises(UsageError) as info:
+        header, _, body = cell.partition("\n")
+        name, _, line = header[2:].partition(" ")
+        ip.run_cell_magic(name, line, body)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize(
+    "cell,expected",
+    [
+        ("%%resilient --bogus\nx = 1", "%%resilient: unknown option --bogus; the options are --retries N and --shrink NAME[=FACTOR]"),
+        ("%%resilient --retries many\nx = 1", "--retries: needs a whole number, like --retries 2 (got 'many')"),
+        ("%%resilient --retries -1\nx = 1", "--retries: cannot be negative (got -1); use --retries 0"),
+        ("%%resilient --retries 1.5\nx = 1", "needs a whole number, like --retries 2 (got '1.5')"),
+        ("%%resilient --retries\nx = 1", "--retries: expected one argument"),
+        ("%%resilient --shrink nope\nx = 1", "--shrink nope: no variable 'nope' exists; set it in an earlier cell, e.g. nope = 256"),
+        ("%%resilient --shrink batch_sise\nx = 1", "(did you mean 'batch_size'?)"),
+        ("%%resilient --shrink lr\nx = 1", "--shrink lr: lr is a float (0.001), but --shrink needs an integer such as a batch size"),
+        ("%%resilient --shrink flag\nx = 1", "flag is a bool (True), but --shrink needs an integer"),
+        ("%%resilient --shrink batch_size=2\nx = 1", "the factor must be a number between 0 and 1 (got '2'), e.g. --shrink batch_size=0.5"),
+        ("%%resilient --shrink batch_size=half\nx = 1", "(got 'half')"),
+        ("%%resilient --shrink 3d\nx = 1", "'3d' is not a variable name; write --shrink NAME or --shrink NAME=FACTOR"),
+        ("%%resilient --shrink batch_size\nbatch_size = 64\nx = 1", "the cell assigns batch_size, so every retry would undo the shrink"),
+        ("%%resilient\n   \n", "%%resilient: the cell has no code under the %%resilient line"),
+        ("%%replay --x\ny = 1", "%%replay: unknown option --x"),
+        ("%%replay\n\n", "%%replay: the cell has no code under the %%replay line"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_runs_nothing(ip, cell, expected):
+    ip.user_ns.update(batch_size=64, lr=0.001, flag=True, ran=[])
+    message = usage_error(ip, cell.replace("x = 1", "ran.append(1)"))
+    assert expected in message
+    assert ip.user_ns["ran"] == []
+    assert ip.user_ns["batch_size"] == 64
+
+
+def test_empty_cell_body_is_a_usage_error(ip):
+    result = ip.run_cell("%%resilient\n")
+    assert isinstance(result.error_in_exec, UsageError)
+
+
+def test_successful_cell_runs_once_and_displays_last_expression(ip, capsys):
+    ip.user_ns.update(batch_size=8, calls=[])
+    result = ip.run_cell("%%resilient --shrink batch_size\ncalls.append(batch_size)\nbatch_size * 3")
+    assert result.success
+    assert result.result == 24
+    assert ip.user_ns["calls"] == [8]
+    assert "colab_resilience" not in capsys.readouterr().out
+
+
+def test_shrink_list_and_repeat_forms(ip):
+    ip.user_ns.update(a=16, b=10, n=[0])
+    body = (
+        "n[0] += 1\n"
+        "if n[0] < 3:\n"
+        "    raise MemoryError()\n"
+    )
+    result = ip.run_cell(f"%%resilient --retries 2 --shrink a=0.25,b --shrink n2\n{body}".replace(" --shrink n2", ""))
+    assert result.success
+    assert (ip.user_ns["a"], ip.user_ns["b"]) == (1, 2)  # 16 → 4 → 1; 10 → 5 → 2
+
+
+def test_shrink_never_below_one_and_message_per_attempt(ip, capsys):
+    ip.user_ns.update(bs=2, n=[0])
+    result = ip.run_cell("%%resilient --retries 3 --shrink bs\nn[0] += 1\nif n[0] <= 3:\n    raise MemoryError()")
+    assert result.success
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("colab_resilience:")]
+    assert len(lines) == 3
+    assert "OOM (MemoryError) — freed" in lines[0]
+    assert "bs 2 → 1; retry 1/3" in lines[0]
+    assert "bs already 1; retry 2/3" in lines[1]
+    assert lines[2].endswith("retry 3/3")
+    assert ip.user_ns["bs"] == 1
+
+
+def test_retries_spent_reraises_last_oom_with_summary(ip, capsys):
+    ip.user_ns.update(bs=8, n=[0])
+    result = ip.run_cell("%%resilient --retries 1 --shrink bs\nn[0] += 1\nraise MemoryError(f'attempt {n[0]}')")
+    assert isinstance(result.error_in_exec, MemoryError)
+    assert str(result.error_in_exec) == "attempt 2"
+    out = capsys.readouterr().out
+    assert "colab_resilience: still out of memory after 2 attempts (bs 8 → 4)" in out
+    assert ip.user_ns["n"] == [2]
+
+
+def test_retries_zero_means_one_attempt(ip, capsys):
+    ip.user_ns.update(n=[0])
+    result = ip.run_cell("%%resilient --retries 0\nn[0] += 1\nraise MemoryError()")
+    assert isinstance(result.error_in_exec, MemoryError)
+    assert ip.user_ns["n"] == [1]
+    assert "after 1 attempt;" in capsys.readouterr().out
+
+
+def test_poisoned_cuda_error_is_not_retried(ip, capsys):
+    ip.user_ns.update(n=[0])
+    result = ip.run_cell(
+        "%%resilient --retries 3\nn[0] += 1\nraise RuntimeError('CUDA error: device-side assert triggered')"
+    )
+    assert isinstance(result.error_in_exec, RuntimeError)
+    assert ip.user_ns["n"] == [1]
+    assert "CUDA device-side assert triggered: the CUDA context cannot recover" in capsys.readouterr().out
+
+
+def test_non_oom_error_is_untouched(ip, capsys):
+    ip.user_ns.update(n=[0])
+    result = ip.run_cell("%%resilient\nn[0] += 1\nraise KeyError('missing')")
+    assert isinstance(result.error_in_exec, KeyError)
+    assert ip.user_ns["n"] == [1]
+    assert "colab_resilience" not in capsys.readouterr().out
+
+
+def test_syntax_error_reports_the_notebook_line(ip):
+    result = ip.run_cell("%%resilient\nx = 1\ny = = 2")
+    assert isinstance(result.error_in_exec or result.error_before_exec, SyntaxError)
+    err = result.error_in_exec or result.error_before_exec
+    assert err.lineno == 3
+
+
+def test_config_magic_sets_default_retries(ip):
+    ip.run_line_magic("config", "ResilienceMagics.retries = 0")
+    assert colab_resilience._magics_of(ip).retries == 0
+    ip.user_ns["n"] = [0]
+    ip.run_cell("%%resilient\nn[0] += 1\nraise MemoryError()")
+    assert ip.user_ns["n"] == [1]
+
+
+def test_config_file_values_are_read():
+    cfg = Config()
+    cfg.ResilienceMagics.retries = 5
+    cfg.ResilienceMagics.verbose = False
+    magics = ResilienceMagics(shell=None, config=cfg)
+    assert (magics.retries, magics.verbose) == (5, False)
+
+
+def test_load_twice_is_harmless_and_unload_removes_everything(ip):
+    before = len(ip.events.callbacks["post_run_cell"])
+    colab_resilience.load_ipython_extension(ip)
+    assert len(ip.events.callbacks["post_run_cell"]) == before
+    ip.run_line_magic("unload_ext", "colab_resilience")
+    assert len(ip.events.callbacks["post_run_cell"]) == before - 1
+    assert "resilient" not in ip.magics_manager.magics["cell"]
+    assert "replay" not in ip.magics_manager.magics["cell"]
+    assert not any(type(c).__name__ == "ResilienceMagics" for c in ip.configurables)
+    ip.run_line_magic("load_ext", "colab_resilience")
+    assert "resilient" in ip.magics_manager.magics["cell"]
+
+
+def test_replay_records_in_order_and_replaces_rerun_cells(ip):
+    ip.run_cell("%%replay\nsetup_a = 1")
+    ip.run_cell("%%replay\nsetup_b = 2")
+    ip.run_cell("%%replay\nsetup_a = 1")  # the same cell again (no id: same source)
+    assert [c.rstrip() for c in colab_resilience.replay_cells(ip)] == ["%%replay\nsetup_a = 1", "%%replay\nsetup_b = 2"]
+    assert (ip.user_ns["setup_a"], ip.user_ns["setup_b"]) == (1, 2)
+
+
+def test_failing_replay_cell_is_not_recorded(ip):
+    result = ip.run_cell("%%replay\nraise ValueError('bad setup')")
+    assert isinstance(result.error_in_exec, ValueError)
+    assert [c.rstrip() for c in colab_resilience.replay_cells(ip)] == []
