@@ -58,7 +58,7 @@ class Kernel:
     def __init__(self, extra_env: dict | None = None):
         import os
 
-        self.km = KernelManager(kernel_name=KERNEL_NAME)
+        self.km = KernelManager(kernel_name=KERNEL_NAME, transport="ipc")
         env = dict(os.environ)
         env.update(extra_env or {})
         self.km.start_kernel(env=env)
@@ -139,7 +139,8 @@ def notebook(*sources: str, tags: dict[int, list[str]] | None = None):
 
 def run_notebook(nb, *, allow_errors: bool = False, timeout: int = 180):
     """Execute ``nb`` headless with nbclient in a fresh kernel; return the executed notebook."""
-    client = NotebookClient(nb, kernel_name=KERNEL_NAME, timeout=timeout, allow_errors=allow_errors)
+    km = KernelManager(kernel_name=KERNEL_NAME, transport="ipc")
+    client = NotebookClient(nb, km=km, kernel_name=KERNEL_NAME, timeout=timeout, allow_errors=allow_errors)
     client.execute()
     return nb
 

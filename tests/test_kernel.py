@@ -1,0 +1,142 @@
+"""The extension in real kernels: real OOMs under a memory cap, real interrupts, real front-end ids."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from nbclient.exceptions import CellExecutionError
+
+from kernels import MEMORY_TOOLS, cell_text, notebook, run_notebook
+
+pytestmark = pytest.mark.kernel
+
+SETUP = MEMORY_TOOLS + "\nimport torch\ntorch.set_num_threads(1)\n%load_ext colab_resilience\n"
+
+
+def test_real_oom_finishes_after_shrink_in_a_headless_notebook():
+    nb = notebook(
+        SETUP,
+        "batch_size = 8192\ncap_memory(1 * GiB)  # 8192 and 4096 rows of 64 Ki floats do not fit",
+        "%%resilient --retries 3 --shrink batch_size\n"
+        "x = torch.ones(batch_size, 65536)\n"
+        "total = float(x.sum())\n"
+        "del x",
+        "print('done', batch_size, total)",
+    )
+    run_notebook(nb)
+    lines = cell_text(nb.cells[2]).splitlines()
+    assert len(lines) == 2, lines
+    assert re.fullmatch(
+        r"colab_resilience: OOM \(DefaultCPUAllocator: can't allocate memory\) — freed [\d.]+ \w+; "
+        r"batch_size 8192 → 4096; retry 1/3",
+        lines[0],
+    ), lines[0]
+    assert lines[1].endswith("batch_size 4096 → 2048; retry 2/3")
+    assert cell_text(nb.cells[3]).strip() == f"done 2048 {2048 * 65536}.0"
+
+
+def test_recovery_frees_a_gigabyte_held_in_a_local_frame(kernel):
+    """Without release() the traceback keeps `held` (1 GiB) alive and the retry fails too."""
+    kernel.ok(SETUP)
+    kernel.ok("batch_size = 8192\nstarts = []\nbefore = rss()\ncap_memory(int(1.5 * GiB) + 128 * MiB)")
+    r = kernel.ok(
+        "%%resilient --retries 3 --shrink batch_size\n"
+        "def step(n):\n"
+        "    starts.append(rss())\n"
+        "    held = torch.ones(1 << 28)          # 1 GiB, alive in this frame when the OOM comes\n"
+        "    work = torch.empty(n, 65536)\n"
+        "    work.fill_(1.0)\n"
+        "    return float(held[0]) + work.shape[0]\n"
+        "result = step(batch_size)\n"
+    )
+    assert "freed 1.0 GiB" in r.stdout
+    before, starts, after = kernel.value("(before, starts, rss())")
+    assert len(starts) >= 2
+    for rss_at_retry in starts[1:]:
+        assert abs(rss_at_retry - before) <= 0.10 * before, (before, starts)
+    assert abs(after - before) <= 0.10 * before, (before, after)
+
+
+def test_spent_retries_reraise_the_oom_and_still_free_its_memory(kernel):
+    kernel.ok(SETUP)
+    kernel.ok("before = rss()")
+    r = kernel.execute(
+        "%%resilient --retries 1\n"
+        "def step():\n"
+        "    held = torch.ones(1 << 28)\n"
+        "    return torch.empty(1 << 44)  # 64 TiB: never fits\n"
+        "step()\n"
+    )
+    assert r.status == "error" and r.ename == "RuntimeError"
+    assert "DefaultCPUAllocator: can't allocate memory" in r.evalue
+    out = r.stdout.splitlines()
+    assert out[0].endswith("retry 1/1")
+    assert out[1].startswith("colab_resilience: still out of memory after 2 attempts; memory was freed")
+    assert "----> 4     return torch.empty(1 << 44)" in r.traceback_text
+    before, after = kernel.value("(before, rss())")
+    assert abs(after - before) <= 0.10 * before, (before, after)
+
+
+def _frames(traceback_text: str) -> list[str]:
+    """The code lines of each frame ('---->' lines), without their line numbers."""
+    return [re.sub(r"^-+>\s*\d+\s*", "", line) for line in traceback_text.splitlines() if re.match(r"^-+>", line)]
+
+
+def test_ordinary_error_is_reported_exactly_as_without_the_magic(kernel):
+    kernel.ok("%load_ext colab_resilience")
+    body = "def load(path):\n    return open(path).read()\ndata = load('/nonexistent/file.txt')\n"
+    plain = kernel.execute(body)
+    wrapped = kernel.execute("%%resilient\n" + body)
+    assert (wrapped.status, wrapped.ename, wrapped.evalue) == (plain.status, plain.ename, plain.evalue)
+    assert plain.ename == "FileNotFoundError"
+    assert _frames(wrapped.traceback_text) == _frames(plain.traceback_text)
+    assert len(_frames(plain.traceback_text)) == 2
+    for foreign in ("colab_resilience", "interactiveshell", "run_cell_magic"):
+        assert foreign not in wrapped.traceback_text
+    assert "colab_resilience" not in wrapped.stdout
+
+
+def test_ordinary_error_aborts_queued_cells(kernel):
+    kernel.ok("%load_ext colab_resilience")
+    first = kernel.submit("%%resilient\nraise ValueError('bad config')")
+    second = kernel.submit("reached = True")
+    assert kernel.collect(first).ename == "ValueError"
+    assert kernel.collect(second).status == "aborted"
+    assert kernel.execute("reached").ename == "NameError"
+
+
+def test_keyboard_interrupt_is_never_caught(kernel):
+    kernel.ok("%load_ext colab_resilience\nimport time\nattempts = 0")
+    msg_id = kernel.submit("%%resilient --retries 5\nattempts += 1\nfor _ in range(600):\n    time.sleep(0.05)")
+    time.sleep(1.5)
+    kernel.km.interrupt_kernel()
+    r = kernel.collect(msg_id, timeout=60)
+    assert (r.status, r.ename) == ("error", "KeyboardInterrupt")
+    assert "colab_resilience" not in r.stdout
+    assert kernel.value("attempts") == 1
+
+
+def test_notebook_stops_at_an_ordinary_error_in_a_resilient_cell():
+    nb = notebook(
+        "%load_ext colab_resilience",
+        "%%resilient\nx = [1, 2, 3]\nx[10]",
+        "print('not reached')",
+    )
+    with pytest.raises(CellExecutionError) as info:
+        run_notebook(nb)
+    assert "IndexError" in str(info.value)
+    assert nb.cells[2].get("outputs", []) == []
+
+
+def test_replay_cells_follow_front_end_cell_ids(kernel):
+    """JupyterLab sends metadata.cellId, Colab metadata.colab.cell_id: an edited re-run replaces."""
+    kernel.ok("%load_ext colab_resilience")
+    kernel.ok("%%replay\nimport math\nlr = 0.1", metadata={"cellId": "lab-1"})
+    kernel.ok("%%replay\nsteps = 10", metadata={"colab": {"cell_id": "colab-2"}})
+    kernel.ok("%%replay\nimport math\nlr = 0.01", metadata={"cellId": "lab-1"})  # edited, same cell
+    kernel.ok("%%replay\nsteps = 10", metadata={"colab": {"cell_id": "colab-2"}})
+    cells = kernel.value("[c.rstrip() for c in __import__('colab_resilience').replay_cells()]")
+    assert cells == ["%%replay\nimport math\nlr = 0.01", "%%replay\nsteps = 10"]
+    assert kernel.value("lr") == 0.01
