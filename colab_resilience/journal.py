@@ -14,7 +14,8 @@ cut. :meth:`Journal.load` refuses anything that is not a journal this package wr
 :class:`RunLock` is an ``fcntl.flock`` on ``run_dir/lock``; the file holds the holder's PID so a
 second process is told who holds it (:class:`RunLockedError`). The kernel releases a flock when
 its holder dies, SIGKILL included, so a crashed kernel never leaves a stale lock. Re-acquiring in
-the same process is counted, not refused.
+the same process is counted, not refused. Keep a reference to the lock while you need it: a
+lock object that is garbage-collected releases its hold.
 
     with RunLock(run_dir):
         j = Journal.load(run_dir) if Journal.exists(run_dir) else Journal.create(run_dir)

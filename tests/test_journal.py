@@ -1,0 +1,168 @@
+"""The run journal (atomic, validated) and the run-directory lock (real second processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from colab_resilience import journal as jmod
+from colab_resilience.errors import RunLockedError
+from colab_resilience.journal import Journal, JournalError, JournalNotFoundError, RunLock
+
+REPO = os.path.dirname(os.path.dirname(jmod.__file__))
+
+
+def test_create_save_load_round_trip(tmp_path):
+    run = tmp_path / "run"
+    j = Journal.create(run, "r1", max_restarts=5)
+    assert stat.S_IMODE(run.stat().st_mode) == 0o700
+    assert stat.S_IMODE(j.path.stat().st_mode) == 0o600
+    j.add_replay_cell("c1", "import torch")
+    j.add_replay_cell("c2", "model = Net()")
+    j.add_replay_cell("c1", "import torch, numpy")  # same cell again keeps its place
+    j.interrupted_cell = "for e in resume_range(3): train()"
+    j.set_checkpoint("ckpt-000004")
+    left = j.record_restart("CUDA out of memory. Tried to allocate 2 GiB\nmore text")
+    assert left == 4
+    back = Journal.load(run)
+    assert back.run_id == "r1" and back.status == "pending"
+    assert back.replay_cells == [
+        {"key": "c1", "source": "import torch, numpy"},
+        {"key": "c2", "source": "model = Net()"},
+    ]
+    assert back.interrupted_cell.startswith("for e")
+    assert back.last_checkpoint == "ckpt-000004"
+    assert back.restarts_used == 1 and back.max_restarts == 5
+    assert back.restarts[0]["reason"] == "CUDA out of memory. Tried to allocate 2 GiB"
+    assert back.kernel_pid == os.getpid()
+    assert back.created <= back.updated
+    back.set_status("done")
+    assert Journal.load(run).status == "done"
+    assert sorted(p.name for p in run.iterdir()) == ["journal.json"]  # no temporary files left
+
+
+def test_missing_journal(tmp_path):
+    assert not Journal.exists(tmp_path)
+    with pytest.raises(JournalNotFoundError, match="no run journal"):
+        Journal.load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        (b"{not json", "not valid JSON"),
+        (b"\xff\xfe", "not valid JSON"),
+        (b"[1, 2]", "not a JSON object"),
+        (json.dumps({"format": "someone.else"}).encode(), "format"),
+        (None, "field 'restarts_used' is missing"),
+        ("wrongtype", "field 'max_restarts' is str"),
+        ("badstatus", "status 'paused'"),
+        ("newer", "format version"),
+    ],
+)
+def test_damaged_or_foreign_journal_is_refused_clearly(tmp_path, content, why):
+    j = Journal.create(tmp_path, "r")
+    data = j.to_dict()
+    if content is None:
+        del data["restarts_used"]
+        content = json.dumps(data).encode()
+    elif content == "wrongtype":
+        data["max_restarts"] = "3"
+        content = json.dumps(data).encode()
+    elif content == "badstatus":
+        data["status"] = "paused"
+        content = json.dumps(data).encode()
+    elif content == "newer":
+        data["format_version"] = 99
+        content = json.dumps(data).encode()
+    j.path.write_bytes(content)
+    with pytest.raises(JournalError) as info:
+        Journal.load(tmp_path)
+    assert why in str(info.value) and "\n" not in str(info.value)
+
+
+def test_bad_status_is_refused_before_writing(tmp_path):
+    j = Journal.create(tmp_path, "r")
+    with pytest.raises(ValueError):
+        j.set_status("paused")
+    assert Journal.load(tmp_path).status == "pending"
+
+
+def test_atomic_write_keeps_old_content_when_interrupted(tmp_path):
+    """A writer SIGKILLed mid-write never leaves a torn journal."""
+    Journal.create(tmp_path, "r")
+    code = (
+        "import sys, os, signal\n"
+        "from colab_resilience.journal import Journal\n"
+        "import colab_resilience.journal as jm\n"
+        f"j = Journal.load({str(tmp_path)!r})\n"
+        "j.interrupted_cell = 'x' * 5_000_000\n"
+        "orig = jm.write_all\n"
+        "def dying(fd, data):\n"
+        "    orig(fd, bytes(data)[:1000])\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "jm.write_all = dying\n"
+        "j.save()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == -signal.SIGKILL
+    assert Journal.load(tmp_path).interrupted_cell is None
+
+
+def _holder(run_dir, ready_file):
+    code = (
+        "import sys, time, pathlib\n"
+        "from colab_resilience.journal import RunLock\n"
+        f"lock = RunLock({str(run_dir)!r}).acquire()\n"
+        f"pathlib.Path({str(ready_file)!r}).write_text('ok')\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=REPO))
+    deadline = time.time() + 30
+    while not ready_file.exists():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.02)
+    return proc
+
+
+def test_lock_held_by_another_process_names_its_pid(tmp_path):
+    run = tmp_path / "run"
+    proc = _holder(run, tmp_path / "ready")
+    try:
+        with pytest.raises(RunLockedError) as info:
+            RunLock(run).acquire()
+        assert info.value.pid == proc.pid
+        assert f"process {proc.pid}" in str(info.value)
+    finally:
+        proc.kill()
+        proc.wait()
+    # SIGKILL released it: the kernel drops a dead holder's flock
+    with RunLock(run) as lock:
+        assert lock.held
+        assert (run / "lock").read_text().strip() == str(os.getpid())
+
+
+def test_lock_is_reentrant_in_one_process_and_released_on_close(tmp_path):
+    run = tmp_path / "run"
+    a = RunLock(run).acquire()
+    b = RunLock(run).acquire()  # same process: fine
+    a.release()
+    code = (
+        "from colab_resilience.journal import RunLock\n"
+        "from colab_resilience.errors import RunLockedError\n"
+        f"try:\n    RunLock({str(run)!r}).acquire(); print('got')\n"
+        "except RunLockedError as e:\n    print('locked', e.pid)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout
+    assert out.split() == ["locked", str(os.getpid())]  # b still holds it
+    b.release()
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout
+    assert out.strip() == "got"

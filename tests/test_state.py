@@ -1,0 +1,816 @@
+"""Checkpoints with real files, real tensors and real faults (no mocks of the file system)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import random
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+from colab_resilience import signing
+from colab_resilience import state as smod
+from colab_resilience.errors import (
+    CheckpointError,
+    NoCheckpointError,
+    UntrustedCheckpointError,
+)
+from colab_resilience.state import (
+    CheckpointStore,
+    CheckpointWarning,
+    MissingNameError,
+    capture_rng,
+    restore_rng,
+)
+
+REPO = os.path.dirname(os.path.dirname(smod.__file__))
+KEY = bytes(range(32))
+
+
+@pytest.fixture
+def store(tmp_path):
+    return CheckpointStore(tmp_path / "run", key=KEY)
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def roundtrip(store, value, name="x"):
+    store.save({name: value}, [name])
+    ns: dict = {}
+    assert store.load().restore(ns, rng=False) == [name]
+    return ns[name]
+
+
+def manifest(store, cid=None):
+    cid = cid or store.latest_id()
+    return json.loads((store.run_dir / cid / "manifest.json").read_text())
+
+
+def entry(store, name, cid=None):
+    body = manifest(store, cid)["body"]
+    return next(e for e in body["entries"] + [body["rng"]] if e["name"] == name)
+
+
+def blob_path(store, name, cid=None):
+    return store.blob_dir / entry(store, name, cid)["hash"]
+
+
+# -- format -----------------------------------------------------------------------------------------
+
+
+def test_layout_permissions_and_manifest(store):
+    t = torch.arange(6.0)
+    report = store.save({"t": t, "n": 3}, ["t", "n"], meta={"epoch": 2, "pair": (1, 2)})
+    run = store.run_dir
+    assert report.checkpoint_id == "ckpt-000001" == store.latest_id()
+    assert (run / "LATEST").read_text().strip() == "ckpt-000001"
+    assert stat.S_IMODE(run.stat().st_mode) == 0o700
+    assert stat.S_IMODE(store.blob_dir.stat().st_mode) == 0o700
+    for p in store.blob_dir.iterdir():
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600
+    doc = manifest(store)
+    body = doc["body"]
+    assert body["format_version"] == smod.FORMAT_VERSION and body["created"] > 0
+    assert body["versions"]["python"] and body["versions"]["torch"] == torch.__version__
+    assert body["versions"]["numpy"] == np.__version__
+    assert [(e["name"], e["kind"]) for e in body["entries"]] == [("t", "tensor"), ("n", "value")]
+    for e in body["entries"]:
+        data = (store.blob_dir / e["hash"]).read_bytes()
+        assert e["size"] == len(data) and e["hash"] == smod.tree_hash(data)
+    assert signing.verify(KEY, smod._canonical(body), doc["hmac"])
+    ckpt = store.load()
+    assert ckpt.meta == {"epoch": 2, "pair": (1, 2)}
+    assert not [p for p in run.iterdir() if p.name.startswith(".")]
+
+
+def test_tree_hash_matches_a_plain_definition():
+    data = os.urandom(smod.CHUNK * 2 + 123)
+    import hashlib
+
+    chunks = [data[i : i + smod.CHUNK] for i in range(0, len(data), smod.CHUNK)]
+    expected = hashlib.sha256(b"".join(hashlib.sha256(c).digest() for c in chunks)).hexdigest()
+    assert smod.tree_hash(data) == expected
+
+
+def test_keeps_the_last_two_and_collects_unreferenced_blobs(store):
+    for i in range(5):
+        store.save({"t": torch.full((100,), float(i)), "i": i}, ["t", "i"])
+    assert store.checkpoint_ids() == ["ckpt-000005", "ckpt-000004"]
+    referenced = set()
+    for cid in store.checkpoint_ids():
+        body = manifest(store, cid)["body"]
+        referenced |= {e["hash"] for e in body["entries"]} | {body["rng"]["hash"]}
+    assert {p.name for p in store.blob_dir.iterdir()} == referenced
+    assert store.load().checkpoint_id == "ckpt-000005"
+
+
+def test_tensor_blobs_are_standard_safetensors(store):
+    import safetensors.torch
+
+    t = torch.randn(4, 5)
+    store.save({"t": t, "m": torch.nn.Linear(3, 2)}, ["t", "m"])
+    loaded = safetensors.torch.load_file(str(blob_path(store, "t")))
+    assert [raw(v) for v in loaded.values()] == [raw(t)]
+    assert len(safetensors.torch.load_file(str(blob_path(store, "m")))) == 2
+
+
+# -- kinds, byte for byte -------------------------------------------------------------------------
+
+PLAIN = [
+    0, -(2**70), 2**40000, 1.5, -0.0, float("inf"), float("-inf"), 1e-310, complex(1, -2),
+    complex(float("inf"), 0), "text ünïcode", b"\x00\xff", bytearray(b"ab"), None, True, False,
+    [1, [2, [3]]], (1, (2,), ()), {"a": 1, 2: "b", (3, 4): [5], None: None, "$x": 1},
+    {1, "a", (2, 3)}, frozenset({1, 2}), {"nested": {"deep": [(1.25, None), {7: {8}}]}},
+    OrderedDict([("b", 1), ("a", 2)]), np.float64(2.5), np.int32(-7), np.bool_(True), [],
+    {}, (), "",
+]
+
+
+@pytest.mark.parametrize("value", PLAIN, ids=[type(v).__name__ + str(i) for i, v in enumerate(PLAIN)])
+def test_plain_values_round_trip_exactly(store, value):
+    back = roundtrip(store, value)
+    assert type(back) is type(value)
+    assert pickle.dumps(back) == pickle.dumps(value)
+    assert entry(store, "x")["kind"] == "value"
+    json.loads(blob_path(store, "x").read_bytes())  # by value: JSON, not pickle
+
+
+def test_nan_round_trips_as_nan(store):
+    back = roundtrip(store, [float("nan"), complex(float("nan"), 1)])
+    assert math.isnan(back[0]) and math.isnan(back[1].real) and back[1].imag == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    hs.recursive(
+        hs.none() | hs.booleans() | hs.integers() | hs.floats(allow_nan=False) | hs.text() | hs.binary(),
+        lambda kids: hs.lists(kids, max_size=4)
+        | hs.tuples(kids, kids)
+        | hs.dictionaries(hs.integers() | hs.text(), kids, max_size=4),
+        max_leaves=20,
+    )
+)
+def test_plain_values_property(value):
+    with tempfile.TemporaryDirectory() as d:
+        back = roundtrip(CheckpointStore(d, key=KEY), value)
+        assert back == value and repr(back) == repr(value)
+
+
+DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+    torch.float8_e4m3fn, torch.uint16,
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tensors_of_every_dtype_round_trip_byte_for_byte(store, dtype):
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 5, generator=g, dtype=torch.float64) * 100
+    if dtype.is_complex:
+        t = torch.complex(base, -base).to(dtype)
+    else:
+        t = base.to(dtype)
+    values = {"plain": t, "transposed": t.T, "strided": t[::2, 1:], "scalar": t[0, 0], "empty": t[:0]}
+    back = roundtrip(store, values)
+    for k, v in values.items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape, k
+        assert raw(back[k]) == raw(v), k
+
+
+def test_parameters_and_requires_grad_survive(store):
+    p = torch.nn.Parameter(torch.randn(3))
+    leaf = torch.randn(2, requires_grad=True)
+    back = roundtrip(store, {"p": p, "leaf": leaf, "plain": torch.ones(2)})
+    assert isinstance(back["p"], torch.nn.Parameter) and back["p"].requires_grad
+    assert back["leaf"].requires_grad and not back["plain"].requires_grad
+    assert raw(back["p"]) == raw(p)
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(12, dtype=np.float32).reshape(3, 4),
+        np.asfortranarray(np.arange(12.0).reshape(3, 4)),
+        np.arange(10, dtype=np.int64)[::3],
+        np.array([1 + 2j, 3 - 4j], dtype=np.complex128),
+        np.array(["ab", "cde"]),
+        np.arange(4, dtype=">i4"),
+        np.array(True),
+        np.zeros((0, 3), dtype=np.uint16),
+        np.array(["2024-01-01"], dtype="datetime64[ns]"),
+    ],
+    ids=lambda a: f"{a.dtype}-{a.shape}",
+)
+def test_numpy_arrays_round_trip_exactly(store, array):
+    back = roundtrip(store, array)
+    assert entry(store, "x")["kind"] == "ndarray"
+    assert type(back) is np.ndarray and back.dtype == array.dtype and back.shape == array.shape
+    assert back.tobytes(order="A") == array.tobytes(order="A")
+    if array.flags.c_contiguous or array.flags.f_contiguous:  # strided arrays come back compact
+        assert back.flags.f_contiguous == array.flags.f_contiguous
+    assert pickle.dumps(back) == pickle.dumps(array)
+
+
+def test_object_arrays_fall_back_to_signed_pickle(store):
+    a = np.array([{"a": 1}, None], dtype=object)
+    back = roundtrip(store, a)
+    assert entry(store, "x")["kind"] == "pickle"
+    assert pickle.dumps(back) == pickle.dumps(a)
+
+
+def test_tied_tensors_share_storage_again(store):
+    t = torch.arange(20.0)
+    value = {"a": t, "b": t[::2], "c": t, "d": t.view(4, 5)[1:, 2:], "other": torch.ones(3)}
+    back = roundtrip(store, value)
+    assert back["a"] is back["c"]
+    ptr = back["a"].untyped_storage().data_ptr()
+    assert back["b"].untyped_storage().data_ptr() == ptr == back["d"].untyped_storage().data_ptr()
+    assert back["b"].stride() == (2,) and back["d"].stride() == (5, 1)
+    for k in value:
+        assert torch.equal(back[k], value[k])
+    back["a"][8] = -1  # writes through, as before the save
+    assert back["b"][4] == -1 and back["d"][0, 1] == -1
+    size = blob_path(store, "x").stat().st_size
+    assert size < 20 * 4 + 3 * 4 + 2048  # the storage was written once
+
+
+def test_tied_module_weights_stored_once_and_restored_in_place(store):
+    def build():
+        m = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50, bias=False))
+        m[1].weight = m[0].weight
+        return m
+
+    torch.manual_seed(1)
+    m = build()
+    store.save({"m": m}, ["m"])
+    assert blob_path(store, "m").stat().st_size < 50 * 8 * 4 + 1024
+    torch.manual_seed(2)
+    fresh = build()
+    store.load().restore({"m": fresh})
+    assert fresh[1].weight is fresh[0].weight
+    assert raw(fresh[0].weight) == raw(m[0].weight)
+
+
+def test_cuda_tensor_restores_on_cpu_with_one_warning_when_no_gpu(store):
+    """A checkpoint that recorded cuda:0 (re-signed with the real key) loads here on the CPU."""
+    t = torch.randn(4, 4)
+    tied = torch.arange(8.0)
+    store.save({"x": {"t": t, "a": tied, "b": tied[::2]}}, ["x"])
+    rewrite_blob(store, "x", lambda s: s.replace(b'\\"device\\":\\"cpu\\"', b'\\"device\\":\\"cuda:0\\"'))
+    ns: dict = {}
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the fallback path is not taken")
+    with pytest.warns(CheckpointWarning, match=r"'x' was saved on cuda:0.*restored on the CPU") as rec:
+        store.load().restore(ns)
+    assert len(rec) == 1
+    assert ns["x"]["t"].device.type == "cpu" and raw(ns["x"]["t"]) == raw(t)
+    assert ns["x"]["b"].untyped_storage().data_ptr() == ns["x"]["a"].untyped_storage().data_ptr()
+
+
+def rewrite_blob(store, name, change):
+    """Change a blob's bytes, store it under its new hash and re-sign the manifest (real key)."""
+    cid = store.latest_id()
+    path = store.run_dir / cid / "manifest.json"
+    doc = json.loads(path.read_text())
+    e = next(e for e in doc["body"]["entries"] if e["name"] == name)
+    data = (store.blob_dir / e["hash"]).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = change(data[8 : 8 + n]).rstrip(b" ")
+    header += b" " * (-(8 + len(header)) % 8)
+    data = struct.pack("<Q", len(header)) + header + data[8 + n :]
+    e["hash"], e["size"] = smod.tree_hash(data), len(data)
+    (store.blob_dir / e["hash"]).write_bytes(data)
+    doc["hmac"] = signing.sign(store.key, smod._canonical(doc["body"]))
+    path.write_text(json.dumps(doc))
+
+
+class Opaque:
+    def __init__(self, v):
+        self.v = v
+
+
+def test_other_objects_are_pickled_and_signed(store):
+    value = Opaque([1, 2])
+    back = roundtrip(store, value)
+    assert entry(store, "x")["kind"] == "pickle" and back.v == [1, 2]
+    cyclic: list = [1]
+    cyclic.append(cyclic)
+    back = roundtrip(store, cyclic)
+    assert back[1] is back
+
+
+# -- in place ---------------------------------------------------------------------------------------
+
+
+def build_training(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    return {"model": model, "opt": opt, "sched": sched, "scaler": scaler}
+
+
+def train_step(ns, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+    loss = torch.nn.functional.mse_loss(ns["model"](x), y)
+    ns["opt"].zero_grad()
+    ns["scaler"].scale(loss).backward()
+    ns["scaler"].step(ns["opt"])
+    ns["scaler"].update()
+    ns["sched"].step()
+
+
+def test_in_place_restore_then_training_is_bit_identical(store):
+    ns = build_training(0)
+    for s in range(3):
+        train_step(ns, s)
+    store.save(ns, list(ns))
+    assert set(store.load().kinds.values()) == {"state_dict"}
+    fresh = build_training(123)  # what the replayed set-up cells rebuild after a restart
+    objects = dict(fresh)
+    assert store.load().restore(fresh) == list(ns)
+    assert all(fresh[k] is objects[k] for k in fresh)  # in place, same objects
+    assert fresh["opt"].state_dict()["param_groups"] == ns["opt"].state_dict()["param_groups"]
+    assert fresh["sched"].state_dict() == ns["sched"].state_dict()
+    assert fresh["scaler"].state_dict() == ns["scaler"].state_dict()
+    train_step(ns, 99)
+    train_step(fresh, 99)
+    for a, b in zip(ns["model"].parameters(), fresh["model"].parameters()):
+        assert raw(a) == raw(b)
+    sa, sb = ns["opt"].state_dict()["state"], fresh["opt"].state_dict()["state"]
+    assert sa.keys() == sb.keys() and all(isinstance(k, int) for k in sb)
+    for k in sa:
+        for f in sa[k]:
+            assert raw(sa[k][f]) == raw(sb[k][f])
+
+
+def test_restore_into_missing_object_says_so_and_invents_nothing(store):
+    store.save({"model": torch.nn.Linear(2, 2), "n": 1}, ["model", "n"])
+    ckpt = store.load()
+    ns: dict = {}
+    with pytest.raises(CheckpointError) as info:
+        ckpt.restore(ns)
+    message = str(info.value)
+    assert "no variable 'model' exists now" in message and "%%replay" in message and "\n" not in message
+    assert ns == {}
+    with pytest.warns(CheckpointWarning, match="no variable 'model'"):
+        assert ckpt.restore(ns, strict=False) == ["n"]
+    assert "model" not in ns and ns["n"] == 1
+    with pytest.raises(CheckpointError, match="saved from a torch.nn.modules.linear.Linear"):
+        ckpt.restore({"model": torch.nn.Conv1d(2, 2, 1)}, ["model"])
+    with pytest.raises(CheckpointError, match=r"'modle' is not in checkpoint .*did you mean 'model'"):
+        ckpt.restore({}, ["modle"])
+
+
+def test_each_restore_hands_out_fresh_tensors(store):
+    t = torch.zeros(4)
+    store.save({"t": t}, ["t"])
+    ckpt = store.load()
+    ns: dict = {}
+    ckpt.restore(ns)
+    ns["t"] += 5  # training changes the restored tensor in place
+    ckpt.restore(ns)  # a second rollback from the same checkpoint
+    assert torch.equal(ns["t"], torch.zeros(4))
+
+
+# -- random-number states ---------------------------------------------------------------------------
+
+
+def draws():
+    return (
+        [random.random() for _ in range(3)],
+        np.random.rand(3).tolist(),
+        torch.rand(3).tolist(),
+        random.gauss(0, 1),
+    )
+
+
+def test_rng_states_are_saved_and_restored(store):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    draws()
+    store.save({"n": 1}, ["n"])
+    expected = draws()
+    random.seed(10)
+    np.random.seed(20)
+    torch.manual_seed(30)
+    draws()
+    store.load().restore({})
+    assert draws() == expected
+    state = capture_rng()
+    first = draws()
+    restore_rng(state)
+    assert draws() == first
+    assert set(state) == {"python", "numpy", "torch"}  # CUDA not initialised here
+
+
+def test_rng_restore_can_be_skipped(store):
+    store.save({"n": 1}, ["n"])
+    random.seed(5)
+    expected = random.random()
+    random.seed(5)
+    store.load().restore({}, rng=False)
+    assert random.random() == expected
+
+
+# -- unchanged blobs --------------------------------------------------------------------------------
+
+
+def test_unchanged_blobs_are_not_written_again(store):
+    big = torch.randn(3 * smod.CHUNK // 4)  # three chunks
+    ns = {"big": big, "small": [1, 2, 3], "m": torch.nn.Linear(64, 64)}
+    first = store.save(ns, list(ns))
+    assert first.bytes_reused == 0 and first.bytes_written > big.numel() * 4
+    stats = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in store.blob_dir.iterdir()}
+    second = store.save(ns, list(ns))
+    assert second.bytes_written < 4096  # the manifest only
+    assert second.bytes_reused == first.bytes_written - (first.bytes_written - sum(
+        e["size"] for e in manifest(store)["body"]["entries"] + [manifest(store)["body"]["rng"]]
+    ))
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in store.blob_dir.iterdir()} == stats
+    ns["small"].append(4)  # one value changes: only its blob is written
+    third = store.save(ns, list(ns))
+    assert third.bytes_written < 4096 + 200
+    assert len(list(store.blob_dir.iterdir())) == len(stats) + 1
+    big[-1] += 1  # a change in the last chunk
+    fourth = store.save(ns, ["big"])
+    assert fourth.bytes_written > big.numel() * 4
+    ns2: dict = {}
+    store.load().restore(ns2)
+    assert raw(ns2["big"]) == raw(big)
+
+
+def test_a_fresh_store_reuses_blobs_already_on_disk(store):
+    ns = {"t": torch.randn(1000)}
+    store.save(ns, ["t"])
+    again = CheckpointStore(store.run_dir, key=KEY).save(ns, ["t"])
+    assert again.bytes_written < 4096
+
+
+# -- bad input and unsaveable values ----------------------------------------------------------------
+
+
+def test_missing_name_is_one_clear_line_and_writes_nothing(store):
+    ns = {"model": 1, "optimizer": 2, "_hidden": 3, "np": np}
+    with pytest.raises(MissingNameError) as info:
+        store.save(ns, ["modle", "optimizer"])
+    message = str(info.value)
+    assert "'modle'" in message and "did you mean 'model'" in message
+    assert "defined: model, optimizer" in message and "_hidden" not in message
+    assert "\n" not in message and isinstance(info.value, KeyError)
+    assert store.latest_id() is None
+
+
+def _gen():
+    yield 1
+
+
+def test_unsaveable_values_are_named_and_the_rest_is_saved(store, tmp_path):
+    lock = threading.Lock()
+    sock = socket.socket()
+    f = open(tmp_path / "f.txt", "w")
+    try:
+        ns = {
+            "gen": _gen(),
+            "it": iter([1, 2]),
+            "f": f,
+            "lock": lock,
+            "sock": sock,
+            "mod": os,
+            "fn": lambda: 1,
+            "inside": {"g": _gen()},
+            "ok": [1, 2],
+        }
+        report = store.save(ns, list(ns))
+    finally:
+        f.close()
+        sock.close()
+    assert report.names == ["ok"]
+    assert set(report.skipped) == set(ns) - {"ok"}
+    assert report.skipped["it"] == (
+        "colab_resilience: cannot save 'it': list_iterator objects cannot be checkpointed "
+        "(a live iterator has no stable state); recreate it in a %%replay cell or leave it out of --save"
+    )
+    assert "generator objects" in report.skipped["gen"]
+    assert "open file" in report.skipped["f"]
+    assert "lock" in report.skipped["lock"] and "socket" in report.skipped["sock"]
+    assert "module" in report.skipped["mod"] and "pickle failed" in report.skipped["fn"]
+    assert "cannot save 'inside'" in report.skipped["inside"]
+    assert all("\n" not in m for m in report.skipped.values())
+    assert store.load().names == ["ok"]
+    assert manifest(store)["body"]["skipped"] == report.skipped
+
+
+def test_meta_must_be_plain(store):
+    with pytest.raises(CheckpointError, match="meta must hold plain values"):
+        store.save({"a": 1}, ["a"], meta={"x": object()})
+
+
+# -- damage and faults: the previous checkpoint is used, with a warning -----------------------------
+
+
+def two_checkpoints(store):
+    class_value = Opaque("first")
+    store.save(
+        {"t": torch.arange(10.0), "v": {"k": 1}, "p": class_value, "a": np.arange(3)}, ["t", "v", "p", "a"]
+    )
+    random.random()
+    store.save(
+        {"t": torch.arange(10.0) * 2, "v": {"k": 2}, "p": Opaque("second"), "a": np.arange(3) * 2},
+        ["t", "v", "p", "a"],
+    )
+    return "ckpt-000001", "ckpt-000002"
+
+
+def assert_falls_back(store, match):
+    with pytest.warns(CheckpointWarning, match=match) as rec:
+        ckpt = store.load()
+    assert ckpt.checkpoint_id == "ckpt-000001"
+    assert all("\n" not in str(w.message) for w in rec)
+    ns: dict = {}
+    ckpt.restore(ns)
+    assert ns["v"] == {"k": 1} and ns["p"].v == "first" and torch.equal(ns["t"], torch.arange(10.0))
+
+
+@pytest.mark.parametrize("name", ["t", "v", "p", "a", "__rng__"])
+def test_one_flipped_byte_in_any_blob_falls_back(store, name, tmp_path):
+    two_checkpoints(store)
+    path = blob_path(store, name)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert_falls_back(store, r"ckpt-000002 is damaged \(blob .* does not match its hash")
+
+
+def test_flipped_pickle_blob_is_never_unpickled(store, tmp_path):
+    marker = tmp_path / "ran"
+    store.save({"p": Opaque(1)}, ["p"])
+    store.save({"p": Opaque(2)}, ["p"])
+    evil = pickle.dumps(EvilPayload(str(marker)))
+    path = blob_path(store, "p")
+    path.write_bytes(evil[: path.stat().st_size].ljust(path.stat().st_size, b"."))
+    with pytest.warns(CheckpointWarning):
+        store.load().restore({})
+    assert not marker.exists()
+
+
+class EvilPayload:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_truncated_blob_falls_back(store):
+    two_checkpoints(store)
+    path = blob_path(store, "t")
+    path.write_bytes(path.read_bytes()[:-5])
+    assert_falls_back(store, "truncated")
+
+
+def test_missing_blob_falls_back(store):
+    two_checkpoints(store)
+    blob_path(store, "v").unlink()
+    assert_falls_back(store, "is missing")
+
+
+@pytest.mark.parametrize("damage", [b"{ bad json", b"", b'{"body": 1}', b"[]"])
+def test_bad_manifest_falls_back(store, damage):
+    two_checkpoints(store)
+    (store.run_dir / "ckpt-000002" / "manifest.json").write_bytes(damage)
+    assert_falls_back(store, "ckpt-000002 is damaged")
+
+
+def test_edited_manifest_is_not_trusted(store):
+    two_checkpoints(store)
+    path = store.run_dir / "ckpt-000002" / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc["body"]["meta"] = {"edited": True}
+    path.write_text(json.dumps(doc))
+    assert_falls_back(store, "ckpt-000002 is not signed by this installation's key")
+
+
+def test_manifest_from_another_installation(store, tmp_path):
+    marker = tmp_path / "ran"
+    foreign = CheckpointStore(store.run_dir, key=b"\x07" * 32)
+    foreign.save({"p": EvilPayload(str(marker))}, ["p"])
+    with pytest.warns(CheckpointWarning, match="not signed by this installation's key"):
+        with pytest.raises(UntrustedCheckpointError) as info:
+            store.load()
+    message = str(info.value)
+    assert "trust=True" in message and "\n" not in message
+    assert not marker.exists()
+    # the user trusts it explicitly: hashes are still checked, then it loads
+    store.load(trust=True).restore({})
+    assert marker.exists()
+
+
+def test_foreign_checkpoint_falls_back_to_own(store):
+    store.save({"v": {"k": 1}, "t": torch.arange(10.0), "p": Opaque("first"), "a": 1}, ["v", "t", "p", "a"])
+    CheckpointStore(store.run_dir, key=b"\x07" * 32).save({"v": {"k": 2}}, ["v"])
+    assert_falls_back(store, "ckpt-000002 is not signed")
+
+
+def test_no_checkpoint_at_all(store):
+    with pytest.raises(NoCheckpointError, match="no checkpoint in .* yet"):
+        store.load()
+    store.save({"a": 1}, ["a"])
+    blob_path(store, "a").write_bytes(b"junk")
+    with pytest.warns(CheckpointWarning, match="no older checkpoint is left"):
+        with pytest.raises(NoCheckpointError) as info:
+            store.load()
+    assert "\n" not in str(info.value) and "ckpt-000001" in str(info.value)
+
+
+def test_damaged_blob_is_set_aside_and_rewritten_by_the_next_save(store):
+    ns = {"t": torch.arange(100.0)}
+    store.save(ns, ["t"])
+    path = blob_path(store, "t")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.warns(CheckpointWarning), pytest.raises(NoCheckpointError):
+        store.load()
+    fresh = CheckpointStore(store.run_dir, key=KEY)
+    assert fresh.save(ns, ["t"]).bytes_written > 400
+    restored: dict = {}
+    fresh.load().restore(restored)
+    assert torch.equal(restored["t"], ns["t"])
+
+
+FAULT_SCRIPT = """
+import os, resource, signal, sys, torch
+from colab_resilience.state import CheckpointStore
+from colab_resilience.errors import CheckpointError
+store = CheckpointStore(sys.argv[1], key=bytes(range(32)))
+store.save({"t": torch.zeros(1000), "v": 1}, ["t", "v"])
+{setup}
+try:
+    store.save({"t": torch.ones(1_000_000), "v": 2}, ["t", "v"])
+except CheckpointError as e:
+    print("ERROR", e)
+else:
+    print("SAVED")
+"""
+
+
+def check_fault(run_dir, out: str, errno_text: str):
+    assert out.startswith("ERROR colab_resilience: checkpoint not written"), out
+    assert errno_text in out and "checkpoint ckpt-000001 is intact" in out and out.count("\n") == 1
+    store = CheckpointStore(run_dir, key=KEY)
+    ckpt = store.load()
+    assert ckpt.checkpoint_id == "ckpt-000001" and store.checkpoint_ids() == ["ckpt-000001"]
+    ns: dict = {}
+    ckpt.restore(ns)
+    assert ns["v"] == 1 and torch.equal(ns["t"], torch.zeros(1000))
+    leftovers = [p for p in store.run_dir.rglob("*") if ".tmp" in p.name]
+    assert leftovers == []
+
+
+def test_full_disk_during_a_write(tmp_path):
+    """RLIMIT_FSIZE makes writes past 1 MiB fail with EFBIG, as a full disk fails with ENOSPC."""
+    setup = (
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))"
+    )
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", FAULT_SCRIPT.replace("{setup}", setup), str(run)],
+        env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    check_fault(run, proc.stdout, "File too large")
+
+
+def _drop_root_file_powers():
+    """In the child, before exec: root without CAP_DAC_OVERRIDE obeys permission bits."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            os._exit(99)
+
+
+def test_unwritable_run_directory(tmp_path):
+    """chmod does not stop root, so as root the child runs without CAP_DAC_OVERRIDE (real EACCES)."""
+    setup = "os.chmod(sys.argv[1], 0o500)"
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", FAULT_SCRIPT.replace("{setup}", setup), str(run)],
+        env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=120,
+        preexec_fn=_drop_root_file_powers if os.geteuid() == 0 else None,
+    )
+    if proc.returncode == 99:
+        pytest.skip("running as root without the right to drop CAP_DAC_OVERRIDE: cannot make a directory unwritable")
+    assert proc.returncode == 0, proc.stderr
+    os.chmod(run, 0o700)
+    check_fault(run, proc.stdout, "Permission denied")
+
+
+def test_run_directory_under_a_regular_file(tmp_path):
+    (tmp_path / "file").write_text("x")
+    store = CheckpointStore(tmp_path / "file" / "run", key=KEY)
+    with pytest.raises(CheckpointError) as info:
+        store.save({"a": 1}, ["a"])
+    assert "Not a directory" in str(info.value) and "there is no earlier checkpoint" in str(info.value)
+    with pytest.raises(NoCheckpointError):
+        store.load()
+
+
+def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    """SIGKILL while a blob is being written: the last checkpoint loads, the next save cleans up."""
+    run = tmp_path / "run"
+    code = (
+        "import os, signal, sys, torch\n"
+        "from colab_resilience import state\n"
+        "store = state.CheckpointStore(sys.argv[1], key=bytes(range(32)))\n"
+        "store.save({'t': torch.zeros(10)}, ['t'])\n"
+        "orig = state.write_all\n"
+        "def dying(fd, data):\n"
+        "    orig(fd, bytes(memoryview(data)[:100]))\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "state.write_all = dying\n"
+        "store.save({'t': torch.ones(100_000)}, ['t'])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(run)], env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == -signal.SIGKILL
+    store = CheckpointStore(run, key=KEY)
+    ns: dict = {}
+    store.load().restore(ns)
+    assert torch.equal(ns["t"], torch.zeros(10))
+    store.save({"t": torch.ones(3)}, ["t"])
+    assert not [p for p in run.rglob("*") if ".tmp" in p.name]
+
+
+# -- across processes -------------------------------------------------------------------------------
+
+
+def test_save_in_one_process_load_in_another(tmp_path):
+    run = tmp_path / "run"
+    home = tmp_path / "home"
+    save = (
+        "import sys, torch, numpy as np, random\n"
+        "from colab_resilience.state import CheckpointStore\n"
+        "torch.manual_seed(0); random.seed(0); np.random.seed(0)\n"
+        "m = torch.nn.Linear(4, 3); opt = torch.optim.AdamW(m.parameters())\n"
+        "m(torch.randn(2, 4)).sum().backward(); opt.step()\n"
+        "ns = dict(m=m, opt=opt, hist=[(1, 0.5)], arr=np.arange(5.0))\n"
+        "CheckpointStore(sys.argv[1]).save(ns, list(ns), meta={'epoch': 1})\n"
+        "print(m.weight.detach().numpy().tobytes().hex(), random.random(), torch.rand(1).item())\n"
+    )
+    load = (
+        "import sys, torch, random\n"
+        "from colab_resilience.state import CheckpointStore\n"
+        "m = torch.nn.Linear(4, 3); opt = torch.optim.AdamW(m.parameters())\n"
+        "ns = dict(m=m, opt=opt)\n"
+        "c = CheckpointStore(sys.argv[1]).load(); c.restore(ns)\n"
+        "assert ns['hist'] == [(1, 0.5)] and c.meta == {'epoch': 1} and ns['arr'].sum() == 10\n"
+        "assert len(opt.state) == 2\n"
+        "print(m.weight.detach().numpy().tobytes().hex(), random.random(), torch.rand(1).item())\n"
+    )
+    env = dict(os.environ, PYTHONPATH=REPO, COLAB_RESILIENCE_HOME=str(home))
+    a = subprocess.run([sys.executable, "-c", save, str(run)], env=env, capture_output=True, text=True)
+    assert a.returncode == 0, a.stderr
+    b = subprocess.run([sys.executable, "-c", load, str(run)], env=env, capture_output=True, text=True)
+    assert b.returncode == 0, b.stderr
+    assert a.stdout == b.stdout
+
+
+@pytest.mark.slow
+def test_large_checkpoint_round_trip(tmp_path):
+    store = CheckpointStore(tmp_path / "run", key=KEY)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)])
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 1024)).sum().backward()
+    opt.step()
+    store.save({"model": model, "opt": opt}, ["model", "opt"])
+    again = store.save({"model": model, "opt": opt}, ["model", "opt"])
+    assert again.bytes_written < 1 << 16
+    fresh = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)])
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    store.load().restore({"model": fresh, "opt": fresh_opt})
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert raw(a) == raw(b)
