@@ -4,9 +4,14 @@ Load it in a notebook with ``%load_ext colab_resilience``; then
 
 ``%%replay``
     marks a set-up cell (imports, data, model) to re-run after a kernel restart;
-``%%resilient [--retries N] [--shrink NAME[=FACTOR]]``
-    runs a cell and recovers from an out-of-memory error in process: frees what the error
-    holds, shrinks the batch size and runs the cell again.
+``%%resilient [--save NAMES] [--retries N] [--shrink NAME[=FACTOR]] [--max-restarts N] [--every N]``
+    runs a cell and recovers from an out-of-memory error: in process first (free what the error
+    holds, roll the declared state back, shrink the batch, run again), then by restarting the
+    kernel and resuming from the last safe point;
+``resume_range(n)``, ``checkpoint()``
+    the safe points of a ``%%resilient`` cell;
+``%restart_after N`` / ``%restart_after --memory 90%``, ``%resilience status|resume|reset|dir``
+    planned restarts, and the runs on disk.
 
 Options are traitlets: ``%config ResilienceMagics.retries = 3`` in a notebook, or
 ``c.ResilienceMagics.retries = 3`` in ``ipython_config.py``.
@@ -17,13 +22,16 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .oom import classify, is_oom  # noqa: E402  (light: imports no framework)
+from .runs import checkpoint, resume_range  # noqa: E402
 
 __all__ = [
     "__version__",
+    "checkpoint",
     "classify",
     "is_oom",
     "load_ipython_extension",
     "replay_cells",
+    "resume_range",
     "unload_ipython_extension",
 ]
 
@@ -40,6 +48,8 @@ def load_ipython_extension(ipython) -> None:
     magics = ResilienceMagics(shell=ipython, parent=ipython)
     ipython.register_magics(magics)  # Magics.__init__ already listed it in shell.configurables
     ipython.events.register("post_run_cell", magics.post_run_cell)
+    # as in the examples: `for epoch in resume_range(20)` works without an import
+    ipython.push({"resume_range": resume_range, "checkpoint": checkpoint}, interactive=False)
     _loaded[id(ipython)] = magics
 
 
@@ -58,6 +68,10 @@ def unload_ipython_extension(ipython) -> None:
             registered.pop(name, None)
     ipython.configurables[:] = [c for c in ipython.configurables if c is not magics]
     ipython.magics_manager.registry.pop(type(magics).__name__, None)
+    for name, obj in (("resume_range", resume_range), ("checkpoint", checkpoint)):
+        if ipython.user_ns.get(name) is obj:
+            del ipython.user_ns[name]
+            ipython.user_ns_hidden.pop(name, None)
 
 
 def _magics_of(shell=None):

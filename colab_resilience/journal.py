@@ -178,8 +178,12 @@ class Journal:
         return journal
 
     @classmethod
-    def load(cls, run_dir: str | os.PathLike) -> Journal:
-        """Read and check the run's journal; :class:`JournalError` if it is not one of ours."""
+    def load(cls, run_dir: str | os.PathLike, *, key: bytes | None = None) -> Journal:
+        """Read and check the run's journal; :class:`JournalError` if it is not one of ours.
+
+        With ``key``, the journal must carry this installation's signature (it holds the replay
+        cells a new kernel executes): an unsigned, edited or foreign journal is refused.
+        """
         path = Path(run_dir) / JOURNAL_NAME
         try:
             with open(path, "rb") as f:
@@ -199,6 +203,12 @@ class Journal:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             cls._bad(path, f"not valid JSON: {e}")
         cls._validate(data, path)
+        if key is not None:
+            from .signing import verify
+
+            body = {k: v for k, v in data.items() if k != "signature"}
+            if not verify(key, _canonical(body), data.get("signature")):
+                cls._bad(path, "not signed by this installation's key, or edited since")
         values = {k: data[k] for k in _FIELDS}
         values["created"] = float(values["created"])
         values["updated"] = float(values["updated"])
@@ -256,6 +266,9 @@ class Journal:
         self.updated = time.time()
         data = self.to_dict()
         self._validate(data, self.path)
+        from .signing import load_or_create_key, sign
+
+        data["signature"] = sign(load_or_create_key(), _canonical(data))
         make_private_dir(self.run_dir)
         atomic_write(self.path, (json.dumps(data, indent=1, allow_nan=False) + "\n").encode())
 
@@ -290,6 +303,10 @@ class Journal:
         else:
             self.replay_cells.append({"key": key, "source": source})
         self.save()
+
+
+def _canonical(data: dict[str, Any]) -> bytes:
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
 # -- the run-directory lock -------------------------------------------------------------------------

@@ -9,15 +9,19 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import os
+from pathlib import Path
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, Float, Integer
+from IPython.utils.capture import capture_output
+from traitlets import Bool, Float, Integer, Unicode
 
-from . import execution
+from . import execution, oom, runs
+from .errors import ResilienceError, RunLockedError
 from .recovery import Recovery, Shrink
-from .replay import ReplayLog, cell_key_from_metadata, parent_metadata
+from .replay import ReplayLog, cell_key_from_metadata, parent_metadata, source_key
 
 
 def _retries(text: str) -> int:
@@ -60,6 +64,40 @@ def _shrink_items(text: str, default_factor: float) -> list[Shrink]:
     return items
 
 
+def _restarts(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"needs a whole number, like --max-restarts 3 (got {text!r})") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"cannot be negative (got {n}); use --max-restarts 0 to never restart")
+    return n
+
+
+def _every(text: str):
+    try:
+        return runs.parse_every(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"needs a number of safe points or a duration, like --every 10 or --every 5min (got {text!r})"
+        ) from None
+
+
+def _names(values: list[str]) -> list[str]:
+    names = []
+    for text in values:
+        for part in text.split(","):
+            part = part.strip()
+            if not part.isidentifier():
+                raise UsageError(
+                    f"%%resilient: --save {text!r}: {part!r} is not a variable name; "
+                    "write --save model,opt,history"
+                )
+            if part not in names:
+                names.append(part)
+    return names
+
+
 def _assigned_names(body: str) -> set[str]:
     """Names the body assigns at any level (a retry re-runs those assignments)."""
     try:
@@ -85,10 +123,19 @@ class ResilienceMagics(Magics):
         0.5, help="Factor applied to a --shrink variable after an OOM when none is given."
     ).tag(config=True)
     verbose = Bool(True, help="Print one line for every recovery step.").tag(config=True)
+    max_restarts = Integer(
+        3, help="Kernel restarts a run may use, counted on disk across kernels (--max-restarts)."
+    ).tag(config=True)
+    run_dir = Unicode(
+        "", help="Where runs keep their journal and checkpoints (default: a mounted Drive folder "
+        "in Colab, else ./.colab_resilience; also $COLAB_RESILIENCE_RUN_DIR)."
+    ).tag(config=True)
 
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
         self.replay_log = ReplayLog()
+        self.policy = runs.RestartPolicy()
+        self._linted: set[str] = set()
 
     # ----------------------------------------------------------------------------- helpers
 
@@ -116,7 +163,7 @@ class ResilienceMagics(Magics):
     @staticmethod
     def _options_hint(name: str) -> str:
         if name == "resilient":
-            return "--retries N and --shrink NAME[=FACTOR]"
+            return "--save NAMES, --retries N, --shrink NAME[=FACTOR], --max-restarts N and --every N|5min"
         return "none"
 
     def _check_body(self, name: str, cell: str) -> None:
@@ -124,6 +171,82 @@ class ResilienceMagics(Magics):
             raise UsageError(
                 f"%%{name}: the cell has no code under the %%{name} line; "
                 "put the code to run below it"
+            )
+
+    def root(self) -> Path:
+        return Path(self.run_dir).expanduser() if self.run_dir else runs.default_root()
+
+    def _check_save(self, names: list[str], cell: str) -> None:
+        ns = self.shell.user_ns
+        assigned = _assigned_names(self.shell.transform_cell(cell))
+        for name in names:
+            if name not in ns and name not in assigned:
+                close = difflib.get_close_matches(name, [k for k in ns if not k.startswith("_")], n=1)
+                also = f" (did you mean {close[0]!r}?)" if close else ""
+                raise UsageError(
+                    f"%%resilient: --save {name}: no variable {name!r} exists and the cell does not "
+                    f"assign it{also}; create it in a %%replay cell or in this cell"
+                )
+
+    def _replay(self, cells: list[dict]) -> int:
+        """Run the recorded replay cells this kernel has not run yet, one line each."""
+        done = {c.key for c in self.replay_log.cells}
+        count = 0
+        for cell in cells:
+            if cell["key"] in done:
+                continue
+            source = cell["source"]
+            header, _, body = source.partition("\n")
+            failure = None
+            with capture_output() as captured:
+                try:
+                    execution.run_body(self.shell, execution.compile_body(self.shell, header, body))
+                except execution.BodyError as e:
+                    failure = e
+            first = next((l for l in body.splitlines() if l.strip()), "").strip()
+            if failure is not None:
+                captured.show()
+                self.say(f"colab_resilience: replaying a set-up cell failed ({first[:60]}); fix it, run it, then run this cell again")
+                execution.reraise(self.shell, failure.exc, failure.tb)
+            self.replay_log.record(cell["key"], source)
+            self.say(f"colab_resilience: replayed {first[:70]}")
+            count += 1
+        return count
+
+    def _open_run(self, key: str, source: str, cell: str, names, args) -> runs.Run:
+        try:
+            run = runs.Run(
+                self.shell, self.root(), key, source, cell,
+                names=names,
+                max_restarts=self.max_restarts if args.max_restarts is None else args.max_restarts,
+                every=args.every or (1, None),
+                policy=self.policy,
+                say=self.say,
+                replay=self._replay,
+            )
+        except RunLockedError as e:
+            raise UsageError(str(e).splitlines()[0]) from None
+        except runs.RunStopped as e:
+            raise UsageError(str(e)) from None
+        j = run.journal
+        known = {c["key"] for c in j.replay_cells}
+        j.replay_cells.extend({"key": c.key, "source": c.source} for c in self.replay_log.cells if c.key not in known)
+        for entry in j.replay_cells:  # a re-run replay cell replaces its source
+            for c in self.replay_log.cells:
+                if c.key == entry["key"]:
+                    entry["source"] = c.source
+        j.save()
+        return run
+
+    def _lint(self, key: str, cell: str, names: list[str]) -> None:
+        if key in self._linted:
+            return
+        self._linted.add(key)
+        lost = runs.names_lost_on_restart(self.shell, cell, names, [c.source for c in self.replay_log.cells])
+        if lost:
+            self.say(
+                f"colab_resilience: this cell reads {', '.join(lost)}, which neither --save nor a "
+                "%%replay cell would bring back after a restart; add them to --save or define them in a %%replay cell"
             )
 
     def _check_shrink(self, shrinks: list[Shrink], cell: str) -> None:
@@ -158,6 +281,11 @@ class ResilienceMagics(Magics):
 
     @magic_arguments()
     @argument(
+        "--save", action="append", default=[], metavar="NAMES",
+        help="variables checkpointed at every safe point and restored after a rollback or a "
+        "restart (comma-separated); modules, optimizers and schedulers are restored in place",
+    )
+    @argument(
         "--retries", type=_retries, default=None, metavar="N",
         help="in-process recoveries after an out-of-memory error (default 2, see ResilienceMagics.retries)",
     )
@@ -166,26 +294,83 @@ class ResilienceMagics(Magics):
         help="on OOM, multiply the integer variable NAME by FACTOR (default 0.5, never below 1) "
         "before retrying; repeat the option or separate names with commas",
     )
+    @argument(
+        "--max-restarts", type=_restarts, default=None, metavar="N",
+        help="kernel restarts this run may use, counted on disk (default 3)",
+    )
+    @argument(
+        "--every", type=_every, default=None, metavar="N|5min",
+        help="checkpoint at every Nth safe point, or at most once per duration (default: every one)",
+    )
     @cell_magic
     def resilient(self, line: str, cell: str):
-        """Run the cell; on an out-of-memory error, free memory and run it again.
+        """Run the cell; on an out-of-memory error, free memory and run it again; past the
+        retries, restart the kernel and resume from the last safe point.
 
         A recovery drops what the error holds (traceback frames, ``sys.last_*``, the cell's
-        stored output), collects garbage, empties the allocator cache of torch when it is
-        imported, shrinks the ``--shrink`` variables and runs the cell again. Errors that are not
-        out-of-memory errors behave exactly as without the magic. Example::
+        stored output), collects garbage, empties torch's allocator cache, rolls the ``--save``
+        variables back to the last safe point, shrinks the ``--shrink`` variables and runs the
+        cell again. Errors that are not out-of-memory errors behave exactly as without the
+        magic. Example::
 
-            %%resilient --retries 3 --shrink batch_size
-            for epoch in range(10):
+            %%resilient --save model,opt,history --shrink batch_size
+            for epoch in resume_range(20):
                 train_one_epoch(model, opt, batch_size)
+                history.append(evaluate(model))
         """
         args = self._parse(self.resilient, line)
         self._check_body("resilient", cell)
+        names = _names(args.save)
         shrinks = [s for text in args.shrink for s in _shrink_items(text, self.shrink_factor)]
-        self._check_shrink(shrinks, cell)
+        header = f"%%resilient {line}".rstrip()
+        source = header + "\n" + cell
+        key = self._cell_key() or source_key(source)
+        run = self._open_run(key, source, cell, names, args)
+        try:
+            self._check_save(names, cell)
+            self._check_shrink(shrinks, cell)
+            self._lint(key, cell, names + [s.name for s in shrinks])
+        except UsageError:
+            run.finish("failed")
+            raise
+        if shrinks:  # a new kernel gets them back from the journal, even after a SIGKILL
+            run.record_shrink({s.name: self.shell.user_ns[s.name] for s in shrinks})
         retries = self.retries if args.retries is None else args.retries
-        recovery = Recovery(self.shell, retries=retries, shrink=tuple(shrinks), say=self.say)
-        recovery.run(f"%%resilient {line}".rstrip(), cell)
+
+        def before_retry(outcome):
+            run.resuming = True  # roll back at the restore point (loop start or cell start)
+
+        def give_up(exc, verdict, outcome):
+            run.record_shrink({s.name: self.shell.user_ns.get(s.name) for s in shrinks})
+            what = f"{verdict.label}" if verdict.needs_restart else (
+                f"OOM ({verdict.label}) after {outcome.attempts} attempt{'s' if outcome.attempts != 1 else ''}"
+            )
+            try:
+                run.leave(what)  # does not return unless the budget is spent
+            except runs.RunStopped as stopped:
+                self.say(str(stopped))
+
+        recovery = Recovery(
+            self.shell, retries=retries, shrink=tuple(shrinks), say=self.say,
+            before_attempt=lambda outcome: run.attempt_start(),
+            before_retry=before_retry, give_up=give_up,
+        )
+        runs._active.append(run)
+        try:
+            recovery.run(header, cell)
+        except BaseException as e:
+            if run.lock.held:
+                if oom.classify(e) is None and run.safe_points:  # only when progress was made
+                    hint = f"%resilience resume then run this cell again to continue from {run.journal.last_checkpoint}" \
+                        if run.journal.last_checkpoint else "run the cell again to start afresh"
+                    self.say(f"colab_resilience: run {run.run_id} stopped by {type(e).__name__}; to go on anyway: {hint}")
+                run.finish("failed")
+            raise
+        else:
+            run.save(next_index=run.next_index, force=True)
+            run.finish("done")
+        finally:
+            runs._active.remove(run)
 
     @magic_arguments()
     @cell_magic
@@ -210,6 +395,165 @@ class ResilienceMagics(Magics):
         if failure is not None:
             execution.reraise(self.shell, failure.exc, failure.tb)
         self.replay_log.record(key, f"%%replay {line}".rstrip() + "\n" + cell)
+
+    @line_magic
+    def restart_after(self, line: str):
+        """Plan kernel restarts at safe points: the leak guard.
+
+        ``%restart_after N``: a fresh kernel after every N safe points of a ``%%resilient`` run.
+        ``%restart_after --memory 90%``: at a safe point, restart when host RAM (or GPU memory,
+        once CUDA is initialised) in use reaches 90%. ``%restart_after off`` stops both. State is
+        saved first; planned restarts do not spend the restart budget.
+        """
+        text = line.strip()
+        usage = "write %restart_after N, %restart_after --memory 90% or %restart_after off"
+        if text in ("off", "0"):
+            self.policy = runs.RestartPolicy()
+        elif text.startswith("--memory"):
+            value = text[len("--memory"):].strip().lstrip("=").strip().rstrip("%").strip()
+            try:
+                percent = float(value)
+            except ValueError:
+                raise UsageError(f"%restart_after: --memory needs a percentage (got {value!r}); {usage}") from None
+            if not 0 < percent <= 100:
+                raise UsageError(f"%restart_after: --memory {percent:g}% is not between 0 and 100; {usage}")
+            self.policy = runs.RestartPolicy(self.policy.every, percent)
+        else:
+            try:
+                n = int(text)
+            except ValueError:
+                raise UsageError(f"%restart_after: {text!r} is not a number of safe points; {usage}") from None
+            if n < 0:
+                raise UsageError(f"%restart_after: {n} is negative; {usage}")
+            self.policy = runs.RestartPolicy(n, self.policy.memory_percent)
+        self.say(f"colab_resilience: planned restarts {self.policy.describe()}")
+
+    @line_magic
+    def resilience(self, line: str):
+        """What the runs are doing and what is on disk.
+
+        ``%resilience status``: every run in the run directory (status, restarts, last checkpoint).
+        ``%resilience resume [RUN]``: replay the recorded set-up cells, restore the last checkpoint
+        into the namespace, and mark the run pending so its cell continues when run again.
+        ``%resilience reset [RUN]``: forget a run (journal and checkpoints).
+        ``%resilience dir PATH``: choose the run directory (in Colab, a mounted Drive folder
+        survives the loss of the VM).
+        """
+        words = line.split()
+        usage = "write %resilience status, resume [RUN], reset [RUN] or dir PATH"
+        if not words or words[0] == "status":
+            return self._status()
+        cmd, rest = words[0], words[1:]
+        if cmd == "dir":
+            if len(rest) != 1:
+                raise UsageError(f"%resilience dir: give one folder, e.g. %resilience dir /content/drive/MyDrive/runs")
+            path = Path(rest[0]).expanduser()
+            try:
+                runs.make_private_dir(path)
+            except OSError as e:
+                raise UsageError(f"%resilience dir: cannot use {path} ({e.strerror or e}); choose a writable folder") from None
+            self.run_dir = str(path)
+            self.say(f"colab_resilience: runs are kept in {path}")
+            return None
+        if cmd in ("resume", "reset"):
+            run_dir = self._pick_run(cmd, rest)
+            if cmd == "reset":
+                return self._reset(run_dir)
+            return self._resume(run_dir)
+        raise UsageError(f"%resilience: unknown command {cmd!r}; {usage}")
+
+    def _runs(self) -> list[Path]:
+        root = self.root()
+        found = [p.parent for p in root.glob("run-*/journal.json")] if root.is_dir() else []
+        return sorted(found, key=lambda p: p.joinpath("journal.json").stat().st_mtime, reverse=True)
+
+    def _pick_run(self, cmd: str, rest: list[str]) -> Path:
+        found = self._runs()
+        if rest:
+            wanted = rest[0].removeprefix("run-")
+            match = [p for p in found if p.name == f"run-{wanted}"]
+            if not match:
+                have = ", ".join(p.name.removeprefix("run-") for p in found) or "none"
+                raise UsageError(f"%resilience {cmd}: no run {wanted!r} in {self.root()} (runs: {have})")
+            return match[0]
+        if not found:
+            raise UsageError(f"%resilience {cmd}: no runs in {self.root()}; a %%resilient cell creates one")
+        return found[0]
+
+    def _status(self) -> None:
+        from .journal import Journal, JournalError
+
+        found = self._runs()
+        print(f"colab_resilience: run directory {self.root()}; planned restarts {self.policy.describe()}")
+        if not found:
+            print("  no runs yet")
+        for path in found:
+            try:
+                j = Journal.load(path)
+            except JournalError as e:
+                print(f"  {path.name}: unreadable ({e})")
+                continue
+            shrink = ", ".join(f"{k}={v}" for k, v in (j.extra.get("shrink") or {}).items())
+            names = ", ".join(j.extra.get("names") or []) or "nothing"
+            last = j.restarts[-1]["reason"] if j.restarts else "none"
+            print(
+                f"  run {j.run_id}: {j.status}; restarts {j.restarts_used}/{j.max_restarts} (last: {last}); "
+                f"saves {names}; last checkpoint {j.last_checkpoint or 'none'}; "
+                f"{len(j.replay_cells)} replay cell{'s' if len(j.replay_cells) != 1 else ''}"
+                + (f"; {shrink}" if shrink else "")
+            )
+
+    def _reset(self, run_dir: Path) -> None:
+        import shutil
+
+        from .journal import RunLock
+
+        lock = RunLock(run_dir)
+        try:
+            lock.acquire()
+        except RunLockedError as e:
+            raise UsageError(f"%resilience reset: {str(e).splitlines()[0]}") from None
+        try:
+            shutil.rmtree(run_dir)
+        finally:
+            lock.release()
+        runs.remove_startup_file_if_idle(self.shell, self.root())
+        self.say(f"colab_resilience: forgot {run_dir.name} (journal and checkpoints removed)")
+
+    def _resume(self, run_dir: Path) -> None:
+        from .journal import Journal, JournalError, RunLock
+        from .signing import load_or_create_key
+        from .state import CheckpointStore
+
+        lock = RunLock(run_dir)
+        try:
+            lock.acquire()
+        except RunLockedError as e:
+            raise UsageError(f"%resilience resume: {str(e).splitlines()[0]}") from None
+        try:
+            key = load_or_create_key()
+            try:
+                j = Journal.load(run_dir, key=key)
+            except JournalError as e:
+                raise UsageError(str(e)) from None
+            replayed = self._replay(j.replay_cells)
+            names = [n for n in (j.extra.get("names") or [])]
+            restored: list[str] = []
+            try:
+                ckpt = CheckpointStore(run_dir / "checkpoints", key=key).load()
+                restored = ckpt.restore(self.shell.user_ns, [n for n in ckpt.names if n in names], strict=False)
+            except ResilienceError as e:
+                self.say(str(e).splitlines()[0])
+            j.status = "pending"
+            j.extra["restart_requested"] = True  # resumed by hand: not a kernel death to count
+            j.kernel_pid = os.getpid()
+            j.save()
+        finally:
+            lock.release()
+        self.say(
+            f"colab_resilience: run {j.run_id}: replayed {replayed} cell{'s' if replayed != 1 else ''}, "
+            f"restored {', '.join(restored) or 'nothing'}; run its cell again to continue"
+        )
 
     # ----------------------------------------------------------------------------- events
 

@@ -5,9 +5,9 @@ This is the engine behind ``%%resilient``; it knows nothing about argument parsi
 
 1. run the body (see :mod:`colab_resilience.execution`);
 2. an error that is not an OOM leaves exactly as it would without the magic;
-3. an OOM is released (:func:`colab_resilience.oom.release`), the ``--shrink`` variables are made
-   smaller, the ``before_retry`` hook runs (the checkpoint layer rolls the declared state back to
-   the last safe point there), one line says what happened, and the body runs again;
+3. an OOM is released (:func:`colab_resilience.oom.release`), the ``before_retry`` hook runs
+   (the run rolls the declared state back to the last safe point there), the ``--shrink``
+   variables are made smaller, one line says what happened, and the body runs again;
 4. when the retries are spent, or the error poisons the process (a CUDA device-side assert), the
    ``give_up`` hook decides what comes next. Without one, the last error is re-raised after a
    one-line summary of the attempts, its frames already cleared so the memory stays free.
@@ -58,6 +58,7 @@ class Recovery:
         retries: int = 2,
         shrink: tuple[Shrink, ...] = (),
         say: Callable[[str], None] = print,
+        before_attempt: Callable[[Outcome], None] | None = None,
         before_retry: Callable[[Outcome], None] | None = None,
         give_up: Callable[[BaseException, oom.OOMVerdict, Outcome], None] | None = None,
     ):
@@ -65,6 +66,7 @@ class Recovery:
         self.retries = retries
         self.shrink = shrink
         self.say = say
+        self.before_attempt = before_attempt
         self.before_retry = before_retry
         self.give_up = give_up
         self.outcome = Outcome()
@@ -79,6 +81,8 @@ class Recovery:
             outcome.attempts += 1
             failure = None
             try:
+                if self.before_attempt is not None:
+                    self.before_attempt(outcome)
                 run_body(self.shell, codes)
                 return
             except BodyError as e:
@@ -97,9 +101,9 @@ class Recovery:
             freed = oom.release(exc, self.shell, self.shell.execution_count)
             del exc
             outcome.freed.append(freed)
-            changes = self._shrink()
-            if self.before_retry is not None:
+            if self.before_retry is not None:  # rolls the declared state back: before shrinking
                 self.before_retry(outcome)
+            changes = self._shrink()
             parts = [f"{PREFIX} OOM ({outcome.labels[-1]}) — freed {oom.format_bytes(freed)}"]
             parts += changes
             parts.append(f"retry {outcome.attempts}/{self.retries}")
@@ -122,7 +126,7 @@ class Recovery:
     def _give_up(self, exc: BaseException, tb, verdict: oom.OOMVerdict) -> None:
         stb = render(self.shell, exc, tb)
         oom.release(exc, self.shell, self.shell.execution_count)
-        if self.give_up is not None:
+        if self.give_up is not None:  # may end the process (a restart); else the error follows
             self.give_up(exc, verdict, self.outcome)
         self.say(self.summary(verdict))
         reraise(self.shell, exc, tb, stb)

@@ -950,6 +950,8 @@ class CheckpointStore:
     # -- housekeeping --
 
     def _remove_leftovers(self) -> None:
+        if not self.run_dir.is_dir():
+            return
         for n in os.listdir(self.run_dir):
             if n.startswith(".tmp-ckpt-"):
                 shutil.rmtree(self.run_dir / n, ignore_errors=True)

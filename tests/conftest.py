@@ -32,10 +32,11 @@ def isolated_jupyter(tmp_path_factory):
             }
         )
     )
-    saved = {k: os.environ.get(k) for k in ("JUPYTER_PATH", "IPYTHONDIR", "COLAB_RESILIENCE_HOME", "PYDEVD_DISABLE_FILE_VALIDATION")}
+    saved = {k: os.environ.get(k) for k in ("JUPYTER_PATH", "IPYTHONDIR", "COLAB_RESILIENCE_HOME", "COLAB_RESILIENCE_RUN_DIR", "PYDEVD_DISABLE_FILE_VALIDATION")}
     os.environ["JUPYTER_PATH"] = str(root / "data")
     os.environ["IPYTHONDIR"] = str(root / "ipython")
     os.environ["COLAB_RESILIENCE_HOME"] = str(root / "home")
+    os.environ["COLAB_RESILIENCE_RUN_DIR"] = str(root / "runs")
     os.environ["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
     yield root
     for k, v in saved.items():

@@ -120,6 +120,41 @@ class Kernel:
         r = self.ok(f"print(repr({expr}))")
         return ast.literal_eval(r.stdout.strip().splitlines()[-1])
 
+    def execute_until_exit(self, code: str, metadata: dict | None = None, timeout: float = 180):
+        """Execute ``code`` expecting the kernel to leave; return (stdout, exit code)."""
+        msg_id = self.submit(code, metadata)
+        deadline = time.monotonic() + timeout
+        stdout = ""
+        while time.monotonic() < deadline:
+            try:
+                msg = self.kc.get_iopub_msg(timeout=0.2)
+                if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                    stdout += msg["content"]["text"]
+                continue
+            except Exception:  # queue.Empty
+                pass
+            if not self.km.is_alive():
+                break
+            try:
+                reply = self.kc.get_shell_msg(timeout=0)
+                if reply["parent_header"].get("msg_id") == msg_id:
+                    c = reply["content"]
+                    raise AssertionError(f"the kernel did not leave: {c['status']} {c.get('ename')} {c.get('evalue')}\n{stdout}")
+            except AssertionError:
+                raise
+            except Exception:
+                pass
+        else:
+            raise AssertionError(f"the kernel did not leave within {timeout} s\n{stdout}")
+        process = getattr(self.km.provisioner, "process", None)
+        code = process.poll() if process is not None else None
+        return stdout, code
+
+    def restart(self) -> None:
+        """What a Jupyter server's restarter does after a death: a new kernel, same connection."""
+        self.km.restart_kernel(now=True)
+        self.kc.wait_for_ready(timeout=60)
+
     def shutdown(self) -> None:
         try:
             self.kc.stop_channels()
