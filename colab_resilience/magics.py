@@ -134,7 +134,7 @@ class ResilienceMagics(Magics):
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
         self.replay_log = ReplayLog()
-        self.policy = runs.RestartPolicy()
+        self.policy: runs.RestartPolicy | None = None  # None: not set in this kernel
         self._linted: set[str] = set()
 
     # ----------------------------------------------------------------------------- helpers
@@ -407,6 +407,7 @@ class ResilienceMagics(Magics):
         """
         text = line.strip()
         usage = "write %restart_after N, %restart_after --memory 90% or %restart_after off"
+        current = self.policy or runs.RestartPolicy()
         if text in ("off", "0"):
             self.policy = runs.RestartPolicy()
         elif text.startswith("--memory"):
@@ -417,7 +418,7 @@ class ResilienceMagics(Magics):
                 raise UsageError(f"%restart_after: --memory needs a percentage (got {value!r}); {usage}") from None
             if not 0 < percent <= 100:
                 raise UsageError(f"%restart_after: --memory {percent:g}% is not between 0 and 100; {usage}")
-            self.policy = runs.RestartPolicy(self.policy.every, percent)
+            self.policy = runs.RestartPolicy(current.every, percent)
         else:
             try:
                 n = int(text)
@@ -425,7 +426,7 @@ class ResilienceMagics(Magics):
                 raise UsageError(f"%restart_after: {text!r} is not a number of safe points; {usage}") from None
             if n < 0:
                 raise UsageError(f"%restart_after: {n} is negative; {usage}")
-            self.policy = runs.RestartPolicy(n, self.policy.memory_percent)
+            self.policy = runs.RestartPolicy(n, current.memory_percent)
         self.say(f"colab_resilience: planned restarts {self.policy.describe()}")
 
     @line_magic
@@ -484,7 +485,8 @@ class ResilienceMagics(Magics):
         from .journal import Journal, JournalError
 
         found = self._runs()
-        print(f"colab_resilience: run directory {self.root()}; planned restarts {self.policy.describe()}")
+        policy = (self.policy or runs.RestartPolicy()).describe()
+        print(f"colab_resilience: run directory {self.root()}; planned restarts {policy}")
         if not found:
             print("  no runs yet")
         for path in found:

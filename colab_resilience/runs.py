@@ -212,6 +212,7 @@ class Run:
         self.body = body
         self.source = source
         self.every_n, self.every_seconds = every
+        self._policy_set = policy is not None  # else a resumed run keeps its journal's policy
         self.policy = policy or RestartPolicy()
         self.run_id = run_id_for(cell_key)
         self.dir = Path(root) / f"run-{self.run_id}"
@@ -268,7 +269,7 @@ class Run:
             j.record_restart("the kernel died without warning (killed by the OS, likely out of host memory)")
         self.resuming = True
         self.restored_from_kernel_restart = j.kernel_pid != os.getpid()
-        if not self.policy.every and not self.policy.memory_percent:
+        if not self._policy_set:
             p = j.extra.get("policy") or {}
             self.policy = RestartPolicy(p.get("every"), p.get("memory_percent"))
         replayed = 0

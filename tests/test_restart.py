@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -167,3 +168,58 @@ def test_always_oom_stops_at_its_budget_with_a_report(tmp_path, env):
         assert k.execute("1 + 1").status == "ok"
     finally:
         k.shutdown()
+
+
+def test_memory_threshold_triggers_a_planned_restart(tmp_path, env, reference):
+    k = Kernel(env)
+    try:
+        k.ok("%load_ext colab_resilience")
+        k.ok(REPLAY)
+        k.ok("%restart_after --memory 1%")  # any machine uses more than 1% of its RAM
+        source = train_source(tmp_path, "none", max_restarts=0)
+        out, code = k.execute_until_exit(source)
+        assert code == 75
+        assert "planned restart: host RAM in use at" in out and "(threshold 1%)" in out
+        k.restart()
+        k.ok("%restart_after off")  # set in the new kernel: wins over the journal's policy
+        r = k.ok(source)
+        assert "continuing at 1" in r.stdout
+        assert k.value(DIGEST) == reference
+        assert epochs_logged(tmp_path) == [0, 1, 2, 3]
+    finally:
+        k.shutdown()
+
+
+def test_supervised_kernel_exits_with_the_documented_code_and_no_startup_file(tmp_path, env):
+    k = Kernel({**env, "COLAB_RESILIENCE_SUPERVISED": "1"})
+    try:
+        k.ok("%load_ext colab_resilience")
+        k.ok("%%replay\nimport torch")
+        out, code = k.execute_until_exit("%%resilient --retries 0\ntorch.empty(1 << 44)\n")
+        assert code == 75
+        assert "restarting the kernel; restart 1/3" in out
+        assert not list((tmp_path / "ipython").glob("profile_default/startup/*colab_resilience*"))
+        journal = json.loads(next((tmp_path / "runs").glob("run-*/journal.json")).read_text())
+        assert journal["status"] == "pending" and journal["extra"]["restart_requested"] is True
+        assert journal["interrupted_cell"].startswith("%%resilient --retries 0")
+        assert [c["source"].strip() for c in journal["replay_cells"]] == ["%%replay\nimport torch"]
+    finally:
+        k.shutdown()
+
+
+def test_a_second_kernel_on_the_same_run_is_refused(tmp_path, env):
+    a, b = Kernel(env), Kernel(env)
+    try:
+        cell = "%%resilient\nimport time\nfor _ in range(60):\n    time.sleep(0.05)\n"
+        for k in (a, b):
+            k.ok("%load_ext colab_resilience")
+        busy = a.submit(cell)
+        time.sleep(1.0)
+        r = b.execute(cell)
+        assert (r.status, r.ename) == ("error", "UsageError")
+        assert f"is in use by process {a.pid}; stop that kernel or choose another run directory" in r.evalue
+        assert a.collect(busy).status == "ok"
+        assert b.execute(cell).status == "ok"  # free again once the first kernel's cell ended
+    finally:
+        a.shutdown()
+        b.shutdown()

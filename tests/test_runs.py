@@ -1,0 +1,210 @@
+"""Runs in an in-process shell: --save and rollback, safe points, the line magics, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+
+import colab_resilience
+
+SETUP = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 2))
+opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+X = torch.randn(64, 8)
+"""
+
+TRAIN = """%%resilient --save model,opt,history --retries 2
+history = []
+for epoch in resume_range(4):
+    perm = torch.randperm(64)
+    loss = model(X[perm]).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    if epoch in fail_in:                      # half-way through the epoch: inconsistent state
+        fail_in.discard(epoch)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    history.append(round(loss.item(), 6))
+    epochs_done.append(epoch)
+"""
+
+
+@pytest.fixture
+def root(ip, tmp_path):
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    return tmp_path / "runs"
+
+
+def weights(ip) -> bytes:
+    return b"".join(t.detach().numpy().tobytes() for t in ip.user_ns["model"].state_dict().values())
+
+
+def train(ip, fail_in: set[int]):
+    ip.run_cell(SETUP)
+    ip.user_ns.update(fail_in=set(fail_in), epochs_done=[])
+    result = ip.run_cell(TRAIN)
+    assert result.success, result.error_in_exec
+    return weights(ip), list(ip.user_ns["history"]), list(ip.user_ns["epochs_done"])
+
+
+def test_retry_rolls_back_to_the_last_safe_point_bit_identical(ip, root, capsys):
+    clean = train(ip, set())
+    interrupted = train(ip, {1, 3})
+    assert interrupted == clean
+    assert interrupted[2] == [0, 1, 2, 3]  # every epoch ran to its end exactly once
+    out = capsys.readouterr().out
+    assert out.count("rolled back to the last safe point; continuing at 1") == 1
+    assert out.count("rolled back to the last safe point; continuing at 3") == 1
+
+
+def test_modules_and_optimizers_are_restored_in_place(ip, root):
+    ip.run_cell(SETUP)
+    ip.user_ns.update(fail_in={2}, epochs_done=[])
+    model, opt = ip.user_ns["model"], ip.user_ns["opt"]
+    assert ip.run_cell(TRAIN).success
+    assert ip.user_ns["model"] is model and ip.user_ns["opt"] is opt
+    assert opt.param_groups[0]["params"][0] is next(model.parameters())
+
+
+def test_done_run_journal_and_status(ip, root, capsys):
+    train(ip, set())
+    journals = list(root.glob("run-*/journal.json"))
+    assert len(journals) == 1
+    j = json.loads(journals[0].read_text())
+    assert j["status"] == "done" and j["restarts_used"] == 0
+    assert j["extra"]["names"] == ["model", "opt", "history"]
+    assert "signature" in j
+    capsys.readouterr()
+    ip.run_line_magic("resilience", "status")
+    out = capsys.readouterr().out
+    assert f"run directory {root}" in out
+    assert f"run {j['run_id']}: done; restarts 0/3 (last: none); saves model, opt, history; last checkpoint ckpt-" in out
+
+
+def test_explicit_checkpoint_is_a_safe_point(ip, root, capsys):
+    ip.user_ns.update(state={"step": 0}, tries=[0])
+    cell = (
+        "%%resilient --save state\n"
+        "state['step'] += 1\n"
+        "if checkpoint() and tries[0] == 0:\n"
+        "    tries[0] += 1\n"
+        "    state['step'] += 100\n"
+        "    raise MemoryError()\n"
+    )
+    assert ip.run_cell(cell).success
+    # the retry restored the checkpoint taken after step 1, then the cell ran again (+1)
+    assert ip.user_ns["state"] == {"step": 2}
+
+
+def test_resume_range_outside_a_resilient_cell_is_range(ip, capsys):
+    ip.run_cell("seen = list(resume_range(2, 8, 3))")
+    assert ip.user_ns["seen"] == [2, 5]
+    assert colab_resilience.resume_range is ip.user_ns["resume_range"]
+
+
+def test_reset_forgets_a_run_and_resume_marks_it_pending(ip, root, capsys):
+    train(ip, set())
+    run_dir = next(root.glob("run-*"))
+    ip.run_line_magic("resilience", "resume")
+    j = json.loads((run_dir / "journal.json").read_text())
+    assert j["status"] == "pending"
+    assert "restored model, opt, history; run its cell again to continue" in capsys.readouterr().out
+    ip.run_line_magic("resilience", f"reset {run_dir.name}")
+    assert not run_dir.exists()
+    assert "forgot run-" in capsys.readouterr().out
+
+
+def test_damaged_journal_is_refused_with_one_line(ip, root):
+    train(ip, set())
+    path = next(root.glob("run-*/journal.json"))
+    data = json.loads(path.read_text())
+    data["replay_cells"] = [{"key": "x", "source": "%%replay\nimport os; os.system('echo pwned')"}]
+    path.write_text(json.dumps(data))  # edited without the key: its signature no longer matches
+    ip.run_cell(SETUP)
+    with pytest.raises(UsageError) as info:
+        ip.run_cell_magic("resilient", "--save model,opt,history --retries 2", TRAIN.split("\n", 1)[1])
+    assert "is not a usable run journal (not signed by this installation's key, or edited since)" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "line,expected",
+    [
+        ("--save 3x", "--save '3x': '3x' is not a variable name; write --save model,opt,history"),
+        ("--save modle", "--save modle: no variable 'modle' exists and the cell does not assign it (did you mean 'model'?)"),
+        ("--max-restarts lots", "--max-restarts: needs a whole number, like --max-restarts 3 (got 'lots')"),
+        ("--every 0", "--every: needs a number of safe points or a duration, like --every 10 or --every 5min (got '0')"),
+        ("--every soon", "(got 'soon')"),
+    ],
+)
+def test_bad_run_options(ip, root, line, expected):
+    ip.run_cell(SETUP)
+    with pytest.raises(UsageError) as info:
+        ip.run_cell_magic("resilient", line, "x = 1\n")
+    assert expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "line,expected",
+    [
+        ("2", "planned restarts every 2 safe points"),
+        ("--memory 90%", "planned restarts when memory in use reaches 90%"),
+        ("--memory=85", "when memory in use reaches 85%"),
+        ("off", "planned restarts off"),
+    ],
+)
+def test_restart_after(ip, capsys, line, expected):
+    ip.run_line_magic("restart_after", line)
+    assert expected in capsys.readouterr().out
+    ip.run_line_magic("restart_after", "off")
+
+
+@pytest.mark.parametrize(
+    "line,expected",
+    [
+        ("soon", "%restart_after: 'soon' is not a number of safe points; write %restart_after N"),
+        ("--memory lots", "--memory needs a percentage (got 'lots')"),
+        ("--memory 120%", "--memory 120% is not between 0 and 100"),
+    ],
+)
+def test_restart_after_bad_input(ip, line, expected):
+    with pytest.raises(UsageError) as info:
+        ip.run_line_magic("restart_after", line)
+    assert expected in str(info.value)
+
+
+def test_resilience_bad_input(ip, root, tmp_path):
+    for line, expected in [
+        ("frobnicate", "%resilience: unknown command 'frobnicate'; write %resilience status, resume [RUN], reset [RUN] or dir PATH"),
+        ("resume", f"%resilience resume: no runs in {root}; a %%resilient cell creates one"),
+        ("reset nope", f"%resilience reset: no run 'nope' in {root} (runs: none)"),
+        ("dir a b", "%resilience dir: give one folder"),
+    ]:
+        with pytest.raises(UsageError) as info:
+            ip.run_line_magic("resilience", line)
+        assert expected in str(info.value), line
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UsageError) as info:
+        ip.run_line_magic("resilience", f"dir {tmp_path / 'file' / 'sub'}")
+    assert "cannot use" in str(info.value) and "choose a writable folder" in str(info.value)
+
+
+def test_run_directories_are_owner_only(ip, root):
+    train(ip, set())
+    run_dir = next(root.glob("run-*"))
+    assert run_dir.stat().st_mode & 0o777 == 0o700
+    assert Path(root).stat().st_mode & 0o777 == 0o700
+
+
+def test_terminal_ipython_cannot_restart_and_says_so(ip, root, capsys):
+    ip.user_ns["n"] = [0]
+    result = ip.run_cell("%%resilient --retries 0\nn[0] += 1\nraise MemoryError()")
+    assert isinstance(result.error_in_exec, MemoryError)
+    assert "this IPython is not a Jupyter kernel, so it cannot be restarted" in capsys.readouterr().out
+    j = json.loads(next(root.glob("run-*/journal.json")).read_text())
+    assert j["status"] == "failed"
+
