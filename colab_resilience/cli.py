@@ -45,7 +45,7 @@ def run(args) -> int:
     from jupyter_client import KernelManager
     from jupyter_client.kernelspec import NoSuchKernel
     from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
+    from nbclient.exceptions import CellExecutionError, DeadKernelError
 
     path = Path(args.notebook)
     if not path.is_file():
@@ -80,6 +80,13 @@ def run(args) -> int:
     except CellExecutionError as e:
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         print(f"colab-resilience: a cell failed: {first}", file=sys.stderr)
+        status = EXIT_CELL_FAILED
+    except DeadKernelError:
+        print(
+            "colab-resilience: the kernel died (killed, or restarting itself after an OOM); this "
+            "version does not restart it yet: run the notebook again to resume from its last checkpoint",
+            file=sys.stderr,
+        )
         status = EXIT_CELL_FAILED
     finally:
         nbformat.write(nb, out)

@@ -136,6 +136,7 @@ class ResilienceMagics(Magics):
         self.replay_log = ReplayLog()
         self.policy: runs.RestartPolicy | None = None  # None: not set in this kernel
         self._linted: set[str] = set()
+        self._adopt: str | None = None
 
     # ----------------------------------------------------------------------------- helpers
 
@@ -223,7 +224,9 @@ class ResilienceMagics(Magics):
                 policy=self.policy,
                 say=self.say,
                 replay=self._replay,
+                run_id=self._adopt,  # after %resilience resume: the next cell continues that run
             )
+            self._adopt = None
         except RunLockedError as e:
             raise UsageError(str(e).splitlines()[0]) from None
         except runs.RunStopped as e:
@@ -520,6 +523,8 @@ class ResilienceMagics(Magics):
         finally:
             lock.release()
         runs.remove_startup_file_if_idle(self.shell, self.root())
+        if self._adopt and run_dir.name == f"run-{self._adopt}":
+            self._adopt = None
         self.say(f"colab_resilience: forgot {run_dir.name} (journal and checkpoints removed)")
 
     def _resume(self, run_dir: Path) -> None:
@@ -552,9 +557,10 @@ class ResilienceMagics(Magics):
             j.save()
         finally:
             lock.release()
+        self._adopt = j.run_id
         self.say(
             f"colab_resilience: run {j.run_id}: replayed {replayed} cell{'s' if replayed != 1 else ''}, "
-            f"restored {', '.join(restored) or 'nothing'}; run its cell again to continue"
+            f"restored {', '.join(restored) or 'nothing'}; the next %%resilient cell you run continues it"
         )
 
     # ----------------------------------------------------------------------------- events

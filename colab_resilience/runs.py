@@ -202,6 +202,7 @@ class Run:
         policy: RestartPolicy | None = None,
         say: Callable[[str], None] = print,
         replay: Callable[[list[dict]], int] | None = None,
+        run_id: str | None = None,
     ):
         from .signing import load_or_create_key
         from .state import CheckpointStore
@@ -214,7 +215,7 @@ class Run:
         self.every_n, self.every_seconds = every
         self._policy_set = policy is not None  # else a resumed run keeps its journal's policy
         self.policy = policy or RestartPolicy()
-        self.run_id = run_id_for(cell_key)
+        self.run_id = run_id or run_id_for(cell_key)
         self.dir = Path(root) / f"run-{self.run_id}"
         make_private_dir(root)
         self.lock = RunLock(self.dir)

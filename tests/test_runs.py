@@ -112,7 +112,7 @@ def test_reset_forgets_a_run_and_resume_marks_it_pending(ip, root, capsys):
     ip.run_line_magic("resilience", "resume")
     j = json.loads((run_dir / "journal.json").read_text())
     assert j["status"] == "pending"
-    assert "restored model, opt, history; run its cell again to continue" in capsys.readouterr().out
+    assert "restored model, opt, history; the next %%resilient cell you run continues it" in capsys.readouterr().out
     ip.run_line_magic("resilience", f"reset {run_dir.name}")
     assert not run_dir.exists()
     assert "forgot run-" in capsys.readouterr().out
@@ -208,3 +208,20 @@ def test_terminal_ipython_cannot_restart_and_says_so(ip, root, capsys):
     j = json.loads(next(root.glob("run-*/journal.json")).read_text())
     assert j["status"] == "failed"
 
+
+
+def test_an_ordinary_error_ends_the_run_with_a_hint_to_resume_it(ip, root, capsys):
+    ip.run_cell(SETUP)
+    ip.user_ns.update(fail_in=set(), epochs_done=[])
+    cell = TRAIN.replace("    history.append(", "    if epoch == 2:\n        raise ValueError('bad batch')\n    history.append(")
+    result = ip.run_cell(cell)
+    assert isinstance(result.error_in_exec, ValueError)
+    out = capsys.readouterr().out
+    assert "stopped by ValueError; to go on anyway: %resilience resume then run this cell again to continue from ckpt-" in out
+    j = json.loads(next(root.glob("run-*/journal.json")).read_text())
+    assert j["status"] == "failed"
+    ip.run_line_magic("resilience", "resume")
+    result = ip.run_cell(TRAIN)  # the fixed cell continues from the last safe point (epoch 2)
+    assert result.success
+    assert "rolled back to the last safe point; continuing at 2" in capsys.readouterr().out
+    assert ip.user_ns["epochs_done"] == [0, 1, 2, 3]
