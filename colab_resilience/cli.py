@@ -1,29 +1,19 @@
-"""``colab-resilience``: the command line.
+"""``colab-resilience``: the command line; it parses arguments and calls one library function.
 
-``colab-resilience run NOTEBOOK [-o OUT]`` executes a notebook headless (nbclient, a kernel
-started by jupyter_client over IPC) with the extension loaded into the kernel, echoes what each
-cell prints, and writes the executed notebook. Exit codes: 0 done, 1 a cell failed, 2 usage or
-input error.
+``colab-resilience run NOTEBOOK`` executes a notebook headless under supervision
+(:func:`colab_resilience.driver.run_notebook`): a kernel that dies is restarted, the replay cells
+are replayed and the interrupted cell resumes. ``colab-resilience demo`` runs the bundled demo.
 
-This first version recovers in process (``%%resilient``); restarting a dead kernel and resuming
-is the supervised driver's job, which comes next.
+Exit codes: 0 done, 1 a cell failed, 2 usage or input error, 3 restart budget spent.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-EXIT_OK, EXIT_CELL_FAILED, EXIT_USAGE = 0, 1, 2
-
-# Run in the kernel at start-up. Unlike --ext, a later `%load_ext colab_resilience` in the
-# notebook (written for Colab, where it is needed) then stays silent.
-_LOAD = "import colab_resilience as _cr; _cr.load_ipython_extension(get_ipython()); del _cr"
+from .driver import EXIT_OK, EXIT_USAGE, NotebookInputError, _resolve, run_notebook
 
 
 def _fail(message: str) -> int:
@@ -31,84 +21,75 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
-def _echo_cell(cell, cell_index, **_):
-    for out in cell.get("outputs", []):
-        if out.get("output_type") == "stream":
-            text = out.get("text", "")
-            stream = sys.stdout if out.get("name") == "stdout" else sys.stderr
-            for line in text.splitlines():
-                print(f"[cell {cell_index}] {line}", file=stream)
-
-
 def run(args) -> int:
-    import nbformat
-    from jupyter_client import KernelManager
-    from jupyter_client.kernelspec import NoSuchKernel
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError, DeadKernelError
-
     path = Path(args.notebook)
-    if not path.is_file():
-        return _fail(f"{path}: no such notebook; give the path of an .ipynb file")
-    try:
-        nb = nbformat.read(path, as_version=4)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return _fail(f"{path}: not a notebook (invalid JSON: {e}); give the path of an .ipynb file")
-    except Exception as e:  # nbformat's own validation and reader errors
-        return _fail(f"{path}: not a readable notebook ({type(e).__name__}: {e})")
     out = Path(args.output) if args.output else path.with_name(path.stem + ".out.ipynb")
-    kernel_name = args.kernel or nb.metadata.get("kernelspec", {}).get("name") or "python3"
-    # IPC sockets in a private (0700) folder: the kernel is not reachable by other local users,
-    # and an absolute path keeps working although the kernel runs in the notebook's folder.
-    sockets = tempfile.mkdtemp(prefix="colab-resilience-")
-    km = KernelManager(kernel_name=kernel_name, transport="ipc", ip=os.path.join(sockets, "kernel"))
-    client = NotebookClient(
-        nb,
-        km=km,
-        kernel_name=kernel_name,
-        timeout=args.cell_timeout,
-        resources={"metadata": {"path": str(path.parent.resolve())}},
-        on_cell_executed=_echo_cell,
-        # the extension is loaded into the kernel without the notebook asking for it
-        extra_arguments=[f"--IPKernelApp.exec_lines={_LOAD}"],
-    )
-    status = EXIT_OK
+    parameters = {name: _resolve(value) for name, value in args.parameters}
+    for name in parameters:
+        if not name.isidentifier():
+            return _fail(f"-p {name}: not a Python variable name; write -p NAME VALUE, e.g. -p lr 0.01")
     try:
-        client.execute()
-    except NoSuchKernel:
-        return _fail(f"no kernel named {kernel_name!r}; list them with `jupyter kernelspec list` or pass --kernel NAME")
-    except CellExecutionError as e:
-        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        print(f"colab-resilience: a cell failed: {first}", file=sys.stderr)
-        status = EXIT_CELL_FAILED
-    except DeadKernelError:
-        print(
-            "colab-resilience: the kernel died (killed, or restarting itself after an OOM); this "
-            "version does not restart it yet: run the notebook again to resume from its last checkpoint",
-            file=sys.stderr,
+        result = run_notebook(
+            path, out, parameters=parameters, max_restarts=args.max_restarts,
+            cell_timeout=args.cell_timeout, kernel_name=args.kernel, run_dir=args.run_dir,
+            progress=not args.no_progress, log_output=args.log_output,
         )
-        status = EXIT_CELL_FAILED
-    finally:
-        nbformat.write(nb, out)
-        shutil.rmtree(sockets, ignore_errors=True)
-    print(f"colab-resilience: wrote {out}" + ("" if status == EXIT_OK else " (with the failing cell's traceback)"))
-    return status
+    except NotebookInputError as e:
+        return _fail(str(e))
+    if not args.log_output:  # else each marker was printed with its cell's output
+        for r in result.restarts:
+            print(f"[cell {r.cell}] {r.marker().rstrip()}", file=sys.stderr)
+    if result.message:
+        print(result.message, file=sys.stderr)
+    state = "done" if result.status == EXIT_OK else "stopped"
+    print(
+        f"colab-resilience: {state} in {result.seconds:.1f} s with {len(result.restarts)} kernel "
+        f"restart{'s' if len(result.restarts) != 1 else ''}; wrote {out}"
+    )
+    return result.status
+
+
+def demo(args) -> int:
+    from .demo import main as demo_main
+
+    return demo_main(keep=args.keep)
+
+
+def _nonneg(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"needs a whole number (got {text!r})") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"cannot be negative (got {n})")
+    return n
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="colab-resilience", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("run", help="execute a notebook headless with the extension loaded")
+    p = sub.add_parser("run", help="execute a notebook headless; restart a dead kernel and resume")
     p.add_argument("notebook", help="the .ipynb file to execute")
-    p.add_argument("-o", "--output", help="where to write the executed notebook (default: NAME.out.ipynb)")
+    p.add_argument("-o", "--output", help="the executed notebook (default: NAME.out.ipynb beside it)")
+    p.add_argument("-p", "--parameter", dest="parameters", nargs=2, action="append", default=[],
+                   metavar=("NAME", "VALUE"), help="set a parameter (papermill's `parameters` tag convention)")
+    p.add_argument("--max-restarts", type=_nonneg, default=3, metavar="N",
+                   help="kernel restarts for the whole notebook (default 3)")
+    p.add_argument("--cell-timeout", type=_nonneg, default=None, metavar="S", help="seconds a cell may run")
     p.add_argument("--kernel", help="kernel name (default: the notebook's kernelspec, else python3)")
-    p.add_argument("--cell-timeout", type=int, default=None, metavar="S", help="seconds a cell may run (default: no limit)")
+    p.add_argument("--run-dir", help="where runs keep journals and checkpoints (default: a temporary folder)")
+    p.add_argument("--log-output", action="store_true", help="echo each cell's output as it finishes")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    d = sub.add_parser("demo", help="train a small model through a real OOM and a real kernel kill, and compare")
+    d.add_argument("--keep", metavar="DIR", help="keep the demo's notebooks in DIR")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return EXIT_USAGE if e.code else EXIT_OK
     if args.command == "run":
         return run(args)
+    if args.command == "demo":
+        return demo(args)
     parser.print_help()
     return EXIT_USAGE
 

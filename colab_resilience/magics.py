@@ -214,7 +214,7 @@ class ResilienceMagics(Magics):
             count += 1
         return count
 
-    def _open_run(self, key: str, source: str, cell: str, names, args) -> runs.Run:
+    def _open_run(self, key: str, source: str, cell: str, names, args, shrinks) -> runs.Run:
         try:
             run = runs.Run(
                 self.shell, self.root(), key, source, cell,
@@ -225,6 +225,7 @@ class ResilienceMagics(Magics):
                 say=self.say,
                 replay=self._replay,
                 run_id=self._adopt,  # after %resilience resume: the next cell continues that run
+                shrink=[s.name for s in shrinks],
             )
             self._adopt = None
         except RunLockedError as e:
@@ -328,7 +329,7 @@ class ResilienceMagics(Magics):
         header = f"%%resilient {line}".rstrip()
         source = header + "\n" + cell
         key = self._cell_key() or source_key(source)
-        run = self._open_run(key, source, cell, names, args)
+        run = self._open_run(key, source, cell, names, args, shrinks)
         try:
             self._check_save(names, cell)
             self._check_shrink(shrinks, cell)
@@ -562,6 +563,10 @@ class ResilienceMagics(Magics):
             f"colab_resilience: run {j.run_id}: replayed {replayed} cell{'s' if replayed != 1 else ''}, "
             f"restored {', '.join(restored) or 'nothing'}; the next %%resilient cell you run continues it"
         )
+
+    def note_replay(self, source: str) -> None:
+        """Record an already executed cell as a replay cell (the driver's tagged cells)."""
+        self.replay_log.record(None, source)
 
     # ----------------------------------------------------------------------------- events
 

@@ -170,6 +170,8 @@ def names_lost_on_restart(shell, body: str, saved: list[str], replay_sources: li
             read.append(node.id)
     defined = _assigned(tree) | set(saved) | set(dir(builtins)) | {"resume_range", "checkpoint", "get_ipython"}
     for src in replay_sources:
+        if src.lstrip().startswith("%%replay"):  # the body, not the magic call IPython would make of it
+            src = src.lstrip().partition("\n")[2]
         t = _parse(shell, src)
         if t is not None:
             defined |= _assigned(t)
@@ -203,6 +205,7 @@ class Run:
         say: Callable[[str], None] = print,
         replay: Callable[[list[dict]], int] | None = None,
         run_id: str | None = None,
+        shrink: list[str] = (),
     ):
         from .signing import load_or_create_key
         from .state import CheckpointStore
@@ -210,6 +213,7 @@ class Run:
         self.shell = shell
         self.say = say
         self.names = names
+        self.shrink = list(shrink)
         self.body = body
         self.source = source
         self.every_n, self.every_seconds = every
@@ -321,9 +325,9 @@ class Run:
             last = j.restarts[-1]["reason"] if j.restarts else "a restart"
             self.resume_note = (
                 f"colab_resilience: resumed run {self.run_id} after kernel restart ({last}; "
-                f"restart {j.restarts_used}/{j.max_restarts}): replayed {self._replayed} cell"
-                f"{'s' if self._replayed != 1 else ''}, restored {', '.join(restored) or 'nothing'} "
-                f"in {seconds + self._replay_seconds:.1f} s"
+                f"restart {j.restarts_used}/{j.max_restarts}): "
+                + (f"replayed {self._replayed} cell{'s' if self._replayed != 1 else ''}, " if self._replayed else "")
+                + f"restored {', '.join(restored) or 'nothing'} in {seconds + self._replay_seconds:.1f} s"
             )
             self.restored_from_kernel_restart = False
         self.resuming = False
@@ -374,6 +378,11 @@ class Run:
         for message in report.skipped.values():
             self.say(message)
         self.journal.last_checkpoint = report.checkpoint_id
+        ns = self.shell.user_ns
+        # the batch size that fits goes with the checkpoint: a new kernel starts from it
+        self.journal.extra.setdefault("shrink", {}).update(
+            {n: ns[n] for n in self.shrink if isinstance(ns.get(n), int) and not isinstance(ns.get(n), bool)}
+        )
         self.journal.save()
 
     def safe_point(self, next_index: int, *, last: bool = False) -> None:

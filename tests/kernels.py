@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import nbformat
-from jupyter_client import KernelManager
+from jupyter_client import AsyncKernelManager, KernelManager
 from nbclient import NotebookClient
 
 KERNEL_NAME = "colab-resilience-test"
@@ -174,7 +174,7 @@ def notebook(*sources: str, tags: dict[int, list[str]] | None = None):
 
 def run_notebook(nb, *, allow_errors: bool = False, timeout: int = 180):
     """Execute ``nb`` headless with nbclient in a fresh kernel; return the executed notebook."""
-    km = KernelManager(kernel_name=KERNEL_NAME, transport="ipc")
+    km = AsyncKernelManager(kernel_name=KERNEL_NAME, transport="ipc")
     client = NotebookClient(nb, km=km, kernel_name=KERNEL_NAME, timeout=timeout, allow_errors=allow_errors)
     client.execute()
     return nb

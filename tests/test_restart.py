@@ -143,7 +143,7 @@ def test_planned_restarts_do_not_spend_the_budget(tmp_path, env, reference):
         k.ok(REPLAY)
         r = k.ok(source)  # epochs 2 and 3; no restart after the last epoch
         assert "continuing at 2" in r.stdout
-        assert "replayed 0 cells" in r.stdout and "colab_resilience: replayed import" not in r.stdout
+        assert "replayed" not in r.stdout
         assert k.value(DIGEST) == reference
         assert epochs_logged(tmp_path) == [0, 1, 2, 3]
     finally:

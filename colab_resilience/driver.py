@@ -1,0 +1,356 @@
+"""Supervised execution: run a notebook headless and bring its kernel back whenever it dies.
+
+:func:`run_notebook` executes the cells one by one with nbclient, in a kernel started by
+jupyter_client over IPC sockets in a private folder, with the extension loaded into it and
+``COLAB_RESILIENCE_SUPERVISED=1`` in its environment. When the kernel dies (the OOM killer, a
+SIGKILL, or the kernel leaving on its own request after an OOM beyond its retries, exit code
+:data:`colab_resilience.runs.EXIT_RESTART`), the driver
+
+1. restarts the kernel through jupyter_client (a plain manager, never an auto-restarting one,
+   whose silent restarts would leave nbclient waiting until its timeout: nbclient issue 319);
+2. replays the replay cells executed so far (``%%replay`` cells and cells tagged ``replay``), in
+   order, their outputs discarded unless one fails;
+3. re-executes the interrupted cell, which resumes its run from the last safe point;
+4. puts a visible marker in that cell's outputs (why, where, how long the recovery took) and the
+   restart log in ``metadata.colab_resilience``.
+
+Restarts are bounded twice: by each run's budget on disk (``--max-restarts`` of the cell, which
+the kernel enforces) and by the driver's own ``max_restarts`` for the whole notebook (a kernel
+that dies before a run can count anything, at start-up or during a replay, cannot loop forever).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from jupyter_core.utils import run_sync
+
+from .runs import EXIT_RESTART, RUN_DIR_ENV, SUPERVISED_ENV
+
+# exit codes of `colab-resilience run` (and the `status` of a RunResult)
+EXIT_OK, EXIT_CELL_FAILED, EXIT_USAGE, EXIT_BUDGET = 0, 1, 2, 3
+
+# Run in the kernel at start-up. Unlike --ext, a later `%load_ext colab_resilience` in the
+# notebook (written for Colab, where it is needed) then stays silent.
+LOAD_EXTENSION = "import colab_resilience as _cr; _cr.load_ipython_extension(get_ipython()); del _cr"
+
+
+class NotebookInputError(ValueError):
+    """The notebook, a parameter or the kernel name is unusable (exit code 2)."""
+
+
+@dataclass
+class Restart:
+    cell: int
+    reason: str
+    exit_code: int | None
+    iteration: str | None
+    replayed: int
+    seconds: float
+    time: float = field(default_factory=time.time)
+
+    def marker(self) -> str:
+        where = f" in iteration {self.iteration}" if self.iteration else ""
+        return (
+            f"colab_resilience: the kernel died{where} ({self.reason}); restarted it, replayed "
+            f"{self.replayed} cell{'s' if self.replayed != 1 else ''} and resumed in {self.seconds:.1f} s\n"
+        )
+
+
+@dataclass
+class RunResult:
+    status: int  # EXIT_OK, EXIT_CELL_FAILED or EXIT_BUDGET
+    notebook: Any
+    restarts: list[Restart]
+    failed_cell: int | None = None
+    message: str = ""
+    seconds: float = 0.0
+
+
+def is_replay_cell(cell) -> bool:
+    """``%%replay`` cells, cells tagged ``replay``, and the parameters (set-up by definition)."""
+    if cell.get("cell_type") != "code":
+        return False
+    tags = set(cell.get("metadata", {}).get("tags", []) or [])
+    return bool(tags & {"replay", "parameters", "injected-parameters"}) or cell.get("source", "").lstrip().startswith("%%replay")
+
+
+def _resolve(value: str) -> Any:
+    """papermill's -p typing: True/False/None, int, float, else the string."""
+    if value in ("True", "False"):
+        return value == "True"
+    if value == "None":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def inject_parameters(nb, parameters: dict[str, Any]) -> None:
+    """papermill's convention: a cell tagged ``injected-parameters`` after the ``parameters`` one."""
+    import nbformat
+
+    if not parameters:
+        return
+    lines = ["# Parameters"] + [f"{k} = {v!r}" for k, v in parameters.items()]
+    new = nbformat.v4.new_code_cell("\n".join(lines))
+    new.metadata["tags"] = ["injected-parameters"]
+    cells = nb.cells
+    cells[:] = [c for c in cells if "injected-parameters" not in c.get("metadata", {}).get("tags", [])]
+    index = next((i for i, c in enumerate(cells) if "parameters" in c.get("metadata", {}).get("tags", [])), None)
+    cells.insert(0 if index is None else index + 1, new)
+
+
+def _journal_facts(run_dir: Path) -> tuple[str | None, str | None, bool]:
+    """(reason, iteration) of the newest pending run's last requested restart; budget refused?"""
+    newest, refused = None, False
+    for path in run_dir.glob("run-*/journal.json"):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        restarts = data.get("restarts") or []
+        if restarts and restarts[-1].get("refused") and data.get("status") == "failed":
+            refused = True
+        if data.get("status") == "pending" and restarts:
+            if newest is None or data.get("updated", 0) > newest.get("updated", 0):
+                newest = data
+    if newest is None or not newest.get("extra", {}).get("restart_requested"):
+        return None, None, refused
+    last = newest["restarts"][-1]
+    return last.get("reason"), last.get("at"), refused
+
+
+def _exit_code(km) -> int | None:
+    process = getattr(getattr(km, "provisioner", None), "process", None)
+    try:
+        return process.poll() if process is not None else None
+    except Exception:
+        return None
+
+
+def _death_reason(code: int | None) -> str:
+    if code == EXIT_RESTART:
+        return "it asked for a restart"
+    if code is not None and code < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = ", likely the OS out-of-memory killer" if code == -9 else ""
+        return f"killed by {name}{hint}"
+    return f"exit code {code}" if code is not None else "it stopped answering"
+
+
+def run_notebook(
+    notebook: str | os.PathLike | Any,
+    output: str | os.PathLike | None = None,
+    *,
+    parameters: dict[str, Any] | None = None,
+    max_restarts: int = 3,
+    cell_timeout: int | None = None,
+    kernel_name: str | None = None,
+    run_dir: str | os.PathLike | None = None,
+    cwd: str | os.PathLike | None = None,
+    progress: bool = False,
+    log_output: bool = False,
+    on_cell: Callable[[int, Any], None] | None = None,
+    env: dict[str, str] | None = None,
+) -> RunResult:
+    """Execute ``notebook`` (a path or a NotebookNode) under supervision; see the module doc.
+
+    Returns a :class:`RunResult`; raises :class:`NotebookInputError` for unusable input. The
+    executed notebook is written to ``output`` when given (also after a failure).
+    """
+    import nbformat
+    from jupyter_client import AsyncKernelManager
+    from jupyter_client.kernelspec import NoSuchKernel
+    from nbclient import NotebookClient
+
+    started = time.perf_counter()
+    if isinstance(notebook, (str, os.PathLike)):
+        path = Path(notebook)
+        if not path.is_file():
+            raise NotebookInputError(f"{path}: no such notebook; give the path of an .ipynb file")
+        try:
+            nb = nbformat.read(path, as_version=4)
+        except Exception as e:  # invalid JSON, not a notebook
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise NotebookInputError(f"{path}: not a readable notebook ({first[:120]})") from None
+        cwd = cwd or path.parent.resolve()
+    else:
+        nb = notebook
+    inject_parameters(nb, parameters or {})
+    kernel_name = kernel_name or nb.metadata.get("kernelspec", {}).get("name") or "python3"
+    own_run_dir = run_dir is None
+    run_root = Path(tempfile.mkdtemp(prefix="colab-resilience-runs-")) if own_run_dir else Path(run_dir)
+    sockets = tempfile.mkdtemp(prefix="colab-resilience-")  # 0700: the kernel is ours alone
+    kernel_env = dict(os.environ)
+    kernel_env.update(env or {})
+    kernel_env[SUPERVISED_ENV] = "1"
+    kernel_env[RUN_DIR_ENV] = str(run_root)
+    # An async manager: with a blocking one, nbclient's wait for output blocks its event loop and
+    # it never notices that the kernel died.
+    km = AsyncKernelManager(kernel_name=kernel_name, transport="ipc", ip=os.path.join(sockets, "kernel"))
+    client = NotebookClient(
+        nb, km=km, kernel_name=kernel_name, timeout=cell_timeout,
+        resources={"metadata": {"path": str(cwd or os.getcwd())}},
+        extra_arguments=[f"--IPKernelApp.exec_lines={LOAD_EXTENSION}"],
+    )
+    result = RunResult(EXIT_OK, nb, [])
+    restarts = result.restarts
+    bar = None
+    code_cells = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(code_cells), unit="cell", desc="colab-resilience")
+    try:
+        try:
+            with client.setup_kernel(env=kernel_env):
+                _execute_cells(client, nb, code_cells, run_root, max_restarts, result, on_cell, log_output, bar)
+        except NoSuchKernel:
+            raise NotebookInputError(
+                f"no kernel named {kernel_name!r}; list them with `jupyter kernelspec list` or pass --kernel NAME"
+            ) from None
+    except _Stop:
+        pass
+    finally:
+        if bar is not None:
+            bar.close()
+        try:
+            if km.has_kernel:
+                run_sync(km.shutdown_kernel)(now=True)
+        except Exception:
+            pass
+        if client.kc is not None:
+            try:
+                client.kc.stop_channels()
+            except Exception:
+                pass
+        shutil.rmtree(sockets, ignore_errors=True)
+        result.seconds = time.perf_counter() - started
+        nb.metadata["colab_resilience"] = {
+            "status": {EXIT_OK: "done", EXIT_CELL_FAILED: "failed", EXIT_BUDGET: "restart budget spent"}[result.status],
+            "restarts": [
+                {"cell": r.cell, "reason": r.reason, "exit_code": r.exit_code, "iteration": r.iteration,
+                 "replayed": r.replayed, "recovery_seconds": round(r.seconds, 3), "time": r.time}
+                for r in restarts
+            ],
+            "seconds": round(result.seconds, 3),
+        }
+        if output is not None:
+            nbformat.write(nb, output)
+        if own_run_dir:
+            shutil.rmtree(run_root, ignore_errors=True)
+    return result
+
+
+class _Stop(Exception):
+    pass
+
+
+def _execute_cells(client, nb, code_cells, run_root, max_restarts, result, on_cell, log_output, bar) -> None:
+    import nbformat
+    from nbclient.exceptions import CellExecutionError, DeadKernelError
+
+    restarts = result.restarts
+    replay_done: list[int] = []
+    for index in code_cells:
+        cell = nb.cells[index]
+        earlier: list = []  # outputs of the attempts the kernel died in: every output is kept
+        while True:
+            try:
+                client.execute_cell(cell, index)
+                break
+            except DeadKernelError:
+                earlier += cell.get("outputs", [])
+                restarts.append(_restart(client, nb, index, run_root, replay_done, max_restarts, result))
+            except CellExecutionError as e:
+                cell.outputs = earlier + cell.get("outputs", [])
+                refused = _journal_facts(run_root)[2]
+                result.status = EXIT_BUDGET if refused else EXIT_CELL_FAILED
+                result.failed_cell = index
+                lines = [l for l in str(e).strip().splitlines() if l.strip()]
+                result.message = f"colab-resilience: cell {index} failed: {lines[-1] if lines else type(e).__name__}"
+                raise _Stop() from None
+        if earlier:
+            markers = [nbformat.v4.new_output("stream", name="stderr", text=r.marker()) for r in restarts if r.cell == index]
+            cell.outputs = earlier + markers + cell.get("outputs", [])
+        if is_replay_cell(cell):
+            replay_done.append(index)
+            _declare_replay(client, cell)
+        if on_cell is not None:
+            on_cell(index, cell)
+        if log_output:
+            _log_cell(index, cell)
+        if bar is not None:
+            bar.update(1)
+
+
+def _restart(client, nb, index, run_root, replay_done, max_restarts, result) -> Restart:
+    """After a death: check the budget, restart the kernel, replay; the caller re-executes."""
+    from nbclient.exceptions import DeadKernelError
+
+    t0 = time.perf_counter()
+    km, restarts = client.km, result.restarts
+    code = _exit_code(km)
+    reason, iteration, _ = _journal_facts(run_root)
+    reason = reason or _death_reason(code)
+    if len(restarts) >= max_restarts:
+        result.status, result.failed_cell = EXIT_BUDGET, index
+        result.message = (
+            f"colab-resilience: restart budget spent ({len(restarts)}/{max_restarts} restarts): the kernel "
+            f"died again in cell {index} ({reason}). Attempts: "
+            + "; ".join(f"{i}. cell {r.cell}: {r.reason}" for i, r in enumerate(restarts, 1))
+        )
+        raise _Stop()
+    run_sync(km.restart_kernel)(now=True)  # the first start's env and arguments are kept
+    client.kc.stop_channels()
+    client.kc = None
+    client.start_new_kernel_client()
+    replayed = 0
+    for j in replay_done:
+        try:
+            client.execute_cell(copy.deepcopy(nb.cells[j]), j)  # outputs discarded
+        except DeadKernelError:
+            return Restart(index, f"{reason}; then died while replaying", code, iteration, replayed,
+                           time.perf_counter() - t0)
+        replayed += 1
+        _declare_replay(client, nb.cells[j])
+    return Restart(index, reason, code, iteration, replayed, time.perf_counter() - t0)
+
+
+def _declare_replay(client, cell) -> None:
+    """Tell the kernel that a tagged cell is a replay cell (nbclient sends no cell metadata), so
+    its journal and its lint know it. A ``%%replay`` cell records itself."""
+    source = cell.get("source", "")
+    if source.lstrip().startswith("%%replay"):
+        return
+    code = f"__import__('colab_resilience')._magics_of().note_replay({source!r})"
+    run_sync(client.kc.execute_interactive)(code, silent=True, store_history=False, timeout=60)
+
+
+def _log_cell(index: int, cell) -> None:
+    import sys
+
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream":
+            stream = sys.stdout if out.get("name") == "stdout" else sys.stderr
+            for line in out.get("text", "").splitlines():
+                print(f"[cell {index}] {line}", file=stream)
+        elif out.get("output_type") == "error":
+            print(f"[cell {index}] {out.get('ename')}: {out.get('evalue')}", file=sys.stderr)
