@@ -272,11 +272,13 @@ def _execute_cells(client, nb, code_cells, run_root, max_restarts, result, on_ce
     for index in code_cells:
         cell = nb.cells[index]
         earlier: list = []  # outputs of the attempts the kernel died in: every output is kept
+        died = False
         while True:
             try:
                 client.execute_cell(cell, index)
                 break
             except DeadKernelError:
+                died = True
                 earlier += cell.get("outputs", [])
                 restarts.append(_restart(client, nb, index, run_root, replay_done, max_restarts, result))
             except CellExecutionError as e:
@@ -284,10 +286,17 @@ def _execute_cells(client, nb, code_cells, run_root, max_restarts, result, on_ce
                 refused = _journal_facts(run_root)[2]
                 result.status = EXIT_BUDGET if refused else EXIT_CELL_FAILED
                 result.failed_cell = index
-                lines = [l for l in str(e).strip().splitlines() if l.strip()]
-                result.message = f"colab-resilience: cell {index} failed: {lines[-1] if lines else type(e).__name__}"
+                errors = [o for o in cell.outputs if o.get("output_type") == "error"]
+                if errors:
+                    what = f"{errors[-1].get('ename')}: {errors[-1].get('evalue', '').strip()}"
+                else:  # a UsageError is printed to stderr, not sent as an error output
+                    streams = "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
+                    lines = [l for l in streams.splitlines() if l.strip()] or [
+                        l for l in str(e).splitlines() if l.strip() and not set(l) <= {"-"}]
+                    what = lines[-1] if lines else type(e).__name__
+                result.message = f"colab-resilience: cell {index} failed: {what}"
                 raise _Stop() from None
-        if earlier:
+        if died:
             markers = [nbformat.v4.new_output("stream", name="stderr", text=r.marker()) for r in restarts if r.cell == index]
             cell.outputs = earlier + markers + cell.get("outputs", [])
         if is_replay_cell(cell):
