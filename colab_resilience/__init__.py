@@ -32,6 +32,7 @@ __all__ = [
     "load_ipython_extension",
     "replay_cells",
     "resume_range",
+    "run_notebook",
     "unload_ipython_extension",
 ]
 
@@ -90,3 +91,12 @@ def _magics_of(shell=None):
 def replay_cells(shell=None) -> list[str]:
     """The sources of the recorded ``%%replay`` cells, in the order they will be replayed."""
     return [cell.source for cell in _magics_of(shell).replay_log.cells]
+
+
+def __getattr__(name: str):
+    # the supervised runner pulls in nbclient and jupyter_client: only when asked for
+    if name == "run_notebook":
+        from .driver import run_notebook
+
+        return run_notebook
+    raise AttributeError(f"module 'colab_resilience' has no attribute {name!r}")
