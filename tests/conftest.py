@@ -67,6 +67,9 @@ def ip():
     shell.run_line_magic("load_ext", "colab_resilience")
     yield shell
     shell.run_line_magic("unload_ext", "colab_resilience")
+    # `%config ResilienceMagics.x = ...` lands in the shared shell's config, and a later load of
+    # the extension would read it: every test starts from the defaults.
+    shell.config.pop("ResilienceMagics", None)
     for name in [n for n in shell.user_ns if not n.startswith("_") and n not in shell.user_ns_hidden]:
         shell.user_ns.pop(name, None)
 
