@@ -204,6 +204,8 @@ def test_demo_is_identical_to_the_uninterrupted_run():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "identical to the uninterrupted run: yes (bit for bit)" in r.stdout
     assert "kernel restarts                          2" in r.stdout
+    assert "restart 1: OOM (MemoryError) after" in r.stdout
+    assert "restart 2: killed by SIGKILL" in r.stdout
 
 
 def test_bundled_demo_and_notebooks_copy_are_the_same():
