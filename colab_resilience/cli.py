@@ -65,10 +65,26 @@ def _nonneg(text: str) -> int:
     return n
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line that says what was wrong and where to look (not the whole usage)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: {message}; see `{self.prog} --help`\n")
+
+
+DESCRIPTION = (
+    "Run Jupyter notebooks that survive out-of-memory errors and kernel deaths: a kernel that dies "
+    "is restarted, the set-up cells are replayed and the interrupted cell resumes from its last checkpoint."
+)
+EXIT_CODES = "exit codes: 0 done, 1 a cell failed, 2 usage or input error, 3 restart budget spent"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="colab-resilience", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("run", help="execute a notebook headless; restart a dead kernel and resume")
+    parser = _Parser(prog="colab-resilience", description=DESCRIPTION, epilog=EXIT_CODES)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    p = sub.add_parser("run", help="execute a notebook headless; restart a dead kernel and resume",
+                       description="Execute NOTEBOOK headless with nbclient; restart a dead kernel, replay "
+                       "the set-up cells and resume the interrupted cell.", epilog=EXIT_CODES)
     p.add_argument("notebook", help="the .ipynb file to execute")
     p.add_argument("-o", "--output", help="the executed notebook (default: NAME.out.ipynb beside it)")
     p.add_argument("-p", "--parameter", dest="parameters", nargs=2, action="append", default=[],

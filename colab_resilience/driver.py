@@ -214,15 +214,16 @@ def run_notebook(
     restarts = result.restarts
     bar = None
     code_cells = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(code_cells), unit="cell", desc="colab-resilience")
     try:
         try:
             with client.setup_kernel(env=kernel_env):
+                if progress:  # once a kernel is up: no empty bar before a start-up error
+                    from tqdm.auto import tqdm
+
+                    bar = tqdm(total=len(code_cells), unit="cell", desc="colab-resilience")
                 _execute_cells(client, nb, code_cells, run_root, max_restarts, result, on_cell, log_output, bar)
         except NoSuchKernel:
+            output = None  # nothing ran: no output notebook that would look like a result
             raise NotebookInputError(
                 f"no kernel named {kernel_name!r}; list them with `jupyter kernelspec list` or pass --kernel NAME"
             ) from None

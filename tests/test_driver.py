@@ -180,7 +180,8 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, make, args, expected):
     r = cli(*args, cwd=tmp_path, timeout=60)
     assert r.returncode == 2
     assert expected in r.stderr
-    assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # no usage block, no empty progress bar
+    assert not list(tmp_path.glob("*.out.ipynb"))  # nothing ran: no output that looks like a result
 
 
 def test_papermill_engine(tmp_path, reference):
