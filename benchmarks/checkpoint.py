@@ -229,7 +229,7 @@ def main() -> None:
            f"{second.bytes_reused / (1 << 20):.0f} MiB reused)")
     print()
     print("Reads are warm-cache for every row (files were just written). Writes are fsync'ed for every row.")
-    print("colab_resilience load verifies the sha256-tree hash of every byte; torch.load and dill verify nothing.")
+    print("colab_resilience load verifies the BLAKE3 tree hash of every byte; torch.load and dill verify nothing.")
     print("* mmap=True maps the file lazily: the bytes are read later, when the tensors are first used.")
 
 

@@ -102,10 +102,11 @@ def test_layout_permissions_and_manifest(store):
 
 def test_tree_hash_matches_a_plain_definition():
     data = os.urandom(smod.CHUNK * 2 + 123)
-    import hashlib
+    from blake3 import blake3
 
     chunks = [data[i : i + smod.CHUNK] for i in range(0, len(data), smod.CHUNK)]
-    expected = hashlib.sha256(b"".join(hashlib.sha256(c).digest() for c in chunks)).hexdigest()
+    expected = blake3(b"".join(blake3(c).digest() for c in chunks)).hexdigest()
+    assert smod.HASH_ALGORITHM == "blake3-tree-8MiB"
     assert smod.tree_hash(data) == expected
 
 
@@ -140,6 +141,8 @@ PLAIN = [
     {1, "a", (2, 3)}, frozenset({1, 2}), {"nested": {"deep": [(1.25, None), {7: {8}}]}},
     OrderedDict([("b", 1), ("a", 2)]), np.float64(2.5), np.int32(-7), np.bool_(True), [],
     {}, (), "",
+    [float(i) / 7 for i in range(100)] + [-0.0, 1e-310, float("inf")],  # a loss history: packed
+    [0.5] * 63 + [1],  # not all floats: element by element
 ]
 
 
@@ -155,6 +158,21 @@ def test_plain_values_round_trip_exactly(store, value):
 def test_nan_round_trips_as_nan(store):
     back = roundtrip(store, [float("nan"), complex(float("nan"), 1)])
     assert math.isnan(back[0]) and math.isnan(back[1].real) and back[1].imag == 1
+    nan = float("nan")
+    back = roundtrip(store, [nan] * 64)
+    assert len(back) == 64 and all(math.isnan(v) for v in back)
+
+
+def test_each_restore_hands_out_a_fresh_list(store):
+    store.save({"h": [1.0] * 100, "s": ["a"] * 3}, ["h", "s"])
+    ckpt = store.load()
+    first: dict = {}
+    second: dict = {}
+    ckpt.restore(first, rng=False)
+    ckpt.restore(second, rng=False)
+    first["h"].append(2.0)
+    first["s"].append("b")
+    assert second["h"] == [1.0] * 100 and second["s"] == ["a"] * 3
 
 
 @settings(max_examples=40, deadline=None)
@@ -460,6 +478,40 @@ def test_unchanged_blobs_are_not_written_again(store):
     store.load().restore(ns2)
     assert raw(ns2["big"]) == raw(big)
 
+
+def test_unchanged_chunks_are_not_hashed_again_but_every_change_is_saved(store, monkeypatch):
+    """The fast fingerprint decides only whether a chunk's hash must be computed again; changes
+    that autograd's version counter does not see (``.data``, a NumPy view) are still caught, and
+    the manifest always records the hash of what is really in the blob."""
+    hashed_bytes = []
+    real_digest = smod._digest
+
+    def counting_digest(pieces):
+        hashed_bytes.append(sum(memoryview(p).nbytes for p in pieces))
+        return real_digest(pieces)
+
+    monkeypatch.setattr(smod, "_digest", counting_digest)
+    w = torch.nn.Parameter(torch.randn(3 * smod.CHUNK // 4))  # three chunks
+    ns = {"w": w}
+    store.save(ns, ["w"])
+    hashed_bytes.clear()
+    store.save(ns, ["w"])
+    assert sum(hashed_bytes) < smod.CHUNK  # the RNG state only; no chunk of w was hashed again
+    for change in (
+        lambda: w.data.__setitem__(smod.CHUNK // 4 + 7, 42.0),  # 2nd chunk, invisible to w._version
+        lambda: w.detach().numpy().__setitem__(-1, -3.0),  # last chunk, through NumPy
+    ):
+        change()
+        hashed_bytes.clear()
+        report = store.save(ns, ["w"])
+        assert len(hashed_bytes) == 1 and 0 < hashed_bytes[0] <= smod.CHUNK  # the changed chunk only
+        assert report.bytes_written > w.numel() * 4
+        entry = manifest(store)["body"]["entries"][0]
+        blob = (store.blob_dir / entry["hash"]).read_bytes()
+        assert smod.tree_hash(blob) == entry["hash"]
+        back: dict = {}
+        store.load().restore(back)
+        assert raw(back["w"]) == raw(w)
 
 def test_a_fresh_store_reuses_blobs_already_on_disk(store):
     ns = {"t": torch.randn(1000)}
