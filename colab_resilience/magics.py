@@ -177,12 +177,17 @@ class ResilienceMagics(Magics):
     def root(self) -> Path:
         return Path(self.run_dir).expanduser() if self.run_dir else runs.default_root()
 
+    def _user_variables(self) -> list[str]:
+        """The user's own names (not IPython's ``open``/``In``/``Out``, not ours), for suggestions."""
+        hidden = self.shell.user_ns_hidden
+        return [k for k in self.shell.user_ns if not k.startswith("_") and k not in hidden]
+
     def _check_save(self, names: list[str], cell: str) -> None:
         ns = self.shell.user_ns
         assigned = _assigned_names(self.shell.transform_cell(cell))
         for name in names:
             if name not in ns and name not in assigned:
-                close = difflib.get_close_matches(name, [k for k in ns if not k.startswith("_")], n=1)
+                close = difflib.get_close_matches(name, self._user_variables(), n=1)
                 also = f" (did you mean {close[0]!r}?)" if close else ""
                 raise UsageError(
                     f"%%resilient: --save {name}: no variable {name!r} exists and the cell does not "
@@ -258,7 +263,7 @@ class ResilienceMagics(Magics):
         assigned = _assigned_names(cell)
         for s in shrinks:
             if s.name not in ns:
-                ints = [k for k, v in ns.items() if not k.startswith("_") and type(v) is int]
+                ints = [k for k in self._user_variables() if type(ns[k]) is int]
                 close = difflib.get_close_matches(s.name, ints, n=1)
                 also = f" (did you mean {close[0]!r}?)" if close else ""
                 raise UsageError(

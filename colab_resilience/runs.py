@@ -228,6 +228,7 @@ class Run:
         self.store = CheckpointStore(self.dir / "checkpoints", key=self._key)
         self.uses_loop = "resume_range" in body
         self.safe_points = 0
+        self._said_missing: set = set()  # names already reported as missing or unsaveable
         self._last_save = 0.0
         self.iteration: object = None  # the value of the iteration in progress
         self.next_index = 0  # where a resume from a checkpoint taken now would go on
@@ -368,17 +369,29 @@ class Run:
         if not due:
             return
         meta = {"next": next_index if next_index is not None else 0}
+        ns = self.shell.user_ns
+        # A name the cell has not assigned yet (checked when the cell started: it assigns it) is
+        # left out of this checkpoint and saved at the next safe point that finds it.
+        present = [n for n in self.names if n in ns]
+        missing = [n for n in self.names if n not in ns and n not in self._said_missing]
+        if missing and self.safe_points:
+            self._said_missing.update(missing)
+            self.say(
+                f"colab_resilience: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not defined at "
+                "this safe point; the checkpoint holds the other names"
+            )
         try:
-            report = self.store.save(self.shell.user_ns, self.names, meta=meta)
+            report = self.store.save(ns, present, meta=meta)
         except CheckpointError as e:
             # e.g. a full disk: the previous checkpoint is intact; try again at the next safe point
             self.say(f"{str(e).splitlines()[0]} — the previous checkpoint is kept; the run goes on and tries again at the next safe point")
             return
         self._last_save = time.monotonic()
-        for message in report.skipped.values():
-            self.say(message)
+        for name, message in report.skipped.items():
+            if ("skipped", name) not in self._said_missing:  # once per run, not at every safe point
+                self._said_missing.add(("skipped", name))
+                self.say(message)
         self.journal.last_checkpoint = report.checkpoint_id
-        ns = self.shell.user_ns
         # the batch size that fits goes with the checkpoint: a new kernel starts from it
         self.journal.extra.setdefault("shrink", {}).update(
             {n: ns[n] for n in self.shrink if isinstance(ns.get(n), int) and not isinstance(ns.get(n), bool)}

@@ -1210,7 +1210,7 @@ def _versions() -> dict[str, str]:
 
 
 def _user_names(namespace: Mapping[str, Any]) -> list[str]:
-    hidden = {"In", "Out", "exit", "quit", "get_ipython"}
+    hidden = {"In", "Out", "exit", "quit", "get_ipython", "open", "resume_range", "checkpoint"}
     return sorted(
         n for n, v in namespace.items()
         if isinstance(n, str) and not n.startswith("_") and n not in hidden and not isinstance(v, types.ModuleType)

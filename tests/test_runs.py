@@ -225,3 +225,41 @@ def test_an_ordinary_error_ends_the_run_with_a_hint_to_resume_it(ip, root, capsy
     assert result.success
     assert "rolled back to the last safe point; continuing at 2" in capsys.readouterr().out
     assert ip.user_ns["epochs_done"] == [0, 1, 2, 3]
+
+
+def test_names_the_cell_assigns_later_and_unsaveable_values_are_said_once(ip, root, capsys):
+    """A name the cell assigns is not "missing" before it runs; an unsaveable value is named once
+    per run, not at every safe point; suggestions come from the user's names, not IPython's."""
+    cell = (
+        "%%resilient --save total,gen\n"
+        "total = 0\n"
+        "gen = (i for i in range(3))\n"
+        "for step in resume_range(4):\n"
+        "    total += step\n"
+    )
+    assert ip.run_cell(cell).success
+    out = capsys.readouterr().out
+    assert "no variable of that name" not in out
+    assert out.count("cannot save 'gen': generator objects cannot be checkpointed") == 1
+    assert ip.user_ns["total"] == 6
+    ip.user_ns["batch_size"] = 8
+    with pytest.raises(UsageError) as info:
+        ip.run_cell_magic("resilient", "--save opn", "x = 1\n")
+    assert "did you mean" not in str(info.value)  # not IPython's `open`
+    with pytest.raises(UsageError) as info:
+        ip.run_cell_magic("resilient", "--shrink batch_siz", "x = 1\n")
+    assert "(did you mean 'batch_size'?)" in str(info.value)
+
+
+def test_a_saved_name_deleted_later_is_said_once_and_the_rest_is_saved(ip, root, capsys):
+    ip.user_ns.update(a=1, b=2)
+    cell = "%%resilient --save a,b\nfor i in resume_range(3):\n    a += 1\n    if i == 0:\n        del b\n"
+    assert ip.run_cell(cell).success
+    out = capsys.readouterr().out
+    assert out.count("colab_resilience: b is not defined at this safe point; the checkpoint holds the other names") == 1
+    run_dir = next(root.glob("run-*"))
+    from colab_resilience.state import CheckpointStore
+
+    ns: dict = {}
+    CheckpointStore(run_dir / "checkpoints").load().restore(ns, rng=False)
+    assert ns == {"a": 4}
