@@ -49,6 +49,11 @@ class JournalError(ResilienceError, ValueError):
     """The journal file is damaged, foreign, or from a newer version of this package."""
 
 
+class JournalUntrustedError(JournalError):
+    """The journal is well formed but not signed by this installation's key (another machine, a
+    new Colab VM, a lost key, or an edit): its replay cells are not executed unless trusted."""
+
+
 class JournalNotFoundError(ResilienceError, FileNotFoundError):
     """The run directory has no journal."""
 
@@ -178,11 +183,12 @@ class Journal:
         return journal
 
     @classmethod
-    def load(cls, run_dir: str | os.PathLike, *, key: bytes | None = None) -> Journal:
+    def load(cls, run_dir: str | os.PathLike, *, key: bytes | None = None, trust: bool = False) -> Journal:
         """Read and check the run's journal; :class:`JournalError` if it is not one of ours.
 
         With ``key``, the journal must carry this installation's signature (it holds the replay
-        cells a new kernel executes): an unsigned, edited or foreign journal is refused.
+        cells a new kernel executes): an unsigned, edited or foreign journal is refused with
+        :class:`JournalUntrustedError`, unless ``trust`` (the user vouched for it).
         """
         path = Path(run_dir) / JOURNAL_NAME
         try:
@@ -203,12 +209,17 @@ class Journal:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             cls._bad(path, f"not valid JSON: {e}")
         cls._validate(data, path)
-        if key is not None:
-            from .signing import verify
+        if key is not None and not trust:
+            from .signing import key_path, verify
 
             body = {k: v for k, v in data.items() if k != "signature"}
             if not verify(key, _canonical(body), data.get("signature")):
-                cls._bad(path, "not signed by this installation's key, or edited since")
+                raise JournalUntrustedError(
+                    f"colab_resilience: {path} is not signed by this installation's key ({key_path()}), "
+                    "or was edited since, so its set-up cells are not run; if you wrote it (another "
+                    "machine, a new Colab VM, a lost key), `%resilience resume --trust` adopts it, "
+                    "else `%resilience reset` starts the run afresh"
+                )
         values = {k: data[k] for k in _FIELDS}
         values["created"] = float(values["created"])
         values["updated"] = float(values["updated"])

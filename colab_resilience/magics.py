@@ -445,12 +445,15 @@ class ResilienceMagics(Magics):
         ``%resilience status``: every run in the run directory (status, restarts, last checkpoint).
         ``%resilience resume [RUN]``: replay the recorded set-up cells, restore the last checkpoint
         into the namespace, and mark the run pending so its cell continues when run again.
+        ``%resilience resume --trust [RUN]``: the same for a run written under another key (another
+        machine, a new Colab VM whose run directory is on Drive): you vouch for its set-up cells,
+        and its journal and checkpoints are signed with this installation's key from then on.
         ``%resilience reset [RUN]``: forget a run (journal and checkpoints).
         ``%resilience dir PATH``: choose the run directory (in Colab, a mounted Drive folder
         survives the loss of the VM).
         """
         words = line.split()
-        usage = "write %resilience status, resume [RUN], reset [RUN] or dir PATH"
+        usage = "write %resilience status, resume [--trust] [RUN], reset [RUN] or dir PATH"
         if not words or words[0] == "status":
             return self._status()
         cmd, rest = words[0], words[1:]
@@ -466,10 +469,18 @@ class ResilienceMagics(Magics):
             self.say(f"colab_resilience: runs are kept in {path}")
             return None
         if cmd in ("resume", "reset"):
+            trust = cmd == "resume" and "--trust" in rest
+            rest = [w for w in rest if not (trust and w == "--trust")]
+            bad = [w for w in rest if w.startswith("-")]
+            if bad or len(rest) > 1:
+                raise UsageError(
+                    f"%resilience {cmd}: unexpected {' '.join(bad or rest[1:])!r}; "
+                    + ("write %resilience resume [--trust] [RUN]" if cmd == "resume" else "write %resilience reset [RUN]")
+                )
             run_dir = self._pick_run(cmd, rest)
             if cmd == "reset":
                 return self._reset(run_dir)
-            return self._resume(run_dir)
+            return self._resume(run_dir, trust=trust)
         raise UsageError(f"%resilience: unknown command {cmd!r}; {usage}")
 
     def _runs(self) -> list[Path]:
@@ -533,7 +544,7 @@ class ResilienceMagics(Magics):
             self._adopt = None
         self.say(f"colab_resilience: forgot {run_dir.name} (journal and checkpoints removed)")
 
-    def _resume(self, run_dir: Path) -> None:
+    def _resume(self, run_dir: Path, *, trust: bool = False) -> None:
         from .journal import Journal, JournalError, RunLock
         from .signing import load_or_create_key
         from .state import CheckpointStore
@@ -546,14 +557,25 @@ class ResilienceMagics(Magics):
         try:
             key = load_or_create_key()
             try:
-                j = Journal.load(run_dir, key=key)
+                j = Journal.load(run_dir, key=key, trust=trust)
             except JournalError as e:
                 raise UsageError(str(e)) from None
+            store = CheckpointStore(run_dir / "checkpoints", key=key)
+            if trust:
+                # The user vouched for this run: from now on it is signed with this installation's key.
+                adopted = store.adopt()
+                j.save()
+                firsts = "; ".join(c["source"].strip().splitlines()[0][:60] for c in j.replay_cells if c["source"].strip())
+                self.say(
+                    f"colab_resilience: run {j.run_id} trusted and signed with this installation's key "
+                    f"(journal and {len(adopted)} checkpoint{'s' if len(adopted) != 1 else ''})"
+                    + (f"; replaying: {firsts}" if firsts else "")
+                )
             replayed = self._replay(j.replay_cells)
             names = [n for n in (j.extra.get("names") or [])]
             restored: list[str] = []
             try:
-                ckpt = CheckpointStore(run_dir / "checkpoints", key=key).load()
+                ckpt = store.load()
                 restored = ckpt.restore(self.shell.user_ns, [n for n in ckpt.names if n in names], strict=False)
             except ResilienceError as e:
                 self.say(str(e).splitlines()[0])

@@ -1051,6 +1051,30 @@ class CheckpointStore:
         self._remove_leftovers()
         self._chunk_cache.clear()
 
+    def adopt(self) -> list[str]:
+        """Re-sign every well-formed checkpoint manifest with this installation's key; return their
+        ids. For a run the user vouched for (``%resilience resume --trust``) after it was written
+        under another key. Blob hashes are still verified by every load."""
+        adopted = []
+        for cid in self.checkpoint_ids():
+            path = self.run_dir / cid / MANIFEST
+            try:
+                with open(path, "rb") as f:
+                    doc = json.loads(f.read(_MAX_MANIFEST + 1))
+                body = doc["body"]
+                if not isinstance(body, dict) or body.get("format") != FORMAT:
+                    continue
+                if signing.verify(self.key, _canonical(body), doc.get("hmac")):
+                    continue
+                data = json.dumps(
+                    {"body": body, "hmac": signing.sign(self.key, _canonical(body))}, indent=1, allow_nan=False
+                ).encode()
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # unreadable: loading will skip it as damaged
+            atomic_write(path, data)
+            adopted.append(cid)
+        return adopted
+
     # -- loading --
 
     def load(self, *, trust: bool = False) -> Checkpoint:

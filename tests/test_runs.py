@@ -127,7 +127,52 @@ def test_damaged_journal_is_refused_with_one_line(ip, root):
     ip.run_cell(SETUP)
     with pytest.raises(UsageError) as info:
         ip.run_cell_magic("resilient", "--save model,opt,history --retries 2", TRAIN.split("\n", 1)[1])
-    assert "is not a usable run journal (not signed by this installation's key, or edited since)" in str(info.value)
+    assert "is not signed by this installation's key" in str(info.value)
+    assert "so its set-up cells are not run" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_run_written_under_another_key_resumes_only_when_trusted(ip, root, tmp_path, monkeypatch, capsys):
+    """A new Colab VM with the run directory on Drive: the key in ~ is new. Nothing from the old
+    run is executed until the user vouches for it; then it resumes and is signed with the new key."""
+    from colab_resilience.journal import Journal
+    from colab_resilience.signing import load_or_create_key
+    from colab_resilience.state import CheckpointStore
+
+    canary = tmp_path / "setup-ran"
+    replay = f"%%replay\nopen({str(canary)!r}, 'a').write('x')\n" + SETUP
+    ip.run_cell(replay)
+    ip.user_ns.update(fail_in=set(), epochs_done=[])
+    cell = TRAIN.replace("for epoch in resume_range(4):", "for epoch in resume_range(4):\n    if epoch == 2 and not stop: raise KeyboardInterrupt")
+    ip.user_ns["stop"] = False
+    ip.run_cell(cell)  # interrupted at epoch 2: the run ends, its checkpoint is kept
+    assert canary.read_text() == "x"
+    want = ip.user_ns["history"]
+    run_dir = next(root.glob("run-*"))
+    ip.run_line_magic("unload_ext", "colab_resilience")
+    for name in [n for n in ip.user_ns if not n.startswith("_") and n not in ip.user_ns_hidden]:
+        ip.user_ns.pop(name)
+    monkeypatch.setenv("COLAB_RESILIENCE_HOME", str(tmp_path / "new-vm-home"))  # a new key
+    ip.run_line_magic("load_ext", "colab_resilience")
+    ip.run_line_magic("resilience", f"dir {root}")
+    with pytest.raises(UsageError) as info:
+        ip.run_line_magic("resilience", "resume")
+    assert "`%resilience resume --trust` adopts it" in str(info.value)
+    assert canary.read_text() == "x"  # the old set-up cell did not run
+    with pytest.raises(UsageError) as info:
+        ip.run_line_magic("resilience", "resume --trusted")
+    assert "%resilience resume: unexpected '--trusted'; write %resilience resume [--trust] [RUN]" in str(info.value)
+    capsys.readouterr()
+    ip.run_line_magic("resilience", "resume --trust")
+    out = capsys.readouterr().out
+    assert f"run {run_dir.name[4:]} trusted and signed with this installation's key (journal and 2 checkpoints)" in out
+    assert canary.read_text() == "xx"  # replayed now, because the user said so
+    assert ip.user_ns["history"] == want[:2]
+    key = load_or_create_key()
+    Journal.load(run_dir, key=key)  # signed with the new key now
+    CheckpointStore(run_dir / "checkpoints", key=key).load()
+    ip.user_ns.update(fail_in=set(), epochs_done=[], stop=True)
+    assert ip.run_cell(cell).success
+    assert ip.user_ns["epochs_done"] == [2, 3]
 
 
 @pytest.mark.parametrize(
@@ -179,7 +224,7 @@ def test_restart_after_bad_input(ip, line, expected):
 
 def test_resilience_bad_input(ip, root, tmp_path):
     for line, expected in [
-        ("frobnicate", "%resilience: unknown command 'frobnicate'; write %resilience status, resume [RUN], reset [RUN] or dir PATH"),
+        ("frobnicate", "%resilience: unknown command 'frobnicate'; write %resilience status, resume [--trust] [RUN], reset [RUN] or dir PATH"),
         ("resume", f"%resilience resume: no runs in {root}; a %%resilient cell creates one"),
         ("reset nope", f"%resilience reset: no run 'nope' in {root} (runs: none)"),
         ("dir a b", "%resilience dir: give one folder"),
