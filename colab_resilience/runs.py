@@ -225,9 +225,10 @@ class Run:
         self.lock = RunLock(self.dir)
         self.lock.acquire()  # RunLockedError names the holder
         self._key = load_or_create_key()
-        self.store = CheckpointStore(self.dir / "checkpoints", key=self._key)
+        self.store = CheckpointStore(self.dir / "checkpoints", key=self._key, run_id=self.run_id)
         self.uses_loop = "resume_range" in body
         self.safe_points = 0
+        self._saved_point = -1  # the safe point the last successful save was made at
         self._said_missing: set = set()  # names already reported as missing or unsaveable
         self._last_save = 0.0
         self.iteration: object = None  # the value of the iteration in progress
@@ -387,6 +388,7 @@ class Run:
             self.say(f"{str(e).splitlines()[0]} — the previous checkpoint is kept; the run goes on and tries again at the next safe point")
             return
         self._last_save = time.monotonic()
+        self._saved_point = self.safe_points
         for name, message in report.skipped.items():
             if ("skipped", name) not in self._said_missing:  # once per run, not at every safe point
                 self._said_missing.add(("skipped", name))
@@ -416,7 +418,8 @@ class Run:
                 reason = f"planned restart: {where} in use at {used:.0f}% (threshold {p.memory_percent:g}%)"
         if reason is None:
             return
-        self.save(next_index, force=True)  # the state to resume from is this safe point's
+        if self._saved_point != self.safe_points:  # not saved yet at this safe point (--every)
+            self.save(next_index, force=True)  # the state to resume from is this safe point's
         self.leave(reason, planned=True)
 
     # -------------------------------------------------------------------------- leaving
@@ -506,7 +509,13 @@ def install_startup_file(shell, root: Path) -> None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(_STARTUP.format(root=str(root)))
+    # IPython executes this file: never writable by others, whatever the umask (0 in some containers)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        os.fchmod(fd, 0o644)
+        os.write(fd, _STARTUP.format(root=str(root)).encode())
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
 
 

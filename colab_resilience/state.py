@@ -106,6 +106,7 @@ FORMAT = "colab_resilience.checkpoint"
 FORMAT_VERSION = 1
 HASH_ALGORITHM = "blake3-tree-8MiB"
 CHUNK = 8 << 20
+TRASH = ".trash-"  # blobs no kept checkpoint names, renamed on the way to being unlinked
 LATEST = "LATEST"
 MANIFEST = "manifest.json"
 BLOBS = "blobs"
@@ -735,12 +736,17 @@ class _Prepared:
 class CheckpointStore:
     """The checkpoints of one run directory. One process writes at a time (hold a ``RunLock``)."""
 
-    def __init__(self, run_dir: str | os.PathLike, *, key: bytes | None = None, keep: int = 2):
+    def __init__(
+        self, run_dir: str | os.PathLike, *, key: bytes | None = None, keep: int = 2, run_id: str | None = None
+    ):
         if keep < 1:
             raise ValueError("keep must be at least 1")
         self.run_dir = Path(run_dir)
+        # signed into every manifest; a manifest of another run (copied in) is not loaded
+        self.run_id = run_id
         self.keep = keep
         self._key = key
+        self._trash_thread: threading.Thread | None = None
         # per saved name: (fingerprint, digest) of each chunk as this process last hashed it
         self._chunk_cache: dict[str, list[tuple[bytes, bytes]]] = {}
 
@@ -894,6 +900,8 @@ class CheckpointStore:
                 "rng": entries[-1],
                 "skipped": skipped,
             }
+            if self.run_id is not None:
+                body["run_id"] = self.run_id
             manifest = json.dumps(
                 {"body": body, "hmac": signing.sign(self.key, _canonical(body))}, indent=1, allow_nan=False
             ).encode()
@@ -1033,11 +1041,40 @@ class CheckpointStore:
         except FileNotFoundError:
             return
         for n in blob_names:
-            if n not in referenced:
-                try:
-                    os.unlink(self.blob_dir / n)
+            if n not in referenced and not n.startswith(TRASH):
+                try:  # a rename now (no later save can find the blob), the unlink off the safe point
+                    os.rename(self.blob_dir / n, self.blob_dir / (TRASH + n))
                 except FileNotFoundError:
                     pass
+        self._empty_trash()
+
+    def wait(self) -> None:
+        """Wait until the blobs removed by the last save are unlinked (background work)."""
+        if self._trash_thread is not None:
+            self._trash_thread.join()
+
+    def _empty_trash(self) -> None:
+        """Unlink the trashed blobs in a background thread: freeing hundreds of MiB takes a
+        filesystem 0.1-0.5 s, which a training loop should not wait for at every safe point. What a
+        kernel leaving for a restart leaves behind is emptied after the next save."""
+        if self._trash_thread is not None and self._trash_thread.is_alive():
+            return
+
+        def empty(folder: Path) -> None:
+            try:
+                names = [n for n in os.listdir(folder) if n.startswith(TRASH)]
+            except OSError:
+                return
+            for n in names:
+                try:
+                    os.unlink(folder / n)
+                except OSError:
+                    pass
+
+        self._trash_thread = threading.Thread(
+            target=empty, args=(self.blob_dir,), name="colab_resilience-trash", daemon=True
+        )
+        self._trash_thread.start()
 
     def clear(self) -> None:
         """Remove every checkpoint and blob of this run (``%resilience reset``)."""
@@ -1069,7 +1106,7 @@ class CheckpointStore:
                 data = json.dumps(
                     {"body": body, "hmac": signing.sign(self.key, _canonical(body))}, indent=1, allow_nan=False
                 ).encode()
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError, KeyError, TypeError, RecursionError):
                 continue  # unreadable: loading will skip it as damaged
             atomic_write(path, data)
             adopted.append(cid)
@@ -1123,20 +1160,27 @@ class CheckpointStore:
         try:
             with open(path, "rb") as f:
                 raw = f.read(_MAX_MANIFEST + 1)
-            doc = json.loads(raw)
+            doc = json.loads(raw, parse_constant=_no_constant)
             body = doc["body"]
             sig = doc.get("hmac")
             ok_shape = isinstance(body, dict) and body.get("format") == FORMAT
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            signed = ok_shape and signing.verify(self.key, _canonical(body), sig)
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise CheckpointCorruptError(f"manifest unreadable: {_first_line(e)}") from None
         if not ok_shape:
             raise CheckpointCorruptError("manifest is not a colab_resilience manifest")
-        if not signing.verify(self.key, _canonical(body), sig) and not trust:
+        if not signed and not trust:
             raise UntrustedCheckpointError(
                 f"colab_resilience: checkpoint {cid} is not signed by this installation's key "
                 "(written elsewhere, or edited); load(trust=True) would accept it"
             )
         try:
+            if body.get("checkpoint_id") != cid:  # an older manifest copied over a newer one
+                raise CheckpointCorruptError(f"its manifest is that of {body.get('checkpoint_id')!r}")
+            if self.run_id is not None and body.get("run_id", self.run_id) != self.run_id:
+                raise CheckpointCorruptError(
+                    f"its manifest belongs to run {body.get('run_id')!r}, not {self.run_id!r} (copied from another run)"
+                )
             version = body["format_version"]
             if type(version) is not int or version > FORMAT_VERSION:
                 raise CheckpointCorruptError(f"format version {version!r} is newer than this package reads")
@@ -1150,7 +1194,7 @@ class CheckpointStore:
                 rng = self._read_entry(rng_entry, pool)
         except CheckpointCorruptError:
             raise
-        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error) as e:
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error, RecursionError) as e:
             raise CheckpointCorruptError(_first_line(e)) from None
         return Checkpoint(self, cid, body, loaded, rng, meta)
 
@@ -1198,6 +1242,10 @@ class CheckpointStore:
         loaded = _Loaded(self, e)
         loaded.fill(self._read_blob(e["hash"], e["size"], pool))
         return loaded
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number this package writes")
 
 
 def _check_entry(e: Any) -> dict:
@@ -1276,7 +1324,7 @@ class _Loaded:
             elif self.fmt == "json":
                 self._decoded = (json.loads(bytes(buf)), [], [])
                 _decode(self._decoded[0], [])
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error) as e:
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error, RecursionError) as e:
             raise CheckpointCorruptError(f"{self.name!r} does not decode: {_first_line(e)}") from None
         self._buf = buf
 
