@@ -58,7 +58,10 @@ class Kernel:
     def __init__(self, extra_env: dict | None = None):
         import os
 
-        self.km = KernelManager(kernel_name=KERNEL_NAME, transport="ipc")
+        import tempfile
+
+        self._sockets = tempfile.mkdtemp(prefix="cr-test-kernel-")  # not the working directory
+        self.km = KernelManager(kernel_name=KERNEL_NAME, transport="ipc", ip=os.path.join(self._sockets, "kernel"))
         env = dict(os.environ)
         env.update(extra_env or {})
         self.km.start_kernel(env=env)
@@ -156,10 +159,13 @@ class Kernel:
         self.kc.wait_for_ready(timeout=60)
 
     def shutdown(self) -> None:
+        import shutil
+
         try:
             self.kc.stop_channels()
         finally:
             self.km.shutdown_kernel(now=True)
+            shutil.rmtree(self._sockets, ignore_errors=True)
 
 
 def notebook(*sources: str, tags: dict[int, list[str]] | None = None):
