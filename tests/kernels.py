@@ -180,9 +180,17 @@ def notebook(*sources: str, tags: dict[int, list[str]] | None = None):
 
 def run_notebook(nb, *, allow_errors: bool = False, timeout: int = 180):
     """Execute ``nb`` headless with nbclient in a fresh kernel; return the executed notebook."""
-    km = AsyncKernelManager(kernel_name=KERNEL_NAME, transport="ipc")
+    import os
+    import shutil
+    import tempfile
+
+    sockets = tempfile.mkdtemp(prefix="cr-test-kernel-")
+    km = AsyncKernelManager(kernel_name=KERNEL_NAME, transport="ipc", ip=os.path.join(sockets, "kernel"))
     client = NotebookClient(nb, km=km, kernel_name=KERNEL_NAME, timeout=timeout, allow_errors=allow_errors)
-    client.execute()
+    try:
+        client.execute()
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
     return nb
 
 
