@@ -693,6 +693,17 @@ def _digest(pieces) -> bytes:
     return h.digest()
 
 
+def _read_and_digest(fd: int, dest: memoryview, offset: int) -> bytes:
+    """Fill ``dest`` from ``fd`` at ``offset`` (EOFError if the file ends first); its digest."""
+    done = 0
+    while done < dest.nbytes:
+        n = os.preadv(fd, [dest[done:]], offset + done)
+        if n <= 0:
+            raise EOFError
+        done += n
+    return _digest([dest])
+
+
 def _fingerprint(pieces) -> bytes:
     """A fast 128-bit fingerprint (xxh3), only for "did this chunk change since this process hashed
     it?": never stored, never trusted from disk; what a manifest records is always the BLAKE3."""
@@ -1216,17 +1227,18 @@ class CheckpointStore:
                 )
             buf = np.empty(size, dtype=np.uint8)
             view = memoryview(buf)
-            futures = []
-            pos = 0
-            while pos < size:
-                start, end = pos, min(pos + CHUNK, size)
-                while pos < end:
-                    n = f.readinto(view[pos:end])
-                    if not n:
-                        raise CheckpointCorruptError(f"blob {digest[:12]} ended early")
-                    pos += n
-                futures.append(pool.submit(_digest, [view[start:end]]))
-        if _combine([fu.result() for fu in futures]) != digest:
+            # Each chunk is read (pread: no shared file position) and hashed by one worker: copying
+            # from the page cache is CPU work too, so reading in one thread left a core idle.
+            fd = f.fileno()
+            futures = [
+                pool.submit(_read_and_digest, fd, view[start : min(start + CHUNK, size)], start)
+                for start in range(0, size, CHUNK)
+            ]
+            try:
+                digests = [fu.result() for fu in futures]
+            except EOFError:
+                raise CheckpointCorruptError(f"blob {digest[:12]} ended early") from None
+        if _combine(digests) != digest:
             self._set_aside(path)
             raise CheckpointCorruptError(f"blob {digest[:12]} does not match its hash (altered or damaged)")
         return buf
