@@ -1,0 +1,201 @@
+"""Time lost per kernel restart under colab_resilience's supervisor, against the floor and against
+re-running the notebook from scratch with papermill (what users do today), in one run.
+
+    python benchmarks/recovery.py [--params 50e6] [--epochs 10] [--steps 2] [--restarts 2]
+                                  [--fault request|kill] [--demo-epochs 12] [--only demo|workload]
+                                  [--kernel python3] [--quick]
+
+Two notebooks, each run twice under ``colab_resilience.run_notebook`` (real kernels, IPC
+sockets): once with faults, once without.
+
+- demo: the bundled ``colab_resilience/notebooks/demo.ipynb``, as ``colab-resilience demo`` runs
+  it: the faulty run hits a real out-of-memory error under a memory cap (``--shrink`` halves the
+  batch and retries in process; past the retries the kernel restarts) and a real SIGKILL in the
+  middle of epoch 2; the uninterrupted run trains with the batch size the faulty run ended with.
+  ``--demo-epochs`` sets its ``epochs`` parameter.
+- workload: a stack of nn.Linear(1024, 1024) layers (``--params`` parameters) trained with AdamW
+  (``--steps`` steps of ``--batch`` rows per epoch) in a ``%%resilient --save model,opt,history``
+  loop over ``resume_range(--epochs)``, checkpointed at every epoch, with ``%%replay`` imports and
+  set-up cells. Faults: ``--restarts`` planned restarts (``%restart_after``: the kernel asks for
+  them; default) or SIGKILLs from inside at the start of evenly spaced epochs (``--fault kill``).
+
+Definitions:
+
+- time lost per restart = (wall time of the faulty supervised run - wall time of the
+  uninterrupted supervised run) / number of kernel restarts. Everything the faults cost is in it
+  (for the demo also the in-process OOM retries and the part of epoch 2 redone after the kill).
+- floor = a fresh kernel (``KernelManager.start_kernel`` -> the first line of a cell runs) +
+  ``import torch`` + a raw read (``readinto``, no verification) of the files the notebook's last
+  checkpoint holds on disk (its blobs and manifest), page cache warm as for the resume.
+- re-running from scratch: papermill (its default engine) runs the notebook without
+  colab_resilience (the ``%load_ext``/``%%replay``/``%%resilient``/``%restart_after`` lines
+  removed, ``resume_range`` -> ``range``), uninterrupted, in T seconds (kernel start included).
+  A crash at 80% of the run loses the 80% of the work done and a kernel start:
+  lost = K + 0.8 x (T - K), K being the floor's kernel start.
+
+Targets: time lost per restart <= 1.5x the floor; >= 5x less time lost than re-running from
+scratch after a crash at 80%. One run of each; ratios come from this run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import sys
+from importlib import resources
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import _kernels as K  # noqa: E402
+
+CRASH_AT = 0.8
+
+
+def result_line(nb) -> str | None:
+    """The last ``RESULT ...`` line the notebook printed."""
+    for cell in reversed(nb.cells):
+        for out in cell.get("outputs", []):
+            for line in out.get("text", "").splitlines():
+                if line.startswith("RESULT "):
+                    return line
+    return None
+
+
+def measure(work: Path, kernel: str, faulty_nb, clean_nb, plain_nb, *, faulty_params=None, clean_params=None,
+            plain_params=None, max_restarts=3) -> dict:
+    """Faulty and uninterrupted supervised runs, the floor, the papermill re-run."""
+    (work / "faulty").mkdir(parents=True)
+    (work / "clean").mkdir()
+    (work / "plain").mkdir()
+    faulty = K.supervised(faulty_nb, work / "faulty.ipynb", kernel, work / "faulty" / "runs", work / "faulty",
+                          parameters=faulty_params, max_restarts=max_restarts)
+    clean_params = clean_params(faulty.notebook) if callable(clean_params) else clean_params
+    clean = K.supervised(clean_nb, work / "clean.ipynb", kernel, work / "clean" / "runs", work / "clean",
+                         parameters=clean_params)
+    floor = K.floor(kernel, K.checkpoint_files(work / "faulty" / "runs"))
+    plain_params = plain_params(faulty.notebook) if callable(plain_params) else plain_params
+    plain = K.papermill_run(plain_nb, work / "plain", kernel, parameters=plain_params)
+    n = len(faulty.restarts)
+    lost = (faulty.seconds - clean.seconds) / max(1, n)
+    rerun_lost = floor.kernel_start + CRASH_AT * (plain - floor.kernel_start)
+    return {
+        "clean": clean.seconds, "faulty": faulty.seconds, "restarts": n, "lost": lost,
+        "recovery": [r.seconds for r in faulty.restarts], "reasons": [r.reason for r in faulty.restarts],
+        "floor": floor, "plain": plain, "rerun_lost": rerun_lost,
+        "identical": result_line(faulty.notebook) == result_line(clean.notebook) and result_line(clean.notebook) is not None,
+    }
+
+
+def demo(root: Path, kernel: str, epochs: int) -> dict:
+    import nbformat
+
+    from colab_resilience.demo import _result
+
+    work = root / "demo"
+    nb = nbformat.reads((resources.files("colab_resilience") / "notebooks" / "demo.ipynb").read_text(), as_version=4)
+
+    def batch(faulty_nb) -> int:
+        return _result(faulty_nb).get("batch_size", 8192)
+
+    return measure(
+        work, kernel, nb, copy.deepcopy(nb), K.plain_notebook(nb),
+        faulty_params={"workdir": str(work / "faulty"), "epochs": epochs},
+        clean_params=lambda f: {"workdir": str(work / "clean"), "epochs": epochs, "inject_faults": False,
+                                "batch_size": batch(f)},
+        plain_params=lambda f: {"workdir": str(work / "plain"), "epochs": epochs, "inject_faults": False,
+                                "batch_size": batch(f)},
+    )
+
+
+def workload(root: Path, kernel: str, w: K.Workload, restarts: int, fault: str) -> dict:
+    work = root / "workload"
+    work.mkdir()
+    every = math.ceil(w.epochs / (restarts + 1))
+    kill_at = tuple(sorted({round(w.epochs * (i + 1) / (restarts + 1)) for i in range(restarts)}))
+    faulty = K.workload_notebook(w, work / "faulty.log", fault=fault, every=every, kill_at=kill_at,
+                                 workdir=work)
+    clean = K.workload_notebook(w, work / "clean.log")
+    plain = K.plain_notebook(K.workload_notebook(w, work / "plain.log"))
+    return measure(work, kernel, faulty, clean, plain, max_restarts=restarts + 2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    K.add_workload_args(ap, steps=2, what="workload")
+    ap.add_argument("--epochs", type=int, default=10, help="workload epochs (default 10)")
+    ap.add_argument("--restarts", type=int, default=2, help="workload kernel restarts (default 2)")
+    ap.add_argument("--demo-epochs", type=int, default=12,
+                    help="the demo's epochs parameter (default 12; the notebook's own is 4; at least 3)")
+    ap.add_argument("--only", choices=["demo", "workload"], help="run one of the two")
+    ap.add_argument("--quick", action="store_true",
+                    help="the workload only, --params 5e6 --epochs 6 --steps 2 --restarts 1 (under a minute)")
+    args = ap.parse_args()
+    if args.quick:
+        args.params, args.epochs, args.steps, args.restarts = 5_000_000, 6, 2, 1
+        args.only = args.only or "workload"
+    if args.restarts < 1 or args.epochs < args.restarts + 1:
+        ap.error("need --restarts >= 1 and --epochs > --restarts")
+    if args.demo_epochs < 3:
+        ap.error("--demo-epochs must be at least 3 (the demo's SIGKILL is in epoch 2)")
+
+    w = K.workload_from(args, epochs=args.epochs)
+    cols: dict[str, dict] = {}
+    with K.workspace(args.kernel, "cr-bench-recovery-") as (root, kernel):
+        if args.only in (None, "demo"):
+            print("recovery benchmark: the demo notebook ...", flush=True)
+            cols["demo notebook"] = demo(root, kernel, args.demo_epochs)
+        if args.only in (None, "workload"):
+            print(f"recovery benchmark: the {w.nparams / 1e6:.1f}M-parameter workload ...", flush=True)
+            cols[f"{w.nparams / 1e6:.0f}M workload"] = workload(root, kernel, w, args.restarts, args.fault)
+
+    import torch
+
+    print()
+    what = []
+    if args.only in (None, "demo"):
+        what.append(f"demo notebook, {args.demo_epochs} epochs")
+    if args.only in (None, "workload"):
+        what.append(f"workload {w.nparams / 1e6:.1f}M parameters + AdamW, {args.epochs} epochs of {args.steps} "
+                    f"steps, {args.restarts} restart(s) ({args.fault})")
+    print(f"recovery benchmark: {'; '.join(what)}; torch {torch.__version__}, {os.cpu_count()} CPUs")
+    print()
+    c = list(cols.values())
+
+    def row(label, f):
+        return (label, *[f(x) for x in c])
+
+    rows = [
+        row("uninterrupted supervised run (s)", lambda x: K.secs(x["clean"])),
+        row("faulty supervised run (s)", lambda x: K.secs(x["faulty"])),
+        row("kernel restarts", lambda x: str(x["restarts"])),
+        row("  driver's recovery per restart (s)", lambda x: ", ".join(f"{s:.1f}" for s in x["recovery"])),
+        row("same result as uninterrupted", lambda x: "yes" if x["identical"] else "NO"),
+        row("checkpoint on disk (MiB)", lambda x: f"{x['floor'].nbytes / (1 << 20):.1f}"),
+        (),
+        row("time lost per restart (s)", lambda x: K.secs(x["lost"])),
+        row("floor: fresh kernel + import torch + raw read (s)", lambda x: K.secs(x["floor"].total)),
+        row("  time lost per restart, x floor", lambda x: K.ratio(x["lost"], x["floor"].total)),
+        (),
+        row("papermill, uninterrupted, no colab_resilience (s)", lambda x: K.secs(x["plain"])),
+        row(f"papermill re-run after a crash at {CRASH_AT:.0%} (s lost)", lambda x: K.secs(x["rerun_lost"])),
+        row("  less time lost than re-running (x)", lambda x: K.ratio(x["rerun_lost"], x["lost"])),
+    ]
+    K.table(rows, ("", *cols))
+    print()
+    print("targets:")
+    for name, x in cols.items():
+        K.target(f"{name}: time lost per restart <= 1.5x floor", x["lost"] <= 1.5 * x["floor"].total,
+                 f"{x['lost'] / x['floor'].total:.2f}x")
+        K.target(f"{name}: >= 5x less time lost than a papermill re-run at {CRASH_AT:.0%}",
+                 x["rerun_lost"] >= 5 * x["lost"], f"{x['rerun_lost'] / x['lost']:.2f}x")
+    print()
+    for name, x in cols.items():
+        for i, reason in enumerate(x["reasons"], 1):
+            print(f"{name}: restart {i}: {reason}")
+
+
+if __name__ == "__main__":
+    main()
