@@ -348,18 +348,35 @@ def _restart(client, nb, index, run_root, replay_done, max_restarts, result) -> 
     code = _exit_code(km)
     reason, iteration, _ = _journal_facts(run_root)
     reason = reason or _death_reason(code)
-    if len(restarts) >= max_restarts:
-        result.status, result.failed_cell = EXIT_BUDGET, index
-        result.message = (
-            f"colab-resilience: restart budget spent ({len(restarts)}/{max_restarts} restarts): the kernel "
-            f"died again in cell {index} ({reason}). Attempts: "
-            + "; ".join(f"{i}. cell {r.cell}: {r.reason}" for i, r in enumerate(restarts, 1))
-        )
-        raise _Stop()
-    run_sync(km.restart_kernel)(now=True)  # the first start's env and arguments are kept
-    client.kc.stop_channels()
-    client.kc = None
-    client.start_new_kernel_client()
+    while True:
+        if len(restarts) >= max_restarts:
+            result.status, result.failed_cell = EXIT_BUDGET, index
+            result.message = (
+                f"colab-resilience: restart budget spent ({len(restarts)}/{max_restarts} restarts): the kernel "
+                f"died again in cell {index} ({reason}). Attempts: "
+                + "; ".join(f"{i}. cell {r.cell}: {r.reason}" for i, r in enumerate(restarts, 1))
+            )
+            raise _Stop()
+        run_sync(km.restart_kernel)(now=True)  # the first start's env and arguments are kept
+        if client.kc is not None:
+            client.kc.stop_channels()
+            client.kc = None
+        # Not nbclient's start_new_kernel_client: when the new kernel dies before it answers, that
+        # shuts the manager down for good (its ZMQ context too); a crash at start-up must instead
+        # count against the budget like any other death, and the next restart go ahead.
+        kc = km.client()
+        kc.start_channels()
+        try:
+            run_sync(kc.wait_for_ready)(timeout=client.startup_timeout)
+            kc.allow_stdin = False
+            client.kc = kc
+            break
+        except RuntimeError:  # "Kernel died before replying to kernel_info", or no answer in time
+            kc.stop_channels()
+            restarts.append(Restart(index, f"{reason}; then the new kernel died while starting", code,
+                                    iteration, 0, time.perf_counter() - t0))
+            code = _exit_code(km)
+            reason, t0 = f"died while starting: {_death_reason(code)}", time.perf_counter()
     replayed = 0
     for j in replay_done:
         try:

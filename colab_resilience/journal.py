@@ -205,15 +205,21 @@ class Journal:
         if len(raw) > _MAX_JOURNAL_BYTES:
             cls._bad(path, "larger than any journal this package writes")
         try:
-            data = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        except ValueError as e:  # UnicodeDecodeError, JSONDecodeError, NaN/Infinity, huge ints
             cls._bad(path, f"not valid JSON: {e}")
+        except RecursionError:
+            cls._bad(path, "not valid JSON: nested too deep")
         cls._validate(data, path)
         if key is not None and not trust:
             from .signing import key_path, verify
 
             body = {k: v for k, v in data.items() if k != "signature"}
-            if not verify(key, _canonical(body), data.get("signature")):
+            try:
+                signed = verify(key, _canonical(body), data.get("signature"))
+            except (ValueError, RecursionError):  # 1e400 parses as inf, which no signed journal holds
+                signed = False
+            if not signed:
                 raise JournalUntrustedError(
                     f"colab_resilience: {path} is not signed by this installation's key ({key_path()}), "
                     "or was edited since, so its set-up cells are not run; if you wrote it (another "
@@ -314,6 +320,10 @@ class Journal:
         else:
             self.replay_cells.append({"key": key, "source": source})
         self.save()
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number this package writes")
 
 
 def _canonical(data: dict[str, Any]) -> bytes:

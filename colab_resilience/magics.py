@@ -150,6 +150,10 @@ class ResilienceMagics(Magics):
     def _parse(self, magic, line: str):
         try:
             return parse_argstring(magic, line)
+        except ValueError as e:  # shlex: an unclosed quote
+            raise UsageError(
+                f"%%{magic.__name__}: cannot read the options ({e}); close or remove the quote"
+            ) from None
         except UsageError as e:
             name = magic.__name__
             text = str(e)
@@ -460,11 +464,13 @@ class ResilienceMagics(Magics):
         if cmd == "dir":
             if len(rest) != 1:
                 raise UsageError(f"%resilience dir: give one folder, e.g. %resilience dir /content/drive/MyDrive/runs")
-            path = Path(rest[0]).expanduser()
+            path = Path(rest[0])
             try:
-                runs.make_private_dir(path)
-            except OSError as e:
-                raise UsageError(f"%resilience dir: cannot use {path} ({e.strerror or e}); choose a writable folder") from None
+                path = path.expanduser()  # RuntimeError: ~user of no such user
+                runs.make_private_dir(path)  # ValueError: a NUL in the path
+            except (OSError, ValueError, RuntimeError) as e:
+                why = getattr(e, "strerror", None) or e
+                raise UsageError(f"%resilience dir: cannot use {path} ({why}); choose a writable folder") from None
             self.run_dir = str(path)
             self.say(f"colab_resilience: runs are kept in {path}")
             return None
@@ -515,8 +521,11 @@ class ResilienceMagics(Magics):
             except JournalError as e:
                 print(f"  {path.name}: unreadable ({e})")
                 continue
-            shrink = ", ".join(f"{k}={v}" for k, v in (j.extra.get("shrink") or {}).items())
-            names = ", ".join(j.extra.get("names") or []) or "nothing"
+            # read without the key (status only shows): extra may hold anything
+            shrink_d, names_l = j.extra.get("shrink"), j.extra.get("names")
+            shrink = ", ".join(f"{k}={v}" for k, v in shrink_d.items()) if isinstance(shrink_d, dict) else ""
+            names = ", ".join(str(n) for n in names_l) if isinstance(names_l, list) else ""
+            names = names or "nothing"
             last = j.restarts[-1]["reason"] if j.restarts else "none"
             print(
                 f"  run {j.run_id}: {j.status}; restarts {j.restarts_used}/{j.max_restarts} (last: {last}); "
@@ -560,7 +569,7 @@ class ResilienceMagics(Magics):
                 j = Journal.load(run_dir, key=key, trust=trust)
             except JournalError as e:
                 raise UsageError(str(e)) from None
-            store = CheckpointStore(run_dir / "checkpoints", key=key)
+            store = CheckpointStore(run_dir / "checkpoints", key=key, run_id=run_dir.name.removeprefix("run-"))
             if trust:
                 # The user vouched for this run: from now on it is signed with this installation's key.
                 adopted = store.adopt()

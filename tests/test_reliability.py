@@ -1,0 +1,112 @@
+"""Shortened reliability trials, through the same code as ``benchmarks/reliability.py``.
+
+- kill-writes: a checkpoint writer SIGKILLed at random moments of its saves, the store folder
+  reused across trials: every load is the newest committed generation or the one before, byte
+  for byte, or "no checkpoint yet"; one clean save removes what the kills left behind.
+- chaos: a supervised training run whose kernel is SIGKILLed from outside by PID during a
+  checkpoint write, during start-up and during the replay ends bit-identical to the uninterrupted
+  run.
+- crash loops: a kernel that dies at every start-up or during every replay (supervised), at the
+  start of every attempt or during every replay (interactive, jupyter_client standing in for the
+  Jupyter server's restarter) stops at its budget with a report, in bounded time.
+
+(The full-size trials: ``python benchmarks/reliability.py kill-writes|chaos|crash-loops``.)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import reliability  # noqa: E402
+
+
+def test_the_generation_check_is_exact():
+    """The kill trials' verifier catches one changed element and a value of another generation."""
+    size = 1 << 20
+    ns = reliability.make_namespace(size, 3)
+    assert reliability.check_namespace(ns, size, 3) is None
+    assert "weights" in reliability.check_namespace(ns, size, 4)
+    ns["weights"][12345] += 1
+    assert "weights" in reliability.check_namespace(ns, size, 3)
+    ns = reliability.make_namespace(size, 3)
+    ns["blob"] = reliability.make_namespace(size, 4)["blob"]
+    assert "blob" in reliability.check_namespace(ns, size, 3)
+    reliability.advance(ns, size, 7)  # advancing in place gives exactly what building gives
+    assert reliability.check_namespace(ns, size, 7) is None
+
+
+def test_sigkill_during_checkpoint_writes_never_loses_the_last_checkpoint():
+    trials, summary = reliability.kill_trials(10, 48, seed=1)
+    assert summary["data_lost"] == 0, summary["failures"]
+    assert summary["faults_survived"] == 10
+    assert {t.outcome for t in trials} <= {"latest", "latest (in flight)", "previous", "none yet"}
+    # nothing committed is ever lost to a kill: "none yet" only before the first commit
+    assert all(t.acknowledged is None for t in trials if t.outcome == "none yet")
+    # what the kills left behind (temporary blobs and folders, trash) goes with one clean save
+    assert summary["leftovers_after_clean_save"] == []
+
+
+@pytest.mark.kernel
+def test_chaos_run_with_kills_from_outside_is_bit_identical():
+    out = reliability.chaos_runs(1, 3, epochs=5, seed=3, spread=0,
+                                 schedule=["checkpoint write", "start-up", "set-up/replay"])
+    run = out["runs"][0]
+    assert run["killer_error"] is None
+    assert run["status"] == 0, run["message"]
+    assert run["kills"] == 3 and run["restarts"] == 3, run
+    assert run["identical"], (run["result"], out["reference"]["result"])
+    assert len(run["result"]) == 3  # weights, optimizer state, history
+
+
+@pytest.mark.kernel
+@pytest.mark.xfail(strict=True, reason="known gap: after a death in a plain cell that follows a finished "
+                   "%%resilient cell, the driver replays the set-up cells only: the trained state is lost "
+                   "and the run still ends with status 0")
+def test_a_kill_in_a_cell_after_training_keeps_the_trained_state():
+    with reliability.workspace() as root:
+        r = reliability.kill_in_a_later_cell(root)
+    assert r["restarts"] == 1 and r["trained"]
+    assert r["identical"], r
+
+
+@pytest.mark.kernel
+def test_supervised_kernel_dying_at_every_start_up_stops_at_the_budget():
+    # tests/test_driver.py covers a death in the first cell of every kernel; here every restarted
+    # kernel dies while starting, before it answers (the driver used to raise RuntimeError)
+    with reliability.workspace() as root:
+        r = reliability.crash_loop_driver_startup(root, max_restarts=2)
+    assert r["status"] == 3, r["message"]
+    assert r["restarts"] == 2 and not r["reached"]
+    assert "restart budget spent (2/2 restarts): the kernel died again in cell 0 (died while starting: killed by SIGKILL" in r["message"]
+    assert "1. cell 0: killed by SIGKILL, likely the OS out-of-memory killer; then the new kernel died while starting" in r["message"]
+    assert r["seconds"] < 60
+
+
+@pytest.mark.kernel
+def test_supervised_kernel_dying_during_every_replay_stops_at_the_budget():
+    with reliability.workspace() as root:
+        r = reliability.crash_loop_driver_replay(root, max_restarts=2)
+    assert r["status"] == 3, r["message"]
+    assert r["restarts"] == 2 and not r["reached"]
+    assert "restart budget spent (2/2 restarts): the kernel died again in cell 1" in r["message"]
+    assert r["message"].count("then died while replaying") == 2
+    assert r["seconds"] < 60
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("where", ["attempt", "replay"])
+def test_interactive_crash_loop_stops_at_the_budget_and_the_kernel_stays(where):
+    fn = {"attempt": reliability.crash_loop_interactive_attempt, "replay": reliability.crash_loop_interactive_replay}[where]
+    with reliability.workspace() as root:
+        r = fn(root, max_restarts=2)
+    # the first death is counted by the second kernel, the second by the third; the fourth refuses
+    assert r["status"] == "error", r
+    assert r["kernels"] == 4 and r["deaths"] == 3 and r["exit_codes"] == [-9, -9, -9]
+    assert "failed: restart budget spent (2/2 restarts) and the kernel died without warning" in r["report"]
+    assert r["alive_after"] and r["same_kernel_after"]  # it reports instead of exiting again
+    assert r["seconds"] < 60
