@@ -956,7 +956,8 @@ def print_chaos_table(out: dict) -> None:
 def kill_in_a_later_cell(root: Path) -> dict:
     """A SIGKILL in a plain cell *after* the ``%%resilient`` cell finished (an evaluation cell):
     the driver restarts, replays the set-up cells and re-executes that cell. Does it see the
-    trained weights (which the training cell printed at its end)? Known gap: it does not."""
+    trained weights (which the training cell printed at its end)? It restores them from the
+    finished run's last checkpoint after the replay."""
     from colab_resilience import driver
     from kernels import KERNEL_NAME, cell_text
 
@@ -973,7 +974,8 @@ def kill_in_a_later_cell(root: Path) -> dict:
     trained = [l for l in cell_text(nb.cells[1]).splitlines() if l.startswith("WEIGHTS")]
     seen = [l for l in cell_text(nb.cells[2]).splitlines() if l.startswith("WEIGHTS")]
     return {"status": res.status, "restarts": len(res.restarts), "trained": trained, "seen_after_restart": seen,
-            "identical": bool(trained) and trained == seen}
+            "identical": bool(trained) and trained == seen,
+            "marker": "restored model, opt from the finished training" in cell_text(nb.cells[2])}
 
 
 # ==================================================================================================

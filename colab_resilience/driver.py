@@ -57,11 +57,14 @@ class Restart:
     seconds: float
     time: float = field(default_factory=time.time)
 
+    restored: list = field(default_factory=list)  # names put back from runs finished earlier
+
     def marker(self) -> str:
         where = f" in iteration {self.iteration}" if self.iteration else ""
+        state = f", restored {', '.join(self.restored)} from the finished training" if self.restored else ""
         return (
             f"colab_resilience: the kernel died{where} ({self.reason}); restarted it, replayed "
-            f"{self.replayed} cell{'s' if self.replayed != 1 else ''} and resumed in {self.seconds:.1f} s\n"
+            f"{self.replayed} cell{'s' if self.replayed != 1 else ''}{state} and resumed in {self.seconds:.1f} s\n"
         )
 
 
@@ -386,7 +389,26 @@ def _restart(client, nb, index, run_root, replay_done, max_restarts, result) -> 
                            time.perf_counter() - t0)
         replayed += 1
         _declare_replay(client, nb.cells[j])
-    return Restart(index, reason, code, iteration, replayed, time.perf_counter() - t0)
+    restored = _restore_finished_runs(client)
+    return Restart(index, reason, code, iteration, replayed, time.perf_counter() - t0, restored=restored)
+
+
+def _restore_finished_runs(client) -> list[str]:
+    """After the replay: the state of the ``%%resilient`` cells that finished before the
+    interrupted cell (it is in their last checkpoints), so a later cell sees the trained model."""
+    import ast
+
+    expr = "__import__('colab_resilience')._magics_of().restore_finished_runs()"
+    reply = run_sync(client.kc.execute_interactive)(
+        "", silent=True, store_history=False, user_expressions={"r": expr}, timeout=600
+    )
+    result = reply.get("content", {}).get("user_expressions", {}).get("r", {})
+    if result.get("status") != "ok":
+        return []
+    try:
+        return list(ast.literal_eval(result["data"]["text/plain"]))
+    except (KeyError, ValueError, SyntaxError, TypeError):
+        return []
 
 
 def _declare_replay(client, cell) -> None:

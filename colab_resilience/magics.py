@@ -600,6 +600,36 @@ class ResilienceMagics(Magics):
             f"restored {', '.join(restored) or 'nothing'}; the next %%resilient cell you run continues it"
         )
 
+    def restore_finished_runs(self) -> list[str]:
+        """Put back the final state of every run that finished in the run directory, oldest
+        first; return the names restored. The driver calls this after a restart in a cell that
+        follows a finished ``%%resilient`` cell: replaying the set-up cells alone would hand
+        that cell an untrained model."""
+        from .journal import Journal, JournalError
+        from .signing import load_or_create_key
+        from .state import CheckpointStore
+
+        key = load_or_create_key()
+        done = []
+        for run_dir in reversed(self._runs()):  # oldest first: a later run's values win
+            try:
+                j = Journal.load(run_dir, key=key)
+            except JournalError:
+                continue
+            if j.status == "done":
+                done.append((run_dir, j))
+        restored: list[str] = []
+        for run_dir, j in done:
+            names = j.extra.get("names") or []
+            try:
+                ckpt = CheckpointStore(run_dir / "checkpoints", key=key, run_id=j.run_id).load()
+                got = ckpt.restore(self.shell.user_ns, [n for n in ckpt.names if n in names], strict=False)
+            except ResilienceError as e:
+                self.say(str(e).splitlines()[0])
+                continue
+            restored += [n for n in got if n not in restored]
+        return restored
+
     def note_replay(self, source: str) -> None:
         """Record an already executed cell as a replay cell (the driver's tagged cells)."""
         self.replay_log.record(None, source)

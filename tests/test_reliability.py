@@ -64,14 +64,12 @@ def test_chaos_run_with_kills_from_outside_is_bit_identical():
 
 
 @pytest.mark.kernel
-@pytest.mark.xfail(strict=True, reason="known gap: after a death in a plain cell that follows a finished "
-                   "%%resilient cell, the driver replays the set-up cells only: the trained state is lost "
-                   "and the run still ends with status 0")
 def test_a_kill_in_a_cell_after_training_keeps_the_trained_state():
     with reliability.workspace() as root:
         r = reliability.kill_in_a_later_cell(root)
     assert r["restarts"] == 1 and r["trained"]
     assert r["identical"], r
+    assert r["marker"] and r["status"] == 0, r
 
 
 @pytest.mark.kernel
