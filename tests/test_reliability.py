@@ -9,6 +9,8 @@
 - crash loops: a kernel that dies at every start-up or during every replay (supervised), at the
   start of every attempt or during every replay (interactive, jupyter_client standing in for the
   Jupyter server's restarter) stops at its budget with a report, in bounded time.
+- full disk at a safe point (a real kernel): one line, the previous checkpoint stays, the run
+  goes on and saves again at the next safe point.
 
 (The full-size trials: ``python benchmarks/reliability.py kill-writes|chaos|crash-loops``.)
 """
@@ -108,3 +110,34 @@ def test_interactive_crash_loop_stops_at_the_budget_and_the_kernel_stays(where):
     assert "failed: restart budget spent (2/2 restarts) and the kernel died without warning" in r["report"]
     assert r["alive_after"] and r["same_kernel_after"]  # it reports instead of exiting again
     assert r["seconds"] < 60
+
+
+@pytest.mark.kernel
+def test_a_full_disk_at_a_safe_point_keeps_the_previous_checkpoint_and_the_run_goes_on(tmp_path):
+    """The disk fills (RLIMIT_FSIZE: writes past 1 MiB fail with EFBIG, as ENOSPC would) for one
+    safe point: one line says so, the run trains on, the next safe point saves again."""
+    from kernels import Kernel
+
+    k = Kernel({"COLAB_RESILIENCE_RUN_DIR": str(tmp_path / "runs"), "IPYTHONDIR": str(tmp_path / "ipython")})
+    try:
+        k.ok("%load_ext colab_resilience")
+        k.ok("import resource, torch\nHARD = resource.getrlimit(resource.RLIMIT_FSIZE)[1]\nbig = torch.zeros(1 << 20)\nstep = -1")
+        r = k.ok(
+            "%%resilient --save big,step\n"
+            "for i in resume_range(4):\n"
+            "    big += 1\n"
+            "    step = i\n"
+            "    full = i == 1\n"
+            "    resource.setrlimit(resource.RLIMIT_FSIZE, ((1 << 20) if full else HARD, HARD))\n"
+        )
+        assert r.stdout.count("checkpoint not written") == 1, r.stdout
+        line = next(l for l in r.stdout.splitlines() if "checkpoint not written" in l)
+        assert "File too large" in line and "is intact" in line
+        assert line.endswith("the previous checkpoint is kept; the run goes on and tries again at the next safe point")
+        assert k.value("step") == 3
+        k.ok("from colab_resilience.state import CheckpointStore\nimport glob\n"
+             "ck = CheckpointStore(glob.glob(%r + '/run-*/checkpoints')[0]).load()\nback = {}\n"
+             "ck.restore(back, rng=False)" % str(tmp_path / "runs"))
+        assert k.value("(back['step'], float(back['big'][0]))") == (3, 4.0)
+    finally:
+        k.shutdown()
