@@ -1035,9 +1035,20 @@ class CheckpointStore:
         latest = self.latest_id()
         if latest:
             kept.add(latest)
-        for cid in ids:
+        # A checkpoint folder without a manifest is what a removal interrupted by a kill left (a
+        # new checkpoint appears whole, by one rename); checkpoint_ids() does not list it.
+        names = [n for n in os.listdir(self.run_dir) if _CKPT_RE.fullmatch(n)]
+        for cid in names:
             if cid not in kept:
-                shutil.rmtree(self.run_dir / cid, ignore_errors=True)
+                # out of sight in one rename, so a kill in the middle leaves only a .tmp- folder
+                gone = self.run_dir / f".tmp-ckpt-gone-{cid}"
+                try:
+                    os.rename(self.run_dir / cid, gone)
+                except FileNotFoundError:
+                    continue
+                except OSError:
+                    gone = self.run_dir / cid  # e.g. an earlier .tmp-ckpt-gone- of the same id
+                shutil.rmtree(gone, ignore_errors=True)
         self._remove_leftovers()
         referenced: set[str] = set()
         for cid in kept:

@@ -125,6 +125,19 @@ def test_keeps_the_last_two_and_collects_unreferenced_blobs(store):
     assert store.load().checkpoint_id == "ckpt-000005"
 
 
+def test_a_checkpoint_removal_cut_short_by_a_kill_is_finished_by_the_next_save(store):
+    """A kill inside the removal of an old checkpoint can leave its folder without a manifest
+    (invisible to checkpoint_ids); the next save removes it, and removal now starts with a rename."""
+    for i in range(3):
+        store.save({"t": torch.full((10,), float(i))}, ["t"])
+    (store.run_dir / "ckpt-000001").mkdir()  # what rmtree leaves when killed after the manifest
+    (store.run_dir / "ckpt-000001" / "stray").write_bytes(b"x")
+    store.save({"t": torch.ones(10)}, ["t"])
+    store.wait()
+    names = sorted(p.name for p in store.run_dir.iterdir() if p.name.startswith(("ckpt-", ".tmp")))
+    assert names == ["ckpt-000003", "ckpt-000004"]
+
+
 def test_trash_left_by_a_kernel_that_left_is_emptied_by_the_next_save(store):
     store.save({"t": torch.zeros(10)}, ["t"])
     (store.blob_dir / (smod.TRASH + "0" * 64)).write_bytes(b"x" * 1000)  # os._exit mid-unlink
