@@ -342,11 +342,7 @@ def structural_mutations(original_doc):
         if how == "delete":
             del parent[last]
         elif how == "deep":
-            parent[last] = {"$t": [None]}
-            node = parent[last]
-            for _ in range(3000):
-                node["$t"][0] = {"$t": [None]}
-                node = node["$t"][0]
+            parent[last] = DEEP
         else:
             parent[last] = junk
         return doc
@@ -354,11 +350,17 @@ def structural_mutations(original_doc):
     return st.builds(apply, st.sampled_from(paths), st.sampled_from(["replace", "replace", "delete", "deep"]), JSON_JUNK)
 
 
+class _Deep:
+    """Stands for a value nested far deeper than any parser's recursion limit."""
+
+
+DEEP = _Deep()
+
+
 def dumps_any(doc) -> bytes:
-    try:
-        return json.dumps(doc, indent=1).encode()
-    except RecursionError:
-        return b"[" * 200_000 + b"]" * 200_000
+    """JSON text of ``doc``, NaN and Infinity included; DEEP becomes 100,000 nested lists."""
+    text = json.dumps(doc, indent=1, default=lambda o: "\x00DEEP\x00")
+    return text.replace('"\\u0000DEEP\\u0000"', "[" * 100_000 + "]" * 100_000).encode()
 
 
 @pytest.mark.timeout(120)
@@ -392,7 +394,7 @@ def test_mutated_manifest_loads_the_same_checkpoint_or_falls_back(template, data
 
 
 @pytest.mark.timeout(120)
-@settings(max_examples=120, **FUZZ)
+@settings(max_examples=80, **FUZZ)
 @given(data=st.data())
 def test_validly_signed_but_malformed_manifest_is_refused_clearly(template, data):
     """A manifest signed with the key but malformed anywhere (as a writer bug would make it):
@@ -404,7 +406,7 @@ def test_validly_signed_but_malformed_manifest_is_refused_clearly(template, data
     try:
         try:
             sig = signing.sign(KEY, smod._canonical(body))
-        except (ValueError, RecursionError):
+        except (ValueError, TypeError):
             sig = "0" * 64  # NaN or too deep to sign: written unsigned
         manifest = dumps_any({"body": body, "hmac": sig})
         (store.run_dir / "ckpt-000002" / "manifest.json").write_bytes(manifest)
@@ -496,7 +498,7 @@ def test_mutated_journal_is_refused_clearly(sandbox, ip, journal_template, data)
 
 
 @pytest.mark.timeout(120)
-@settings(max_examples=120, **FUZZ)
+@settings(max_examples=80, **FUZZ)
 @given(data=st.data())
 def test_validly_signed_but_malformed_journal_is_refused_clearly(sandbox, ip, journal_template, data):
     """Signed with the key but malformed anywhere: JournalError, never a KeyError or TypeError,
@@ -509,8 +511,8 @@ def test_validly_signed_but_malformed_journal_is_refused_clearly(sandbox, ip, jo
     body = data.draw(structural_mutations(doc))
     try:
         body["signature"] = signing.sign(key, jmod._canonical(body)) if isinstance(body, dict) else None
-    except (ValueError, RecursionError):
-        pass
+    except (ValueError, TypeError):
+        pass  # NaN or too deep to sign: written unsigned
     tmp = Path(tempfile.mkdtemp(prefix="cr-journal-"))
     try:
         run = tmp / "run-r1"
