@@ -308,6 +308,8 @@ def _execute_cells(client, nb, code_cells, run_root, max_restarts, result, on_ce
         while True:
             try:
                 client.execute_cell(cell, index)
+                if is_replay_cell(cell):
+                    _declare_replay(client, cell)
                 break
             except DeadKernelError:
                 died = True
@@ -333,7 +335,6 @@ def _execute_cells(client, nb, code_cells, run_root, max_restarts, result, on_ce
             cell.outputs = earlier + markers + cell.get("outputs", [])
         if is_replay_cell(cell):
             replay_done.append(index)
-            _declare_replay(client, cell)
         if on_cell is not None:
             on_cell(index, cell)
         if log_output:
@@ -381,16 +382,51 @@ def _restart(client, nb, index, run_root, replay_done, max_restarts, result) -> 
             code = _exit_code(km)
             reason, t0 = f"died while starting: {_death_reason(code)}", time.perf_counter()
     replayed = 0
-    for j in replay_done:
-        try:
+    try:
+        for j in replay_done:
             client.execute_cell(copy.deepcopy(nb.cells[j]), j)  # outputs discarded
-        except DeadKernelError:
-            return Restart(index, f"{reason}; then died while replaying", code, iteration, replayed,
-                           time.perf_counter() - t0)
-        replayed += 1
-        _declare_replay(client, nb.cells[j])
-    restored = _restore_finished_runs(client)
+            replayed += 1
+            _declare_replay(client, nb.cells[j])
+        restored = _restore_finished_runs(client)
+    except DeadKernelError:  # the caller's next execution finds the kernel dead and restarts again
+        return Restart(index, f"{reason}; then died while replaying", code, iteration, replayed,
+                       time.perf_counter() - t0)
     return Restart(index, reason, code, iteration, replayed, time.perf_counter() - t0, restored=restored)
+
+
+def _kernel_call(client, code: str = "", *, user_expressions: dict | None = None, timeout: float = 60.0) -> dict:
+    """Run ``code`` silently in the kernel and return its ``execute_reply``.
+
+    Unlike ``execute_interactive``, which waits out its whole timeout when the kernel dies under
+    it, this raises nbclient's ``DeadKernelError`` within ``POLL_ALIVE_SECONDS`` of a death, so a
+    kill between two cells is recovered like a kill inside one.
+    """
+    import inspect
+    from queue import Empty
+
+    from nbclient.exceptions import DeadKernelError
+
+    async def settle(value):
+        return await value if inspect.isawaitable(value) else value
+
+    async def call() -> dict:
+        kc, km = client.kc, client.km
+        msg_id = kc.execute(code, silent=True, store_history=False,
+                            user_expressions=user_expressions or {}, allow_stdin=False)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                msg = await settle(kc.get_shell_msg(timeout=POLL_ALIVE_SECONDS))
+            except Empty:
+                if not await settle(km.is_alive()):
+                    raise DeadKernelError("Kernel died") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the kernel did not answer within {timeout:.0f} s") from None
+                continue
+            if msg.get("parent_header", {}).get("msg_id") == msg_id:
+                return msg
+
+    return run_sync(call)()
 
 
 def _restore_finished_runs(client) -> list[str]:
@@ -399,9 +435,7 @@ def _restore_finished_runs(client) -> list[str]:
     import ast
 
     expr = "__import__('colab_resilience')._magics_of().restore_finished_runs()"
-    reply = run_sync(client.kc.execute_interactive)(
-        "", silent=True, store_history=False, user_expressions={"r": expr}, timeout=600
-    )
+    reply = _kernel_call(client, user_expressions={"r": expr}, timeout=600)
     result = reply.get("content", {}).get("user_expressions", {}).get("r", {})
     if result.get("status") != "ok":
         return []
@@ -418,7 +452,7 @@ def _declare_replay(client, cell) -> None:
     if source.lstrip().startswith("%%replay"):
         return
     code = f"__import__('colab_resilience')._magics_of().note_replay({source!r})"
-    run_sync(client.kc.execute_interactive)(code, silent=True, store_history=False, timeout=60)
+    _kernel_call(client, code)
 
 
 def _log_cell(index: int, cell) -> None:

@@ -94,6 +94,36 @@ def test_sigkill_from_outside_by_pid_resumes_exactly(tmp_path, reference):
     assert len(pids) == 2  # the loop went on in a new kernel
 
 
+@pytest.mark.timeout(120)
+def test_a_death_between_cells_while_the_driver_restores_is_recovered_at_once(tmp_path, reference):
+    """The kernel dies while the driver, not a cell, is talking to it: in the restore that follows
+    a replay. The driver notices within its poll (it used to wait out a 600 s timeout), counts a
+    restart, and the run ends identical to the uninterrupted one."""
+    boom, later = tmp_path / "boom", tmp_path / "later"
+    boom.touch()
+    patch = (  # part of the replayed set-up: the first restore after a restart kills the kernel
+        "\nimport colab_resilience\n"
+        "_m = colab_resilience._magics_of(); _restore = _m.restore_finished_runs\n"
+        "def _boom():\n"
+        f"    if os.path.exists({str(boom)!r}):\n"
+        f"        os.unlink({str(boom)!r}); os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return _restore()\n"
+        "_m.restore_finished_runs = _boom"
+    )
+    kill_once = (f"if not os.path.exists({str(later)!r}):\n"
+                 f"    open({str(later)!r}, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n")
+    nb = notebook("%load_ext colab_resilience", SETUP + patch, TRAIN.format(fault="pass"), kill_once + RESULT)
+    t0 = time.perf_counter()
+    result = run(nb, tmp_path)
+    assert result.status == 0, result.message
+    assert time.perf_counter() - t0 < 90
+    assert [r.cell for r in result.restarts] == [3, 3]
+    assert "died while replaying" in result.restarts[0].reason
+    assert result.restarts[1].restored == ["model", "opt", "history"]
+    assert not boom.exists()
+    assert result_line(nb) == reference
+
+
 def test_real_oom_beyond_retries_restarts_and_resumes(tmp_path, reference):
     # torch.empty(1 << 44): a real allocator failure, in the first kernel only
     fault = f"if epoch == 3 and not os.path.exists({str(tmp_path / 'm')!r}):\n        open({str(tmp_path / 'm')!r}, 'w').write(str(os.getpid()))\n    if epoch == 3 and open({str(tmp_path / 'm')!r}).read() == str(os.getpid()):\n        torch.empty(1 << 44)"
