@@ -1027,6 +1027,11 @@ class CheckpointStore:
         for n in os.listdir(self.run_dir):
             if n.startswith(".tmp-ckpt-"):
                 shutil.rmtree(self.run_dir / n, ignore_errors=True)
+            elif n.startswith(f".{LATEST}.tmp-"):  # a kill between writing LATEST and its rename
+                try:
+                    os.unlink(self.run_dir / n)
+                except OSError:
+                    pass
 
     def _collect_garbage(self) -> None:
         """Keep the newest ``keep`` checkpoints (and what LATEST names); drop unreferenced blobs."""

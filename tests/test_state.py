@@ -132,9 +132,10 @@ def test_a_checkpoint_removal_cut_short_by_a_kill_is_finished_by_the_next_save(s
         store.save({"t": torch.full((10,), float(i))}, ["t"])
     (store.run_dir / "ckpt-000001").mkdir()  # what rmtree leaves when killed after the manifest
     (store.run_dir / "ckpt-000001" / "stray").write_bytes(b"x")
+    (store.run_dir / ".LATEST.tmp-123-abcd").write_bytes(b"ckpt-000004")  # killed before its rename
     store.save({"t": torch.ones(10)}, ["t"])
     store.wait()
-    names = sorted(p.name for p in store.run_dir.iterdir() if p.name.startswith(("ckpt-", ".tmp")))
+    names = sorted(p.name for p in store.run_dir.iterdir() if p.name.startswith(("ckpt-", ".")))
     assert names == ["ckpt-000003", "ckpt-000004"]
 
 
