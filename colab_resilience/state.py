@@ -883,6 +883,7 @@ class CheckpointStore:
             make_private_dir(self.run_dir)
             make_private_dir(self.blob_dir)
             self._remove_leftovers()
+            self._empty_trash()  # what a killed writer trashed but did not unlink yet, meanwhile
             checkpoint_id = self._next_id()
             entries = []
             with ThreadPoolExecutor(_WORKERS) as pool:
@@ -1022,8 +1023,22 @@ class CheckpointStore:
     # -- housekeeping --
 
     def _remove_leftovers(self) -> None:
+        """Remove what a writer killed mid-save left: temporary checkpoint folders, LATEST and
+        blob files. Only one writer uses a run directory at a time (the run lock), so at the start
+        of a save every temporary file is a leftover; removing them then, not only after the save,
+        keeps a run that is killed again and again from filling the disk."""
         if not self.run_dir.is_dir():
             return
+        try:
+            blob_names = os.listdir(self.blob_dir)
+        except OSError:
+            blob_names = []
+        for n in blob_names:
+            if n.startswith(".tmp-") or n.startswith(TRASH + ".tmp-"):
+                try:
+                    os.unlink(self.blob_dir / n)
+                except OSError:
+                    pass
         for n in os.listdir(self.run_dir):
             if n.startswith(".tmp-ckpt-"):
                 shutil.rmtree(self.run_dir / n, ignore_errors=True)
