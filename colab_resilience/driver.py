@@ -58,9 +58,12 @@ class Restart:
     time: float = field(default_factory=time.time)
 
     restored: list = field(default_factory=list)  # names put back from runs finished earlier
+    recovered: bool = True  # False: the new kernel died too (while starting or replaying)
 
     def marker(self) -> str:
         where = f" in iteration {self.iteration}" if self.iteration else ""
+        if not self.recovered:
+            return f"colab_resilience: the kernel died{where} ({self.reason}) after {self.seconds:.1f} s\n"
         state = f", restored {', '.join(self.restored)} from the finished training" if self.restored else ""
         return (
             f"colab_resilience: the kernel died{where} ({self.reason}); restarted it, replayed "
@@ -218,7 +221,9 @@ def run_notebook(
     code_cells = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
     try:
         try:
-            with client.setup_kernel(env=kernel_env):
+            client.start_new_kernel(env=kernel_env)
+            _first_client(client, nb, code_cells, run_root, max_restarts, result)
+            with client.setup_kernel(env=kernel_env):  # started above: this only cleans up
                 if progress:  # once a kernel is up: no empty bar before a start-up error
                     from tqdm.auto import tqdm
 
@@ -343,7 +348,24 @@ def _execute_cells(client, nb, code_cells, run_root, max_restarts, result, on_ce
             bar.update(1)
 
 
-def _restart(client, nb, index, run_root, replay_done, max_restarts, result) -> Restart:
+def _first_client(client, nb, code_cells, run_root, max_restarts, result) -> None:
+    """Connect to the first kernel. One that dies before it answers (an OOM kill at start-up, a
+    startup file that crashes) counts against the budget like any other death and is restarted;
+    nbclient's own start would raise RuntimeError out of the run instead."""
+    kc = client.km.client()
+    kc.start_channels()
+    try:
+        run_sync(kc.wait_for_ready)(timeout=client.startup_timeout)
+    except RuntimeError:
+        kc.stop_channels()
+        first = code_cells[0] if code_cells else 0
+        result.restarts.append(_restart(client, nb, first, run_root, [], max_restarts, result, starting=True))
+        return
+    kc.allow_stdin = False
+    client.kc = kc
+
+
+def _restart(client, nb, index, run_root, replay_done, max_restarts, result, starting=False) -> Restart:
     """After a death: check the budget, restart the kernel, replay; the caller re-executes."""
     from nbclient.exceptions import DeadKernelError
 
@@ -352,6 +374,8 @@ def _restart(client, nb, index, run_root, replay_done, max_restarts, result) -> 
     code = _exit_code(km)
     reason, iteration, _ = _journal_facts(run_root)
     reason = reason or _death_reason(code)
+    if starting:
+        reason = f"died while starting: {reason}"
     while True:
         if len(restarts) >= max_restarts:
             result.status, result.failed_cell = EXIT_BUDGET, index
@@ -378,7 +402,7 @@ def _restart(client, nb, index, run_root, replay_done, max_restarts, result) -> 
         except RuntimeError:  # "Kernel died before replying to kernel_info", or no answer in time
             kc.stop_channels()
             restarts.append(Restart(index, f"{reason}; then the new kernel died while starting", code,
-                                    iteration, 0, time.perf_counter() - t0))
+                                    iteration, 0, time.perf_counter() - t0, recovered=False))
             code = _exit_code(km)
             reason, t0 = f"died while starting: {_death_reason(code)}", time.perf_counter()
     replayed = 0
@@ -390,7 +414,7 @@ def _restart(client, nb, index, run_root, replay_done, max_restarts, result) -> 
         restored = _restore_finished_runs(client)
     except DeadKernelError:  # the caller's next execution finds the kernel dead and restarts again
         return Restart(index, f"{reason}; then died while replaying", code, iteration, replayed,
-                       time.perf_counter() - t0)
+                       time.perf_counter() - t0, recovered=False)
     return Restart(index, reason, code, iteration, replayed, time.perf_counter() - t0, restored=restored)
 
 

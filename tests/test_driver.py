@@ -157,6 +157,45 @@ def test_a_crash_loop_at_start_up_stops_at_the_driver_budget(tmp_path):
     assert time.monotonic() - started < 60
 
 
+@pytest.fixture
+def startup_killer(tmp_path):
+    """An IPython startup file that SIGKILLs every kernel while it starts, before it answers; or
+    only the first one (``once=True``). Removed afterwards."""
+    path = os.path.join(os.environ["IPYTHONDIR"], "profile_default", "startup", "50-test-killer.py")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+
+    def install(once: bool) -> None:
+        mark = tmp_path / "started-once"
+        cond = f"not os.path.exists({str(mark)!r})" if once else "True"
+        with open(path, "w") as f:
+            f.write(f"import os, signal\nif {cond}:\n    open({str(mark)!r}, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n")
+
+    yield install
+    os.unlink(path)
+
+
+def test_the_first_kernel_dying_while_starting_is_restarted_like_any_death(tmp_path, startup_killer):
+    startup_killer(once=True)
+    nb = notebook("print('ran', 1 + 1)")
+    result = run(nb, tmp_path)
+    assert result.status == 0, result.message
+    assert [r.reason for r in result.restarts] == ["died while starting: killed by SIGKILL, likely the OS out-of-memory killer"]
+    assert "ran 2" in cell_text(nb.cells[0])
+
+
+def test_cli_a_kernel_that_never_starts_exits_3_with_a_report_not_a_traceback(tmp_path, startup_killer):
+    startup_killer(once=False)
+    nb = notebook("print('not reached')")
+    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
+    nbformat.write(nb, tmp_path / "in.ipynb")
+    r = cli("run", str(tmp_path / "in.ipynb"), "--max-restarts", "1", "--no-progress")
+    assert r.returncode == driver.EXIT_BUDGET, r.stderr
+    assert "Traceback" not in r.stderr
+    assert ("colab-resilience: restart budget spent (1/1 restarts): the kernel died again in cell 0 "
+            "(died while starting: killed by SIGKILL") in r.stderr
+    assert "the new kernel died while starting) after" in r.stderr  # the marker does not claim a resume
+
+
 def test_ordinary_error_is_reported_like_papermill(tmp_path):
     nb = notebook("x = 1", "raise ValueError('bad parameter')", "print('not reached')")
     result = run(nb, tmp_path)
