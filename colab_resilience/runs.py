@@ -269,11 +269,14 @@ class Run:
     def _adopt_pending(self, replay) -> None:
         j = self.journal
         requested = j.extra.pop("restart_requested", False)
+        in_replay = j.extra.pop("phase", None) == "replay"
         if j.kernel_pid != os.getpid() and not requested:
             # The previous kernel vanished without asking: SIGKILL, most often the OOM killer.
+            why = ("the kernel died without warning while replaying the set-up cells" if in_replay
+                   else "the kernel died without warning (killed by the OS, likely out of host memory)")
             if j.restarts_left == 0:
-                self._fail_budget("the kernel died without warning (killed by the OS, likely out of host memory)")
-            j.record_restart("the kernel died without warning (killed by the OS, likely out of host memory)")
+                self._fail_budget(why)
+            j.record_restart(why)
         self.resuming = True
         self.restored_from_kernel_restart = j.kernel_pid != os.getpid()
         if not self._policy_set:
@@ -281,8 +284,12 @@ class Run:
             self.policy = RestartPolicy(p.get("every"), p.get("memory_percent"))
         replayed = 0
         start = time.perf_counter()
-        if replay is not None and self.restored_from_kernel_restart:
+        if replay is not None and self.restored_from_kernel_restart and j.replay_cells:
+            # a death during the replay is then told apart from one in the training (next kernel)
+            j.kernel_pid, j.extra["phase"] = os.getpid(), "replay"
+            j.save()
             replayed = replay(j.replay_cells)
+            j.extra.pop("phase", None)
         self._replay_seconds = time.perf_counter() - start
         self._replayed = replayed
         for name, value in (j.extra.get("shrink") or {}).items():
@@ -299,15 +306,15 @@ class Run:
 
     def budget_report(self, reason: str) -> str:
         j = self.journal
+        done = [r for r in j.restarts if not r.get("refused")]  # the refused one is ``reason``
+        fix = "the set-up cell that kills the kernel" if "replaying" in reason else "a smaller batch, less memory"
         attempts = "; ".join(
-            f"{i}. {r['reason']}" + (" (planned)" if r.get("planned") else "")
-            for i, r in enumerate(j.restarts, 1)
+            f"{i}. {r['reason']}" + (" (planned)" if r.get("planned") else "") for i, r in enumerate(done, 1)
         )
         return (
             f"colab_resilience: run {self.run_id} failed: restart budget spent "
-            f"({j.restarts_used}/{j.max_restarts} restarts) and {reason}. Attempts: {attempts}. "
-            "Fix the cause (a smaller batch, less memory), then run the cell again to start afresh, "
-            "or raise --max-restarts."
+            f"({j.restarts_used}/{j.max_restarts} restarts) and {reason}. Restarts: {attempts or 'none'}. "
+            f"Fix the cause ({fix}), then run the cell again to start afresh, or raise --max-restarts."
         )
 
     def restore(self, where: str) -> int:

@@ -108,6 +108,10 @@ def test_interactive_crash_loop_stops_at_the_budget_and_the_kernel_stays(where):
     assert r["status"] == "error", r
     assert r["kernels"] == 4 and r["deaths"] == 3 and r["exit_codes"] == [-9, -9, -9]
     assert "failed: restart budget spent (2/2 restarts) and the kernel died without warning" in r["report"]
+    assert "Restarts: 1. " in r["report"] and "; 2. " in r["report"] and "; 3. " not in r["report"]
+    if where == "replay":  # told apart from a death in the training (the OOM killer)
+        assert "(2/2 restarts) and the kernel died without warning while replaying the set-up cells" in r["report"]
+        assert r["report"].count("while replaying the set-up cells") == 2  # restart 2 and the refused one
     assert r["alive_after"] and r["same_kernel_after"]  # it reports instead of exiting again
     assert r["seconds"] < 60
 

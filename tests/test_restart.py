@@ -167,7 +167,8 @@ def test_always_oom_stops_at_its_budget_with_a_report(tmp_path, env):
         assert (r.status, r.ename) == ("error", "RuntimeError")
         assert "colab_resilience: run " in r.stdout
         assert "failed: restart budget spent (2/2 restarts)" in r.stdout
-        assert "Attempts: 1. OOM (DefaultCPUAllocator: can't allocate memory) after 1 attempt; 2. OOM" in r.stdout
+        assert "Restarts: 1. OOM (DefaultCPUAllocator: can't allocate memory) after 1 attempt; 2. OOM" in r.stdout
+        assert "; 3. " not in r.stdout  # the refused third death is the reason, not a restart
         assert k.pid in pids  # no further restart
         assert k.execute("1 + 1").status == "ok"
     finally:
