@@ -103,7 +103,6 @@ def main() -> None:
     os.environ.setdefault("COLAB_RESILIENCE_HOME", str(root / "home"))
     names = ["model", "opt", "features", "labels", "mask", "history", "config"]
     ns, nparams = build(args.params)
-    rows: list[tuple[str, float, str]] = []
     try:
         # -- this package --
         run = root / "run"

@@ -71,7 +71,7 @@ import threading
 import time
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -586,30 +586,13 @@ def _table(rows, indent: int = 2) -> None:
 def workspace(prefix: str = "cr-reliability-"):
     """A temporary root: kernelspec ``colab-resilience-test`` (this interpreter), a private
     IPYTHONDIR, COLAB_RESILIENCE_HOME and RUN_DIR; the environment is restored afterwards."""
-    from kernels import KERNEL_NAME
+    from kernels import isolated_jupyter
 
-    keys = ("JUPYTER_PATH", "IPYTHONDIR", "COLAB_RESILIENCE_HOME", "COLAB_RESILIENCE_RUN_DIR",
-            "PYDEVD_DISABLE_FILE_VALIDATION")
     root = Path(tempfile.mkdtemp(prefix=prefix))
-    saved = {k: os.environ.get(k) for k in keys}
     try:
-        spec_dir = root / "data" / "kernels" / KERNEL_NAME
-        spec_dir.mkdir(parents=True)
-        (spec_dir / "kernel.json").write_text(json.dumps({
-            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-            "display_name": "colab_resilience reliability", "language": "python"}))
-        os.environ["JUPYTER_PATH"] = str(root / "data")
-        os.environ["IPYTHONDIR"] = str(root / "ipython")
-        os.environ["COLAB_RESILIENCE_HOME"] = str(root / "home")
-        os.environ["COLAB_RESILIENCE_RUN_DIR"] = str(root / "runs")
-        os.environ["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
-        yield root
+        with isolated_jupyter(root, "colab_resilience reliability"):
+            yield root
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         shutil.rmtree(root, ignore_errors=True)
 
 

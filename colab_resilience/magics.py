@@ -463,7 +463,7 @@ class ResilienceMagics(Magics):
         cmd, rest = words[0], words[1:]
         if cmd == "dir":
             if len(rest) != 1:
-                raise UsageError(f"%resilience dir: give one folder, e.g. %resilience dir /content/drive/MyDrive/runs")
+                raise UsageError("%resilience dir: give one folder, e.g. %resilience dir /content/drive/MyDrive/runs")
             path = Path(rest[0])
             try:
                 path = path.expanduser()  # RuntimeError: ~user of no such user

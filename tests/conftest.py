@@ -2,48 +2,19 @@
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from kernels import KERNEL_NAME
+import kernels
 
 
 @pytest.fixture(scope="session", autouse=True)
 def isolated_jupyter(tmp_path_factory):
-    """Kernels started by the tests run this interpreter, with a fresh IPython profile.
-
-    A kernelspec of our own (pointing at ``sys.executable``) keeps a system-wide ``python3``
-    kernelspec from sending the tests to another Python; a private ``IPYTHONDIR`` keeps the
-    user's startup files and configuration out.
-    """
-    root = tmp_path_factory.mktemp("jupyter")
-    spec_dir = root / "data" / "kernels" / KERNEL_NAME
-    spec_dir.mkdir(parents=True)
-    (spec_dir / "kernel.json").write_text(
-        json.dumps(
-            {
-                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-                "display_name": "colab_resilience tests",
-                "language": "python",
-            }
-        )
-    )
-    saved = {k: os.environ.get(k) for k in ("JUPYTER_PATH", "IPYTHONDIR", "COLAB_RESILIENCE_HOME", "COLAB_RESILIENCE_RUN_DIR", "PYDEVD_DISABLE_FILE_VALIDATION")}
-    os.environ["JUPYTER_PATH"] = str(root / "data")
-    os.environ["IPYTHONDIR"] = str(root / "ipython")
-    os.environ["COLAB_RESILIENCE_HOME"] = str(root / "home")
-    os.environ["COLAB_RESILIENCE_RUN_DIR"] = str(root / "runs")
-    os.environ["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
-    yield root
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    """Kernels started by the tests run this interpreter, with a fresh IPython profile."""
+    with kernels.isolated_jupyter(tmp_path_factory.mktemp("jupyter")) as root:
+        yield root
 
 
 @pytest.fixture

@@ -2,15 +2,53 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import re
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import nbformat
 from jupyter_client import AsyncKernelManager, KernelManager
 from nbclient import NotebookClient
 
 KERNEL_NAME = "colab-resilience-test"
+
+
+@contextlib.contextmanager
+def isolated_jupyter(root: Path, display_name: str = "colab_resilience tests"):
+    """Kernels started inside the block run this interpreter, with a fresh IPython profile.
+
+    A kernelspec of our own (pointing at ``sys.executable``) keeps a system-wide ``python3``
+    kernelspec from sending the kernels to another Python; a private ``IPYTHONDIR`` keeps the
+    user's startup files and configuration out; the package's key and runs live under ``root``.
+    The environment is restored afterwards.
+    """
+    spec_dir = root / "data" / "kernels" / KERNEL_NAME
+    spec_dir.mkdir(parents=True)
+    (spec_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": display_name, "language": "python"}))
+    values = {
+        "JUPYTER_PATH": str(root / "data"),
+        "IPYTHONDIR": str(root / "ipython"),
+        "COLAB_RESILIENCE_HOME": str(root / "home"),
+        "COLAB_RESILIENCE_RUN_DIR": str(root / "runs"),
+        "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+    }
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield root
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 # In the kernel: read resident memory / address-space size and cap the address space, so that

@@ -9,7 +9,6 @@ last safe point ran exactly once.
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from IPython.core.error import UsageError
 
 import colab_resilience
