@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -307,3 +308,26 @@ def test_a_saved_name_deleted_later_is_said_once_and_the_rest_is_saved(ip, root,
     ns: dict = {}
     CheckpointStore(run_dir / "checkpoints").load().restore(ns, rng=False)
     assert ns == {"a": 4}
+
+
+def test_default_run_folder_is_on_a_mounted_drive_in_colab(tmp_path, monkeypatch):
+    """In Colab (detected by google.colab or COLAB_RELEASE_TAG) runs go to the mounted Drive
+    folder, which outlives the VM; without Drive, or outside Colab, to ./.colab_resilience."""
+    from colab_resilience import runs
+
+    drive = tmp_path / "drive" / "MyDrive"
+    monkeypatch.setattr(runs, "DRIVE", drive)
+    monkeypatch.delenv(runs.RUN_DIR_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLAB_RELEASE_TAG", "release-colab_20261120-060000_RC00")
+    assert runs.in_colab()
+    assert runs.default_root() == tmp_path / ".colab_resilience"  # Drive not mounted
+    drive.mkdir(parents=True)
+    assert runs.default_root() == drive / "colab_resilience"
+    monkeypatch.setenv(runs.RUN_DIR_ENV, str(tmp_path / "mine"))
+    assert runs.default_root() == tmp_path / "mine"  # an explicit folder wins
+    monkeypatch.delenv(runs.RUN_DIR_ENV)
+    monkeypatch.delenv("COLAB_RELEASE_TAG")
+    if "google.colab" not in sys.modules:
+        assert not runs.in_colab()
+        assert runs.default_root() == tmp_path / ".colab_resilience"  # Drive ignored outside Colab
