@@ -100,8 +100,10 @@ def test_ordinary_error_is_reported_exactly_as_without_the_magic(kernel):
 
 
 def test_ordinary_error_aborts_queued_cells(kernel):
-    kernel.ok("%load_ext colab_resilience")
-    first = kernel.submit("%%resilient\nraise ValueError('bad config')")
+    kernel.ok("%load_ext colab_resilience\nimport time")
+    # the pause makes sure the second request is queued when the error comes: ipykernel 6.17
+    # aborts only what has arrived by then (stop_on_error_timeout 0), with or without the magic
+    first = kernel.submit("%%resilient\ntime.sleep(0.5)\nraise ValueError('bad config')")
     second = kernel.submit("reached = True")
     assert kernel.collect(first).ename == "ValueError"
     assert kernel.collect(second).status == "aborted"
