@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from jupyter_core.utils import run_sync
+from jupyter_core.utils import ensure_async, run_sync
 
 from .runs import EXIT_RESTART, RUN_DIR_ENV, SUPERVISED_ENV
 
@@ -222,7 +222,9 @@ def run_notebook(
     try:
         try:
             client.start_new_kernel(env=kernel_env)
-            _first_client(client, nb, code_cells, run_root, max_restarts, result)
+            if not _connect(client):  # the first kernel died while starting: a death like any other
+                first = code_cells[0] if code_cells else 0
+                restarts.append(_restart(client, nb, first, run_root, [], max_restarts, result, starting=True))
             with client.setup_kernel(env=kernel_env):  # started above: this only cleans up
                 if progress:  # once a kernel is up: no empty bar before a start-up error
                     from tqdm.auto import tqdm
@@ -348,21 +350,23 @@ def _execute_cells(client, nb, code_cells, run_root, max_restarts, result, on_ce
             bar.update(1)
 
 
-def _first_client(client, nb, code_cells, run_root, max_restarts, result) -> None:
-    """Connect to the first kernel. One that dies before it answers (an OOM kill at start-up, a
-    startup file that crashes) counts against the budget like any other death and is restarted;
-    nbclient's own start would raise RuntimeError out of the run instead."""
+def _connect(client) -> bool:
+    """Connect ``client`` to the kernel its manager just started; False if it died first.
+
+    Not nbclient's start_new_kernel_client: when the kernel dies before it answers, that raises
+    RuntimeError out of the run and shuts the manager down for good (its ZMQ context too); a crash
+    at start-up must instead count against the budget like any other death, and a restart go ahead.
+    """
     kc = client.km.client()
     kc.start_channels()
     try:
         run_sync(kc.wait_for_ready)(timeout=client.startup_timeout)
-    except RuntimeError:
+    except RuntimeError:  # "Kernel died before replying to kernel_info", or no answer in time
         kc.stop_channels()
-        first = code_cells[0] if code_cells else 0
-        result.restarts.append(_restart(client, nb, first, run_root, [], max_restarts, result, starting=True))
-        return
+        return False
     kc.allow_stdin = False
     client.kc = kc
+    return True
 
 
 def _restart(client, nb, index, run_root, replay_done, max_restarts, result, starting=False) -> Restart:
@@ -389,22 +393,12 @@ def _restart(client, nb, index, run_root, replay_done, max_restarts, result, sta
         if client.kc is not None:
             client.kc.stop_channels()
             client.kc = None
-        # Not nbclient's start_new_kernel_client: when the new kernel dies before it answers, that
-        # shuts the manager down for good (its ZMQ context too); a crash at start-up must instead
-        # count against the budget like any other death, and the next restart go ahead.
-        kc = km.client()
-        kc.start_channels()
-        try:
-            run_sync(kc.wait_for_ready)(timeout=client.startup_timeout)
-            kc.allow_stdin = False
-            client.kc = kc
+        if _connect(client):
             break
-        except RuntimeError:  # "Kernel died before replying to kernel_info", or no answer in time
-            kc.stop_channels()
-            restarts.append(Restart(index, f"{reason}; then the new kernel died while starting", code,
-                                    iteration, 0, time.perf_counter() - t0, recovered=False))
-            code = _exit_code(km)
-            reason, t0 = f"died while starting: {_death_reason(code)}", time.perf_counter()
+        restarts.append(Restart(index, f"{reason}; then the new kernel died while starting", code,
+                                iteration, 0, time.perf_counter() - t0, recovered=False))
+        code = _exit_code(km)
+        reason, t0 = f"died while starting: {_death_reason(code)}", time.perf_counter()
     replayed = 0
     try:
         for j in replay_done:
@@ -425,13 +419,9 @@ def _kernel_call(client, code: str = "", *, user_expressions: dict | None = None
     it, this raises nbclient's ``DeadKernelError`` within ``POLL_ALIVE_SECONDS`` of a death, so a
     kill between two cells is recovered like a kill inside one.
     """
-    import inspect
     from queue import Empty
 
     from nbclient.exceptions import DeadKernelError
-
-    async def settle(value):
-        return await value if inspect.isawaitable(value) else value
 
     async def call() -> dict:
         kc, km = client.kc, client.km
@@ -440,9 +430,9 @@ def _kernel_call(client, code: str = "", *, user_expressions: dict | None = None
         deadline = time.monotonic() + timeout
         while True:
             try:
-                msg = await settle(kc.get_shell_msg(timeout=POLL_ALIVE_SECONDS))
+                msg = await ensure_async(kc.get_shell_msg(timeout=POLL_ALIVE_SECONDS))
             except Empty:
-                if not await settle(km.is_alive()):
+                if not await ensure_async(km.is_alive()):
                     raise DeadKernelError("Kernel died") from None
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the kernel did not answer within {timeout:.0f} s") from None

@@ -84,10 +84,15 @@ def write_all(fd: int, data) -> None:
         view = view[n:]
 
 
+def atomic_temp_prefix(name: str) -> str:
+    """How the temporary files of :func:`atomic_write` for ``name`` begin (a kill can leave one)."""
+    return f".{name}.tmp-"
+
+
 def atomic_write(path: str | os.PathLike, data: bytes, mode: int = 0o600) -> None:
     """Replace ``path`` by ``data`` atomically and durably (temp + fsync + replace + fsync dir)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = path.with_name(f"{atomic_temp_prefix(path.name)}{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
     try:
         try:

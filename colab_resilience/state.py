@@ -100,7 +100,7 @@ from .errors import (
     NoCheckpointError,
     UntrustedCheckpointError,
 )
-from .journal import atomic_write, fsync_dir, make_private_dir, write_all
+from .journal import atomic_temp_prefix, atomic_write, fsync_dir, make_private_dir, write_all
 
 FORMAT = "colab_resilience.checkpoint"
 FORMAT_VERSION = 1
@@ -1034,7 +1034,7 @@ class CheckpointStore:
         except OSError:
             blob_names = []
         for n in blob_names:
-            if n.startswith(".tmp-") or n.startswith(TRASH + ".tmp-"):
+            if n.startswith(".tmp-"):
                 try:
                     os.unlink(self.blob_dir / n)
                 except OSError:
@@ -1042,7 +1042,7 @@ class CheckpointStore:
         for n in os.listdir(self.run_dir):
             if n.startswith(".tmp-ckpt-"):
                 shutil.rmtree(self.run_dir / n, ignore_errors=True)
-            elif n.startswith(f".{LATEST}.tmp-"):  # a kill between writing LATEST and its rename
+            elif n.startswith(atomic_temp_prefix(LATEST)):  # a kill between writing LATEST and its rename
                 try:
                     os.unlink(self.run_dir / n)
                 except OSError:
