@@ -3,7 +3,7 @@ re-running the notebook from scratch with papermill (what users do today), in on
 
     python benchmarks/recovery.py [--params 50e6] [--epochs 10] [--steps 2] [--restarts 2]
                                   [--fault request|kill] [--demo-epochs 12] [--only demo|workload]
-                                  [--kernel python3] [--quick]
+                                  [--kernel python3] [--quick] [--no-standby]
 
 Two notebooks, each run twice under ``colab_resilience.run_notebook`` (real kernels, IPC
 sockets): once with faults, once without.
@@ -18,6 +18,10 @@ sockets): once with faults, once without.
   loop over ``resume_range(--epochs)``, checkpointed at every epoch, with ``%%replay`` imports and
   set-up cells. Faults: ``--restarts`` planned restarts (``%restart_after``: the kernel asks for
   them; default) or SIGKILLs from inside at the start of evenly spaced epochs (``--fault kill``).
+
+Both supervised runs use the driver's standby kernel (a second kernel started ahead of need and
+warmed with the working kernel's imports, which takes over after a death), as
+``colab-resilience run`` does by default; ``--no-standby`` measures cold restarts instead.
 
 Definitions:
 
@@ -52,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _kernels as K  # noqa: E402
 
 CRASH_AT = 0.8
+STANDBY = True  # --no-standby: False
 
 
 def result_line(nb) -> str | None:
@@ -66,15 +71,16 @@ def result_line(nb) -> str | None:
 
 def measure(work: Path, kernel: str, faulty_nb, clean_nb, plain_nb, *, faulty_params=None, clean_params=None,
             plain_params=None, max_restarts=3) -> dict:
+    standby = STANDBY
     """Faulty and uninterrupted supervised runs, the floor, the papermill re-run."""
     (work / "faulty").mkdir(parents=True)
     (work / "clean").mkdir()
     (work / "plain").mkdir()
     faulty = K.supervised(faulty_nb, work / "faulty.ipynb", kernel, work / "faulty" / "runs", work / "faulty",
-                          parameters=faulty_params, max_restarts=max_restarts)
+                          parameters=faulty_params, max_restarts=max_restarts, standby=standby)
     clean_params = clean_params(faulty.notebook) if callable(clean_params) else clean_params
     clean = K.supervised(clean_nb, work / "clean.ipynb", kernel, work / "clean" / "runs", work / "clean",
-                         parameters=clean_params)
+                         parameters=clean_params, standby=standby)
     floor = K.floor(kernel, K.checkpoint_files(work / "faulty" / "runs"))
     plain_params = plain_params(faulty.notebook) if callable(plain_params) else plain_params
     plain = K.papermill_run(plain_nb, work / "plain", kernel, parameters=plain_params)
@@ -132,7 +138,10 @@ def main() -> None:
     ap.add_argument("--only", choices=["demo", "workload"], help="run one of the two")
     ap.add_argument("--quick", action="store_true",
                     help="the workload only, --params 5e6 --epochs 6 --steps 2 --restarts 1 (under a minute)")
+    ap.add_argument("--no-standby", action="store_true", help="supervised runs without the standby kernel")
     args = ap.parse_args()
+    global STANDBY
+    STANDBY = not args.no_standby
     if args.quick:
         args.params, args.epochs, args.steps, args.restarts = 5_000_000, 6, 2, 1
         args.only = args.only or "workload"
@@ -160,7 +169,8 @@ def main() -> None:
     if args.only in (None, "workload"):
         what.append(f"workload {w.nparams / 1e6:.1f}M parameters + AdamW, {args.epochs} epochs of {args.steps} "
                     f"steps, {args.restarts} restart(s) ({args.fault})")
-    print(f"recovery benchmark: {'; '.join(what)}; torch {torch.__version__}, {os.cpu_count()} CPUs")
+    print(f"recovery benchmark: {'; '.join(what)}; standby kernel {'on' if STANDBY else 'off'}; "
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs")
     print()
     c = list(cols.values())
 

@@ -1,7 +1,7 @@
 """Reliability trials: SIGKILL during checkpoint writes, chaos runs under the supervisor, crash loops.
 
     python benchmarks/reliability.py kill-writes [--trials 200] [--size-mb 300] [--dir DIR] [--seed S]
-    python benchmarks/reliability.py chaos       [--runs 1] [--kills 8] [--epochs 8] [--seed S]
+    python benchmarks/reliability.py chaos       [--runs 1] [--kills 8] [--epochs 8] [--seed S] [--no-standby]
     python benchmarks/reliability.py crash-loops [--max-restarts 2]
 
 kill-writes
@@ -36,8 +36,12 @@ chaos
     one running ``ipykernel_launcher``, the process the kernel manager started) ``--kills`` times,
     each time in a phase drawn from start-up, set-up/replay, training and checkpoint write, after
     a random delay within the phase's length measured in the uninterrupted run. Where each kill
-    really landed is read from the log afterwards. The result must be identical (same hashes) to
-    the uninterrupted run's. The killer stops once training has ended; afterwards one more run
+    really landed is read from the log afterwards. With the driver's standby kernel (the
+    default; ``--no-standby`` for none), a start-up kill finds the standby, the only kernel then
+    starting: it is reported as "standby" (told apart by ``COLAB_RESILIENCE_STANDBY=1`` in its
+    environment, and by not having taken over yet) and
+    costs no restart, only a cold one at the next death. The result must be identical (same
+    hashes) to the uninterrupted run's. The killer stops once training has ended; afterwards one more run
     checks what a kill in a plain cell *after* the finished ``%%resilient`` cell does (a known
     gap: the re-executed cell sees the freshly replayed, untrained model, and the run ends with
     status 0).
@@ -802,12 +806,13 @@ class Killer(threading.Thread):
                     time.sleep(min(0.005, max(0.0, t + delay - time.time())))
                 if self.stop.is_set():
                     return
+                spare = _is_standby(pid)
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     continue
                 now = time.time()
-                self.kills.append({"pid": pid, "time": now, "planned": phase})
+                self.kills.append({"pid": pid, "time": now, "planned": phase, "standby": spare})
                 after = now
         except BaseException as e:  # noqa: BLE001 - reported by the caller
             self.error = e
@@ -817,6 +822,17 @@ def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
         return True
+    except OSError:
+        return False
+
+
+def _is_standby(pid: int) -> bool:
+    """Started by the driver as a standby (it may have taken over since: see where it landed)."""
+    from colab_resilience.standby import ENV
+
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{ENV}=1".encode() in f.read().split(b"\0")
     except OSError:
         return False
 
@@ -836,7 +852,7 @@ def chaos_schedule(kills: int, rng: random.Random) -> list[str]:
 
 
 def chaos_runs(runs: int, kills: int, *, epochs: int = 8, width: int = 1024, seed: int = 0,
-               schedule: list[str] | None = None, spread: int = 1, progress=None) -> dict:
+               schedule: list[str] | None = None, spread: int = 1, progress=None, standby: bool = True) -> dict:
     """One uninterrupted reference run, then ``runs`` runs with ``kills`` SIGKILLs each (in the
     phases of ``schedule`` if given, else drawn by :func:`chaos_schedule`)."""
     from colab_resilience import driver
@@ -878,7 +894,7 @@ def chaos_runs(runs: int, kills: int, *, epochs: int = 8, width: int = 1024, see
             error = ""
             try:
                 res = driver.run_notebook(nb, root / f"chaos-{i}.ipynb", kernel_name=KERNEL_NAME,
-                                          run_dir=root / f"runs-{i}", cwd=root, max_restarts=budget)
+                                          run_dir=root / f"runs-{i}", cwd=root, max_restarts=budget, standby=standby)
                 status, message, restarts = res.status, res.message, res.restarts
             except Exception as e:  # noqa: BLE001 - a driver that raises is a failure of the run
                 status, message, restarts = None, "", []
@@ -888,12 +904,16 @@ def chaos_runs(runs: int, kills: int, *, epochs: int = 8, width: int = 1024, see
             killer.join()
             full_log = _read_log(log)
             landed = [_landed(full_log, k["pid"], k["time"]) for k in killer.kills]
+            for k, where in zip(killer.kills, landed):  # a standby that had not taken over: logged nothing
+                k["standby"] = k["standby"] and where == "start-up"
+            landed = ["standby" if k["standby"] else where for k, where in zip(killer.kills, landed)]
             result = _result_lines(nb) if status == 0 else []
             run = {
                 "schedule": plan,
                 "kills": len(killer.kills),
                 "landed": landed,
                 "restarts": len(restarts),
+                "standby_kills": sum(k["standby"] for k in killer.kills),
                 "restart_reasons": [r.reason for r in restarts],
                 "recovery_seconds": [round(r.seconds, 2) for r in restarts],
                 "status": status,
@@ -1163,6 +1183,7 @@ def main(argv=None) -> int:
     c.add_argument("--width", type=int, default=1024, help="hidden width of the MLP (checkpoint size)")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--json", type=Path, default=None)
+    c.add_argument("--no-standby", action="store_true", help="run the driver without its standby kernel")
     l = sub.add_parser("crash-loops", help="kernels that die every time: the budget must stop them")
     l.add_argument("--max-restarts", type=int, default=2)
     l.add_argument("--json", type=Path, default=None)
@@ -1182,7 +1203,8 @@ def main(argv=None) -> int:
         def progress(i, run):
             print(f"  run {i}: status {run['status']}, {run['kills']} kills, identical: {run['identical']}", flush=True)
 
-        out = chaos_runs(a.runs, a.kills, epochs=a.epochs, width=a.width, seed=a.seed, progress=progress)
+        out = chaos_runs(a.runs, a.kills, epochs=a.epochs, width=a.width, seed=a.seed, progress=progress,
+                         standby=not a.no_standby)
         print()
         print_chaos_table(out)
         with workspace("cr-later-") as root:

@@ -15,6 +15,10 @@ the journal and exits with code 75); with ``--fault kill`` it SIGKILLs itself at
 next iteration (right after that checkpoint). The driver restarts the kernel, replays the set-up
 cells and re-executes the training cell, which restores the checkpoint and continues.
 
+Each repetition runs the faulty notebook twice: with the driver's standby kernel (the default: a
+second kernel started ahead of need, warmed with the working kernel's imports, takes over) and
+with ``standby=False`` (jupyter_client restarts the kernel: a cold start, the imports redone).
+
 Phases (wall clock; the kernels write ``time.time()`` stamps to a log file, with their PID):
 
 - leave: the restart request -> the kernel calls ``os._exit``. The request is the safe point after
@@ -22,9 +26,10 @@ Phases (wall clock; the kernels write ``time.time()`` stamps to a log file, with
   would start the next iteration); in between, the package saves again (force) and writes the
   journal. Zero with ``--fault kill`` (the request is the SIGKILL).
 - kernel restart: ``os._exit`` (or the SIGKILL) -> the first line of the first replayed cell runs
-  in the new kernel: the package's 0.5 s wait for output to flush before ``os._exit``, the driver
-  noticing the death (polled every 0.1 s), jupyter_client's restart, a new Python with
-  ipykernel and the extension loaded, the client reconnecting, the first replay cell sent.
+  in the new kernel: the package's 0.1 s wait for output to flush before ``os._exit``, the driver
+  noticing the death (polled every 0.1 s), jupyter_client's restart (a new Python with ipykernel
+  and the extension loaded) or the standby's adoption, the client connecting, the first replay
+  cell sent.
 - imports: ``import torch`` in the first replayed cell.
 - replay: the set-up cell (building the model and the optimizer), from the end of the imports.
   Under torch 2.13 the first optimizer built in a process imports ``torch._dynamo`` (about 800
@@ -114,27 +119,34 @@ def main() -> None:
         ap.error("--iters must be at least 1")
 
     w = K.workload_from(args, epochs=args.iters + 1)
-    runs: list[dict[str, float]] = []
+    runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
     floors: list[K.Floor] = []
     reruns: list[float] = []
-    driver_seconds: list[float] = []
+    driver_seconds: dict[bool, list[float]] = {False: [], True: []}
     notes: list[str] = []
     with K.workspace(args.kernel, "cr-bench-resume-") as (root, kernel):
         for rep in range(args.repeat):
             work = root / f"rep-{rep}"
             work.mkdir()
-            log = work / "marks.log"
-            nb = K.workload_notebook(w, log, fault=args.fault, every=args.iters, kill_at=(args.iters,),
-                                     workdir=work, instrument=True)
-            result = K.supervised(nb, work / "faulty.ipynb", kernel, work / "runs", work, max_restarts=2)
-            if len(result.restarts) != 1:
-                raise SystemExit(f"expected 1 restart, got {len(result.restarts)}: {[r.reason for r in result.restarts]}")
-            driver_seconds.append(result.restarts[0].seconds)
-            got, why = phases(K.read_marks(log), args.iters, args.fault)
-            runs.append(got)
-            notes += [n for n in why if n not in notes]
+            for standby in (True, False):
+                kind = "standby" if standby else "cold"
+                log = work / f"marks-{kind}.log"
+                nb = K.workload_notebook(w, log, fault=args.fault, every=args.iters, kill_at=(args.iters,),
+                                         workdir=work, instrument=True)
+                result = K.supervised(nb, work / f"faulty-{kind}.ipynb", kernel, work / f"runs-{kind}", work,
+                                      max_restarts=2, standby=standby)
+                if len(result.restarts) != 1:
+                    raise SystemExit(f"expected 1 restart, got {len(result.restarts)}: "
+                                     f"{[r.reason for r in result.restarts]}")
+                if result.restarts[0].standby != standby:
+                    notes.append(f"a {kind} run restarted {'with' if result.restarts[0].standby else 'without'} "
+                                 "the standby")
+                driver_seconds[standby].append(result.restarts[0].seconds)
+                got, why = phases(K.read_marks(log), args.iters, args.fault)
+                runs[standby].append(got)
+                notes += [n for n in why if n not in notes]
 
-            floors.append(K.floor(kernel, K.checkpoint_files(work / "runs")))
+            floors.append(K.floor(kernel, K.checkpoint_files(work / "runs-cold")))
 
             plain_log = work / "plain.log"
             plain = K.plain_notebook(K.workload_notebook(w, plain_log))
@@ -143,7 +155,7 @@ def main() -> None:
             reached = K.mark_time(K.read_marks(plain_log), f"iter_start:{args.iters}")
             reruns.append(reached - t0)
 
-    med = {p: statistics.median(r[p] for r in runs) for p in PHASES}
+    med = {sb: {p: statistics.median(r[p] for r in runs[sb]) for p in PHASES} for sb in (True, False)}
     fl = K.Floor(*(statistics.median(getattr(f, a) for f in floors) for a in ("kernel_start", "imports", "read")),
                  floors[0].nbytes)
     rerun = statistics.median(reruns)
@@ -154,32 +166,39 @@ def main() -> None:
           f"{fl.nbytes / (1 << 20):.0f} MiB on disk; restart after {args.iters} iterations "
           f"({how}); median of {args.repeat}; torch {torch.__version__}, {os.cpu_count()} CPUs")
     print()
+    cold, warm = med[False], med[True]
+    floors_of = {"kernel restart": fl.kernel_start, "imports": fl.imports, "restore": fl.read, "total": fl.total}
+
+    def row(label: str, phase: str, shown: bool = True):
+        f = floors_of.get(phase)
+        return (label, K.secs(cold[phase]) if shown else None, K.secs(warm[phase]) if shown else None, K.secs(f),
+                K.ratio(cold[phase], f) if shown else None, K.ratio(warm[phase], f) if shown else None)
+
     rows = [
-        ("leave (re-save, journal, exit)", K.secs(med["leave"]) if args.fault == "request" else None, None, None),
-        ("kernel restart | fresh kernel start", K.secs(med["kernel restart"]), K.secs(fl.kernel_start),
-         K.ratio(med["kernel restart"], fl.kernel_start)),
-        ("imports (import torch)", K.secs(med["imports"]), K.secs(fl.imports), K.ratio(med["imports"], fl.imports)),
-        ("replay (set-up cell: model + AdamW)", K.secs(med["replay"]), None, None),
-        ("  of which AdamW(...) (imports torch._dynamo)", K.secs(med["optimizer"]), None, None),
-        ("cell start (driver, journal, run)", K.secs(med["cell start"]), None, None),
-        ("restore (load, verify, in place) | raw read", K.secs(med["restore"]), K.secs(fl.read),
-         K.ratio(med["restore"], fl.read)),
+        row("leave (re-save, journal, exit)", "leave", args.fault == "request"),
+        row("kernel restart | fresh kernel start", "kernel restart"),
+        row("imports (import torch)", "imports"),
+        row("replay (set-up cell: model + AdamW)", "replay"),
+        row("  of which AdamW(...) (imports torch._dynamo)", "optimizer"),
+        row("cell start (driver, journal, run)", "cell start"),
+        row("restore (load, verify, in place) | raw read", "restore"),
         (),
-        ("total: request -> first resumed iteration", K.secs(med["total"]), K.secs(fl.total),
-         K.ratio(med["total"], fl.total)),
-        (f"re-run from scratch to iteration {args.iters} (papermill)", K.secs(rerun), K.secs(fl.total),
-         K.ratio(rerun, fl.total)),
+        row("total: request -> first resumed iteration", "total"),
+        (f"re-run from scratch to iteration {args.iters} (papermill)", K.secs(rerun), K.secs(rerun), K.secs(fl.total),
+         K.ratio(rerun, fl.total), K.ratio(rerun, fl.total)),
     ]
-    K.table(rows, ("phase (resume | floor)", "resume s", "floor s", "x floor"))
+    K.table(rows, ("phase (resume | floor)", "cold s", "standby s", "floor s", "cold x", "standby x"))
     print()
     print("targets:")
-    K.target("resume <= 1.5x floor (fresh kernel + import torch + raw read)", med["total"] <= 1.5 * fl.total,
-             f"{med['total'] / fl.total:.2f}x")
-    K.target("resume faster than re-running from scratch", med["total"] < rerun,
-             f"{rerun / med['total']:.2f}x faster")
+    for name, m in (("standby kernel (default)", warm), ("cold restart (standby=False)", cold)):
+        K.target(f"{name}: resume <= 1.5x floor (fresh kernel + import torch + raw read)",
+                 m["total"] <= 1.5 * fl.total, f"{m['total'] / fl.total:.2f}x")
+        K.target(f"{name}: resume faster than re-running from scratch", m["total"] < rerun,
+                 f"{rerun / m['total']:.2f}x faster")
     print()
     print(f"The driver's own figure (Restart.seconds: death noticed -> set-up cells replayed): "
-          f"{statistics.median(driver_seconds):.2f} s.")
+          f"{statistics.median(driver_seconds[True]):.2f} s with the standby, "
+          f"{statistics.median(driver_seconds[False]):.2f} s cold.")
     for n in notes:
         print(f"note: {n}")
 

@@ -32,7 +32,7 @@ def run(args) -> int:
         result = run_notebook(
             path, out, parameters=parameters, max_restarts=args.max_restarts,
             cell_timeout=args.cell_timeout, kernel_name=args.kernel, run_dir=args.run_dir,
-            progress=not args.no_progress, log_output=args.log_output,
+            progress=not args.no_progress, log_output=args.log_output, standby=not args.no_standby,
         )
     except NotebookInputError as e:
         return _fail(str(e))
@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", help="where runs keep journals and checkpoints (default: a temporary folder)")
     p.add_argument("--log-output", action="store_true", help="echo each cell's output as it finishes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-standby", action="store_true",
+                   help="no standby kernel kept warm to take over from a dead one (saves its memory; "
+                   "restarts then start a kernel and redo the imports)")
     d = sub.add_parser("demo", help="train a small model through a real OOM and a real kernel kill, and compare")
     d.add_argument("--keep", metavar="DIR", help="keep the demo's notebooks in DIR")
     try:

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 from jupyter_core.utils import ensure_async, run_sync
 
+from . import standby as _standby
 from .runs import EXIT_RESTART, RUN_DIR_ENV, SUPERVISED_ENV
 
 # exit codes of `colab-resilience run` (and the `status` of a RunResult)
@@ -59,14 +60,17 @@ class Restart:
 
     restored: list = field(default_factory=list)  # names put back from runs finished earlier
     recovered: bool = True  # False: the new kernel died too (while starting or replaying)
+    standby: bool = False  # True: the standby kernel took over; False: a kernel was (re)started
+
 
     def marker(self) -> str:
         where = f" in iteration {self.iteration}" if self.iteration else ""
         if not self.recovered:
             return f"colab_resilience: the kernel died{where} ({self.reason}) after {self.seconds:.1f} s\n"
         state = f", restored {', '.join(self.restored)} from the finished training" if self.restored else ""
+        how = "switched to the standby kernel" if self.standby else "restarted it"
         return (
-            f"colab_resilience: the kernel died{where} ({self.reason}); restarted it, replayed "
+            f"colab_resilience: the kernel died{where} ({self.reason}); {how}, replayed "
             f"{self.replayed} cell{'s' if self.replayed != 1 else ''}{state} and resumed in {self.seconds:.1f} s\n"
         )
 
@@ -175,8 +179,12 @@ def run_notebook(
     log_output: bool = False,
     on_cell: Callable[[int, Any], None] | None = None,
     env: dict[str, str] | None = None,
+    standby: bool = True,
 ) -> RunResult:
     """Execute ``notebook`` (a path or a NotebookNode) under supervision; see the module doc.
+
+    ``standby``: keep a second kernel started and warmed with the working kernel's imports, to
+    take over when it dies (see :mod:`colab_resilience.standby`); False restarts a kernel instead.
 
     Returns a :class:`RunResult`; raises :class:`NotebookInputError` for unusable input. The
     executed notebook is written to ``output`` when given (also after a failure).
@@ -217,6 +225,7 @@ def run_notebook(
     )
     result = RunResult(EXIT_OK, nb, [])
     restarts = result.restarts
+    spare = _Standby(client, kernel_name, sockets, kernel_env, str(cwd or os.getcwd())) if standby else None
     bar = None
     code_cells = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
     try:
@@ -224,13 +233,15 @@ def run_notebook(
             client.start_new_kernel(env=kernel_env)
             if not _connect(client):  # the first kernel died while starting: a death like any other
                 first = code_cells[0] if code_cells else 0
-                restarts.append(_restart(client, nb, first, run_root, [], max_restarts, result, starting=True))
+                restarts.append(_restart(client, nb, first, run_root, [], max_restarts, result, None, starting=True))
+            if spare is not None:
+                spare.spawn()
             with client.setup_kernel(env=kernel_env):  # started above: this only cleans up
                 if progress:  # once a kernel is up: no empty bar before a start-up error
                     from tqdm.auto import tqdm
 
                     bar = tqdm(total=len(code_cells), unit="cell", desc="colab-resilience")
-                _execute_cells(client, nb, code_cells, run_root, max_restarts, result, on_cell, log_output, bar)
+                _execute_cells(client, nb, code_cells, run_root, max_restarts, result, on_cell, log_output, bar, spare)
         except NoSuchKernel:
             output = None  # nothing ran: no output notebook that would look like a result
             raise NotebookInputError(
@@ -241,9 +252,11 @@ def run_notebook(
     finally:
         if bar is not None:
             bar.close()
+        if spare is not None:
+            spare.shutdown()
         try:
-            if km.has_kernel:
-                run_sync(km.shutdown_kernel)(now=True)
+            if client.km.has_kernel:  # the first kernel, or the standby that took its place
+                run_sync(client.km.shutdown_kernel)(now=True)
         except Exception:
             pass
         if client.kc is not None:
@@ -257,7 +270,8 @@ def run_notebook(
             "status": {EXIT_OK: "done", EXIT_CELL_FAILED: "failed", EXIT_BUDGET: "restart budget spent"}[result.status],
             "restarts": [
                 {"cell": r.cell, "reason": r.reason, "exit_code": r.exit_code, "iteration": r.iteration,
-                 "replayed": r.replayed, "recovery_seconds": round(r.seconds, 3), "time": r.time}
+                 "replayed": r.replayed, "recovery_seconds": round(r.seconds, 3), "time": r.time,
+                 "kernel": "standby" if r.standby else "restarted"}
                 for r in restarts
             ],
             "seconds": round(result.seconds, 3),
@@ -302,7 +316,7 @@ def _client_class():
     return Client
 
 
-def _execute_cells(client, nb, code_cells, run_root, max_restarts, result, on_cell, log_output, bar) -> None:
+def _execute_cells(client, nb, code_cells, run_root, max_restarts, result, on_cell, log_output, bar, spare) -> None:
     import nbformat
     from nbclient.exceptions import CellExecutionError, DeadKernelError
 
@@ -321,7 +335,7 @@ def _execute_cells(client, nb, code_cells, run_root, max_restarts, result, on_ce
             except DeadKernelError:
                 died = True
                 earlier += cell.get("outputs", [])
-                restarts.append(_restart(client, nb, index, run_root, replay_done, max_restarts, result))
+                restarts.append(_restart(client, nb, index, run_root, replay_done, max_restarts, result, spare))
             except CellExecutionError as e:
                 cell.outputs = earlier + cell.get("outputs", [])
                 refused = _journal_facts(run_root)[2]
@@ -342,6 +356,8 @@ def _execute_cells(client, nb, code_cells, run_root, max_restarts, result, on_ce
             cell.outputs = earlier + markers + cell.get("outputs", [])
         if is_replay_cell(cell):
             replay_done.append(index)
+        if spare is not None:
+            spare.follow(client)
         if on_cell is not None:
             on_cell(index, cell)
         if log_output:
@@ -369,13 +385,14 @@ def _connect(client) -> bool:
     return True
 
 
-def _restart(client, nb, index, run_root, replay_done, max_restarts, result, starting=False) -> Restart:
-    """After a death: check the budget, restart the kernel, replay; the caller re-executes."""
+def _restart(client, nb, index, run_root, replay_done, max_restarts, result, spare, starting=False) -> Restart:
+    """After a death: check the budget, bring in the standby or restart the kernel, replay; the
+    caller re-executes."""
     from nbclient.exceptions import DeadKernelError
 
     t0 = time.perf_counter()
-    km, restarts = client.km, result.restarts
-    code = _exit_code(km)
+    restarts = result.restarts
+    code = _exit_code(client.km)
     reason, iteration, _ = _journal_facts(run_root)
     reason = reason or _death_reason(code)
     if starting:
@@ -389,18 +406,25 @@ def _restart(client, nb, index, run_root, replay_done, max_restarts, result, sta
                 + "; ".join(f"{i}. cell {r.cell}: {r.reason}" for i, r in enumerate(restarts, 1))
             )
             raise _Stop()
-        run_sync(km.restart_kernel)(now=True)  # the first start's env and arguments are kept
+        adopted = spare.take() if spare is not None else None
+        if adopted is not None:
+            dead, client.km = client.km, adopted
+            _discard(dead)
+        else:
+            run_sync(client.km.restart_kernel)(now=True)  # the first start's env and arguments are kept
         if client.kc is not None:
             client.kc.stop_channels()
             client.kc = None
         if _connect(client):
             break
         restarts.append(Restart(index, f"{reason}; then the new kernel died while starting", code,
-                                iteration, 0, time.perf_counter() - t0, recovered=False))
-        code = _exit_code(km)
+                                iteration, 0, time.perf_counter() - t0, recovered=False, standby=adopted is not None))
+        code = _exit_code(client.km)
         reason, t0 = f"died while starting: {_death_reason(code)}", time.perf_counter()
     replayed = 0
     try:
+        if adopted is not None:
+            _kernel_call(client, STANDBY.format(f"adopt(nice={os.getpriority(os.PRIO_PROCESS, 0)})"))
         for j in replay_done:
             client.execute_cell(copy.deepcopy(nb.cells[j]), j)  # outputs discarded
             replayed += 1
@@ -408,8 +432,148 @@ def _restart(client, nb, index, run_root, replay_done, max_restarts, result, sta
         restored = _restore_finished_runs(client)
     except DeadKernelError:  # the caller's next execution finds the kernel dead and restarts again
         return Restart(index, f"{reason}; then died while replaying", code, iteration, replayed,
-                       time.perf_counter() - t0, recovered=False)
-    return Restart(index, reason, code, iteration, replayed, time.perf_counter() - t0, restored=restored)
+                       time.perf_counter() - t0, recovered=False, standby=adopted is not None)
+    seconds = time.perf_counter() - t0
+    if spare is not None:  # the next one, warming while the interrupted cell resumes
+        spare.spawn()
+    return Restart(index, reason, code, iteration, replayed, seconds, restored=restored,
+                   standby=adopted is not None)
+
+
+def _may_raise_priority() -> bool:
+    """Whether a process of ours may lower its nice value again (root with CAP_SYS_NICE, or a
+    permissive RLIMIT_NICE): tried on a thread of this process, which Linux renices alone."""
+    import threading
+
+    answer: list[bool] = []
+
+    def probe() -> None:
+        tid = threading.get_native_id()
+        try:
+            base = os.getpriority(os.PRIO_PROCESS, tid)
+            if base >= 19:
+                answer.append(False)
+                return
+            os.setpriority(os.PRIO_PROCESS, tid, base + 1)
+            os.setpriority(os.PRIO_PROCESS, tid, base)
+            answer.append(True)
+        except (OSError, AttributeError):
+            answer.append(False)
+
+    thread = threading.Thread(target=probe, name="colab_resilience-nice-probe")
+    thread.start()
+    thread.join()
+    return bool(answer and answer[0])
+
+
+def _discard(km) -> None:
+    """Shut down (a dead kernel: clean up) ``km``; nothing it raises matters any more."""
+    try:
+        run_sync(km.shutdown_kernel)(now=True)
+    except Exception:
+        pass
+
+
+STANDBY = "__import__('colab_resilience.standby').standby.{}"
+
+
+class _Standby:
+    """A second kernel, started ahead of need and warmed with the imports of the working kernel,
+    that takes its place when it dies (the kernel side: :mod:`colab_resilience.standby`).
+
+    It is started with the working kernel's arguments, environment and folder. After every cell
+    the driver asks the working kernel for the installed modules it imported since the last
+    cell, and has the standby import them (in a low-priority thread). A standby that died (the
+    OOM killer's first choice) is noticed when it is needed: that restart is a cold one.
+    """
+
+    def __init__(self, client, kernel_name: str, sockets: str, env: dict, cwd: str):
+        self.client, self.kernel_name, self.sockets, self.env, self.cwd = client, kernel_name, sockets, env, cwd
+        self.km = self.kc = None
+        self.started = 0
+        self.modules: dict[str, None] = {}  # every module a working kernel reported, in order
+
+    def spawn(self) -> None:
+        from jupyter_client import AsyncKernelManager
+
+        self.shutdown()
+        self.started += 1
+        km = AsyncKernelManager(kernel_name=self.kernel_name, transport="ipc",
+                                ip=os.path.join(self.sockets, f"standby-{self.started}"))
+        try:
+            run_sync(km.start_kernel)(extra_arguments=list(self.client.extra_arguments),
+                                      env={**self.env, _standby.ENV: "1"}, cwd=self.cwd)
+        except Exception:  # no standby: the next restart is a cold one, as without it
+            return
+        self.km, self.kc = km, km.client()
+        whole = _may_raise_priority()
+        if whole:  # its start-up at low priority too, not only its later imports
+            try:
+                os.setpriority(os.PRIO_PROCESS, km.provisioner.process.pid, _standby.NICE)
+            except (OSError, AttributeError):
+                pass
+        self.kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        self._send(STANDBY.format(f"become(whole={whole})"))
+        if self.modules:
+            self._send(STANDBY.format(f"preload({list(self.modules)!r})"))
+
+    def _send(self, code: str) -> None:
+        async def send() -> None:  # the client's sockets belong to the driver's event loop
+            self.kc.execute(code, silent=True, store_history=False, allow_stdin=False)
+
+        run_sync(send)()
+
+    def follow(self, client) -> None:
+        """After a cell: have the standby import what the working kernel imported since the last."""
+        import ast
+
+        from nbclient.exceptions import DeadKernelError
+
+        if self.km is None:
+            return
+        try:
+            # one string: IPython's display of a list stops at 1000 items
+            reply = _kernel_call(client, user_expressions={"m": "' '.join(" + STANDBY.format("new_modules()") + ")"},
+                                 timeout=30)
+        except (DeadKernelError, TimeoutError):  # the next cell finds out
+            return
+        value = reply.get("content", {}).get("user_expressions", {}).get("m", {})
+        try:
+            names = ast.literal_eval(value["data"]["text/plain"]).split() if value.get("status") == "ok" else []
+        except (KeyError, ValueError, SyntaxError, TypeError, AttributeError):
+            return
+        fresh = [n for n in names if n not in self.modules]
+        self.modules.update(dict.fromkeys(fresh))
+        if fresh:
+            self._send(STANDBY.format(f"preload({fresh!r})"))
+
+    def take(self):
+        """The standby's kernel manager, for the driver to adopt; None when none is alive."""
+        km, kc = self.km, self.kc
+        self.km = self.kc = None
+        if km is None:
+            return None
+        kc.stop_channels()
+        try:
+            alive = run_sync(km.is_alive)()
+        except Exception:
+            alive = False
+        if not alive:
+            _discard(km)
+            return None
+        return km
+
+    def shutdown(self) -> None:
+        km, kc = self.km, self.kc
+        self.km = self.kc = None
+        if kc is not None:
+            kc.stop_channels()
+        if km is not None:
+            try:  # at once: jupyter_client's shutdown interrupts it first, and it would say so
+                km.provisioner.process.kill()
+            except (AttributeError, OSError):
+                pass
+            _discard(km)
 
 
 def _kernel_call(client, code: str = "", *, user_expressions: dict | None = None, timeout: float = 60.0) -> dict:

@@ -484,7 +484,9 @@ def _exit(code: int) -> None:
             stream.flush()
         except Exception:
             pass
-    time.sleep(0.5)  # ipykernel sends stream output from its IO thread
+    # flush() returns once ipykernel's IO thread handed the output to ZMQ, whose own thread sends
+    # it; 0.1 s covers that (60 of 60 lines arrived after 0.05 s, 19 of 20 with no wait at all)
+    time.sleep(0.1)
     os._exit(code)
 
 

@@ -59,7 +59,8 @@ def test_sigkill_from_inside_resumes_exactly(tmp_path, reference):
     assert result_line(nb) == reference
     out = nbformat.read(tmp_path / "out.ipynb", 4)
     text = cell_text(out.cells[2])
-    assert "colab_resilience: the kernel died (killed by SIGKILL, likely the OS out-of-memory killer); restarted it, replayed 1 cell and resumed in" in text
+    # the driver's standby kernel took over (tests/test_standby.py: its warm-up, priority, OOM score)
+    assert "colab_resilience: the kernel died (killed by SIGKILL, likely the OS out-of-memory killer); switched to the standby kernel, replayed 1 cell and resumed in" in text
     assert "continuing at 2" in text
     meta = out.metadata["colab_resilience"]
     assert meta["status"] == "done" and meta["restarts"][0]["cell"] == 2 and meta["restarts"][0]["replayed"] == 1
@@ -85,10 +86,12 @@ def test_sigkill_from_outside_by_pid_resumes_exactly(tmp_path, reference):
 
     t = threading.Thread(target=killer)
     t.start()
-    result = run(nb, tmp_path)
+    result = run(nb, tmp_path, standby=False)  # the cold path: a kernel restarted by jupyter_client
     t.join()
     assert killed and result.status == 0, result.message
     assert len(result.restarts) == 1
+    assert "restarted it, replayed 1 cell and resumed in" in cell_text(nb.cells[1])
+    assert json.loads(nbformat.writes(nb))["metadata"]["colab_resilience"]["restarts"][0]["kernel"] == "restarted"
     assert result_line(nb) == reference
     pids = {l.split()[0] for l in pidfile.read_text().splitlines()}
     assert len(pids) == 2  # the loop went on in a new kernel
@@ -224,7 +227,7 @@ def test_cli_runs_a_notebook_with_parameters(tmp_path):
     nb = notebook("n = 1", "print('N', n * 2)", tags={0: ["parameters"]})
     nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
     nbformat.write(nb, tmp_path / "in.ipynb")
-    r = cli("run", str(tmp_path / "in.ipynb"), "-o", str(tmp_path / "o.ipynb"), "-p", "n", "21", "--no-progress", "--log-output")
+    r = cli("run", str(tmp_path / "in.ipynb"), "-o", str(tmp_path / "o.ipynb"), "-p", "n", "21", "--no-progress", "--log-output", "--no-standby")
     assert r.returncode == 0, r.stderr
     assert "[cell 2] N 42" in r.stdout
     assert "colab-resilience: done in" in r.stdout and "with 0 kernel restarts; wrote" in r.stdout

@@ -54,13 +54,18 @@ def test_sigkill_during_checkpoint_writes_never_loses_the_last_checkpoint():
 
 
 @pytest.mark.kernel
-def test_chaos_run_with_kills_from_outside_is_bit_identical():
-    out = reliability.chaos_runs(1, 3, epochs=5, seed=3, spread=0,
-                                 schedule=["checkpoint write", "start-up", "set-up/replay"])
+@pytest.mark.parametrize("standby, schedule", [
+    (False, ["checkpoint write", "start-up", "set-up/replay"]),  # start-up: a restarted kernel
+    (True, ["checkpoint write", "start-up", "training", "set-up/replay"]),  # start-up: the standby
+], ids=["cold-restarts", "standby"])
+def test_chaos_run_with_kills_from_outside_is_bit_identical(standby, schedule):
+    out = reliability.chaos_runs(1, len(schedule), epochs=5, seed=3, spread=0, schedule=schedule, standby=standby)
     run = out["runs"][0]
     assert run["killer_error"] is None
     assert run["status"] == 0, run["message"]
-    assert run["kills"] == 3 and run["restarts"] == 3, run
+    assert run["kills"] == len(schedule), run
+    assert run["standby_kills"] == (1 if standby else 0), run
+    assert run["restarts"] == run["kills"] - run["standby_kills"], run  # a standby's death costs no restart
     assert run["identical"], (run["result"], out["reference"]["result"])
     assert len(run["result"]) == 3  # weights, optimizer state, history
 

@@ -1,0 +1,201 @@
+"""The supervisor's standby kernel: warmed with the working kernel's imports, low priority, the OOM
+killer's first choice, and in its place when it dies; a dead standby means a cold restart."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import nbformat
+import pytest
+
+from colab_resilience import driver, standby
+from kernels import KERNEL_NAME, cell_text, notebook
+
+# In a kernel: the standby kernels started by the same driver (told by their environment), from /proc.
+SIBLINGS = textwrap.dedent("""\
+    import os, time
+    def siblings():  # the driver's standby kernels: its children started as standbys
+        found = []
+        for entry in os.listdir('/proc'):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                with open(f'/proc/{entry}/stat') as f:
+                    fields = f.read().rsplit(')', 1)[1].split()
+                with open(f'/proc/{entry}/environ', 'rb') as f:
+                    env = f.read().split(b'\\0')
+            except OSError:
+                continue
+            if int(fields[1]) == os.getppid() and fields[0] != 'Z' and b'COLAB_RESILIENCE_STANDBY=1' in env:
+                found.append(int(entry))
+        return found
+    def torch_loaded(pid):
+        try:
+            with open(f'/proc/{pid}/maps') as f:
+                return 'libtorch_cpu' in f.read()
+        except OSError:
+            return False
+    def nice_and_adj(pid):
+        with open(f'/proc/{pid}/stat') as f:
+            nice = int(f.read().rsplit(')', 1)[1].split()[16])
+        with open(f'/proc/{pid}/oom_score_adj') as f:
+            return nice, int(f.read())
+""")
+
+SETUP = (
+    "%%replay\nimport os, signal, sys\n"
+    "open('{log}', 'a').write(f'{{os.getpid()}} {{\"torch\" in sys.modules}}\\n')\n"
+    "import torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(8, 2)\n"
+    "opt = torch.optim.AdamW(model.parameters(), lr=0.1)"
+)
+TRAIN = (
+    "%%resilient --save model,opt,history\n"
+    "history = []\n"
+    "for epoch in resume_range(4):\n"
+    "    loss = model(torch.randn(16, 8)).pow(2).mean()\n"
+    "    opt.zero_grad(); loss.backward(); opt.step()\n"
+    "    {fault}\n"
+    "    history.append(round(loss.item(), 6))\n"
+)
+RESULT = "print('RESULT', history, [round(x, 6) for x in model.weight.flatten().tolist()])"
+WAIT_WARM = (  # until the standby has torch loaded (the driver sent it the working kernel's imports)
+    "deadline = time.monotonic() + 90\n"
+    "while time.monotonic() < deadline and not (siblings() and torch_loaded(siblings()[0])):\n"
+    "    time.sleep(0.1)\n"
+    "spare = siblings()[0]\n"
+    "print('STANDBY', spare, torch_loaded(spare), *nice_and_adj(spare))"
+)
+
+
+def run(nb, tmp_path, **kw):
+    return driver.run_notebook(nb, tmp_path / "out.ipynb", cwd=tmp_path, run_dir=tmp_path / "runs",
+                               kernel_name=KERNEL_NAME, **kw)
+
+
+def line(nb, prefix: str) -> str:
+    return next(l for c in nb.cells for l in cell_text(c).splitlines() if l.startswith(prefix))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref")
+    nb = notebook(SETUP.format(log=tmp / "log"), TRAIN.format(fault="pass"), RESULT)
+    assert run(nb, tmp, standby=False).status == 0
+    return line(nb, "RESULT")
+
+
+@pytest.mark.kernel
+def test_the_warm_standby_takes_over_and_the_run_resumes_exactly(tmp_path, reference):
+    log, mark = tmp_path / "log", tmp_path / "mark"
+    fault = (f"if epoch == 2 and not os.path.exists({str(mark)!r}):\n"
+             f"        open({str(mark)!r}, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)")
+    after = ("print('AFTER', os.getpid(), *nice_and_adj(os.getpid()), "
+             "sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir('/proc/self/task')}))")
+    nb = notebook(SETUP.format(log=log), SIBLINGS + WAIT_WARM, TRAIN.format(fault=fault), SIBLINGS + after, RESULT)
+    result = run(nb, tmp_path)
+    assert result.status == 0, result.message
+    assert line(nb, "RESULT") == reference
+
+    _, spare, warm, nice, adj = line(nb, "STANDBY").split()
+    assert warm == "True"  # torch was imported there before any death
+    assert adj == "1000"  # the OOM killer's first choice
+    assert int(nice) == (19 if driver._may_raise_priority() else 0)  # low priority, where it can be undone
+    _, pid, nice_after, adj_after, threads = line(nb, "AFTER").split(maxsplit=4)
+    assert pid == spare  # the standby became the working kernel
+    assert adj_after == "0" and nice_after == "0"
+    if driver._may_raise_priority():
+        assert threads == "[0]"
+    # the replay in the standby found torch already imported; the first kernel did not
+    first, second = [l.split() for l in log.read_text().splitlines()]
+    assert first[1] == "False" and second == [spare, "True"]
+
+    [restart] = result.restarts
+    assert restart.standby and restart.exit_code == -9
+    out = nbformat.read(tmp_path / "out.ipynb", 4)
+    assert "the kernel died (killed by SIGKILL, likely the OS out-of-memory killer); switched to the standby kernel, " \
+           "replayed 1 cell and resumed in" in cell_text(out.cells[2])
+    assert out.metadata["colab_resilience"]["restarts"][0]["kernel"] == "standby"
+
+
+@pytest.mark.kernel
+def test_a_dead_standby_means_a_cold_restart_and_the_same_result(tmp_path, reference):
+    """The OOM killer takes the standby first (oom_score_adj 1000); the driver finds it dead when it
+    needs it, restarts a kernel instead, and starts a new standby."""
+    log, mark = tmp_path / "log", tmp_path / "mark"
+    fault = (f"if epoch == 2 and not os.path.exists({str(mark)!r}):\n"
+             f"        open({str(mark)!r}, 'w').close(); os.kill(siblings()[0], signal.SIGKILL); "
+             "time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)")
+    train = SIBLINGS + "\n" + TRAIN.format(fault=fault).replace("%%resilient --save model,opt,history\n", "")
+    train = "%%resilient --save model,opt,history\n" + train
+    nb = notebook(SETUP.format(log=log), SIBLINGS + WAIT_WARM, train, SIBLINGS + WAIT_WARM.replace("STANDBY", "NEXT"),
+                  RESULT)
+    result = run(nb, tmp_path)
+    assert result.status == 0, result.message
+    assert line(nb, "RESULT") == reference
+    [restart] = result.restarts
+    assert not restart.standby
+    assert "the kernel died (killed by SIGKILL, likely the OS out-of-memory killer); restarted it, replayed 1 cell" \
+        in cell_text(nb.cells[2])
+    pids = [l.split()[0] for l in log.read_text().splitlines()]
+    assert len(pids) == 2 and pids[1] != line(nb, "STANDBY").split()[1]  # a new kernel, not the killed standby
+    assert line(nb, "NEXT").split()[2] == "True"  # and a new standby is warm again
+
+
+@pytest.mark.kernel
+def test_no_standby_means_no_second_kernel(tmp_path):
+    nb = notebook("import time\ntime.sleep(2)", SIBLINGS + "print('SIBLINGS', siblings())")
+    assert run(nb, tmp_path, standby=False).status == 0
+    assert line(nb, "SIBLINGS") == "SIBLINGS []"
+
+
+def test_only_installed_modules_are_offered_to_the_standby(tmp_path, monkeypatch):
+    """new_modules: the interpreter's own modules (stdlib, site-packages), in import order, each once;
+    never the notebook's own files, never a module that makes a CUDA context on import."""
+    (tmp_path / "my_notebook_helpers.py").write_text("VALUE = 1\n")
+    (tmp_path / "fakecuda").mkdir()
+    (tmp_path / "fakecuda" / "__init__.py").write_text("")
+    (tmp_path / "fakecuda" / "autoinit.py").write_text("")
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        from colab_resilience import standby
+        first = standby.new_modules()
+        assert 'json' in first and 'colab_resilience' not in first, first
+        assert standby.new_modules() == []
+        import my_notebook_helpers, fakecuda.autoinit
+        fresh = [m for m in ('colorsys', 'wave', 'fractions') if m not in sys.modules]
+        for m in fresh:
+            __import__(m)
+        got = standby.new_modules()
+        assert [m for m in got if m in fresh] == fresh, got
+        assert 'my_notebook_helpers' not in got and 'fakecuda.autoinit' not in got, got
+        print('OK', len(first))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("OK")
+
+
+def test_a_standby_imports_in_the_background_and_stops_when_adopted():
+    code = textwrap.dedent("""
+        import sys, time, os
+        from colab_resilience import standby
+        standby.become()
+        assert open('/proc/self/oom_score_adj').read().strip() == '1000'
+        standby.preload(['colorsys', 'no_such_module_anywhere', 'wave'])
+        deadline = time.monotonic() + 30
+        while 'wave' not in sys.modules and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert standby._imported == ['colorsys', 'wave'], standby._imported
+        standby.adopt(nice=0)
+        assert open('/proc/self/oom_score_adj').read().strip() == '0'
+        standby.preload(['fractions'])  # after adoption: nothing more is imported ahead of need
+        time.sleep(0.3)
+        assert 'fractions' not in sys.modules
+        print('OK')
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert standby.OOM_SCORE_ADJ == 1000
