@@ -705,12 +705,13 @@ def _read_and_digest(fd: int, dest: memoryview, offset: int) -> bytes:
 
 
 def _fingerprint(pieces) -> bytes:
-    """A fast 128-bit fingerprint (xxh3), only for "did this chunk change since this process hashed
-    it?": never stored, never trusted from disk; what a manifest records is always the BLAKE3."""
-    h = xxhash.xxh3_128()
-    for p in pieces:
-        h.update(p)
-    return h.digest()
+    """A fast fingerprint (xxh3-128 of each piece), only for "did this chunk change since this
+    process hashed it?": never stored, never trusted from disk; what a manifest records is always
+    the BLAKE3. One-shot digests, not a streaming hasher: only they release the GIL (the streaming
+    one held it, and two workers fingerprinted at the speed of one)."""
+    if len(pieces) == 1:
+        return xxhash.xxh3_128_digest(pieces[0])
+    return b"".join(xxhash.xxh3_128_digest(p) for p in pieces)
 
 
 def _digest_unless_unchanged(pieces, previous: tuple[bytes, bytes] | None) -> tuple[bytes, bytes]:
@@ -735,6 +736,44 @@ def tree_hash(data) -> str:
 # -- the store --------------------------------------------------------------------------------------
 
 
+class _PendingBlobs:
+    """Blobs written to temporary files, to be flushed and renamed into place together.
+
+    :meth:`commit` fsyncs them all on the pool (in parallel), then renames each to its hash; until
+    then a blob is only a ``.tmp-*`` file. Leaving the ``with`` block without a commit (an error,
+    a full disk) closes and removes what is pending.
+    """
+
+    def __init__(self):
+        self._items: list[tuple[int, str, Path]] = []
+
+    def add(self, fd: int, tmp: str, final: Path) -> None:
+        self._items.append((fd, tmp, final))
+
+    def commit(self, pool: ThreadPoolExecutor) -> None:
+        for fut in [pool.submit(os.fsync, fd) for fd, _, _ in self._items]:
+            fut.result()
+        while self._items:
+            fd, tmp, final = self._items[0]
+            self._items[0] = (-1, tmp, final)
+            os.close(fd)
+            os.replace(tmp, final)
+            self._items.pop(0)
+
+    def __enter__(self) -> "_PendingBlobs":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fd, tmp, _ in self._items:
+            if fd >= 0:
+                os.close(fd)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        self._items.clear()
+
+
 @dataclass
 class _Prepared:
     name: str
@@ -742,6 +781,15 @@ class _Prepared:
     type_name: str
     fmt: str  # "st", "json", "pickle"
     payload: _Payload
+
+
+@dataclass
+class _BlobJob:
+    prepared: _Prepared
+    chunks: list
+    cache_key: str
+    previous: list
+    futures: list
 
 
 class CheckpointStore:
@@ -868,14 +916,26 @@ class CheckpointStore:
                 ) from None
         prepared: list[_Prepared] = []
         skipped: dict[str, str] = {}
-        for name in names:
-            value = namespace[name]
-            try:
-                prepared.append(self._prepare(name, value))
-            except _Unsaveable as e:
-                skipped[name] = _unsaveable_message(name, value, str(e))
-        rng_prepared = self._encode_value(RNG_NAME, "rng", "dict", rng)
+        # the workers fingerprint and hash each value while the next one is being prepared
+        pool = ThreadPoolExecutor(_WORKERS)
+        try:
+            jobs: list[_BlobJob] = []
+            for name in names:
+                value = namespace[name]
+                try:
+                    prepared.append(self._prepare(name, value))
+                except _Unsaveable as e:
+                    skipped[name] = _unsaveable_message(name, value, str(e))
+                    continue
+                jobs.append(self._start_blob(prepared[-1], pool))
+            jobs.append(self._start_blob(self._encode_value(RNG_NAME, "rng", "dict", rng), pool))
+            return self._commit(jobs, pool, prepared, skipped, meta, meta_enc, start)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
+    def _commit(self, jobs: list["_BlobJob"], pool: ThreadPoolExecutor, prepared: list[_Prepared],
+                skipped: dict[str, str], meta: dict | None, meta_enc: Any, start: float) -> SaveReport:
+        """The writing half of :meth:`save`: blobs, manifest, ``LATEST``, old checkpoints."""
         previous = self.latest_id()
         tmp_dir: Path | None = None
         written = reused = 0
@@ -886,11 +946,10 @@ class CheckpointStore:
             self._empty_trash()  # what a killed writer trashed but did not unlink yet, meanwhile
             checkpoint_id = self._next_id()
             entries = []
-            with ThreadPoolExecutor(_WORKERS) as pool:
-                results = {}
-                for p in prepared + [rng_prepared]:
-                    digest, w = self._write_blob(p, pool)
-                    results[p.name] = digest
+            with _PendingBlobs() as pending:
+                for job in jobs:
+                    p = job.prepared
+                    digest, w = self._write_blob(job, pending)
                     written += p.payload.size if w else 0
                     reused += 0 if w else p.payload.size
                     entry = {
@@ -898,6 +957,7 @@ class CheckpointStore:
                         "hash": digest, "size": p.payload.size,
                     }
                     entries.append(entry)
+                pending.commit(pool)
             fsync_dir(self.blob_dir)
             body = {
                 "format": FORMAT,
@@ -949,7 +1009,7 @@ class CheckpointStore:
             warnings.warn(
                 f"colab_resilience: could not remove old checkpoints in {self.run_dir} ({e.strerror or e})",
                 CheckpointWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         return SaveReport(
             checkpoint_id=checkpoint_id,
@@ -962,8 +1022,8 @@ class CheckpointStore:
             kinds={p.name: p.kind for p in prepared},
         )
 
-    def _write_blob(self, p: _Prepared, pool: ThreadPoolExecutor) -> tuple[str, bool]:
-        """Hash ``p`` in parallel; write it unless the store already holds it. (hash, written?)"""
+    def _start_blob(self, p: _Prepared, pool: ThreadPoolExecutor) -> "_BlobJob":
+        """Have the pool fingerprint (and where changed, hash) ``p``'s chunks, in order."""
         chunks = _chunks(p.payload.segments)
         cache_key = f"{p.name}\0{p.kind}\0{p.fmt}"
         previous = self._chunk_cache.pop(cache_key, None) or []
@@ -971,6 +1031,13 @@ class CheckpointStore:
             pool.submit(_digest_unless_unchanged, c, previous[i] if i < len(previous) else None)
             for i, c in enumerate(chunks)
         ]
+        return _BlobJob(p, chunks, cache_key, previous, futures)
+
+    def _write_blob(self, job: "_BlobJob", pending: "_PendingBlobs") -> tuple[str, bool]:
+        """Write a blob unless the store already holds it: (hash, written?). A written blob is
+        left in ``pending``, not yet flushed nor renamed: a save's blobs are flushed together, so
+        the disk writes one back while the next is written."""
+        p, chunks, cache_key, previous, futures = job.prepared, job.chunks, job.cache_key, job.previous, job.futures
         hashed: list[tuple[bytes, bytes]] = []
         digests: list[bytes] = []
         fd = -1
@@ -1001,11 +1068,8 @@ class CheckpointStore:
                 return digest, False
             if fd < 0:
                 fd = start_writing(len(chunks))
-            os.fsync(fd)
-            os.close(fd)
-            fd = -1
-            os.replace(tmp, final)
-            tmp = None
+            pending.add(fd, tmp, final)  # it closes or removes them from now on
+            fd, tmp = -1, None
             return digest, True
         finally:
             for fut in futures:
