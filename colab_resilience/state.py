@@ -10,8 +10,10 @@ Layout of a run directory (created 0700, every file 0600)::
 
 A save (:meth:`CheckpointStore.save`) first turns every requested value into a blob in memory
 (nothing is written if a name is missing; a value that cannot be saved is listed, not written).
-Each blob is hashed in 8 MiB chunks on a thread pool (``blake3`` releases the GIL) and written to
-``blobs/.tmp-*`` while the pool hashes ahead, then ``fsync``-ed and renamed to ``blobs/<hash>``.
+Each blob is hashed in 8 MiB chunks on a thread pool (``blake3`` releases the GIL; the pool starts
+on a value as soon as it is prepared, while the next one is) and written to ``blobs/.tmp-*`` while
+the pool hashes ahead; once every blob is written they are ``fsync``-ed together (in parallel:
+the disk writes one back while the next is written) and renamed to ``blobs/<hash>``.
 **A blob whose hash is already in the store is not written again.** While its chunks match the
 previous save of the same name, nothing is written at all, and a chunk whose fast in-process
 fingerprint (xxh3-128) is the one it had when this process last hashed it is not hashed again: an
