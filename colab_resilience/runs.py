@@ -91,7 +91,8 @@ class RestartPolicy:
 
 
 def memory_in_use_percent() -> tuple[float, str]:
-    """The highest of host memory in use and (if CUDA is initialised) GPU memory in use."""
+    """The highest of host memory in use and (if CUDA is initialised) GPU memory in use. Under a
+    supervisor, its standby kernel's memory does not count: the OOM killer takes it back first."""
     best, where = 0.0, "host RAM"
     try:
         info = {}
@@ -99,7 +100,12 @@ def memory_in_use_percent() -> tuple[float, str]:
             for line in f:
                 k, v = line.split(":", 1)
                 info[k] = int(v.split()[0])
-        best = 100.0 * (info["MemTotal"] - info["MemAvailable"]) / info["MemTotal"]
+        available = info["MemAvailable"]
+        if supervised():
+            from .standby import standby_bytes
+
+            available = min(info["MemTotal"], available + standby_bytes() // 1024)
+        best = 100.0 * (info["MemTotal"] - available) / info["MemTotal"]
     except (OSError, KeyError, ValueError, ZeroDivisionError):
         pass
     torch = sys.modules.get("torch")

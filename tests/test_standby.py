@@ -3,6 +3,7 @@ killer's first choice, and in its place when it dies; a dead standby means a col
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -199,3 +200,38 @@ def test_a_standby_imports_in_the_background_and_stops_when_adopted():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert standby.OOM_SCORE_ADJ == 1000
+
+
+def test_the_standbys_memory_is_not_counted_as_in_use(tmp_path):
+    """standby_bytes: the resident memory of the driver's standby kernels (children of the same
+    parent, started with COLAB_RESILIENCE_STANDBY=1), which %restart_after --memory leaves out."""
+    hold = ("import sys, time, numpy as np\n"
+            "a = np.ones(int(sys.argv[1]) << 20, dtype=np.uint8)\n"
+            "print('ready', flush=True)\ntime.sleep(60)")
+    env = {k: v for k, v in os.environ.items() if k != standby.ENV}
+    spare = subprocess.Popen([sys.executable, "-c", hold, "96"], env={**env, standby.ENV: "1"},
+                             stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen([sys.executable, "-c", hold, "192"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert spare.stdout.readline().strip() == "ready" and other.stdout.readline().strip() == "ready"
+        code = textwrap.dedent("""
+            import os
+            from colab_resilience import runs, standby
+            print(standby.standby_bytes())
+            total = os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+            share = 100.0 * (48 << 20) / total  # half the standby's 96 MiB, in percent
+            def reading(supervised):
+                os.environ[runs.SUPERVISED_ENV] = '1' if supervised else '0'
+                return runs.memory_in_use_percent()[0]
+            # other processes move memory too: one of five paired readings must show the gap
+            print(any(reading(True) < min(reading(False), reading(False)) - share for _ in range(5)))
+        """)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        counted, lower = out.stdout.split()
+        assert 96 << 20 <= int(counted) < 192 << 20  # the standby's 96 MiB, not the other child's
+        assert lower == "True"
+    finally:
+        for p in (spare, other):
+            p.kill()
+            p.wait()
