@@ -6,8 +6,10 @@ jupyter_client over IPC sockets in a private folder, with the extension loaded i
 SIGKILL, or the kernel leaving on its own request after an OOM beyond its retries, exit code
 :data:`colab_resilience.runs.EXIT_RESTART`), the driver
 
-1. restarts the kernel through jupyter_client (a plain manager, never an auto-restarting one,
-   whose silent restarts would leave nbclient waiting until its timeout: nbclient issue 319);
+1. puts its standby kernel in the dead one's place (:class:`_Standby`: started ahead of need,
+   warmed with the working kernel's imports), or, with none alive, restarts the kernel through
+   jupyter_client (a plain manager, never an auto-restarting one, whose silent restarts would
+   leave nbclient waiting until its timeout: nbclient issue 319);
 2. replays the replay cells executed so far (``%%replay`` cells and cells tagged ``replay``), in
    order, their outputs discarded unless one fails;
 3. re-executes the interrupted cell, which resumes its run from the last safe point;
