@@ -56,7 +56,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _kernels as K  # noqa: E402
 
 CRASH_AT = 0.8
-STANDBY = True  # --no-standby: False
 
 
 def result_line(nb) -> str | None:
@@ -70,9 +69,9 @@ def result_line(nb) -> str | None:
 
 
 def measure(work: Path, kernel: str, faulty_nb, clean_nb, plain_nb, *, faulty_params=None, clean_params=None,
-            plain_params=None, max_restarts=3) -> dict:
-    standby = STANDBY
-    """Faulty and uninterrupted supervised runs, the floor, the papermill re-run."""
+            plain_params=None, max_restarts=3, standby=True) -> dict:
+    """Faulty and uninterrupted supervised runs (``standby``: with the driver's standby kernel),
+    the floor, the papermill re-run."""
     (work / "faulty").mkdir(parents=True)
     (work / "clean").mkdir()
     (work / "plain").mkdir()
@@ -95,7 +94,7 @@ def measure(work: Path, kernel: str, faulty_nb, clean_nb, plain_nb, *, faulty_pa
     }
 
 
-def demo(root: Path, kernel: str, epochs: int) -> dict:
+def demo(root: Path, kernel: str, epochs: int, standby: bool) -> dict:
     import nbformat
 
     from colab_resilience.demo import _result
@@ -113,10 +112,11 @@ def demo(root: Path, kernel: str, epochs: int) -> dict:
                                 "batch_size": batch(f)},
         plain_params=lambda f: {"workdir": str(work / "plain"), "epochs": epochs, "inject_faults": False,
                                 "batch_size": batch(f)},
+        standby=standby,
     )
 
 
-def workload(root: Path, kernel: str, w: K.Workload, restarts: int, fault: str) -> dict:
+def workload(root: Path, kernel: str, w: K.Workload, restarts: int, fault: str, standby: bool) -> dict:
     work = root / "workload"
     work.mkdir()
     every = math.ceil(w.epochs / (restarts + 1))
@@ -125,7 +125,7 @@ def workload(root: Path, kernel: str, w: K.Workload, restarts: int, fault: str) 
                                  workdir=work)
     clean = K.workload_notebook(w, work / "clean.log")
     plain = K.plain_notebook(K.workload_notebook(w, work / "plain.log"))
-    return measure(work, kernel, faulty, clean, plain, max_restarts=restarts + 2)
+    return measure(work, kernel, faulty, clean, plain, max_restarts=restarts + 2, standby=standby)
 
 
 def main() -> None:
@@ -140,8 +140,6 @@ def main() -> None:
                     help="the workload only, --params 5e6 --epochs 6 --steps 2 --restarts 1 (under a minute)")
     ap.add_argument("--no-standby", action="store_true", help="supervised runs without the standby kernel")
     args = ap.parse_args()
-    global STANDBY
-    STANDBY = not args.no_standby
     if args.quick:
         args.params, args.epochs, args.steps, args.restarts = 5_000_000, 6, 2, 1
         args.only = args.only or "workload"
@@ -155,10 +153,10 @@ def main() -> None:
     with K.workspace(args.kernel, "cr-bench-recovery-") as (root, kernel):
         if args.only in (None, "demo"):
             print("recovery benchmark: the demo notebook ...", flush=True)
-            cols["demo notebook"] = demo(root, kernel, args.demo_epochs)
+            cols["demo notebook"] = demo(root, kernel, args.demo_epochs, not args.no_standby)
         if args.only in (None, "workload"):
             print(f"recovery benchmark: the {w.nparams / 1e6:.1f}M-parameter workload ...", flush=True)
-            cols[f"{w.nparams / 1e6:.0f}M workload"] = workload(root, kernel, w, args.restarts, args.fault)
+            cols[f"{w.nparams / 1e6:.0f}M workload"] = workload(root, kernel, w, args.restarts, args.fault, not args.no_standby)
 
     import torch
 
@@ -169,7 +167,7 @@ def main() -> None:
     if args.only in (None, "workload"):
         what.append(f"workload {w.nparams / 1e6:.1f}M parameters + AdamW, {args.epochs} epochs of {args.steps} "
                     f"steps, {args.restarts} restart(s) ({args.fault})")
-    print(f"recovery benchmark: {'; '.join(what)}; standby kernel {'on' if STANDBY else 'off'}; "
+    print(f"recovery benchmark: {'; '.join(what)}; standby kernel {'off' if args.no_standby else 'on'}; "
           f"torch {torch.__version__}, {os.cpu_count()} CPUs")
     print()
     c = list(cols.values())

@@ -84,6 +84,8 @@ for _p in (str(REPO), str(REPO / "tests")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from colab_resilience.standby import is_standby  # noqa: E402
+
 KEY = bytes(range(32))
 MiB = 1 << 20
 
@@ -806,7 +808,7 @@ class Killer(threading.Thread):
                     time.sleep(min(0.005, max(0.0, t + delay - time.time())))
                 if self.stop.is_set():
                     return
-                spare = _is_standby(pid)
+                spare = is_standby(pid)
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -822,17 +824,6 @@ def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
         return True
-    except OSError:
-        return False
-
-
-def _is_standby(pid: int) -> bool:
-    """Started by the driver as a standby (it may have taken over since: see where it landed)."""
-    from colab_resilience.standby import ENV
-
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f"{ENV}=1".encode() in f.read().split(b"\0")
     except OSError:
         return False
 

@@ -24,6 +24,7 @@ that dies before a run can count anything, at start-up or during a replay, canno
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import shutil
@@ -63,7 +64,6 @@ class Restart:
     restored: list = field(default_factory=list)  # names put back from runs finished earlier
     recovered: bool = True  # False: the new kernel died too (while starting or replaying)
     standby: bool = False  # True: the standby kernel took over; False: a kernel was (re)started
-
 
     def marker(self) -> str:
         where = f" in iteration {self.iteration}" if self.iteration else ""
@@ -442,9 +442,10 @@ def _restart(client, nb, index, run_root, replay_done, max_restarts, result, spa
                    standby=adopted is not None)
 
 
+@functools.lru_cache(maxsize=None)
 def _may_raise_priority() -> bool:
     """Whether a process of ours may lower its nice value again (root with CAP_SYS_NICE, or a
-    permissive RLIMIT_NICE): tried on a thread of this process, which Linux renices alone."""
+    permissive RLIMIT_NICE): tried once, on a thread of this process, which Linux renices alone."""
     import threading
 
     answer: list[bool] = []
@@ -527,24 +528,15 @@ class _Standby:
 
     def follow(self, client) -> None:
         """After a cell: have the standby import what the working kernel imported since the last."""
-        import ast
-
         from nbclient.exceptions import DeadKernelError
 
         if self.km is None:
             return
-        try:
-            # one string: IPython's display of a list stops at 1000 items
-            reply = _kernel_call(client, user_expressions={"m": "' '.join(" + STANDBY.format("new_modules()") + ")"},
-                                 timeout=30)
+        try:  # one string: IPython's display of a list stops at 1000 items
+            names = _kernel_eval(client, "' '.join(" + STANDBY.format("new_modules()") + ")", timeout=30)
         except (DeadKernelError, TimeoutError):  # the next cell finds out
             return
-        value = reply.get("content", {}).get("user_expressions", {}).get("m", {})
-        try:
-            names = ast.literal_eval(value["data"]["text/plain"]).split() if value.get("status") == "ok" else []
-        except (KeyError, ValueError, SyntaxError, TypeError, AttributeError):
-            return
-        fresh = [n for n in names if n not in self.modules]
+        fresh = [n for n in names.split() if n not in self.modules] if isinstance(names, str) else []
         self.modules.update(dict.fromkeys(fresh))
         if fresh:
             self._send(STANDBY.format(f"preload({fresh!r})"))
@@ -609,20 +601,26 @@ def _kernel_call(client, code: str = "", *, user_expressions: dict | None = None
     return run_sync(call)()
 
 
+def _kernel_eval(client, expr: str, timeout: float) -> Any:
+    """The value of ``expr`` evaluated silently in the kernel (a literal: its repr is parsed back),
+    or None when it failed or is not a literal. DeadKernelError and TimeoutError go to the caller."""
+    import ast
+
+    reply = _kernel_call(client, user_expressions={"v": expr}, timeout=timeout)
+    value = reply.get("content", {}).get("user_expressions", {}).get("v", {})
+    if value.get("status") != "ok":
+        return None
+    try:
+        return ast.literal_eval(value["data"]["text/plain"])
+    except (KeyError, ValueError, SyntaxError, TypeError):
+        return None
+
+
 def _restore_finished_runs(client) -> list[str]:
     """After the replay: the state of the ``%%resilient`` cells that finished before the
     interrupted cell (it is in their last checkpoints), so a later cell sees the trained model."""
-    import ast
-
-    expr = "__import__('colab_resilience')._magics_of().restore_finished_runs()"
-    reply = _kernel_call(client, user_expressions={"r": expr}, timeout=600)
-    result = reply.get("content", {}).get("user_expressions", {}).get("r", {})
-    if result.get("status") != "ok":
-        return []
-    try:
-        return list(ast.literal_eval(result["data"]["text/plain"]))
-    except (KeyError, ValueError, SyntaxError, TypeError):
-        return []
+    names = _kernel_eval(client, "__import__('colab_resilience')._magics_of().restore_finished_runs()", timeout=600)
+    return list(names) if isinstance(names, (list, tuple)) else []
 
 
 def _declare_replay(client, cell) -> None:

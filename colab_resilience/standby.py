@@ -26,6 +26,7 @@ by hand it is never imported.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import queue
@@ -47,6 +48,7 @@ _saved_adj: str | None = None
 _imported: list[str] = []  # what the standby imported ahead of need (for tests and reports)
 
 
+@functools.lru_cache(maxsize=None)
 def _roots() -> tuple[str, ...]:
     import site
 
@@ -167,6 +169,15 @@ def adopt(nice: int | None = None) -> None:
         _renice_all(nice)
 
 
+def is_standby(pid: int) -> bool:
+    """Whether process ``pid`` was started as a standby (it may have taken over since)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{ENV}=1".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
 def standby_bytes() -> int:
     """(In a working kernel.) The resident memory of the standby kernels beside this one (started
     by the same driver): memory the OOM killer takes back first, so not memory in use for
@@ -177,18 +188,14 @@ def standby_bytes() -> int:
     except OSError:
         return 0
     me, parent = os.getpid(), os.getppid()
-    marker = f"{ENV}=1".encode()
     for entry in entries:
         if not entry.isdigit() or int(entry) == me:
             continue
         try:
             with open(f"/proc/{entry}/stat", "rb") as f:
                 ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-            if ppid != parent:
+            if ppid != parent or not is_standby(int(entry)):
                 continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if marker not in f.read().split(b"\0"):
-                    continue
             with open(f"/proc/{entry}/statm", "rb") as f:
                 total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         except (OSError, ValueError, IndexError):
