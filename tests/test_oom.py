@@ -185,3 +185,6 @@ def test_format_bytes():
     assert oom.format_bytes(512) == "512 B"
     assert oom.format_bytes(1.1 * (1 << 30)) == "1.1 GiB"
     assert oom.format_bytes(3 << 20) == "3.0 MiB"
+    # just under 1 GiB (what a CUDA OOM freed, measured on an H200): not "1024.0 MiB"
+    assert oom.format_bytes((1 << 30) - 512) == "1.0 GiB"
+    assert oom.format_bytes(1023) == "1023 B" and oom.format_bytes(1023.96 * 1024) == "1.0 MiB"
