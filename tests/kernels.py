@@ -70,6 +70,12 @@ GiB = 1 << 30
 MiB = 1 << 20
 """
 
+# One statement: a real failure of torch's CPU allocator on any machine. The address space is
+# capped at 1 TiB, then 64 TiB are asked for; without the cap, a kernel that always overcommits
+# (vm.overcommit_memory=1, as on the GPU machines tried) grants the 64 TiB.
+HOST_OOM = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (1 << 40, resource.RLIM_INFINITY)); "
+            "torch.empty(1 << 44)")
+
 
 def strip_ansi(text: str) -> str:
     return ANSI.sub("", text)

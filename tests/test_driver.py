@@ -15,7 +15,7 @@ import nbformat
 import pytest
 
 from colab_resilience import driver
-from kernels import KERNEL_NAME, cell_text, notebook
+from kernels import HOST_OOM, KERNEL_NAME, cell_text, notebook
 
 pytestmark = pytest.mark.kernel
 
@@ -128,8 +128,8 @@ def test_a_death_between_cells_while_the_driver_restores_is_recovered_at_once(tm
 
 
 def test_real_oom_beyond_retries_restarts_and_resumes(tmp_path, reference):
-    # torch.empty(1 << 44): a real allocator failure, in the first kernel only
-    fault = f"if epoch == 3 and not os.path.exists({str(tmp_path / 'm')!r}):\n        open({str(tmp_path / 'm')!r}, 'w').write(str(os.getpid()))\n    if epoch == 3 and open({str(tmp_path / 'm')!r}).read() == str(os.getpid()):\n        torch.empty(1 << 44)"
+    # a real allocator failure, in the first kernel only
+    fault = f"if epoch == 3 and not os.path.exists({str(tmp_path / 'm')!r}):\n        open({str(tmp_path / 'm')!r}, 'w').write(str(os.getpid()))\n    if epoch == 3 and open({str(tmp_path / 'm')!r}).read() == str(os.getpid()):\n        " + HOST_OOM
     nb = notebook(SETUP, TRAIN.format(fault=fault).replace("--save model,opt,history", "--save model,opt,history --retries 1"), RESULT)
     result = run(nb, tmp_path)
     assert result.status == 0, result.message

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from kernels import Kernel
+from kernels import HOST_OOM, Kernel
 
 pytestmark = pytest.mark.kernel
 
@@ -47,7 +47,7 @@ for epoch in resume_range(4):
 
 FAULTS = {
     "sigkill": "os.kill(os.getpid(), signal.SIGKILL)",
-    "oom": "torch.empty(1 << 44)  # a real allocator failure, every attempt in this kernel",
+    "oom": HOST_OOM,  # a real allocator failure, every attempt in this kernel
     "none": "pass",
 }
 
@@ -154,7 +154,7 @@ def test_always_oom_stops_at_its_budget_with_a_report(tmp_path, env):
     try:
         k.ok("%load_ext colab_resilience")
         k.ok("%%replay\nimport torch")
-        cell = "%%resilient --retries 0 --max-restarts 2\ntorch.empty(1 << 44)\n"
+        cell = f"%%resilient --retries 0 --max-restarts 2\n{HOST_OOM}\n"
         pids = {k.pid}
         for restart in (1, 2):
             out, code = k.execute_until_exit(cell)
@@ -199,7 +199,7 @@ def test_supervised_kernel_exits_with_the_documented_code_and_no_startup_file(tm
     try:
         k.ok("%load_ext colab_resilience")
         k.ok("%%replay\nimport torch")
-        out, code = k.execute_until_exit("%%resilient --retries 0\ntorch.empty(1 << 44)\n")
+        out, code = k.execute_until_exit(f"%%resilient --retries 0\n{HOST_OOM}\n")
         assert code == 75
         assert "restarting the kernel; restart 1/3" in out
         assert not list((tmp_path / "ipython").glob("profile_default/startup/*colab_resilience*"))
