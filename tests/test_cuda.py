@@ -1,0 +1,224 @@
+"""CUDA for real, where the machine has a GPU (skipped elsewhere; CI has none).
+
+A real CUDA out-of-memory error from torch's caching allocator is caught, what it held is given back
+to the device and the cell is retried smaller; CUDA tensors, modules, optimizers and the CUDA random
+state saved in one process come back on the GPU in another, byte for byte; a supervised run on the
+GPU, killed or out of memory mid-epoch, resumes bit-identical, and its standby kernel never opened
+the GPU; GPU memory in use triggers a planned restart.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from kernels import KERNEL_NAME, Kernel, cell_text, notebook
+
+from colab_resilience import driver
+from colab_resilience import state as smod
+
+pytestmark = [
+    pytest.mark.kernel,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+REPO = os.path.dirname(os.path.dirname(smod.__file__))
+
+
+def test_a_real_cuda_oom_is_freed_and_retried_smaller(kernel):
+    """The allocator is capped at 2.5 GiB; 1 GiB held in the failing frame must be given back to the
+    device before the retry, or the retry (1 GiB held + 1 GiB of work) fails as well."""
+    kernel.ok("import torch\n%load_ext colab_resilience")
+    kernel.ok(
+        "torch.cuda.set_per_process_memory_fraction(2.5 * 2**30 / torch.cuda.get_device_properties(0).total_memory)\n"
+        "batch_size = 8192\nstarts = []\nbase = torch.cuda.memory_allocated()"
+    )
+    r = kernel.ok(
+        "%%resilient --retries 3 --shrink batch_size\n"
+        "def step(n):\n"
+        "    starts.append(torch.cuda.memory_allocated())\n"
+        "    held = torch.ones(1 << 28, device='cuda')      # 1 GiB, alive in this frame when the OOM comes\n"
+        "    work = torch.ones(n, 1 << 16, device='cuda')   # n x 256 KiB: 2 GiB does not fit, 1 GiB does\n"
+        "    return float(held[0]) + work.shape[0]\n"
+        "result = step(batch_size)\n"
+    )
+    [line] = [l for l in r.stdout.splitlines() if "— freed" in l]
+    assert re.fullmatch(
+        r"colab_resilience: OOM \(CUDA out of memory\) — freed [\d.]+ GiB; batch_size 8192 → 4096; retry 1/3", line
+    ), line
+    base, starts, after, result, reserved = kernel.value(
+        "(base, starts, torch.cuda.memory_allocated(), result, torch.cuda.memory_reserved())")
+    assert result == 1 + 4096
+    assert starts == [base, base]  # the retry started with nothing of the failed attempt left on the GPU
+    assert after == base
+    assert reserved <= 1.25 * 2**30 + (1 << 30)  # the cache was emptied, not kept at the failed peak
+
+
+SAVE = """
+import sys, hashlib, torch
+from colab_resilience.state import CheckpointStore
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).cuda()
+opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+for _ in range(3):
+    opt.zero_grad(); m(torch.randn(8, 64, device='cuda')).pow(2).mean().backward(); opt.step()
+base = torch.randn(6, 8, device='cuda').to(torch.bfloat16)
+ns = dict(m=m, opt=opt, views=(base.t(), base[2:4]), half=torch.randn(5, device='cuda').half(), step=3)
+CheckpointStore(sys.argv[1]).save(ns, list(ns))
+"""
+LOAD = """
+import sys, hashlib, torch
+from colab_resilience.state import CheckpointStore
+m = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).cuda()
+opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+params = [id(p) for p in m.parameters()]
+ns = dict(m=m, opt=opt)
+CheckpointStore(sys.argv[1]).load().restore(ns)
+assert [id(p) for p in ns['m'].parameters()] == params and ns['opt'] is opt  # in place
+t, rows = ns['views']
+assert not t.is_contiguous() and t.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr()
+"""
+REPORT = """
+def raw(x):
+    return x.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+print('devices', sorted({str(x.device) for x in [*m.parameters(), *[s for s in state if s.dim()], t, rows, ns['half']]}))
+print('dtypes', t.dtype, rows.dtype, ns['half'].dtype, ns['step'])
+print('bytes', hashlib.sha256(b''.join(raw(x) for x in [*m.state_dict().values(), *state, t, rows, ns['half']])).hexdigest())
+print('next draws', torch.rand(3, device='cuda').tolist(), torch.rand(2).tolist())
+"""
+
+
+def test_cuda_state_comes_back_on_the_gpu_in_another_process(tmp_path):
+    """Modules and AdamW in place, a bf16 transposed view and a slice sharing its storage, fp16, the
+    CUDA and CPU random states: what the saving process has is what a fresh process restores."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+               COLAB_RESILIENCE_HOME=str(tmp_path / "home"))
+    run = str(tmp_path / "run")
+    saved = subprocess.run([sys.executable, "-c", SAVE + "t, rows = ns['views']\n" + REPORT, run],
+                           env=env, capture_output=True, text=True, check=False)
+    assert saved.returncode == 0, saved.stderr
+    loaded = subprocess.run([sys.executable, "-c", LOAD + REPORT, run], env=env, capture_output=True, text=True, check=False)
+    assert loaded.returncode == 0, loaded.stderr
+    assert "devices ['cuda:0']" in saved.stdout
+    assert loaded.stdout == saved.stdout
+
+
+# In a kernel: whether a process has the GPU open (a CUDA context holds /dev/nvidia* open).
+GPU_OPEN = textwrap.dedent("""\
+    def gpu_open(pid):
+        found = False
+        for fd in os.listdir(f'/proc/{pid}/fd'):
+            try:
+                found = found or os.readlink(f'/proc/{pid}/fd/{fd}').startswith('/dev/nvidia')
+            except OSError:
+                pass
+        return found
+""")
+
+SETUP = (
+    "%%replay\nimport os, signal, hashlib, torch\n"
+    "torch.use_deterministic_algorithms(True)\n"
+    "torch.manual_seed(0)\n"
+    "X = torch.randn(512, 32, device='cuda')\nY = (X.sum(1) > 0).long()\n"
+    "model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2),\n"
+    "                            torch.nn.Linear(64, 2)).cuda()\n"
+    "opt = torch.optim.AdamW(model.parameters(), lr=0.01)"
+)
+TRAIN = (
+    "%%resilient --save model,opt,history --retries 1\n"
+    "history = []\n"
+    "for epoch in resume_range(4):\n"
+    "    perm = torch.randperm(len(X), device='cuda')  # the CUDA generator: restored with the state\n"
+    "    for b in range(0, len(X), 64):\n"
+    "        idx = perm[b:b + 64]\n"
+    "        loss = torch.nn.functional.cross_entropy(model(X[idx]), Y[idx])\n"
+    "        opt.zero_grad(); loss.backward(); opt.step()\n"
+    "        if epoch == 2 and b == 256 and (not os.path.exists({mark!r}) or open({mark!r}).read() == str(os.getpid())):\n"
+    "            open({mark!r}, 'w').write(str(os.getpid()))\n"
+    "            {fault}\n"
+    "    history.append(round(loss.item(), 6))\n"
+)
+FAULTS = {
+    "none": "pass",
+    "sigkill": "os.kill(os.getpid(), signal.SIGKILL)",
+    # a real failure of the CUDA caching allocator, in every attempt in this kernel
+    "cuda-oom": "torch.empty(1 << 50, device='cuda')",
+}
+RESULT = (
+    "print('RESULT', history, hashlib.sha256(b''.join(t.cpu().numpy().tobytes() for t in model.state_dict().values()))"
+    ".hexdigest(), sorted({str(p.device) for p in model.parameters()}))"
+)
+
+
+def run(nb, tmp_path, **kw):
+    return driver.run_notebook(nb, tmp_path / "out.ipynb", cwd=tmp_path, run_dir=tmp_path / "runs",
+                               kernel_name=KERNEL_NAME, **kw)
+
+
+def line(nb, prefix: str) -> str:
+    return next(l for c in nb.cells for l in cell_text(c).splitlines() if l.startswith(prefix))
+
+
+@pytest.fixture
+def deterministic_cublas(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # asked for by use_deterministic_algorithms
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref")
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    try:
+        nb = notebook(SETUP, TRAIN.format(mark=str(tmp / "mark"), fault="pass"), RESULT)
+        assert run(nb, tmp, standby=False).status == 0
+    finally:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    return line(nb, "RESULT")
+
+
+@pytest.mark.parametrize("fault", ["sigkill", "cuda-oom"])
+def test_a_supervised_gpu_run_resumes_bit_identical_and_the_standby_never_opened_the_gpu(
+        tmp_path, reference, deterministic_cublas, fault):
+    from test_standby import SIBLINGS, WAIT_WARM
+
+    check = SIBLINGS + GPU_OPEN + WAIT_WARM + "\nprint('GPU', gpu_open(os.getpid()), gpu_open(spare))"
+    nb = notebook(SETUP, check, TRAIN.format(mark=str(tmp_path / "mark"), fault=FAULTS[fault]), RESULT)
+    result = run(nb, tmp_path)
+    assert result.status == 0, result.message
+    assert line(nb, "RESULT") == reference
+    assert "['cuda:0']" in reference
+    # the working kernel has the GPU open; the warm standby (torch imported) has not
+    assert line(nb, "GPU").split() == ["GPU", "True", "False"]
+    [restart] = result.restarts
+    assert restart.standby
+    assert restart.exit_code == (-9 if fault == "sigkill" else 75)
+    text = cell_text(nb.cells[2])
+    if fault == "cuda-oom":
+        assert "OOM (CUDA out of memory) — freed" in text and "retry 1/1" in text
+    assert "switched to the standby kernel, replayed 1 cell and resumed in" in text
+    assert "continuing at 2" in text
+
+
+def test_gpu_memory_in_use_triggers_a_planned_restart(tmp_path):
+    k = Kernel({"COLAB_RESILIENCE_RUN_DIR": str(tmp_path / "runs"), "IPYTHONDIR": str(tmp_path / "ipython")})
+    try:
+        k.ok("%load_ext colab_resilience")
+        k.ok("%%replay\nimport torch")
+        k.ok("%restart_after --memory 80%")
+        out, code = k.execute_until_exit(
+            "%%resilient --max-restarts 0\n"
+            "for i in resume_range(3):\n"
+            "    if i == 0:\n"
+            "        free, total = torch.cuda.mem_get_info()\n"
+            "        big = torch.empty(free - total // 10, dtype=torch.uint8, device='cuda')  # 90% in use\n"
+        )
+        assert code == 75, out
+        assert re.search(r"planned restart: GPU memory in use at 9\d% \(threshold 80%\)", out), out
+    finally:
+        k.shutdown()
