@@ -7,7 +7,8 @@ State: a stack of nn.Linear layers (``--params`` parameters) with AdamW state af
 Every row writes to the same folder and every write is followed by fsync (torch.save and dill
 do not fsync by themselves; the benchmark does it for them). Reads come straight after the
 writes, so they are warm-cache for every row alike (dropping the page cache needs root tricks).
-Times are the median of ``--repeat`` runs. Prints one table; ratios come from this run only.
+The rows run in rounds, one warm-up round and then ``--repeat`` timed ones, each row once per
+round (see :func:`rounds`); times are the medians. Prints one table; ratios come from this run only.
 """
 
 from __future__ import annotations
@@ -51,15 +52,45 @@ def build(params: int, width: int = 1024):
     return ns, sum(p.numel() for p in model.parameters())
 
 
-def timed(fn, repeat: int, setup=None) -> float:
-    times = []
-    for _ in range(repeat):
-        if setup:
-            setup()
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def warm_memory(nbytes: int) -> None:
+    """Touch and free ``nbytes``, so that the next allocations reuse memory the host still backs.
+
+    On a VM that hands freed memory back to its host (free page reporting, a balloon), a page
+    touched again some seconds after it was freed costs a trip to the host: 580 MiB read into a
+    fresh buffer took 2.4 s that way and 0.19 s right after a free of the same size. Every row
+    allocates its result, so every row is started from the same warm memory.
+    """
+    np.ones(nbytes, dtype=np.uint8)
+
+
+def rounds(ops: list[tuple], repeat: int, nbytes: int) -> tuple[dict[str, float | None], dict[str, str]]:
+    """Run every operation once per round, in order, for ``repeat`` + 1 rounds; the first round is
+    a warm-up and is not timed. Return the median seconds per operation, and the first error of
+    those that failed (they are not run again).
+
+    Rounds, not one operation ``repeat`` times and then the next, and warm memory before each
+    (:func:`warm_memory`): the disk's speed drifts, and memory first touched after a pause is slow
+    on this VM. Whichever row ran first, or alone in a slow minute, would carry that; interleaved
+    rows after a warm-up all see the same machine.
+    """
+    times: dict[str, list[float]] = {label: [] for label, _, _ in ops}
+    failed: dict[str, str] = {}
+    for r in range(repeat + 1):
+        for label, fn, setup in ops:
+            if label in failed:
+                continue
+            if setup:
+                setup()
+            warm_memory(2 * nbytes)
+            t = time.perf_counter()
+            try:
+                fn()
+            except Exception as e:  # dill cannot pickle everything torch puts in an optimizer
+                failed[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:70] if str(e) else ''}"
+                continue
+            if r:
+                times[label].append(time.perf_counter() - t)
+    return {label: statistics.median(v) if v else None for label, v in times.items()}, failed
 
 
 def fsync_path(path: Path) -> None:
@@ -107,31 +138,23 @@ def main() -> None:
         # -- this package --
         run = root / "run"
         store = None
+        reports = {}
 
         def fresh():
             nonlocal store
             shutil.rmtree(run, ignore_errors=True)
             store = CheckpointStore(run)
 
-        first_reports = []
+        def save(which):
+            reports[which] = store.save(ns, names)
 
-        def save():
-            first_reports.append(store.save(ns, names))
-
-        t_save = timed(save, args.repeat, setup=fresh)
-        total = first_reports[-1].bytes_written
-        t_save2 = timed(lambda: store.save(ns, names), args.repeat)
-        second = store.save(ns, names)
-        t_load = timed(lambda: store.load(), args.repeat)
         target_ns = {"model": ns["model"], "opt": ns["opt"]}
-        t_restore = timed(lambda: store.load().restore(target_ns), args.repeat)
-
-        # -- the floor: the same number of bytes, one file, fsync --
+        # -- the floor: the same number of bytes (measured by one save), one file, fsync --
+        fresh()
+        save("first")
+        total = reports["first"].bytes_written
         payload = memoryview(np.random.default_rng(1).integers(0, 255, total, dtype=np.uint8))
         floor_file = root / "raw.bin"
-        t_wfloor = timed(lambda: raw_write(floor_file, payload), args.repeat)
-        t_rfloor = timed(lambda: raw_read(floor_file), args.repeat)
-        del payload
 
         # -- torch.save / torch.load(weights_only=True) --
         tfile = root / "state.pt"
@@ -147,24 +170,29 @@ def main() -> None:
             torch.save(to_torch, tfile)
             fsync_path(tfile)
 
-        t_tsave = timed(tsave, args.repeat)
-        t_tload = timed(lambda: torch.load(tfile, weights_only=True), args.repeat)
-        t_tload_mmap = timed(lambda: torch.load(tfile, weights_only=True, mmap=True), args.repeat)
-
         def trestore():
             sd = torch.load(tfile, weights_only=True)
             ns["model"].load_state_dict(sd["model"])
             ns["opt"].load_state_dict(sd["opt"])
 
-        t_trestore = timed(trestore, args.repeat)
+        ops = [
+            ("save", lambda: save("first"), fresh),
+            ("save2", lambda: save("unchanged"), None),
+            ("load", lambda: store.load(), None),
+            ("restore", lambda: store.load().restore(target_ns), None),
+            ("wfloor", lambda: raw_write(floor_file, payload), None),
+            ("rfloor", lambda: raw_read(floor_file), None),
+            ("tsave", tsave, None),
+            ("tload", lambda: torch.load(tfile, weights_only=True), None),
+            ("tload_mmap", lambda: torch.load(tfile, weights_only=True, mmap=True), None),
+            ("trestore", trestore, None),
+        ]
 
         # -- dill --
         try:
             import dill
         except ImportError:
             dill = None
-        t_dsave = t_dload = None
-        dill_error = "" if dill is not None else "dill not installed"
         if dill is not None:
             import types
 
@@ -177,17 +205,21 @@ def main() -> None:
                 dill.dump_module(str(dfile), module=module, refimported=True)
                 fsync_path(dfile)
 
-            try:
-                t_dsave = timed(dsave, args.repeat)
-                t_dload = timed(lambda: dill.load_module(str(dfile), module="bench_state"), args.repeat)
-            except Exception as e:  # dill cannot pickle everything torch puts in an optimizer
-                dill_error = f"{type(e).__name__}: {str(e).splitlines()[0][:70]}"
+            ops += [("dsave", dsave, None), ("dload", lambda: dill.load_module(str(dfile), module="bench_state"), None)]
+        t, failed = rounds(ops, args.repeat, total)
+        del payload
+        second = reports["unchanged"]
+        t_save, t_save2, t_load, t_restore = t["save"], t["save2"], t["load"], t["restore"]
+        t_wfloor, t_rfloor, t_tsave, t_tload = t["wfloor"], t["rfloor"], t["tsave"], t["tload"]
+        t_tload_mmap, t_trestore = t["tload_mmap"], t["trestore"]
+        t_dsave, t_dload = t.get("dsave"), t.get("dload")
+        dill_error = "dill not installed" if dill is None else failed.get("dsave") or failed.get("dload") or ""
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
     mib = total / (1 << 20)
     print(f"checkpoint benchmark: {nparams / 1e6:.1f}M parameters + AdamW state + mixed namespace = "
-          f"{mib:.0f} MiB; median of {args.repeat}; torch {torch.__version__}, {os.cpu_count()} CPUs")
+          f"{mib:.0f} MiB; median of {args.repeat} rounds after a warm-up; torch {torch.__version__}, {os.cpu_count()} CPUs")
     print()
     header = f"{'operation':<46}{'seconds':>9}{'MiB/s':>9}{'x floor':>9}"
     print(header)
