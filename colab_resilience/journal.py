@@ -84,6 +84,15 @@ def write_all(fd: int, data) -> None:
         view = view[n:]
 
 
+def read_limited(f, limit: int) -> bytes:
+    """The bytes of the open file ``f``, or ``limit`` + 1 of them if it holds more (the caller
+    refuses those). Allocates only what the file holds: ``f.read(limit + 1)`` would allocate
+    ``limit`` + 1 bytes up front, and this runs after an out-of-memory error, under memory caps,
+    where 64 or 256 MiB is what fails (the demo's retries all failed on such a read)."""
+    size = os.fstat(f.fileno()).st_size
+    return f.read(min(size, limit) + 1)
+
+
 def atomic_temp_prefix(name: str) -> str:
     """How the temporary files of :func:`atomic_write` for ``name`` begin (a kill can leave one)."""
     return f".{name}.tmp-"
@@ -198,7 +207,7 @@ class Journal:
         path = Path(run_dir) / JOURNAL_NAME
         try:
             with open(path, "rb") as f:
-                raw = f.read(_MAX_JOURNAL_BYTES + 1)
+                raw = read_limited(f, _MAX_JOURNAL_BYTES)
         except FileNotFoundError:
             raise JournalNotFoundError(
                 f"colab_resilience: no run journal in {run_dir}; nothing to resume"

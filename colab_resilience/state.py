@@ -102,7 +102,7 @@ from .errors import (
     NoCheckpointError,
     UntrustedCheckpointError,
 )
-from .journal import atomic_temp_prefix, atomic_write, fsync_dir, make_private_dir, write_all
+from .journal import atomic_temp_prefix, atomic_write, fsync_dir, make_private_dir, read_limited, write_all
 
 FORMAT = "colab_resilience.checkpoint"
 FORMAT_VERSION = 1
@@ -1205,7 +1205,7 @@ class CheckpointStore:
             path = self.run_dir / cid / MANIFEST
             try:
                 with open(path, "rb") as f:
-                    doc = json.loads(f.read(_MAX_MANIFEST + 1))
+                    doc = json.loads(read_limited(f, _MAX_MANIFEST))
                 body = doc["body"]
                 if not isinstance(body, dict) or body.get("format") != FORMAT:
                     continue
@@ -1267,7 +1267,9 @@ class CheckpointStore:
         path = self.run_dir / cid / MANIFEST
         try:
             with open(path, "rb") as f:
-                raw = f.read(_MAX_MANIFEST + 1)
+                raw = read_limited(f, _MAX_MANIFEST)
+            if len(raw) > _MAX_MANIFEST:
+                raise ValueError("larger than any manifest this package writes")
             doc = json.loads(raw, parse_constant=_no_constant)
             body = doc["body"]
             sig = doc.get("hmac")
