@@ -352,6 +352,7 @@ class ResilienceMagics(Magics):
 
         def before_retry(outcome):
             run.resuming = True  # roll back at the restore point (loop start or cell start)
+            return run.forget_new_names()
 
         def give_up(exc, verdict, outcome):
             run.record_shrink({s.name: self.shell.user_ns.get(s.name) for s in shrinks})

@@ -247,13 +247,17 @@ def forget_last_error(shell=None, execution_count: int | None = None) -> None:
             setattr(shell, attr, None)
 
 
-def release(exc: BaseException | None, shell=None, execution_count: int | None = None) -> int:
-    """Free what ``exc`` holds, collect, empty caches; return the bytes given back (≥ 0).
+def release(exc: BaseException | None, shell=None, execution_count: int | None = None,
+            before: int | None = None) -> int:
+    """Free what ``exc`` holds, collect, empty caches; return the bytes given back (≥ 0), counted
+    from ``before`` (a :func:`memory_in_use` the caller took before dropping references of its
+    own) or from now.
 
     The caller must drop its own references to ``exc`` (and to anything the failing code
     returned) for the memory to go: this function can clear frames, not the caller's variables.
     """
-    before = memory_in_use()
+    if before is None:
+        before = memory_in_use()
     clear_exception(exc)
     forget_last_error(shell, execution_count)
     del exc

@@ -5,9 +5,11 @@ This is the engine behind ``%%resilient``; it knows nothing about argument parsi
 
 1. run the body (see :mod:`colab_resilience.execution`);
 2. an error that is not an OOM leaves exactly as it would without the magic;
-3. an OOM is released (:func:`colab_resilience.oom.release`), the ``before_retry`` hook runs
-   (the run rolls the declared state back to the last safe point there), the ``--shrink``
-   variables are made smaller, one line says what happened, and the body runs again;
+3. on an OOM the ``before_retry`` hook runs (the run rolls back to the last safe point there:
+   it unbinds the names created since, returned to be reported, and the declared state is
+   restored when the body starts again), what the error holds is released
+   (:func:`colab_resilience.oom.release`), the ``--shrink`` variables are made smaller, one line
+   says what happened, and the body runs again;
 4. when the retries are spent, or the error poisons the process (a CUDA device-side assert), the
    ``give_up`` hook decides what comes next. Without one, the last error is re-raised after a
    one-line summary of the attempts, its frames already cleared so the memory stays free.
@@ -59,7 +61,7 @@ class Recovery:
         shrink: tuple[Shrink, ...] = (),
         say: Callable[[str], None] = print,
         before_attempt: Callable[[Outcome], None] | None = None,
-        before_retry: Callable[[Outcome], None] | None = None,
+        before_retry: Callable[[Outcome], list[str] | None] | None = None,
         give_up: Callable[[BaseException, oom.OOMVerdict, Outcome], None] | None = None,
     ):
         self.shell = shell
@@ -98,13 +100,15 @@ class Recovery:
                 self._give_up(exc, tb, verdict)
                 return
             del tb, verdict
-            freed = oom.release(exc, self.shell, self.shell.execution_count)
+            # the rollback first (it may unbind what the attempt created), so release() frees that too
+            before = oom.memory_in_use()
+            dropped = self.before_retry(outcome) if self.before_retry is not None else None
+            freed = oom.release(exc, self.shell, self.shell.execution_count, before=before)
             del exc
             outcome.freed.append(freed)
-            if self.before_retry is not None:  # rolls the declared state back: before shrinking
-                self.before_retry(outcome)
-            changes = self._shrink()
-            parts = [f"{PREFIX} OOM ({outcome.labels[-1]}) — freed {oom.format_bytes(freed)}"]
+            changes = self._shrink()  # after the rollback, which must not undo it
+            unbound = f"unbound {_names(dropped)} (new since the last safe point) and " if dropped else ""
+            parts = [f"{PREFIX} OOM ({outcome.labels[-1]}) — {unbound}freed {oom.format_bytes(freed)}"]
             parts += changes
             parts.append(f"retry {outcome.attempts}/{self.retries}")
             self.say("; ".join(parts))
@@ -146,6 +150,11 @@ class Recovery:
             f"{PREFIX} still out of memory after {tried}{what}; memory was freed, the error "
             f"follows. To go on, {hint} and run the cell again, or allow more with --retries."
         )
+
+
+def _names(names: list[str], most: int = 4) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _is_int(value) -> bool:

@@ -235,6 +235,7 @@ class Run:
         self.uses_loop = "resume_range" in body
         self.safe_points = 0
         self._saved_point = -1  # the safe point the last successful save was made at
+        self._names_at_checkpoint: set[str] | None = None  # the namespace's names then
         self._said_missing: set = set()  # names already reported as missing or unsaveable
         self._last_save = 0.0
         self.iteration: object = None  # the value of the iteration in progress
@@ -402,6 +403,7 @@ class Run:
             return
         self._last_save = time.monotonic()
         self._saved_point = self.safe_points
+        self._names_at_checkpoint = set(ns)
         for name, message in report.skipped.items():
             if ("skipped", name) not in self._said_missing:  # once per run, not at every safe point
                 self._said_missing.add(("skipped", name))
@@ -412,6 +414,21 @@ class Run:
             {n: ns[n] for n in self.shrink if isinstance(ns.get(n), int) and not isinstance(ns.get(n), bool)}
         )
         self.journal.save()
+
+    def forget_new_names(self) -> list[str]:
+        """Before an in-process retry: unbind the names created since the last checkpoint, the
+        point the retry goes back to, where they did not exist. A batch left bound to a global
+        by the failed attempt (``x = torch.randn(batch, n)`` before the step that failed) would
+        otherwise hold its memory through the retry, and the smaller batch would fail as well.
+        Names that existed then are left alone; ``--save`` names are restored from the
+        checkpoint. Returns the names unbound."""
+        if self._names_at_checkpoint is None:
+            return []
+        ns, hidden = self.shell.user_ns, getattr(self.shell, "user_ns_hidden", {})
+        new = [n for n in ns if n not in self._names_at_checkpoint and not n.startswith("_") and n not in hidden]
+        for n in new:
+            del ns[n]
+        return new
 
     def safe_point(self, next_index: int, *, last: bool = False) -> None:
         """The end of an iteration: save if due; restart if planned (not after the last one)."""

@@ -59,6 +59,31 @@ def test_recovery_frees_a_gigabyte_held_in_a_local_frame(kernel):
     assert abs(after - before) <= 0.10 * before, (before, after)
 
 
+def test_a_retry_unbinds_what_the_failed_attempt_bound_since_the_last_safe_point(kernel):
+    """`x`, bound to a global by the failed attempt, held 512 MiB through the retry and the half
+    batch failed too (the demo's retries all did). A name bound before the safe point the retry
+    goes back to (`lookup`, in epoch 0) stays: the retry does not bind it again."""
+    kernel.ok(SETUP)
+    kernel.ok("batch_size = 4096\ncap_memory(768 * MiB)  # 512 MiB fits, 1 GiB does not")
+    r = kernel.ok(
+        "%%resilient --retries 2 --shrink batch_size\n"
+        "for epoch in resume_range(2):\n"
+        "    if epoch == 0:\n"
+        "        lookup = torch.arange(10)\n"
+        "    x = torch.ones(batch_size * (1 + epoch), 16384)  # epoch 1: 512 MiB, bound to a global\n"
+        "    y = x * 2                                       # and 512 MiB more: does not fit\n"
+        "    total = float(y[0].sum()) + int(lookup.sum())\n"
+        "    del x, y\n"
+    )
+    lines = [l for l in r.stdout.splitlines() if "retry" in l]
+    assert len(lines) == 1, r.stdout
+    assert re.fullmatch(
+        r"colab_resilience: OOM \(DefaultCPUAllocator: can't allocate memory\) — unbound x \(new since the last "
+        r"safe point\) and freed 5\d\d\.\d MiB; batch_size 4096 → 2048; retry 1/2", lines[0]), lines[0]
+    assert "rolled back to the last safe point; continuing at 1" in r.stdout
+    assert kernel.value("(batch_size, 'x' in globals(), total)") == (2048, False, 2 * 16384.0 + 45)
+
+
 def test_spent_retries_and_budget_reraise_the_oom_and_still_free_its_memory(kernel):
     kernel.ok(SETUP)
     kernel.ok("before = rss()\ncap_memory(4 * GiB)  # else a kernel that always overcommits grants 64 TiB")
