@@ -16,6 +16,14 @@ from jupyter_client import AsyncKernelManager, KernelManager
 from nbclient import NotebookClient
 
 KERNEL_NAME = "colab-resilience-test"
+REPO = str(Path(__file__).resolve().parent.parent)
+
+
+def child_env(**extra: str) -> dict:
+    """The environment for a child Python that imports this checkout (before any PYTHONPATH
+    already set, which is kept: a machine may carry packages there)."""
+    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, **extra)
 
 
 @contextlib.contextmanager

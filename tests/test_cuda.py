@@ -17,18 +17,14 @@ import textwrap
 
 import pytest
 import torch
-from kernels import KERNEL_NAME, Kernel, cell_text, notebook
+from kernels import KERNEL_NAME, Kernel, cell_text, child_env, notebook
 
 from colab_resilience import driver
-from colab_resilience import state as smod
 
 pytestmark = [
     pytest.mark.kernel,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-REPO = os.path.dirname(os.path.dirname(smod.__file__))
-
 
 def test_a_real_cuda_oom_is_freed_and_retried_smaller(kernel):
     """The allocator is capped at 2.5 GiB; 1 GiB held in the failing frame must be given back to the
@@ -97,8 +93,7 @@ print('next draws', torch.rand(3, device='cuda').tolist(), torch.rand(2).tolist(
 def test_cuda_state_comes_back_on_the_gpu_in_another_process(tmp_path):
     """Modules and AdamW in place, a bf16 transposed view and a slice sharing its storage, fp16, the
     CUDA and CPU random states: what the saving process has is what a fresh process restores."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
-               COLAB_RESILIENCE_HOME=str(tmp_path / "home"))
+    env = child_env(COLAB_RESILIENCE_HOME=str(tmp_path / "home"))
     run = str(tmp_path / "run")
     saved = subprocess.run([sys.executable, "-c", SAVE + "t, rows = ns['views']\n" + REPORT, run],
                            env=env, capture_output=True, text=True, check=False)

@@ -12,11 +12,10 @@ import time
 
 import pytest
 
-from colab_resilience import journal as jmod
 from colab_resilience.errors import RunLockedError
 from colab_resilience.journal import Journal, JournalError, JournalNotFoundError, RunLock
+from kernels import child_env
 
-REPO = os.path.dirname(os.path.dirname(jmod.__file__))
 
 
 def test_create_save_load_round_trip(tmp_path):
@@ -111,7 +110,7 @@ def test_atomic_write_keeps_old_content_when_interrupted(tmp_path):
         "jm.write_all = dying\n"
         "j.save()\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=REPO))
+    proc = subprocess.run([sys.executable, "-c", code], env=child_env())
     assert proc.returncode == -signal.SIGKILL
     assert Journal.load(tmp_path).interrupted_cell is None
 
@@ -124,7 +123,7 @@ def _holder(run_dir, ready_file):
         f"pathlib.Path({str(ready_file)!r}).write_text('ok')\n"
         "time.sleep(60)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=REPO))
+    proc = subprocess.Popen([sys.executable, "-c", code], env=child_env())
     deadline = time.time() + 30
     while not ready_file.exists():
         assert proc.poll() is None and time.time() < deadline
@@ -160,7 +159,7 @@ def test_lock_is_reentrant_in_one_process_and_released_on_close(tmp_path):
         f"try:\n    RunLock({str(run)!r}).acquire(); print('got')\n"
         "except RunLockedError as e:\n    print('locked', e.pid)\n"
     )
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = child_env()
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout
     assert out.split() == ["locked", str(os.getpid())]  # b still holds it
     b.release()

@@ -38,8 +38,8 @@ from colab_resilience.errors import (
 )
 from colab_resilience.journal import Journal, JournalError
 from colab_resilience.state import CheckpointStore, CheckpointWarning
+from kernels import child_env
 
-REPO = os.path.dirname(os.path.dirname(smod.__file__))
 KEY = bytes(range(32))
 FOREIGN_KEY = b"\x07" * 32
 
@@ -696,7 +696,7 @@ def _lock_holder(run_dir: Path, ready: Path) -> subprocess.Popen:
         f"pathlib.Path({str(ready)!r}).write_text('ok')\n"
         "time.sleep(60)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=REPO))
+    proc = subprocess.Popen([sys.executable, "-c", code], env=child_env())
     deadline = time.monotonic() + 30
     while not ready.exists():
         assert proc.poll() is None and time.monotonic() < deadline

@@ -11,6 +11,7 @@ import pytest
 
 from colab_resilience import signing
 from colab_resilience.errors import KeyPermissionError
+from kernels import child_env
 
 
 @pytest.fixture
@@ -64,7 +65,7 @@ def test_key_of_wrong_size_is_refused(home):
 
 def test_concurrent_first_use_agrees_on_one_key(home):
     code = "from colab_resilience import signing; print(signing.load_or_create_key().hex())"
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(signing.__file__)))
+    env = child_env()
     procs = [
         subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env, text=True)
         for _ in range(4)

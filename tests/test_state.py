@@ -37,8 +37,8 @@ from colab_resilience.state import (
     capture_rng,
     restore_rng,
 )
+from kernels import child_env
 
-REPO = os.path.dirname(os.path.dirname(smod.__file__))
 KEY = bytes(range(32))
 
 
@@ -779,7 +779,7 @@ def test_full_disk_during_a_write(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-c", FAULT_SCRIPT.replace("{setup}", setup), str(run)],
-        env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=120,
+        env=child_env(), capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     check_fault(run, proc.stdout, "File too large")
@@ -801,7 +801,7 @@ def test_unwritable_run_directory(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-c", FAULT_SCRIPT.replace("{setup}", setup), str(run)],
-        env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=120,
+        env=child_env(), capture_output=True, text=True, timeout=120,
         preexec_fn=_drop_root_file_powers if os.geteuid() == 0 else None,
     )
     if proc.returncode == 99:
@@ -836,7 +836,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path):
         "state.write_all = dying\n"
         "store.save({'t': torch.ones(100_000)}, ['t'])\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code, str(run)], env=dict(os.environ, PYTHONPATH=REPO))
+    proc = subprocess.run([sys.executable, "-c", code, str(run)], env=child_env())
     assert proc.returncode == -signal.SIGKILL
     store = CheckpointStore(run, key=KEY)
     ns: dict = {}
@@ -873,7 +873,7 @@ def test_save_in_one_process_load_in_another(tmp_path):
         "assert len(opt.state) == 2\n"
         "print(m.weight.detach().numpy().tobytes().hex(), random.random(), torch.rand(1).item())\n"
     )
-    env = dict(os.environ, PYTHONPATH=REPO, COLAB_RESILIENCE_HOME=str(home))
+    env = child_env(COLAB_RESILIENCE_HOME=str(home))
     a = subprocess.run([sys.executable, "-c", save, str(run)], env=env, capture_output=True, text=True)
     assert a.returncode == 0, a.stderr
     b = subprocess.run([sys.executable, "-c", load, str(run)], env=env, capture_output=True, text=True)
