@@ -87,6 +87,7 @@ import threading
 import time
 import types
 import warnings
+import concurrent.futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,7 +119,22 @@ _CKPT_RE = re.compile(r"ckpt-(\d{6,})")
 _HASH_RE = re.compile(r"[0-9a-f]{64}")
 _MAX_MANIFEST = 256 << 20
 _MAX_ST_HEADER = 256 << 20
-_WORKERS = max(1, min(8, os.cpu_count() or 1))
+_WORKERS = max(1, min(4, os.cpu_count() or 1))
+_pool_lock = threading.Lock()
+_pool_of: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool)
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The threads that hash, read, flush and unlink for every store of this process, made once
+    (again after a fork). A pool per save would start threads at every safe point; and each
+    thread alive at once costs a stack and, from glibc, a malloc arena (64 MiB of address space,
+    never returned), which under an address-space cap (``RLIMIT_AS``) is memory the training
+    loses: hence at most 4, and the same ones all along."""
+    global _pool_of
+    with _pool_lock:
+        if _pool_of is None or _pool_of[0] != os.getpid():
+            _pool_of = (os.getpid(), ThreadPoolExecutor(_WORKERS, thread_name_prefix="colab_resilience-io"))
+        return _pool_of[1]
 
 
 class CheckpointWarning(UserWarning):
@@ -807,7 +823,7 @@ class CheckpointStore:
         self.run_id = run_id
         self.keep = keep
         self._key = key
-        self._trash_thread: threading.Thread | None = None
+        self._trash: concurrent.futures.Future | None = None
         # per saved name: (fingerprint, digest) of each chunk as this process last hashed it
         self._chunk_cache: dict[str, list[tuple[bytes, bytes]]] = {}
 
@@ -919,9 +935,9 @@ class CheckpointStore:
         prepared: list[_Prepared] = []
         skipped: dict[str, str] = {}
         # the workers fingerprint and hash each value while the next one is being prepared
-        pool = ThreadPoolExecutor(_WORKERS)
+        pool = _pool()
+        jobs: list[_BlobJob] = []
         try:
-            jobs: list[_BlobJob] = []
             for name in names:
                 value = namespace[name]
                 try:
@@ -932,8 +948,11 @@ class CheckpointStore:
                 jobs.append(self._start_blob(prepared[-1], pool))
             jobs.append(self._start_blob(self._encode_value(RNG_NAME, "rng", "dict", rng), pool))
             return self._commit(jobs, pool, prepared, skipped, meta, meta_enc, start)
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        finally:  # after an error: nothing of this save left queued or running on the pool
+            futures = [f for job in jobs for f in job.futures]
+            for f in futures:
+                f.cancel()
+            concurrent.futures.wait(futures)
 
     def _commit(self, jobs: list["_BlobJob"], pool: ThreadPoolExecutor, prepared: list[_Prepared],
                 skipped: dict[str, str], meta: dict | None, meta_enc: Any, start: float) -> SaveReport:
@@ -1158,14 +1177,14 @@ class CheckpointStore:
 
     def wait(self) -> None:
         """Wait until the blobs removed by the last save are unlinked (background work)."""
-        if self._trash_thread is not None:
-            self._trash_thread.join()
+        if self._trash is not None:
+            self._trash.result()
 
     def _empty_trash(self) -> None:
-        """Unlink the trashed blobs in a background thread: freeing hundreds of MiB takes a
-        filesystem 0.1-0.5 s, which a training loop should not wait for at every safe point. What a
-        kernel leaving for a restart leaves behind is emptied after the next save."""
-        if self._trash_thread is not None and self._trash_thread.is_alive():
+        """Unlink the trashed blobs in the background (on the pool): freeing hundreds of MiB takes
+        a filesystem 0.1-0.5 s, which a training loop should not wait for at every safe point. What
+        a kernel leaving for a restart leaves behind is emptied after the next save."""
+        if self._trash is not None and not self._trash.done():
             return
 
         def empty(folder: Path) -> None:
@@ -1179,10 +1198,7 @@ class CheckpointStore:
                 except OSError:
                     pass
 
-        self._trash_thread = threading.Thread(
-            target=empty, args=(self.blob_dir,), name="colab_resilience-trash", daemon=True
-        )
-        self._trash_thread.start()
+        self._trash = _pool().submit(empty, self.blob_dir)
 
     def clear(self) -> None:
         """Remove every checkpoint and blob of this run (``%resilience reset``)."""
@@ -1299,9 +1315,9 @@ class CheckpointStore:
             entries = [_check_entry(e) for e in body["entries"]]
             rng_entry = _check_entry(body["rng"])
             meta = _decode(body.get("meta"), [])
-            with ThreadPoolExecutor(_WORKERS) as pool:
-                loaded = {e["name"]: self._read_entry(e, pool) for e in entries}
-                rng = self._read_entry(rng_entry, pool)
+            pool = _pool()
+            loaded = {e["name"]: self._read_entry(e, pool) for e in entries}
+            rng = self._read_entry(rng_entry, pool)
         except CheckpointCorruptError:
             raise
         except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error, RecursionError) as e:
@@ -1442,8 +1458,7 @@ class _Loaded:
     def take(self) -> tuple:
         """(tree, descs, leaves) or the pickle bytes; the buffer is handed out once, then re-read."""
         if self._buf is None:  # handed out before: the caller may have changed those tensors
-            with ThreadPoolExecutor(_WORKERS) as pool:
-                self.fill(self.store._read_blob(self.entry["hash"], self.entry["size"], pool))
+            self.fill(self.store._read_blob(self.entry["hash"], self.entry["size"], _pool()))
         buf, decoded = self._buf, self._decoded
         self._buf = self._decoded = None
         if self.fmt == "pickle":

@@ -45,7 +45,8 @@ def test_a_real_cuda_oom_is_freed_and_retried_smaller(kernel):
     )
     [line] = [l for l in r.stdout.splitlines() if "— freed" in l]
     assert re.fullmatch(
-        r"colab_resilience: OOM \(CUDA out of memory\) — freed [\d.]+ GiB; batch_size 8192 → 4096; retry 1/3", line
+        r"colab_resilience: OOM \(CUDA out of memory\) — unbound step \(new since the last safe point\) and "
+        r"freed [\d.]+ GiB; batch_size 8192 → 4096; retry 1/3", line
     ), line
     base, starts, after, result, reserved = kernel.value(
         "(base, starts, torch.cuda.memory_allocated(), result, torch.cuda.memory_reserved())")
