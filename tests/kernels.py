@@ -160,7 +160,13 @@ class Kernel:
         return result
 
     def execute(self, code: str, metadata: dict | None = None, timeout: float = 180) -> Reply:
-        return self.collect(self.submit(code, metadata), timeout)
+        reply = self.collect(self.submit(code, metadata), timeout)
+        if reply.status == "aborted":
+            # ipykernel 6.17 aborts what arrives before it has cleared its abort flag after an
+            # error reply (the previous request's; a loaded machine widens the window): send again
+            time.sleep(0.2)
+            reply = self.collect(self.submit(code, metadata), timeout)
+        return reply
 
     def ok(self, code: str, **kw) -> Reply:
         """Execute and insist on success (the assertion shows the traceback otherwise)."""
