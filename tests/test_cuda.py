@@ -17,9 +17,9 @@ import textwrap
 
 import pytest
 import torch
-from kernels import KERNEL_NAME, Kernel, cell_text, child_env, notebook
+from kernels import Kernel, cell_text, child_env, notebook
+from test_standby import SIBLINGS, WAIT_WARM, line, run
 
-from colab_resilience import driver
 
 pytestmark = [
     pytest.mark.kernel,
@@ -152,15 +152,6 @@ RESULT = (
 )
 
 
-def run(nb, tmp_path, **kw):
-    return driver.run_notebook(nb, tmp_path / "out.ipynb", cwd=tmp_path, run_dir=tmp_path / "runs",
-                               kernel_name=KERNEL_NAME, **kw)
-
-
-def line(nb, prefix: str) -> str:
-    return next(l for c in nb.cells for l in cell_text(c).splitlines() if l.startswith(prefix))
-
-
 @pytest.fixture
 def deterministic_cublas(monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # asked for by use_deterministic_algorithms
@@ -181,8 +172,6 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("fault", ["sigkill", "cuda-oom"])
 def test_a_supervised_gpu_run_resumes_bit_identical_and_the_standby_never_opened_the_gpu(
         tmp_path, reference, deterministic_cublas, fault):
-    from test_standby import SIBLINGS, WAIT_WARM
-
     check = SIBLINGS + GPU_OPEN + WAIT_WARM + "\nprint('GPU', gpu_open(os.getpid()), gpu_open(spare))"
     nb = notebook(SETUP, check, TRAIN.format(mark=str(tmp_path / "mark"), fault=FAULTS[fault]), RESULT)
     result = run(nb, tmp_path)
