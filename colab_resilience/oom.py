@@ -269,8 +269,8 @@ def release(exc: BaseException | None, shell=None, execution_count: int | None =
 def format_bytes(n: float) -> str:
     """``1.5 GiB``; a value that would print as 1024.0 of a unit is written in the next one."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        text = f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        if abs(float(text.split()[0])) < 1024 or unit == "TiB":
-            return text
+        shown = round(n) if unit == "B" else round(n, 1)
+        if abs(shown) < 1024 or unit == "TiB":
+            return f"{shown} {unit}" if unit == "B" else f"{shown:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"  # pragma: no cover

@@ -87,8 +87,7 @@ import threading
 import time
 import types
 import warnings
-import concurrent.futures
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, MutableMapping, Sequence
@@ -823,7 +822,7 @@ class CheckpointStore:
         self.run_id = run_id
         self.keep = keep
         self._key = key
-        self._trash: concurrent.futures.Future | None = None
+        self._trash: Future | None = None
         # per saved name: (fingerprint, digest) of each chunk as this process last hashed it
         self._chunk_cache: dict[str, list[tuple[bytes, bytes]]] = {}
 
@@ -952,7 +951,7 @@ class CheckpointStore:
             futures = [f for job in jobs for f in job.futures]
             for f in futures:
                 f.cancel()
-            concurrent.futures.wait(futures)
+            wait(futures)
 
     def _commit(self, jobs: list["_BlobJob"], pool: ThreadPoolExecutor, prepared: list[_Prepared],
                 skipped: dict[str, str], meta: dict | None, meta_enc: Any, start: float) -> SaveReport:
