@@ -156,7 +156,7 @@ class ResilienceMagics(Magics):
             ) from None
         except UsageError as e:
             name = magic.__name__
-            text = str(e)
+            text = " ".join(str(e).split())  # one line, whatever newlines the options held
             if text.startswith("unrecognized arguments:"):
                 bad = text.split(":", 1)[1].strip()
                 raise UsageError(
