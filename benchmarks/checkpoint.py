@@ -237,7 +237,7 @@ def main() -> None:
     row("torch.save + fsync", t_tsave, t_wfloor)
     row("dill.dump_module + fsync" + (" (failed)" if dill_error else ""), t_dsave, t_wfloor)
     row("raw read (floor)", t_rfloor, t_rfloor)
-    row("colab_resilience load (read + verify)", t_load, t_rfloor)
+    row("colab_resilience load (verify every byte)", t_load, t_rfloor)
     row("colab_resilience load + restore in place", t_restore, t_rfloor)
     row("torch.load(weights_only=True)", t_tload, t_rfloor)
     row("torch.load(weights_only=True, mmap=True)*", t_tload_mmap, t_rfloor)
@@ -260,7 +260,9 @@ def main() -> None:
            f"{second.bytes_reused / (1 << 20):.0f} MiB reused)")
     print()
     print("Reads are warm-cache for every row (files were just written). Writes are fsync'ed for every row.")
-    print("colab_resilience load verifies the BLAKE3 tree hash of every byte; torch.load and dill verify nothing.")
+    print("colab_resilience load verifies the BLAKE3 tree hash of every byte (large blobs through a file mapping,")
+    print("  so the restore copies each byte once: into the module's tensors, or into fresh memory for the rest);")
+    print("  torch.load and dill verify nothing.")
     print("* mmap=True maps the file lazily: the bytes are read later, when the tensors are first used.")
 
 

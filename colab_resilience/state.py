@@ -33,6 +33,11 @@ chunks, parallel over chunks. BLAKE3 rather than SHA-256: on a CPU without SHA e
 cloud VMs) SHA-256 runs at about 0.4 GB/s per core and verifying a checkpoint took 3x as long as
 reading it; BLAKE3 runs at 3-4 GB/s per core on any x86-64 or ARM CPU with SIMD.
 
+Loading verifies every blob before anything is restored. Safetensors blobs of 4 MiB or more are
+mapped (private, copy-on-write) rather than read: the hash reads the page cache in place, and the
+restore copies each byte once, into the module's own parameters or, for everything else, into
+fresh memory, after which no file stays mapped. Pickles and small blobs are read into memory.
+
 Kinds, decided per value at save time:
 
 - ``state_dict``: anything with ``state_dict()`` and ``load_state_dict()`` (``nn.Module``,
@@ -118,6 +123,7 @@ _CKPT_RE = re.compile(r"ckpt-(\d{6,})")
 _HASH_RE = re.compile(r"[0-9a-f]{64}")
 _MAX_MANIFEST = 256 << 20
 _MAX_ST_HEADER = 256 << 20
+_MAP_AT_LEAST = 4 << 20  # smaller safetensors blobs are read: mapping costs more than it saves
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
 _pool_lock = threading.Lock()
 _pool_of: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool)
@@ -1323,8 +1329,18 @@ class CheckpointStore:
             raise CheckpointCorruptError(_first_line(e)) from None
         return Checkpoint(self, cid, body, loaded, rng, meta)
 
-    def _read_blob(self, digest: str, size: int, pool: ThreadPoolExecutor):
-        """Read a blob into a fresh buffer, hashing each chunk while the next one is read."""
+    def _read_blob(self, digest: str, size: int, pool: ThreadPoolExecutor, *, map_file: bool = False):
+        """The verified bytes of a blob as a NumPy uint8 array, hashed chunk by chunk on the pool.
+
+        With ``map_file`` (safetensors blobs of at least ``_MAP_AT_LEAST`` bytes) the file is mapped
+        copy-on-write instead of read: hashing reads the page cache in place, and restoring copies
+        each byte once, straight into the module's own tensors (read-then-copy touched every byte
+        three times and zero-filled a fresh buffer as large as the blob). The mapping is private
+        and writable, so whatever keeps a tensor of it can write to it; :meth:`_Loaded.take` copies
+        it out for everything but modules. Pickles are always read into private memory: bytes that
+        will be unpickled must be the bytes that were verified. Where mapping fails (a FUSE mount
+        without mmap), the blob is read.
+        """
         import numpy as np
 
         path = self.blob_dir / digest
@@ -1339,15 +1355,25 @@ class CheckpointStore:
                 raise CheckpointCorruptError(
                     f"blob {digest[:12]} holds {actual} bytes, the manifest says {size} (truncated?)"
                 )
-            buf = np.empty(size, dtype=np.uint8)
-            view = memoryview(buf)
-            # Each chunk is read (pread: no shared file position) and hashed by one worker: copying
-            # from the page cache is CPU work too, so reading in one thread left a core idle.
             fd = f.fileno()
-            futures = [
-                pool.submit(_read_and_digest, fd, view[start : min(start + CHUNK, size)], start)
-                for start in range(0, size, CHUNK)
-            ]
+            buf = None
+            if map_file and size >= _MAP_AT_LEAST:
+                try:
+                    buf = np.frombuffer(mmap.mmap(fd, size, access=mmap.ACCESS_COPY), dtype=np.uint8)
+                except (OSError, ValueError):
+                    buf = None
+            if buf is not None:
+                view = memoryview(buf)
+                futures = [pool.submit(_digest, [view[start : start + CHUNK]]) for start in range(0, size, CHUNK)]
+            else:
+                buf = np.empty(size, dtype=np.uint8)
+                view = memoryview(buf)
+                # Each chunk is read (pread: no shared file position) and hashed by one worker:
+                # copying from the page cache is CPU work too, so reading in one thread left a core idle.
+                futures = [
+                    pool.submit(_read_and_digest, fd, view[start : min(start + CHUNK, size)], start)
+                    for start in range(0, size, CHUNK)
+                ]
             try:
                 digests = [fu.result() for fu in futures]
             except EOFError:
@@ -1366,8 +1392,26 @@ class CheckpointStore:
 
     def _read_entry(self, e: dict, pool: ThreadPoolExecutor) -> _Loaded:
         loaded = _Loaded(self, e)
-        loaded.fill(self._read_blob(e["hash"], e["size"], pool))
+        loaded.fill(self._read_blob(e["hash"], e["size"], pool, map_file=e["format"] == "st"))
         return loaded
+
+
+def _is_mapped(buf) -> bool:
+    """Whether a NumPy array from :meth:`CheckpointStore._read_blob` lies over a file mapping."""
+    base = buf.base
+    return isinstance(getattr(base, "obj", base), mmap.mmap)
+
+
+def _private_copy(buf):
+    """A copy of a (mapped) uint8 array in fresh memory, chunks copied on the pool: first-touch
+    page faults and copying are both CPU work, and one thread left the other cores idle."""
+    import numpy as np
+
+    own = np.empty_like(buf)
+    futures = [_pool().submit(np.copyto, own[a : a + CHUNK], buf[a : a + CHUNK]) for a in range(0, buf.size, CHUNK)]
+    for fu in futures:
+        fu.result()
+    return own
 
 
 def _no_constant(name: str):
@@ -1454,14 +1498,24 @@ class _Loaded:
             raise CheckpointCorruptError(f"{self.name!r} does not decode: {_first_line(e)}") from None
         self._buf = buf
 
-    def take(self) -> tuple:
-        """(tree, descs, leaves) or the pickle bytes; the buffer is handed out once, then re-read."""
+    def take(self, *, private: bool = True) -> tuple:
+        """(tree, descs, leaves) or the pickle bytes; the buffer is handed out once, then re-read.
+
+        A mapped blob (see :meth:`CheckpointStore._read_blob`) is copied into private memory first,
+        unless ``private`` is false: the caller copies the leaves itself (``Module.load_state_dict``
+        copies into the parameters) and nothing keeps the file mapped afterwards.
+        """
         if self._buf is None:  # handed out before: the caller may have changed those tensors
-            self.fill(self.store._read_blob(self.entry["hash"], self.entry["size"], _pool()))
+            self.fill(self.store._read_blob(self.entry["hash"], self.entry["size"], _pool(),
+                                            map_file=self.fmt == "st"))
         buf, decoded = self._buf, self._decoded
         self._buf = self._decoded = None
         if self.fmt == "pickle":
             return (bytes(buf),)
+        if private and _is_mapped(buf):
+            own = _private_copy(buf)  # whole, so views of one storage stay views of one storage
+            tree, descs, ranges = _parse_safetensors(own)
+            return tree, descs, _materialize_leaves(own, descs, ranges)
         return decoded
 
 
@@ -1550,8 +1604,8 @@ class Checkpoint:
             restore_rng(self._value(self._rng, place=False))
         return restored
 
-    def _value(self, e: _Loaded, place: bool) -> Any:
-        got = e.take()
+    def _value(self, e: _Loaded, place: bool, *, private: bool = True) -> Any:
+        got = e.take(private=private)
         if e.fmt == "pickle":
             try:
                 return pickle.loads(got[0])
@@ -1567,9 +1621,13 @@ class Checkpoint:
 
     def _restore_one(self, e: _Loaded, namespace: MutableMapping[str, Any]) -> None:
         if e.kind == "state_dict":
-            value = self._value(e, place=False)
+            target = namespace[e.name]
+            torch = sys.modules.get("torch")
+            # a module copies what it is given into its own tensors; an optimizer keeps them
+            copies = torch is not None and isinstance(target, torch.nn.Module)
+            value = self._value(e, place=False, private=not copies)
             try:
-                result = namespace[e.name].load_state_dict(value)
+                result = target.load_state_dict(value)
             except Exception as err:
                 raise CheckpointError(
                     f"colab_resilience: cannot restore {e.name!r} in place: load_state_dict failed "

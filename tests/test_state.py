@@ -882,6 +882,67 @@ def test_save_in_one_process_load_in_another(tmp_path):
 
 
 @pytest.mark.slow
+def mapped_blob_files() -> set[str]:
+    """Checkpoint blob files this process has mapped now (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as f:
+        return {line.split(maxsplit=5)[-1].strip() for line in f if "/blobs/" in line}
+
+
+def test_large_blobs_are_mapped_to_verify_and_never_stay_mapped(store):
+    """Safetensors blobs of _MAP_AT_LEAST bytes or more are hashed through a file mapping; a
+    module copies from it into its own parameters, everything else gets private memory, and once
+    restored nothing keeps a blob file mapped (training writes go to memory, never to the file)."""
+    n = smod._MAP_AT_LEAST // 4 + 1024  # float32 elements: over the threshold
+    torch.manual_seed(0)
+    model = torch.nn.Linear(n // 64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, n // 64)).sum().backward()
+    opt.step()
+    t = torch.randn(n)
+    ns = {"model": model, "opt": opt, "tied": {"a": t, "b": t[::2]}}
+    store.save(ns, list(ns))
+    ckpt = store.load()
+    assert len(mapped_blob_files()) == 3  # verified in place, not read into a buffer
+    torch.manual_seed(1)
+    fresh = torch.nn.Linear(n // 64, 64)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    weight = fresh.weight
+    back = {"model": fresh, "opt": fresh_opt}
+    ckpt.restore(back)
+    del ckpt
+    assert mapped_blob_files() == set()  # restored values hold private memory only
+    assert fresh.weight is weight and raw(fresh.weight) == raw(model.weight)
+    for k, v in opt.state_dict()["state"][0].items():
+        assert raw(fresh_opt.state_dict()["state"][0][k]) == raw(v)
+    tied = back["tied"]
+    assert tied["b"].untyped_storage().data_ptr() == tied["a"].untyped_storage().data_ptr()
+    assert raw(tied["a"]) == raw(t) and raw(tied["b"]) == raw(t[::2])
+    tied["a"].zero_()  # a write to the restored tensor ...
+    fresh_opt.state_dict()["state"][0]["exp_avg"].zero_()
+    again: dict = {"model": fresh, "opt": fresh_opt}
+    store.load().restore(again)  # ... never reaches the checkpoint (it still verifies and holds t)
+    assert raw(again["tied"]["a"]) == raw(t)
+    assert raw(fresh_opt.state_dict()["state"][0]["exp_avg"]) == raw(opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_one_flipped_byte_in_a_mapped_blob_falls_back(store):
+    n = smod._MAP_AT_LEAST // 4 + 1024
+    store.save({"t": torch.zeros(n)}, ["t"])
+    store.save({"t": torch.ones(n)}, ["t"])
+    path = blob_path(store, "t")
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size - 4095)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x01]))
+    with pytest.warns(CheckpointWarning, match=r"ckpt-000002 is damaged \(blob .* does not match its hash"):
+        ckpt = store.load()
+    assert ckpt.checkpoint_id == "ckpt-000001"
+    ns: dict = {}
+    ckpt.restore(ns)
+    assert torch.equal(ns["t"], torch.zeros(n))
+
+
 def test_large_checkpoint_round_trip(tmp_path):
     store = CheckpointStore(tmp_path / "run", key=KEY)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)])
