@@ -512,7 +512,10 @@ class _Standby:
         whole = _may_raise_priority()
         if whole:  # its start-up at low priority too, not only its later imports
             try:
-                os.setpriority(os.PRIO_PROCESS, km.provisioner.process.pid, _standby.NICE)
+                pid = km.provisioner.process.pid
+                os.setpriority(os.PRIO_PROCESS, pid, _standby.NICE)
+                if _standby.own_group(pid):  # its session is its own group, not the driver's
+                    _standby.set_autogroup_nice(_standby.NICE, pid)
             except (OSError, AttributeError):
                 pass
         self.kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)

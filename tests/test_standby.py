@@ -38,11 +38,17 @@ SIBLINGS = textwrap.dedent("""\
                 return 'libtorch_cpu' in f.read()
         except OSError:
             return False
-    def nice_and_adj(pid):
+    def nice_and_adj(pid):  # nice, oom_score_adj, the nice of its scheduling group ('-': none)
         with open(f'/proc/{pid}/stat') as f:
             nice = int(f.read().rsplit(')', 1)[1].split()[16])
         with open(f'/proc/{pid}/oom_score_adj') as f:
-            return nice, int(f.read())
+            adj = int(f.read())
+        try:
+            with open(f'/proc/{pid}/autogroup') as f:
+                group = f.read().split()[-1]
+        except OSError:
+            group = '-'
+        return nice, adj, group
 """)
 
 SETUP = (
@@ -95,17 +101,21 @@ def test_the_warm_standby_takes_over_and_the_run_resumes_exactly(tmp_path, refer
     after = ("print('AFTER', os.getpid(), *nice_and_adj(os.getpid()), "
              "sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir('/proc/self/task')}))")
     nb = notebook(SETUP.format(log=log), SIBLINGS + WAIT_WARM, TRAIN.format(fault=fault), SIBLINGS + after, RESULT)
+    own_group = standby.autogroup_nice()
     result = run(nb, tmp_path)
     assert result.status == 0, result.message
     assert line(nb, "RESULT") == reference
+    assert standby.autogroup_nice() == own_group  # the driver's own scheduling group untouched
 
-    _, spare, warm, nice, adj = line(nb, "STANDBY").split()
+    _, spare, warm, nice, adj, group = line(nb, "STANDBY").split()
     assert warm == "True"  # torch was imported there before any death
     assert adj == "1000"  # the OOM killer's first choice
     assert int(nice) == (19 if driver._may_raise_priority() else 0)  # low priority, where it can be undone
-    _, pid, nice_after, adj_after, threads = line(nb, "AFTER").split(maxsplit=4)
+    if driver._may_raise_priority() and standby.autogroup_nice() is not None:
+        assert group == "19"  # its session's scheduling group too (autogroups share CPUs first)
+    _, pid, nice_after, adj_after, group_after, threads = line(nb, "AFTER").split(maxsplit=5)
     assert pid == spare  # the standby became the working kernel
-    assert adj_after == "0" and nice_after == "0"
+    assert adj_after == "0" and nice_after == "0" and group_after in ("0", "-")
     if driver._may_raise_priority():
         assert threads == "[0]"
     # the replay in the standby found torch already imported; the first kernel did not
