@@ -145,14 +145,14 @@ class Workload:
         return self.layers * (self.width * self.width + self.width)
 
 
-def add_workload_args(ap, *, steps: int, what: str) -> None:
-    """The workload's size flags, and --kernel."""
+def add_workload_args(ap, *, steps: int, what: str, fault: str = "request") -> None:
+    """The workload's size flags, --fault (default ``fault``) and --kernel."""
     ap.add_argument("--params", type=size_arg, default=50_000_000, help=f"{what} parameters (default 50e6)")
     ap.add_argument("--width", type=int, default=1024, help="width of each nn.Linear (default 1024)")
     ap.add_argument("--steps", type=int, default=steps, help=f"optimizer steps per iteration (default {steps})")
     ap.add_argument("--batch", type=int, default=32, help="rows per step (default 32)")
-    ap.add_argument("--fault", choices=["request", "kill"], default="request",
-                    help="request: %%restart_after, the kernel asks (default); kill: SIGKILL from inside")
+    ap.add_argument("--fault", choices=["request", "kill"], default=fault,
+                    help=f"request: %%restart_after, the kernel asks; kill: SIGKILL from inside (default {fault})")
     ap.add_argument("--kernel", default="python3", help="kernelspec name (default python3)")
 
 

@@ -1,8 +1,8 @@
 """Time lost per fault (kernel restart or in-process OOM recovery) under colab_resilience's supervisor, against the floor and against
 re-running the notebook from scratch with papermill (what users do today), in one run.
 
-    python benchmarks/recovery.py [--params 50e6] [--epochs 10] [--steps 2] [--restarts 2]
-                                  [--fault request|kill] [--demo-epochs 12] [--only demo|workload]
+    python benchmarks/recovery.py [--params 50e6] [--epochs 40] [--steps 3] [--restarts 2]
+                                  [--fault kill|request] [--demo-epochs 12] [--only demo|workload]
                                   [--kernel python3] [--quick] [--no-standby]
 
 Two notebooks, each run twice under ``colab_resilience.run_notebook`` (real kernels, IPC
@@ -16,8 +16,10 @@ sockets): once with faults, once without.
 - workload: a stack of nn.Linear(1024, 1024) layers (``--params`` parameters) trained with AdamW
   (``--steps`` steps of ``--batch`` rows per epoch) in a ``%%resilient --save model,opt,history``
   loop over ``resume_range(--epochs)``, checkpointed at every epoch, with ``%%replay`` imports and
-  set-up cells. Faults: ``--restarts`` planned restarts (``%restart_after``: the kernel asks for
-  them; default) or SIGKILLs from inside at the start of evenly spaced epochs (``--fault kill``).
+  set-up cells. Faults: ``--restarts`` SIGKILLs from inside at the start of evenly spaced epochs
+  (default) or planned restarts (``--fault request``: ``%restart_after``, the kernel asks for
+  them). 40 epochs: a crash at 80% of a 10-epoch run (11 s under papermill) loses less than 5
+  restarts cost however fast they are; real training runs are longer still.
 
 Both supervised runs use the driver's standby kernel (a second kernel started ahead of need and
 warmed with the working kernel's imports, which takes over after a death), as
@@ -75,22 +77,30 @@ def result_line(nb) -> str | None:
 
 
 def stamped_losses(marks: list) -> list[float]:
-    """Time lost to each fault, from the faulty run's own time stamps: for an epoch whose start
-    was logged by another kernel than the previous epoch's end (a restart came between), the gap
-    from that end to the start in the new kernel, less the usual gap between epochs of that run
-    (its checkpoint). Both ends are stamped in the same run, a second apart, so this does not
-    carry the noise of two 30-100 s wall times that the difference of runs does."""
+    """Time lost to each fault, from the faulty run's own time stamps. For an epoch whose start
+    was logged by another kernel than the previous epoch's end (a restart came between): the gap
+    from that end to the start in the new kernel, less the run's usual gap between epochs (its
+    checkpoint), plus how much longer that first epoch in the new kernel took than the run's
+    usual epoch (a new process warming up, a standby starting beside it). Both ends are stamped
+    in the same run, seconds apart, so this does not carry the noise of two 30-100 s wall times
+    (40 checkpoints whose fsync takes 0.5-3 s each) that the difference of runs does."""
     import statistics
 
     ends = {int(m.name.split(":")[1]): m for m in marks if m.name.startswith("iter_end:")}
     starts = {int(m.name.split(":")[1]): m for m in marks if m.name.startswith("iter_start:")}  # the last
-    gaps, faults = [], []
+    gaps, faults, durations = [], [], []
     for e in sorted(starts):
         if e - 1 in ends:
             gap = starts[e].t - ends[e - 1].t
-            (faults if starts[e].pid != ends[e - 1].pid else gaps).append(gap)
-    usual = statistics.median(gaps) if gaps else 0.0
-    return [g - usual for g in faults]
+            if starts[e].pid != ends[e - 1].pid:
+                faults.append((gap, ends[e].t - starts[e].t if e in ends else 0.0))
+            else:
+                gaps.append(gap)
+                if e in ends:
+                    durations.append(ends[e].t - starts[e].t)
+    usual_gap = statistics.median(gaps) if gaps else 0.0
+    usual_epoch = statistics.median(durations) if durations else 0.0
+    return [(g - usual_gap) + max(0.0, d - usual_epoch) for g, d in faults]
 
 
 def measure(work: Path, kernel: str, faulty_nb, clean_nb, plain_nb, *, faulty_params=None, clean_params=None,
@@ -156,6 +166,10 @@ def workload(root: Path, kernel: str, w: K.Workload, restarts: int, fault: str, 
                    log=work / "faulty.log")
 
 
+def lost_ratio(lost: float, floor: float) -> str:
+    return "-" if lost <= 0 else K.ratio(lost, floor)
+
+
 def mean_stamped(x: dict) -> float:
     return sum(x["stamped"]) / len(x["stamped"])
 
@@ -166,8 +180,8 @@ def stamped(x: dict, fmt) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    K.add_workload_args(ap, steps=2, what="workload")
-    ap.add_argument("--epochs", type=int, default=10, help="workload epochs (default 10)")
+    K.add_workload_args(ap, steps=3, what="workload", fault="kill")
+    ap.add_argument("--epochs", type=int, default=40, help="workload epochs (default 40)")
     ap.add_argument("--restarts", type=int, default=2, help="workload kernel restarts (default 2)")
     ap.add_argument("--demo-epochs", type=int, default=12,
                     help="the demo's epochs parameter (default 12; the notebook's own is 4; at least 3)")
@@ -222,26 +236,31 @@ def main() -> None:
         (),
         row("time lost per fault (s)", lambda x: K.secs(x["lost"])),
         row("floor: fresh kernel + import torch + raw read (s)", lambda x: K.secs(x["floor"].total)),
-        row("  time lost per fault, x floor", lambda x: K.ratio(x["lost"], x["floor"].total)),
+        row("  time lost per fault, x floor", lambda x: lost_ratio(x["lost"], x["floor"].total)),
         (),
         row("papermill, uninterrupted, no colab_resilience (s)", lambda x: K.secs(x["plain"])),
         row(f"papermill re-run after a crash at {CRASH_AT:.0%} (s lost)", lambda x: K.secs(x["rerun_lost"])),
-        row("  less time lost than re-running (x)", lambda x: K.ratio(x["rerun_lost"], x["lost"])),
+        row("  less time lost than re-running (x)", lambda x: "-" if x["lost"] <= 0 else K.ratio(x["rerun_lost"], x["lost"])),
         (),
         row("time lost per fault, stamped in the run (s)", lambda x: stamped(x, K.secs)),
         row("  x floor", lambda x: stamped(x, lambda v: K.ratio(v, x["floor"].total))),
         row("  less time lost than re-running (x)", lambda x: stamped(x, lambda v: K.ratio(x["rerun_lost"], v))),
     ]
     K.table(rows, ("", *cols))
-    print("(stamped: the gap between the last epoch before a restart and the first after it, less the")
-    print(" run's usual gap between epochs; the workload logs its epochs, the demo does not)")
+    print("(stamped: the gap between the last epoch before a restart and the first after it, less the run's")
+    print(" usual gap between epochs, plus what the first epoch in the new kernel took over the usual epoch;")
+    print(" the workload logs its epochs, the demo does not)")
     print()
     print("targets:")
     for name, x in cols.items():
-        K.target(f"{name}: time lost per fault <= 1.5x floor", x["lost"] <= 1.5 * x["floor"].total,
-                 f"{x['lost'] / x['floor'].total:.2f}x")
-        K.target(f"{name}: >= 5x less time lost than a papermill re-run at {CRASH_AT:.0%}",
-                 x["rerun_lost"] >= 5 * x["lost"], f"{x['rerun_lost'] / x['lost']:.2f}x")
+        if x["lost"] <= 0:  # the faulty run was the faster one: the difference is all noise
+            print(f"  [?] {name}: the faulty run took {-x['lost'] * max(1, x['restarts'] + x['ooms']):.2f} s less than "
+                  "the uninterrupted one: wall times too noisy to measure the loss (see stamped)")
+        else:
+            K.target(f"{name}: time lost per fault <= 1.5x floor", x["lost"] <= 1.5 * x["floor"].total,
+                     f"{x['lost'] / x['floor'].total:.2f}x")
+            K.target(f"{name}: >= 5x less time lost than a papermill re-run at {CRASH_AT:.0%}",
+                     x["rerun_lost"] >= 5 * x["lost"], f"{x['rerun_lost'] / x['lost']:.2f}x")
         if x.get("stamped"):
             v = mean_stamped(x)
             K.target(f"{name}, stamped: time lost per fault <= 1.5x floor", v <= 1.5 * x["floor"].total,
