@@ -103,10 +103,21 @@ def stamped_losses(marks: list) -> list[float]:
     return [(g - usual_gap) + max(0.0, d - usual_epoch) for g, d in faults]
 
 
+def usual_cycle(marks: list) -> float | None:
+    """The median time from one epoch's start to the next one's in the same kernel (training and
+    checkpoint): where the two supervised runs differ in it, their wall times differ by that times
+    the number of epochs, faults or not."""
+    import statistics
+
+    starts = {int(m.name.split(":")[1]): m for m in marks if m.name.startswith("iter_start:")}
+    cycles = [starts[e + 1].t - starts[e].t for e in starts if e + 1 in starts and starts[e + 1].pid == starts[e].pid]
+    return statistics.median(cycles) if cycles else None
+
+
 def measure(work: Path, kernel: str, faulty_nb, clean_nb, plain_nb, *, faulty_params=None, clean_params=None,
-            plain_params=None, max_restarts=3, standby=True, log: Path | None = None) -> dict:
+            plain_params=None, max_restarts=3, standby=True, logs: tuple[Path, Path] | None = None) -> dict:
     """Faulty and uninterrupted supervised runs (``standby``: with the driver's standby kernel),
-    the floor, the papermill re-run."""
+    the floor, the papermill re-run; ``logs``: the two runs' epoch logs (faulty, uninterrupted)."""
     (work / "faulty").mkdir(parents=True)
     (work / "clean").mkdir()
     (work / "plain").mkdir()
@@ -126,7 +137,8 @@ def measure(work: Path, kernel: str, faulty_nb, clean_nb, plain_nb, *, faulty_pa
         "clean": clean.seconds, "faulty": faulty.seconds, "restarts": n, "ooms": ooms, "lost": lost,
         "recovery": [r.seconds for r in faulty.restarts], "reasons": [r.reason for r in faulty.restarts],
         "floor": floor, "plain": plain, "rerun_lost": rerun_lost,
-        "stamped": stamped_losses(K.read_marks(log)) if log is not None else None,
+        "stamped": stamped_losses(K.read_marks(logs[0])) if logs else None,
+        "cycles": [usual_cycle(K.read_marks(p)) for p in logs] if logs else None,
         "identical": result_line(faulty.notebook) == result_line(clean.notebook) and result_line(clean.notebook) is not None,
     }
 
@@ -163,7 +175,7 @@ def workload(root: Path, kernel: str, w: K.Workload, restarts: int, fault: str, 
     clean = K.workload_notebook(w, work / "clean.log")
     plain = K.plain_notebook(K.workload_notebook(w, work / "plain.log"))
     return measure(work, kernel, faulty, clean, plain, max_restarts=restarts + 2, standby=standby,
-                   log=work / "faulty.log")
+                   logs=(work / "faulty.log", work / "clean.log"))
 
 
 def lost_ratio(lost: float, floor: float) -> str:
@@ -234,6 +246,8 @@ def main() -> None:
         row("same result as uninterrupted", lambda x: "yes" if x["identical"] else "NO"),
         row("checkpoint on disk (MiB)", lambda x: f"{x['floor'].nbytes / (1 << 20):.1f}"),
         (),
+        row("usual epoch + checkpoint, uninterrupted / faulty (s)",
+            lambda x: " / ".join(f"{v:.2f}" for v in x["cycles"]) if x.get("cycles") else "-"),
         row("time lost per fault (s)", lambda x: K.secs(x["lost"])),
         row("floor: fresh kernel + import torch + raw read (s)", lambda x: K.secs(x["floor"].total)),
         row("  time lost per fault, x floor", lambda x: lost_ratio(x["lost"], x["floor"].total)),
@@ -249,7 +263,8 @@ def main() -> None:
     K.table(rows, ("", *cols))
     print("(stamped: the gap between the last epoch before a restart and the first after it, less the run's")
     print(" usual gap between epochs, plus what the first epoch in the new kernel took over the usual epoch;")
-    print(" the workload logs its epochs, the demo does not)")
+    print(" the workload logs its epochs, the demo does not; where the two runs' usual epochs differ, the")
+    print(" difference of their wall times carries that difference times the number of epochs)")
     print()
     print("targets:")
     for name, x in cols.items():
