@@ -117,8 +117,8 @@ def autogroup_nice(pid: int | str = "self") -> int | None:
 def set_autogroup_nice(value: int, pid: int | str = "self") -> bool:
     """Set the nice value of the scheduling group of ``pid`` (Linux with autogroups; lowering it
     below 0 needs what lowering a nice value needs); False where that did not happen. Only for a
-    session leader (:func:`own_group`): the group is the whole session's. Kernels before 6.x
-    refuse a second write within 0.1 s system-wide (``EAGAIN``) without ``CAP_SYS_ADMIN``: retried."""
+    session leader (:func:`own_group`): the group is the whole session's. Some kernels refuse
+    a second write within 0.1 s system-wide (``EAGAIN``) without ``CAP_SYS_ADMIN``: retried."""
     for _ in range(20):
         try:
             with open(f"/proc/{pid}/autogroup", "w") as f:
