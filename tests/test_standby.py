@@ -12,7 +12,7 @@ import nbformat
 import pytest
 
 from colab_resilience import driver, standby
-from kernels import KERNEL_NAME, cell_text, notebook
+from kernels import KERNEL_NAME, cell_text, child_env, notebook
 
 # In a kernel: the standby kernels started by the same driver (told by their environment), from /proc.
 SIBLINGS = textwrap.dedent("""\
@@ -128,6 +128,44 @@ def test_the_warm_standby_takes_over_and_the_run_resumes_exactly(tmp_path, refer
     assert "the kernel died (killed by SIGKILL, likely the OS out-of-memory killer); switched to the standby kernel, " \
            "replayed 1 cell and resumed in" in cell_text(out.cells[2])
     assert out.metadata["colab_resilience"]["restarts"][0]["kernel"] == "standby"
+
+
+@pytest.mark.kernel
+@pytest.mark.skipif(standby.autogroup_nice() is None, reason="needs Linux scheduling autogroups")
+def test_a_driver_in_a_niced_session_leaves_its_group_alone_and_the_new_kernel_at_0(tmp_path):
+    """CI runs the suite from a session whose scheduling group may be niced (as `nice` does for a
+    process): the standby that takes over must get a fresh kernel's group nice 0, not the driver's,
+    and the driver's own group must not be touched."""
+    mark = tmp_path / "mark"
+    nb = notebook(
+        SIBLINGS + "deadline = time.monotonic() + 60\n"
+        "while not siblings() and time.monotonic() < deadline:\n    time.sleep(0.1)\n"
+        "print('STANDBY', siblings()[0])",
+        f"import os, signal\nif not os.path.exists({str(mark)!r}):\n"
+        f"    open({str(mark)!r}, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)",
+        SIBLINGS + "print('AFTER', os.getpid(), *nice_and_adj(os.getpid()))",
+    )
+    nbformat.write(nb, tmp_path / "in.ipynb")
+    code = textwrap.dedent(f"""
+        import nbformat
+        from colab_resilience import driver, standby
+        if not standby.set_autogroup_nice(19):
+            raise SystemExit('SKIP cannot nice its own group')
+        nb = nbformat.read({str(tmp_path / "in.ipynb")!r}, 4)
+        result = driver.run_notebook(nb, {str(tmp_path / "out.ipynb")!r}, cwd={str(tmp_path)!r},
+                                     run_dir={str(tmp_path / "runs")!r}, kernel_name={KERNEL_NAME!r})
+        print('RESULT', result.status, [r.standby for r in result.restarts], standby.autogroup_nice())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(), start_new_session=True,
+                         capture_output=True, text=True, timeout=180)
+    if out.stdout.startswith("SKIP"):
+        pytest.skip(out.stdout.strip())
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-4:] == ["RESULT", "0", "[True]", "19"], out.stdout  # its own group kept
+    run = nbformat.read(tmp_path / "out.ipynb", 4)
+    _, pid, nice, adj, group = line(run, "AFTER").split()
+    assert pid == line(run, "STANDBY").split()[1]  # the standby took over
+    assert (adj, group) == ("0", "0")  # ... as an ordinary kernel in a group of its own at nice 0
 
 
 @pytest.mark.kernel
