@@ -76,6 +76,11 @@ def result_line(nb) -> str | None:
     return None
 
 
+def epoch_marks(marks: list, kind: str) -> dict:
+    """{epoch: the last ``kind`` mark of it} (``iter_start`` or ``iter_end``)."""
+    return {int(m.name.split(":")[1]): m for m in marks if m.name.startswith(f"{kind}:")}
+
+
 def stamped_losses(marks: list) -> list[float]:
     """Time lost to each fault, from the faulty run's own time stamps. For an epoch whose start
     was logged by another kernel than the previous epoch's end (a restart came between): the gap
@@ -86,8 +91,7 @@ def stamped_losses(marks: list) -> list[float]:
     (40 checkpoints whose fsync takes 0.5-3 s each) that the difference of runs does."""
     import statistics
 
-    ends = {int(m.name.split(":")[1]): m for m in marks if m.name.startswith("iter_end:")}
-    starts = {int(m.name.split(":")[1]): m for m in marks if m.name.startswith("iter_start:")}  # the last
+    ends, starts = epoch_marks(marks, "iter_end"), epoch_marks(marks, "iter_start")
     gaps, faults, durations = [], [], []
     for e in sorted(starts):
         if e - 1 in ends:
@@ -109,7 +113,7 @@ def usual_cycle(marks: list) -> float | None:
     the number of epochs, faults or not."""
     import statistics
 
-    starts = {int(m.name.split(":")[1]): m for m in marks if m.name.startswith("iter_start:")}
+    starts = epoch_marks(marks, "iter_start")
     cycles = [starts[e + 1].t - starts[e].t for e in starts if e + 1 in starts and starts[e + 1].pid == starts[e].pid]
     return statistics.median(cycles) if cycles else None
 

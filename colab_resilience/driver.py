@@ -514,8 +514,7 @@ class _Standby:
             try:
                 pid = km.provisioner.process.pid
                 os.setpriority(os.PRIO_PROCESS, pid, _standby.NICE)
-                if _standby.own_group(pid):  # its session is its own group, not the driver's
-                    _standby.set_autogroup_nice(_standby.NICE, pid)
+                _standby.set_autogroup_nice(_standby.NICE, pid)  # its session is its own group
             except (OSError, AttributeError):
                 pass
         self.kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)

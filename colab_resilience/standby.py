@@ -116,9 +116,16 @@ def autogroup_nice(pid: int | str = "self") -> int | None:
 
 def set_autogroup_nice(value: int, pid: int | str = "self") -> bool:
     """Set the nice value of the scheduling group of ``pid`` (Linux with autogroups; lowering it
-    below 0 needs what lowering a nice value needs); False where that did not happen. Only for a
-    session leader (:func:`own_group`): the group is the whole session's. Some kernels refuse
-    a second write within 0.1 s system-wide (``EAGAIN``) without ``CAP_SYS_ADMIN``: retried."""
+    below 0 needs what lowering a nice value needs); False where that did not happen. Only where
+    ``pid`` leads its session (a kernel started by jupyter_client does): the group is the whole
+    session's, and another process's session may be the driver's own. Some kernels refuse a
+    second write within 0.1 s system-wide (``EAGAIN``) without ``CAP_SYS_ADMIN``: retried."""
+    leader = os.getpid() if pid == "self" else int(pid)
+    try:
+        if os.getsid(leader) != leader:
+            return False
+    except OSError:
+        return False
     for _ in range(20):
         try:
             with open(f"/proc/{pid}/autogroup", "w") as f:
@@ -131,15 +138,6 @@ def set_autogroup_nice(value: int, pid: int | str = "self") -> bool:
     return False
 
 
-def own_group(pid: int) -> bool:
-    """Whether process ``pid`` leads its session, and so has a scheduling group of its own (a
-    kernel started by jupyter_client does): niced, it nices nobody else."""
-    try:
-        return os.getsid(pid) == pid
-    except OSError:
-        return False
-
-
 def become(whole: bool = False) -> None:
     """(In a new standby.) Volunteer for the OOM killer; start the low-priority import thread;
     ``whole``: the whole process at low priority (the driver found that it may be undone)."""
@@ -148,7 +146,7 @@ def become(whole: bool = False) -> None:
         return
     if whole:
         _renice_all(NICE)
-        if own_group(os.getpid()) and autogroup_nice() != NICE:  # the driver usually did it already
+        if autogroup_nice() != NICE:  # the driver usually did it already
             set_autogroup_nice(NICE)
     try:
         with open("/proc/self/oom_score_adj") as f:
@@ -212,7 +210,7 @@ def adopt(nice: int | None = None) -> None:
         _queue = None
     if nice is not None:  # allowed for root (CAP_SYS_NICE) or within RLIMIT_NICE
         _renice_all(nice)
-    if own_group(os.getpid()) and autogroup_nice() not in (None, 0):
+    if autogroup_nice() not in (None, 0):
         set_autogroup_nice(0)
 
 
