@@ -76,6 +76,7 @@ import collections
 import ctypes
 import difflib
 import io
+import itertools
 import json
 import math
 import mmap
@@ -92,6 +93,7 @@ import threading
 import time
 import types
 import warnings
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,7 +102,7 @@ from typing import Any, Mapping, MutableMapping, Sequence
 import blake3
 import xxhash
 
-from . import signing
+from . import signing, writes
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -124,9 +126,11 @@ _HASH_RE = re.compile(r"[0-9a-f]{64}")
 _MAX_MANIFEST = 256 << 20
 _MAX_ST_HEADER = 256 << 20
 _MAP_AT_LEAST = 4 << 20  # smaller safetensors blobs are read: mapping costs more than it saves
+_TRACK_AT_LEAST = 64 << 10  # smaller pieces of live memory are fingerprinted, not write-tracked
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
 _pool_lock = threading.Lock()
 _pool_of: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool)
+_store_tokens = itertools.count(1)
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -170,6 +174,9 @@ class SaveReport:
     bytes_written: int
     bytes_reused: int
     seconds: float
+    # of the saved values, read to hash them or to see whether they changed; the rest was known
+    # unchanged without reading it (write tracking, see colab_resilience.writes)
+    bytes_read: int = 0
     meta: dict = field(default_factory=dict)
     kinds: dict[str, str] = field(default_factory=dict)
 
@@ -417,24 +424,61 @@ def _cpu_contiguous(t):
 
 
 class _Payload:
-    """A blob as a list of memory segments plus the objects that keep that memory alive."""
+    """A blob as a list of memory segments plus the objects that keep that memory alive.
 
-    def __init__(self, segments: list, keep: list | None = None):
+    ``live[i]`` is ``(address, owner)`` where segment ``i`` is the memory of a value in the
+    namespace itself (not a copy made for the save): private memory of this process that only its
+    ``owner`` (a torch storage, or the NumPy array owning the data) uses; such memory can be
+    write-tracked between saves (:mod:`.writes`)."""
+
+    def __init__(self, segments: list, keep: list | None = None, live: list | None = None):
         self.segments = [memoryview(s).cast("B") for s in segments]
         self.size = sum(s.nbytes for s in self.segments)
         self.keep = keep or []
+        self.live: list[tuple[int, Any] | None] = live or [None] * len(self.segments)
+
+
+def _live_storage(x, c) -> tuple[int, Any] | None:
+    """(address, storage) when ``c`` (what the save reads for tensor ``x``) is ``x``'s own CPU
+    memory, which only this process's CPU writes: not a copy, not shared memory, not pinned
+    (a device writes pinned memory by DMA, which no page table sees)."""
+    if x.device.type != "cpu" or not c.numel():
+        return None
+    storage = x.untyped_storage()
+    if c.untyped_storage() is not storage or storage.is_shared():
+        return None
+    torch = sys.modules["torch"]
+    if torch.cuda.is_initialized() and x.is_pinned():  # no pinned memory before CUDA is up
+        return None
+    return c.data_ptr(), storage
+
+
+def _live_array(x, c) -> tuple[int, Any] | None:
+    """(address, owning array) when ``c`` (what the save reads for array ``x``) is ``x``'s own
+    memory, allocated by NumPy (not a copy, not a file mapping, not another object's buffer)."""
+    np = sys.modules["numpy"]
+
+    def root(a):
+        while isinstance(a.base, np.ndarray):
+            a = a.base
+        return a
+
+    owner = root(x)
+    if not c.nbytes or root(c) is not owner or owner.base is not None or not owner.flags.owndata:
+        return None
+    return c.ctypes.data, owner
 
 
 def _safetensors_payload(tree: Any, leaves: list) -> _Payload:
     """A safetensors file for ``leaves``; ``tree`` and each leaf's description go to metadata."""
     torch = sys.modules.get("torch")
-    entries: list[tuple[str, str, list[int], memoryview, int]] = []  # key, st dtype, shape, mem, align
+    entries: list[tuple] = []  # key, st dtype, shape, mem, align, live (see _Payload)
     keep: list = []
     descs: list[dict | None] = [None] * len(leaves)
 
-    def add(obj_mem, st_dtype, shape, align) -> str:
+    def add(obj_mem, st_dtype, shape, align, live) -> str:
         key = str(len(entries))
-        entries.append((key, st_dtype, shape, obj_mem, align))
+        entries.append((key, st_dtype, shape, obj_mem, align, live))
         return key
 
     # different views of one storage: save the storage span once, restore views of it
@@ -458,12 +502,14 @@ def _safetensors_payload(tree: Any, leaves: list) -> _Payload:
             base = ts[0]
             span = torch.empty(0, dtype=base.dtype, device=base.device)
             span.set_(base.untyped_storage(), lo, (hi - lo,), (1,))
-            span = _cpu_contiguous(span)
+            c = _cpu_contiguous(span)
+            live = _live_storage(span, c)
+            span = c
             keep.append(span)
             dname = str(base.dtype).removeprefix("torch.")
             st = _TORCH_ST.get(dname)
             key = add(_memory(span), st or "U8", [hi - lo] if st else [span.numel() * span.element_size()],
-                      min(span.element_size(), 8))
+                      min(span.element_size(), 8), live)
             for i, t in zip(members, ts):
                 descs[i] = {
                     "lib": "torch", "dtype": dname, "shape": list(t.shape), "span": key,
@@ -481,7 +527,8 @@ def _safetensors_payload(tree: Any, leaves: list) -> _Payload:
             dname = str(x.dtype).removeprefix("torch.")
             st = _TORCH_ST.get(dname)
             nbytes = c.numel() * c.element_size()
-            key = add(_memory(c), st or "U8", list(c.shape) if st else [nbytes], min(c.element_size(), 8))
+            key = add(_memory(c), st or "U8", list(c.shape) if st else [nbytes], min(c.element_size(), 8),
+                      _live_storage(x, c))
             descs[i] = {
                 "lib": "torch", "dtype": dname, "shape": list(x.shape), "key": key,
                 "device": str(x.device), "requires_grad": bool(x.requires_grad),
@@ -495,7 +542,8 @@ def _safetensors_payload(tree: Any, leaves: list) -> _Payload:
             keep.append(c)
             st = _NUMPY_ST.get(x.dtype.name) if x.dtype.isnative else None
             mem = memoryview(c.reshape(-1).view(np.uint8)) if c.nbytes else memoryview(b"")
-            key = add(mem, st or "U8", list(c.shape) if st else [c.nbytes], min(max(c.itemsize, 1), 8))
+            key = add(mem, st or "U8", list(c.shape) if st else [c.nbytes], min(max(c.itemsize, 1), 8),
+                      _live_array(x, c))
             descs[i] = {"lib": "numpy", "dtype": x.dtype.str, "shape": list(x.shape), "key": key, "order": order}
 
     entries.sort(key=lambda e: (-e[4], int(e[0])))  # aligned offsets: 8-byte items first
@@ -503,12 +551,14 @@ def _safetensors_payload(tree: Any, leaves: list) -> _Payload:
         "__metadata__": {ST_META_KEY: json.dumps({"tree": tree, "leaves": descs}, separators=(",", ":"), allow_nan=False)}
     }
     offset = 0
-    for key, st, shape, mem, _ in entries:
+    for key, st, shape, mem, _, _ in entries:
         header[key] = {"dtype": st, "shape": shape, "data_offsets": [offset, offset + mem.nbytes]}
         offset += mem.nbytes
     hbytes = json.dumps(header, separators=(",", ":")).encode()
     hbytes += b" " * (-(8 + len(hbytes)) % 8)  # data starts 8-aligned, as safetensors does
-    return _Payload([struct.pack("<Q", len(hbytes)) + hbytes] + [e[3] for e in entries], keep)
+    return _Payload(
+        [struct.pack("<Q", len(hbytes)) + hbytes] + [e[3] for e in entries], keep, [None] + [e[5] for e in entries]
+    )
 
 
 def _parse_safetensors(buf) -> tuple[Any, list[dict], dict[str, tuple[int, int]]]:
@@ -690,15 +740,16 @@ def restore_rng(state: Mapping[str, Any]) -> None:
 # -- hashing ----------------------------------------------------------------------------------------
 
 
-def _chunks(segments: list[memoryview]) -> list[list[memoryview]]:
-    chunks: list[list[memoryview]] = []
-    current: list[memoryview] = []
+def _chunk_spans(segments: list[memoryview]) -> list[list[tuple[int, int, int]]]:
+    """The blob cut into ``CHUNK``-byte chunks: each a list of (segment, offset, length)."""
+    chunks: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
     room = CHUNK
-    for seg in segments:
+    for i, seg in enumerate(segments):
         pos = 0
         while pos < seg.nbytes:
             take = min(room, seg.nbytes - pos)
-            current.append(seg[pos : pos + take])
+            current.append((i, pos, take))
             pos += take
             room -= take
             if room == 0:
@@ -707,6 +758,37 @@ def _chunks(segments: list[memoryview]) -> list[list[memoryview]]:
     if current:
         chunks.append(current)
     return chunks
+
+
+def _chunks(segments: list[memoryview]) -> list[list[memoryview]]:
+    return [[segments[i][pos : pos + n] for i, pos, n in spans] for spans in _chunk_spans(segments)]
+
+
+def _split_chunk(payload: _Payload, spans: list[tuple[int, int, int]]):
+    """A chunk's pieces, and which of them can be write-tracked: (pieces, loose pieces, tracked
+    page ranges, layout, owners). A piece of live memory contributes its whole pages to the
+    tracked ranges and its partial pages at either end to the loose pieces (they may share a page
+    with other memory); every other piece is loose. Loose pieces are fingerprinted each save."""
+    pieces, loose, ranges, layout, owners = [], [], [], [], []
+    for i, pos, n in spans:
+        piece = payload.segments[i][pos : pos + n]
+        pieces.append(piece)
+        live = payload.live[i]
+        if live is not None:
+            a = live[0] + pos
+            lo, hi = -(-a // writes.PAGE) * writes.PAGE, (a + n) // writes.PAGE * writes.PAGE
+            if hi - lo >= _TRACK_AT_LEAST:
+                ranges.append((lo, hi))
+                layout.append((a, n))
+                owners.append(live[1])
+                if lo > a:
+                    loose.append(piece[: lo - a])
+                if a + n > hi:
+                    loose.append(piece[hi - a :])
+                continue
+        loose.append(piece)
+        layout.append((None, n))
+    return pieces, loose, ranges, tuple(layout), owners
 
 
 def _digest(pieces) -> bytes:
@@ -737,14 +819,17 @@ def _fingerprint(pieces) -> bytes:
     return b"".join(xxhash.xxh3_128_digest(p) for p in pieces)
 
 
-def _digest_unless_unchanged(pieces, previous: tuple[bytes, bytes] | None) -> tuple[bytes, bytes]:
-    """(fingerprint, digest) of a chunk; the digest is reused when the fingerprint says the chunk
-    holds the bytes it held when this process last hashed it (a frozen backbone, an unchanged
-    array: a save that changed nothing costs a fingerprint pass, not a hashing pass)."""
-    fp = _fingerprint(pieces)
+def _digest_unless_unchanged(pieces, loose, previous: tuple[bytes, bytes] | None) -> tuple[bytes, bytes, int]:
+    """(fingerprint of ``loose``, digest of ``pieces``, bytes read) of a chunk. The digest is
+    reused when the fingerprint is the one ``previous`` recorded: ``loose`` is every piece for a
+    chunk that is not write-tracked (a frozen backbone, an unchanged array: a save that changed
+    nothing costs a fingerprint pass, not a hashing pass), and only the pieces the tracker does
+    not cover for one whose tracked pages the caller found unwritten."""
+    fp = _fingerprint(loose)
+    nread = sum(p.nbytes for p in loose)
     if previous is not None and previous[0] == fp:
-        return fp, previous[1]
-    return fp, _digest(pieces)
+        return fp, previous[1], nread
+    return fp, _digest(pieces), nread + sum(p.nbytes for p in pieces)
 
 
 def _combine(digests: list[bytes]) -> str:
@@ -806,6 +891,24 @@ class _Prepared:
     payload: _Payload
 
 
+@dataclass(eq=False)
+class _ChunkMemo:
+    """What a store remembers of one chunk of a saved name, to skip it at the next save.
+
+    ``state``: ``plain`` (no write tracking: skipped when its fingerprint is unchanged),
+    ``protected`` (its live pages are claimed: skipped while they are unwritten and the loose
+    pieces' fingerprint is unchanged), ``hot`` (found written at the last save, so hashed and not
+    tracked: a chunk that training rewrites every epoch would otherwise cost a write fault per
+    page per epoch), ``candidate`` (hot, but found unchanged: claimed again at the next save)."""
+
+    state: str
+    layout: tuple | None = None
+    owners: tuple = ()  # weak references to the owners of the live pieces
+    claims: list | None = None
+    fp: bytes = b""
+    digest: bytes = b""
+
+
 @dataclass
 class _BlobJob:
     prepared: _Prepared
@@ -813,6 +916,7 @@ class _BlobJob:
     cache_key: str
     previous: list
     futures: list
+    memos: list
 
 
 class CheckpointStore:
@@ -829,8 +933,11 @@ class CheckpointStore:
         self.keep = keep
         self._key = key
         self._trash: Future | None = None
-        # per saved name: (fingerprint, digest) of each chunk as this process last hashed it
-        self._chunk_cache: dict[str, list[tuple[bytes, bytes]]] = {}
+        # per saved name: what this process knows of each chunk as it last saved it
+        self._chunk_cache: dict[str, list[_ChunkMemo]] = {}
+        self._token = next(_store_tokens)  # owns this store's claims on tracked memory
+        self._tracker: writes.WriteTracker | None = None  # once this store has claimed memory
+        self._bytes_read = 0  # by the save in progress, to hash or to see what changed
 
     @property
     def key(self) -> bytes:
@@ -921,6 +1028,7 @@ class CheckpointStore:
         :class:`CheckpointError` if the checkpoint could not be written (the previous one stays).
         """
         start = time.perf_counter()
+        self._bytes_read = 0
         if isinstance(names, str):
             names = [names]
         names = list(dict.fromkeys(names))
@@ -958,6 +1066,7 @@ class CheckpointStore:
             for f in futures:
                 f.cancel()
             wait(futures)
+            self._release_unused_claims()
 
     def _commit(self, jobs: list["_BlobJob"], pool: ThreadPoolExecutor, prepared: list[_Prepared],
                 skipped: dict[str, str], meta: dict | None, meta_enc: Any, start: float) -> SaveReport:
@@ -1043,28 +1152,76 @@ class CheckpointStore:
             skipped=skipped,
             bytes_written=written,
             bytes_reused=reused,
+            bytes_read=self._bytes_read,
             seconds=time.perf_counter() - start,
             meta=dict(meta or {}),
             kinds={p.name: p.kind for p in prepared},
         )
 
     def _start_blob(self, p: _Prepared, pool: ThreadPoolExecutor) -> "_BlobJob":
-        """Have the pool fingerprint (and where changed, hash) ``p``'s chunks, in order."""
-        chunks = _chunks(p.payload.segments)
+        """Have the pool hash ``p``'s chunks, in order, except those known unchanged: unwritten
+        since the last save by the tracker's word (nothing read but the loose pieces), or by an
+        unchanged fingerprint (every byte read once, at memory speed; no hashing)."""
         cache_key = f"{p.name}\0{p.kind}\0{p.fmt}"
         previous = self._chunk_cache.pop(cache_key, None) or []
-        futures = [
-            pool.submit(_digest_unless_unchanged, c, previous[i] if i < len(previous) else None)
-            for i, c in enumerate(chunks)
-        ]
-        return _BlobJob(p, chunks, cache_key, previous, futures)
+        tracker = writes.tracker() if any(live is not None for live in p.payload.live) else None
+        chunks, memos, futures = [], [], []
+        for i, spans in enumerate(_chunk_spans(p.payload.segments)):
+            prev = previous[i] if i < len(previous) else None
+            pieces, loose, ranges, layout, owners = _split_chunk(p.payload, spans)
+            memo = _ChunkMemo("plain")
+            if tracker is not None and ranges:
+                memo = self._track(tracker, prev, ranges, layout, owners)
+            if memo.state == "plain":
+                loose = pieces
+                reuse = prev if prev is not None and prev.state == "plain" else None
+            else:  # protected and unwritten since the last save; not claimed just now (unknown past)
+                reuse = prev if prev is not None and memo.claims is not None and memo.claims is prev.claims else None
+            chunks.append(pieces)
+            memos.append(memo)
+            futures.append(
+                pool.submit(_digest_unless_unchanged, pieces, loose, (reuse.fp, reuse.digest) if reuse else None)
+            )
+        return _BlobJob(p, chunks, cache_key, previous, futures, memos)
+
+    def _track(self, tracker: writes.WriteTracker, prev: _ChunkMemo | None, ranges, layout, owners) -> _ChunkMemo:
+        """The memo of a chunk with live memory; claims its pages when that is worth it."""
+        memo = _ChunkMemo("hot", layout, tuple(weakref.ref(o) for o in owners))
+        same = (
+            prev is not None
+            and prev.layout == layout
+            and len(prev.owners) == len(owners)
+            and all(r() is o for r, o in zip(prev.owners, owners))
+        )
+        if same and prev.claims is not None:
+            if all(tracker.clean(c) for c in prev.claims):
+                memo.state, memo.claims = "protected", prev.claims
+            else:  # written since the last save: hashed now, and tracked no more while it changes
+                tracker.release(prev.claims)
+        elif not (same and prev.state == "hot"):  # new, moved, or unchanged though hot: claim it
+            claims = tracker.claim(ranges, self._token)
+            if all(c is not None for c in claims):
+                memo.state, memo.claims = "protected", claims
+                if self._tracker is None:
+                    self._tracker = tracker
+                    weakref.finalize(self, tracker.retain, self._token, ())
+            else:  # not private memory after all (a file mapping, shared memory): fingerprinted
+                tracker.release(claims)
+                memo = _ChunkMemo("plain")
+        return memo
+
+    def _release_unused_claims(self) -> None:
+        """Stop tracking memory no remembered chunk relies on (renamed, freed, failed saves)."""
+        if self._tracker is not None:
+            keep = [c for memos in self._chunk_cache.values() for m in memos if m.claims for c in m.claims]
+            self._tracker.retain(self._token, keep)
 
     def _write_blob(self, job: "_BlobJob", pending: "_PendingBlobs") -> tuple[str, bool]:
         """Write a blob unless the store already holds it: (hash, written?). A written blob is
         left in ``pending``, not yet flushed nor renamed: a save's blobs are flushed together, so
         the disk writes one back while the next is written."""
         p, chunks, cache_key, previous, futures = job.prepared, job.chunks, job.cache_key, job.previous, job.futures
-        hashed: list[tuple[bytes, bytes]] = []
+        hashed: list[_ChunkMemo] = []
         digests: list[bytes] = []
         fd = -1
         tmp: str | None = None
@@ -1080,13 +1237,19 @@ class CheckpointStore:
 
         try:
             for i, fut in enumerate(futures):
-                hashed.append(fut.result())
-                d = hashed[-1][1]
+                memo = job.memos[i]
+                memo.fp, d, nread = fut.result()
+                memo.digest = d
+                self._bytes_read += nread
+                hashed.append(memo)
                 digests.append(d)
+                changed = i >= len(previous) or previous[i].digest != d
+                if memo.state == "hot" and not changed:
+                    memo.state = "candidate"
                 if fd >= 0:
                     for piece in chunks[i]:
                         write_all(fd, piece)
-                elif i >= len(previous) or previous[i][1] != d:
+                elif changed:
                     fd = start_writing(i + 1)  # this chunk changed: write from the start
             digest = _combine(digests)
             final = self.blob_dir / digest
@@ -1216,6 +1379,7 @@ class CheckpointStore:
             pass
         self._remove_leftovers()
         self._chunk_cache.clear()
+        self._release_unused_claims()
 
     def adopt(self) -> list[str]:
         """Re-sign every well-formed checkpoint manifest with this installation's key; return their
