@@ -923,7 +923,13 @@ class CheckpointStore:
     """The checkpoints of one run directory. One process writes at a time (hold a ``RunLock``)."""
 
     def __init__(
-        self, run_dir: str | os.PathLike, *, key: bytes | None = None, keep: int = 2, run_id: str | None = None
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        key: bytes | None = None,
+        keep: int = 2,
+        run_id: str | None = None,
+        track_writes: bool = True,
     ):
         if keep < 1:
             raise ValueError("keep must be at least 1")
@@ -931,6 +937,9 @@ class CheckpointStore:
         # signed into every manifest; a manifest of another run (copied in) is not loaded
         self.run_id = run_id
         self.keep = keep
+        # find unchanged memory by the kernel's write tracking where it can (colab_resilience.writes);
+        # False: by a fingerprint of every byte at every save
+        self.track_writes = track_writes
         self._key = key
         self._trash: Future | None = None
         # per saved name: what this process knows of each chunk as it last saved it
@@ -1164,7 +1173,8 @@ class CheckpointStore:
         unchanged fingerprint (every byte read once, at memory speed; no hashing)."""
         cache_key = f"{p.name}\0{p.kind}\0{p.fmt}"
         previous = self._chunk_cache.pop(cache_key, None) or []
-        tracker = writes.tracker() if any(live is not None for live in p.payload.live) else None
+        live = self.track_writes and any(x is not None for x in p.payload.live)
+        tracker = writes.tracker() if live else None
         chunks, memos, futures = [], [], []
         for i, spans in enumerate(_chunk_spans(p.payload.segments)):
             prev = previous[i] if i < len(previous) else None

@@ -199,14 +199,15 @@ def test_tracking_can_be_turned_off():
 
 
 @pytest.fixture(params=["tracked", "fingerprinted"])
-def tracking(request, monkeypatch):
+def tracking(request):
     """Both ways a store finds what changed: the kernel's word, or reading every byte."""
-    if request.param == "tracked":
-        if TRACKER is None:
-            pytest.skip("this kernel cannot track writes")
-    else:
-        monkeypatch.setattr(writes, "_tracker_of", (os.getpid(), None))
+    if request.param == "tracked" and TRACKER is None:
+        pytest.skip("this kernel cannot track writes")
     return request.param
+
+
+def new_store(tmp_path, tracking="tracked"):
+    return CheckpointStore(tmp_path / "run", key=KEY, track_writes=tracking == "tracked")
 
 
 def namespace():
@@ -249,7 +250,7 @@ CHANGES = {
 def test_every_write_is_in_the_next_checkpoint(tmp_path, tracking, change):
     ns = namespace()
     names = ["model", "opt", "table", "note"]
-    store = CheckpointStore(tmp_path / "run", key=KEY)
+    store = new_store(tmp_path, tracking)
     store.save(ns, names)
     unchanged = store.save(ns, names)
     assert unchanged.bytes_written < 4096
@@ -268,7 +269,7 @@ def test_every_write_is_in_the_next_checkpoint(tmp_path, tracking, change):
 def test_a_save_after_which_nothing_was_written_reads_almost_nothing(tmp_path, tracking):
     ns = namespace()
     names = ["model", "opt", "table", "note"]
-    store = CheckpointStore(tmp_path / "run", key=KEY)
+    store = new_store(tmp_path, tracking)
     first = store.save(ns, names)
     second = store.save(ns, names)
     assert first.bytes_read >= first.bytes_written - 4096
@@ -284,7 +285,7 @@ def test_memory_training_rewrites_is_not_kept_write_protected(tmp_path):
     epoch); once it stops changing it is tracked again."""
     ns = namespace()
     w = ns["model"][0].weight  # 2 MiB: one chunk of the model's blob
-    store = CheckpointStore(tmp_path / "run", key=KEY)
+    store = new_store(tmp_path)
 
     def claimed() -> bool:
         lo = w.data_ptr()
@@ -309,7 +310,7 @@ def test_memory_training_rewrites_is_not_kept_write_protected(tmp_path):
 @needs_tracking
 def test_a_store_that_is_gone_or_cleared_leaves_no_claims(tmp_path):
     ns = namespace()
-    store = CheckpointStore(tmp_path / "run", key=KEY)
+    store = new_store(tmp_path)
     store.save(ns, ["model", "table"])
     token = store._token
     assert TRACKER.claims_of(token)
@@ -330,7 +331,7 @@ def test_pinned_and_copied_memory_is_fingerprinted_not_tracked(tmp_path):
     say nothing about the tensor."""
     base = torch.randn(1024, 1024)
     ns = {"t": base.t()}  # a transposed view: copied to be saved
-    store = CheckpointStore(tmp_path / "run", key=KEY)
+    store = new_store(tmp_path)
     store.save(ns, ["t"])
     assert TRACKER.claims_of(store._token) == []
     second = store.save(ns, ["t"])
