@@ -40,7 +40,7 @@ import struct
 import threading
 import weakref
 
-__all__ = ["Claim", "WriteTracker", "tracker"]
+__all__ = ["Claim", "WriteTracker", "private_memory", "tracker"]
 
 PAGE = mmap.PAGESIZE
 ENV = "COLAB_RESILIENCE_WRITE_TRACKING"
@@ -94,12 +94,16 @@ class WriteTracker:
 
     # -- claiming --
 
-    def claim(self, ranges: list[tuple[int, int]], owner: int) -> list[Claim | None]:
+    def claim(
+        self, ranges: list[tuple[int, int]], owner: int, private: list[tuple[int, int]] | None = None
+    ) -> list[Claim | None]:
         """Write-protect each ``(start, end)`` (page-aligned) and return a claim for it, or
-        ``None`` where the range is not private anonymous memory or the kernel refused."""
+        ``None`` where the range is not private anonymous memory or the kernel refused.
+        ``private``: what :func:`private_memory` returned, if the caller has it (reading
+        ``/proc/self/maps`` takes milliseconds; a save claims once per chunk)."""
         if os.getpid() != self._pid:
             return [None] * len(ranges)
-        maps = _private_anonymous()
+        maps = private_memory() if private is None else private
         out: list[Claim | None] = []
         with self._lock:
             for start, end in ranges:
@@ -186,8 +190,9 @@ class WriteTracker:
         fcntl.ioctl(self._uffd, _UFFDIO_WRITEPROTECT, arg, True)
 
 
-def _private_anonymous() -> list[tuple[int, int]]:
-    """Merged address ranges of this process's private anonymous mappings (heap included)."""
+def private_memory() -> list[tuple[int, int]]:
+    """Merged address ranges of this process's private anonymous mappings (heap included): the
+    memory only this process writes, through its own page tables."""
     spans: list[tuple[int, int]] = []
     with open("/proc/self/maps", "rb") as f:
         for line in f:
