@@ -135,6 +135,7 @@ _MAX_MANIFEST = 256 << 20
 _MAX_ST_HEADER = 256 << 20
 _MAP_AT_LEAST = 4 << 20  # smaller safetensors blobs are read: mapping costs more than it saves
 _TRACK_AT_LEAST = 64 << 10  # smaller pieces of live memory are fingerprinted, not write-tracked
+_HEADER_ALIGN = 4096
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
 _pool_lock = threading.Lock()
 _pool_of: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool)
@@ -563,7 +564,11 @@ def _safetensors_payload(tree: Any, leaves: list) -> _Payload:
         header[key] = {"dtype": st, "shape": shape, "data_offsets": [offset, offset + mem.nbytes]}
         offset += mem.nbytes
     hbytes = json.dumps(header, separators=(",", ":")).encode()
-    hbytes += b" " * (-(8 + len(hbytes)) % 8)  # data starts 8-aligned, as safetensors does
+    # data of more than a chunk starts at a 4 KiB boundary (safetensors allows trailing spaces in
+    # the header): a header a few bytes longer than at the last save (an optimizer's learning
+    # rate, printed with more digits) then leaves every chunk boundary where it was, and unchanged
+    # data is still recognised chunk for chunk. Smaller data starts 8-aligned, as safetensors does.
+    hbytes += b" " * (-(8 + len(hbytes)) % (_HEADER_ALIGN if offset >= CHUNK else 8))
     return _Payload(
         [struct.pack("<Q", len(hbytes)) + hbytes] + [e[3] for e in entries], keep, [None] + [e[5] for e in entries]
     )
@@ -1193,10 +1198,12 @@ class CheckpointStore:
             if tracker is not None and ranges:
                 memo = self._track(tracker, prev, ranges, layout, owners)
             if memo.state == "plain":
-                loose = pieces
+                loose = pieces  # fingerprinted whole
                 reuse = prev if prev is not None and prev.state == "plain" else None
-            else:  # protected and unwritten since the last save; not claimed just now (unknown past)
-                reuse = prev if prev is not None and memo.claims is not None and memo.claims is prev.claims else None
+            elif prev is not None and memo.claims is not None and memo.claims is prev.claims:
+                reuse = prev  # its pages unwritten since the last save: only the loose pieces compared
+            else:
+                reuse = None  # written since the last save, or claimed just now (its past unknown)
             chunks.append(pieces)
             memos.append(memo)
             futures.append(
@@ -1205,31 +1212,39 @@ class CheckpointStore:
         return _BlobJob(p, chunks, cache_key, previous, futures, memos)
 
     def _track(self, tracker: writes.WriteTracker, prev: _ChunkMemo | None, ranges, layout, owners) -> _ChunkMemo:
-        """The memo of a chunk with live memory; claims its pages when that is worth it."""
+        """The memo of a chunk with live memory; claims its pages when that is worth it.
+
+        ``prev`` is the memo of the chunk at the same index at the last save: the same memory
+        unless the values were replaced (the owners differ) or the blob's layout moved (mostly the
+        same memory then, a few bytes over)."""
         memo = _ChunkMemo("hot", layout, tuple(weakref.ref(o) for o in owners))
-        same = (
-            prev is not None
-            and prev.layout == layout
-            and len(prev.owners) == len(owners)
-            and all(r() is o for r, o in zip(prev.owners, owners))
-        )
-        if same and prev.claims is not None:
-            if all(tracker.clean(c) for c in prev.claims):
-                memo.state, memo.claims = "protected", prev.claims
-            else:  # written since the last save: hashed now, and tracked no more while it changes
+        if prev is not None and prev.claims is not None:
+            clean = all(tracker.clean(c) for c in prev.claims)
+            if not clean:  # written since the last save: hashed now, and tracked no more while it changes
                 tracker.release(prev.claims)
-        elif not (same and prev.state == "hot"):  # new, moved, or unchanged though hot: claim it
-            if self._private is None:
-                self._private = writes.private_memory()
-            claims = tracker.claim(ranges, self._token, self._private)
-            if all(c is not None for c in claims):
-                memo.state, memo.claims = "protected", claims
-                if self._tracker is None:
-                    self._tracker = tracker
-                    weakref.finalize(self, tracker.retain, self._token, ())
-            else:  # not private memory after all (a file mapping, shared memory): fingerprinted
-                tracker.release(claims)
-                memo = _ChunkMemo("plain")
+                return memo
+            same = (
+                prev.layout == layout
+                and len(prev.owners) == len(owners)
+                and all(r() is o for r, o in zip(prev.owners, owners))
+            )
+            if same:
+                memo.state, memo.claims = "protected", prev.claims
+                return memo
+        elif prev is not None and prev.state == "hot":
+            return memo  # training rewrites it: claiming it would cost a fault per page until the next save
+        # new, moved, or unchanged since it was hot: claim it (revoking old claims it overlaps)
+        if self._private is None:
+            self._private = writes.private_memory()
+        claims = tracker.claim(ranges, self._token, self._private)
+        if all(c is not None for c in claims):
+            memo.state, memo.claims = "protected", claims
+            if self._tracker is None:
+                self._tracker = tracker
+                weakref.finalize(self, tracker.retain, self._token, ())
+        else:  # not private memory after all (a file mapping, shared memory): fingerprinted
+            tracker.release(claims)
+            memo = _ChunkMemo("plain")
         return memo
 
     def _release_unused_claims(self) -> None:

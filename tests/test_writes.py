@@ -377,3 +377,56 @@ def test_in_a_kernel_a_write_autograd_does_not_see_reaches_a_fresh_kernel(kernel
     kernel.ok("store.load().restore(globals())")
     assert kernel.value("digest()") == saved
     assert kernel.value("float(w.weight[700, 9])") == 123.0
+
+
+def test_a_learning_rate_printed_longer_moves_no_chunk(tmp_path, tracking):
+    """The optimizer's param_groups live in its blob's header; a learning rate with more digits
+    must not shift the data behind it (its chunks would all look new): the data starts at a
+    4 KiB boundary."""
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2048, 2048)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.001)
+        model(torch.randn(4, 2048)).sum().backward()
+        opt.step()
+        return {"opt": opt}
+
+    ns = build()
+    store = new_store(tmp_path, tracking)
+    store.save(ns, ["opt"])
+    store.save(ns, ["opt"])
+    ns["opt"].param_groups[0]["lr"] = 0.0009000000000000001
+    report = store.save(ns, ["opt"])
+    assert report.bytes_written > 4 * smod.CHUNK  # the header changed: a new blob (32 MiB of state)
+    if tracking == "tracked":  # the chunk holding the header, and no other
+        assert report.bytes_read <= smod.CHUNK + (1 << 20)
+    back = build()
+    store.load().restore(back)
+    assert back["opt"].param_groups[0]["lr"] == 0.0009000000000000001
+    state, state_back = ns["opt"].state_dict()["state"][0], back["opt"].state_dict()["state"][0]
+    assert all(tensor_bytes(state[k]) == tensor_bytes(state_back[k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
+@needs_tracking
+def test_memory_training_rewrites_stays_unclaimed_when_the_blob_layout_moves(tmp_path):
+    ns = namespace()
+    model, opt = ns["model"], ns["opt"]
+    store = new_store(tmp_path)
+
+    def claimed_state() -> int:  # bytes of AdamW's state under this store's claims
+        spans = [(c.start, c.end) for c in TRACKER.claims_of(store._token)]
+        tensors = [v for st in opt.state.values() for v in st.values() if v.numel() > 1]
+        return sum(t.nbytes for t in tensors if any(a <= t.data_ptr() + PAGE < b for a, b in spans))
+
+    store.save(ns, ["opt"])
+    assert claimed_state() > 0
+    for note in ("x" * 5000, "y" * 10000, "z" * 15000):  # each moves the data by a page or more
+        model(torch.randn(8, 512)).square().mean().backward()
+        opt.step()
+        opt.param_groups[0]["note"] = note
+        store.save(ns, ["opt"])
+        assert claimed_state() == 0
+    back = namespace()
+    store.load().restore(back)
+    assert back["opt"].param_groups[0]["note"] == "z" * 15000
+    assert tensor_bytes(adam_state(back)) == tensor_bytes(adam_state(ns))
