@@ -183,8 +183,9 @@ class SaveReport:
     bytes_written: int
     bytes_reused: int
     seconds: float
-    # of the saved values, read to hash them or to see whether they changed; the rest was known
-    # unchanged without reading it (write tracking, see colab_resilience.writes)
+    # bytes of the saved values read to hash them or to see whether they changed (a byte both
+    # fingerprinted and hashed counts twice); the rest was known unchanged without reading it
+    # (write tracking, see colab_resilience.writes)
     bytes_read: int = 0
     meta: dict = field(default_factory=dict)
     kinds: dict[str, str] = field(default_factory=dict)

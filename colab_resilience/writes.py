@@ -17,7 +17,10 @@ miss), ``ctypes``, ``read()``/``recv()`` into a buffer (the kernel writes throug
 tables), ``/proc/PID/mem`` and ``process_vm_writev``. What the MMU does not see is excluded by the
 callers and here: memory other processes can write (shared or file-backed mappings: refused
 below by reading ``/proc/self/maps``) and memory a device writes by DMA (pinned tensors: the
-checkpoint code never tracks them).
+checkpoint code never tracks them). What cannot be told apart from ordinary memory, and so would
+be missed: private memory that another library pinned for a device to write into without torch
+knowing (``cudaHostRegister`` from outside torch, RDMA, io_uring fixed buffers). Nothing in a
+training notebook does that to the tensors it saves; a run that does can turn tracking off.
 
 A :class:`Claim` covers whole pages of private anonymous memory. It is *clean* while no page of it
 was written since it was claimed and no other claim has taken any of its pages (re-protecting a

@@ -67,6 +67,12 @@ def write_readv(a):
         os.close(fd)
 
 
+def write_proc_mem(a):  # how debuggers write: the kernel's remote-access path
+    with open("/proc/self/mem", "r+b", buffering=0) as mem:
+        mem.seek(a.ctypes.data + a.nbytes // 4)
+        mem.write(b"\x07")
+
+
 def write_thread(a):
     t = threading.Thread(target=write_numpy, args=(a,))
     t.start()
@@ -82,7 +88,7 @@ def write_torch_kernel(a):
     torch.from_numpy(a).mul_(2.0)
 
 
-WRITERS = [write_numpy, write_ctypes, write_readv, write_thread, write_torch_data, write_torch_kernel]
+WRITERS = [write_numpy, write_ctypes, write_readv, write_proc_mem, write_thread, write_torch_data, write_torch_kernel]
 
 
 @needs_tracking
