@@ -18,7 +18,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.utils.capture import capture_output
 from traitlets import Bool, Float, Integer, Unicode
 
-from . import execution, oom, runs
+from . import execution, oom, runs, writes
 from .errors import ResilienceError, RunLockedError
 from .recovery import Recovery, Shrink
 from .replay import ReplayLog, cell_key_from_metadata, parent_metadata, source_key
@@ -447,7 +447,8 @@ class ResilienceMagics(Magics):
     def resilience(self, line: str):
         """What the runs are doing and what is on disk.
 
-        ``%resilience status``: every run in the run directory (status, restarts, last checkpoint).
+        ``%resilience status``: every run in the run directory (status, restarts, last checkpoint),
+        and how saves find unchanged tensors and arrays (write tracking, or fingerprints).
         ``%resilience resume [RUN]``: replay the recorded set-up cells, restore the last checkpoint
         into the namespace, and mark the run pending so its cell continues when run again.
         ``%resilience resume --trust [RUN]``: the same for a run written under another key (another
@@ -514,6 +515,7 @@ class ResilienceMagics(Magics):
         found = self._runs()
         policy = (self.policy or runs.RestartPolicy()).describe()
         print(f"colab_resilience: run directory {self.root()}; planned restarts {policy}")
+        print(f"  {writes.describe()}")
         if not found:
             print("  no runs yet")
         for path in found:

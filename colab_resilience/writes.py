@@ -43,7 +43,7 @@ import struct
 import threading
 import weakref
 
-__all__ = ["Claim", "WriteTracker", "private_memory", "tracker"]
+__all__ = ["Claim", "WriteTracker", "describe", "private_memory", "tracker"]
 
 PAGE = mmap.PAGESIZE
 ENV = "COLAB_RESILIENCE_WRITE_TRACKING"
@@ -233,8 +233,23 @@ def tracker() -> WriteTracker | None:
         return _tracker_of[1]
 
 
+def _turned_off() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def describe() -> str:
+    """One line for ``%resilience status``: how a save finds the memory that did not change."""
+    if tracker() is not None:
+        return "unchanged tensors and arrays: found by the kernel's write tracking (only what was written is read)"
+    if _turned_off():
+        why = f"write tracking turned off by {ENV}"
+    else:
+        why = "write tracking needs Linux 6.7+ and userfaultfd, which this kernel does not allow"
+    return f"unchanged tensors and arrays: found by a fingerprint of every byte ({why})"
+
+
 def _open() -> WriteTracker | None:
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if _turned_off():
         return None
     if _SYS_USERFAULTFD is None or platform.system() != "Linux":
         return None

@@ -82,6 +82,10 @@ def test_done_run_journal_and_status(ip, root, capsys):
     ip.run_line_magic("resilience", "status")
     out = capsys.readouterr().out
     assert f"run directory {root}" in out
+    from colab_resilience import writes
+
+    how = "the kernel's write tracking" if writes.tracker() is not None else "a fingerprint of every byte"
+    assert f"\n  unchanged tensors and arrays: found by {how}" in out
     assert f"run {j['run_id']}: done; restarts 0/3 (last: none); saves model, opt, history; last checkpoint ckpt-" in out
 
 

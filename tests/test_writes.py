@@ -436,3 +436,15 @@ def test_memory_training_rewrites_stays_unclaimed_when_the_blob_layout_moves(tmp
     store.load().restore(back)
     assert back["opt"].param_groups[0]["note"] == "z" * 15000
     assert tensor_bytes(adam_state(back)) == tensor_bytes(adam_state(ns))
+
+
+def test_status_says_when_tracking_is_turned_off():
+    code = "from colab_resilience import writes; print(writes.describe())"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(COLAB_RESILIENCE_WRITE_TRACKING="off"),
+        capture_output=True, text=True, check=True,
+    )
+    assert out.stdout.strip() == (
+        "unchanged tensors and arrays: found by a fingerprint of every byte "
+        "(write tracking turned off by COLAB_RESILIENCE_WRITE_TRACKING)"
+    )
