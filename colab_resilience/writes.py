@@ -116,7 +116,7 @@ class WriteTracker:
                 self._revoke_overlapping(start, end)
                 try:
                     self._register(start, end)
-                    self._protect(start, end, True)
+                    self._protect(start, end)
                 except OSError:
                     out.append(None)
                     continue
@@ -187,9 +187,8 @@ class WriteTracker:
         arg = bytearray(struct.pack("QQQQ", start, end - start, _UFFDIO_REGISTER_MODE_WP, 0))
         fcntl.ioctl(self._uffd, _UFFDIO_REGISTER, arg, True)
 
-    def _protect(self, start: int, end: int, on: bool) -> None:
-        mode = _UFFDIO_WRITEPROTECT_MODE_WP if on else 0
-        arg = bytearray(struct.pack("QQQ", start, end - start, mode))
+    def _protect(self, start: int, end: int) -> None:
+        arg = bytearray(struct.pack("QQQ", start, end - start, _UFFDIO_WRITEPROTECT_MODE_WP))
         fcntl.ioctl(self._uffd, _UFFDIO_WRITEPROTECT, arg, True)
 
 
