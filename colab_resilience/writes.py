@@ -72,7 +72,7 @@ _PAGEMAP_SCAN = _ioc(3, ord("f"), 16, 96)
 class Claim:
     """Whole pages ``[start, end)`` write-protected at one moment; see :meth:`WriteTracker.clean`."""
 
-    __slots__ = ("start", "end", "valid", "owner", "__weakref__")
+    __slots__ = ("start", "end", "valid", "owner")
 
     def __init__(self, start: int, end: int, owner: int):
         self.start, self.end, self.owner = start, end, owner
