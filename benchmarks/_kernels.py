@@ -210,14 +210,13 @@ def workload_notebook(w: Workload, log: Path, *, fault: str | None = None, every
         restart = f"%restart_after {every}"
         if instrument:  # time stamps only: the restart itself is the package's
             restart += (
-                "\nimport colab_resilience.runs as _r\n"
-                "if hasattr(_r.Run, '_maybe_planned_restart') and hasattr(_r, '_exit'):\n"
-                "    _mp, _ex = _r.Run._maybe_planned_restart, _r._exit\n"
-                "    def _mp2(self, *a, **k):\n"
-                "        _mark('safe_point'); return _mp(self, *a, **k)\n"
-                "    def _ex2(code):\n"
-                "        _mark('exit'); _ex(code)\n"
-                "    _r.Run._maybe_planned_restart, _r._exit = _mp2, _ex2"
+                "\nimport colab_resilience.restart as _r\n"
+                "_mp, _ex = _r.planned_reason, _r.exit_kernel\n"
+                "def _mp2(*a, **k):\n"
+                "    _mark('safe_point'); return _mp(*a, **k)\n"
+                "def _ex2(code):\n"
+                "    _mark('exit'); _ex(code)\n"
+                "_r.planned_reason, _r.exit_kernel = _mp2, _ex2"
             )
         cells.append(restart)
     cells += [train, "_mark('done')\nprint('RESULT', len(history), history[-1])"]

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from colab_resilience.state import CheckpointStore  # noqa: E402
+from colab_resilience.checkpoints import CheckpointStore  # noqa: E402
 
 CHUNK = 16 << 20
 
@@ -148,10 +148,6 @@ def main() -> None:
         def save(which):
             reports[which] = store.save(ns, names)
 
-        def fresh_and_save():
-            fresh()
-            save("first")
-
         target_ns = {"model": ns["model"], "opt": ns["opt"]}
         # -- the floor: the same number of bytes (measured by one save), one file, fsync --
         fresh()
@@ -179,34 +175,10 @@ def main() -> None:
             ns["model"].load_state_dict(sd["model"])
             ns["opt"].load_state_dict(sd["opt"])
 
-        # without write tracking: every byte fingerprinted at every save
-        fp_run = root / "run-fp"
-        fp_store = None
-
-        def fp_first():
-            nonlocal fp_store
-            shutil.rmtree(fp_run, ignore_errors=True)
-            fp_store = CheckpointStore(fp_run, track_writes=False)
-            fp_store.save(ns, names)
-
-        # what tracking costs training: the first write to each tracked page after a save faults
-        # once (the kernel clears its write-protect bit); an update of every saved tensor shows it
-        tensors = [p.data for p in ns["model"].parameters()] + [
-            v for st in ns["opt"].state.values() for v in st.values() if torch.is_tensor(v) and v.numel() > 1
-        ]
-
-        def update():
-            for t in tensors:
-                t.mul_(1.0)
-
         ops = [
             ("save", lambda: save("first"), fresh),
             ("save2", lambda: save("unchanged"), None),
-            ("save2_fp", lambda: fp_store.save(ns, names), fp_first),
-            ("update", update, update),  # run once untimed first: no page is write-protected
-            ("update_tracked", update, fresh_and_save),
             ("load", lambda: store.load(), None),
-            # into memory no claim protects, as after a restart (the update above wrote every page)
             ("restore", lambda: store.load().restore(target_ns), None),
             ("wfloor", lambda: raw_write(floor_file, payload), None),
             ("rfloor", lambda: raw_read(floor_file), None),
@@ -238,8 +210,6 @@ def main() -> None:
         del payload
         second = reports["unchanged"]
         t_save, t_save2, t_load, t_restore = t["save"], t["save2"], t["load"], t["restore"]
-        t_save2_fp, t_update, t_update_tracked = t["save2_fp"], t["update"], t["update_tracked"]
-        tracked = store._tracker is not None
         t_wfloor, t_rfloor, t_tsave, t_tload = t["wfloor"], t["rfloor"], t["tsave"], t["tload"]
         t_tload_mmap, t_trestore = t["tload_mmap"], t["trestore"]
         t_dsave, t_dload = t.get("dsave"), t.get("dload")
@@ -264,7 +234,6 @@ def main() -> None:
     row("raw write + fsync (floor)", t_wfloor, t_wfloor)
     row("colab_resilience save (first)", t_save, t_wfloor)
     row("colab_resilience save (nothing changed)", t_save2, t_wfloor)
-    row("  the same, without write tracking", t_save2_fp, t_wfloor)
     row("torch.save + fsync", t_tsave, t_wfloor)
     row("dill.dump_module + fsync" + (" (failed)" if dill_error else ""), t_dsave, t_wfloor)
     row("raw read (floor)", t_rfloor, t_rfloor)
@@ -296,17 +265,8 @@ def main() -> None:
     print("  torch.load and dill verify nothing.")
     print("* mmap=True maps the file lazily: the bytes are read later, when the tensors are first used.")
     print()
-    if tracked:
-        extra = t_update_tracked - t_update
-        print(f"Write tracking: {second.bytes_read / (1 << 20):.1f} MiB read by the save with nothing changed "
-              f"(the rest known unwritten).")
-        print(f"  Its cost to training: an in-place update of every saved tensor took {t_update:.3f} s, and "
-              f"{t_update_tracked:.3f} s as the first")
-        print(f"  write after a save (+{extra:.3f} s = {100 * extra / t_save:.0f}% of a first save), once: "
-              f"chunks found written at a save are not tracked again until they stop changing.")
-    else:
-        print("Write tracking: not available on this machine (needs Linux >= 6.7 and userfaultfd); "
-              "unchanged values were found by fingerprints.")
+    print(f"The save with nothing changed read {second.bytes_read / (1 << 20):.1f} MiB (a fingerprint of every byte; "
+          f"no chunk hashed again) and wrote {second.bytes_written} bytes (the manifest).")
 
 
 if __name__ == "__main__":

@@ -224,7 +224,7 @@ def check_namespace(ns: dict, size_bytes: int, gen: int) -> str | None:
 
 def _writer(run_dir: str, size_bytes: int, start_gen: int, out_fd: int) -> None:
     """In a forked child: save generation after generation until killed (or 1000 of them)."""
-    from colab_resilience.state import CheckpointStore
+    from colab_resilience.checkpoints import CheckpointStore
 
     def say(line: str) -> None:
         os.write(out_fd, (line + "\n").encode())  # one write < PIPE_BUF: atomic
@@ -247,7 +247,7 @@ def _zygote() -> None:
     import numpy  # noqa: F401
     import torch  # noqa: F401
 
-    import colab_resilience.state  # noqa: F401
+    import colab_resilience.checkpoints  # noqa: F401
 
     out = sys.stdout.fileno()
     os.write(out, b"zygote ready\n")
@@ -404,7 +404,7 @@ def kill_trials(trials: int, size_mb: float, *, run_dir: Path | None = None, see
     import torch
 
     from colab_resilience.errors import NoCheckpointError
-    from colab_resilience.state import CheckpointStore
+    from colab_resilience.checkpoints import CheckpointStore
 
     rng = random.Random(seed)
     size_bytes = int(size_mb * MiB)

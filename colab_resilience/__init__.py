@@ -22,7 +22,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .oom import classify, is_oom  # noqa: E402  (light: imports no framework)
-from .runs import checkpoint, resume_range  # noqa: E402
+from .run import checkpoint, resume_range  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -36,31 +36,32 @@ __all__ = [
     "unload_ipython_extension",
 ]
 
-# shell -> the ResilienceMagics instance loaded into it
-_loaded: dict[int, object] = {}
-
 
 def load_ipython_extension(ipython) -> None:
-    """Register the magics, the configuration and the event callbacks (idempotent)."""
-    if id(ipython) in _loaded:
-        return
+    """Register the magics, the configuration and the event callback (idempotent)."""
+    from . import session
     from .magics import ResilienceMagics
 
+    if session.is_loaded(ipython):
+        return
     magics = ResilienceMagics(shell=ipython, parent=ipython)
     ipython.register_magics(magics)  # Magics.__init__ already listed it in shell.configurables
-    ipython.events.register("post_run_cell", magics.post_run_cell)
+    ipython.events.register("post_run_cell", _post_run_cell)
     # as in the examples: `for epoch in resume_range(20)` works without an import
     ipython.push({"resume_range": resume_range, "checkpoint": checkpoint}, interactive=False)
-    _loaded[id(ipython)] = magics
+    session.register(ipython, magics.session)
 
 
 def unload_ipython_extension(ipython) -> None:
     """Unregister every callback and magic that :func:`load_ipython_extension` registered."""
-    magics = _loaded.pop(id(ipython), None)
-    if magics is None:
+    from . import session
+
+    state = session.unregister(ipython)
+    if state is None:
         return
+    magics = state.settings
     try:
-        ipython.events.unregister("post_run_cell", magics.post_run_cell)
+        ipython.events.unregister("post_run_cell", _post_run_cell)
     except ValueError:
         pass
     for kind, table in magics.magics.items():
@@ -75,22 +76,17 @@ def unload_ipython_extension(ipython) -> None:
             ipython.user_ns_hidden.pop(name, None)
 
 
-def _magics_of(shell=None):
-    if shell is None:
-        from IPython import get_ipython
+def _post_run_cell(result) -> None:
+    from .execution import forget_rendered
 
-        shell = get_ipython()
-    magics = _loaded.get(id(shell)) if shell is not None else None
-    if magics is None:
-        raise RuntimeError(
-            "colab_resilience is not loaded in this IPython; run %load_ext colab_resilience first"
-        )
-    return magics
+    forget_rendered()
 
 
 def replay_cells(shell=None) -> list[str]:
     """The sources of the recorded ``%%replay`` cells, in the order they will be replayed."""
-    return [cell.source for cell in _magics_of(shell).replay_log.cells]
+    from .session import session_of
+
+    return [cell.source for cell in session_of(shell).replay_log.cells]
 
 
 def __getattr__(name: str):

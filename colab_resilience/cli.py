@@ -13,7 +13,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from .driver import EXIT_OK, EXIT_USAGE, NotebookInputError, _resolve, run_notebook
+from . import options
+from .driver import EXIT_OK, EXIT_USAGE, resolve_parameter, run_notebook
+from .errors import NotebookInputError
 
 
 def _fail(message: str) -> int:
@@ -24,7 +26,7 @@ def _fail(message: str) -> int:
 def run(args) -> int:
     path = Path(args.notebook)
     out = Path(args.output) if args.output else path.with_name(path.stem + ".out.ipynb")
-    parameters = {name: _resolve(value) for name, value in args.parameters}
+    parameters = {name: resolve_parameter(value) for name, value in args.parameters}
     for name in parameters:
         if not name.isidentifier():
             return _fail(f"-p {name}: not a Python variable name; write -p NAME VALUE, e.g. -p lr 0.01")
@@ -55,16 +57,6 @@ def demo(args) -> int:
     return demo_main(keep=args.keep)
 
 
-def _nonneg(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"needs a whole number (got {text!r})") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"cannot be negative (got {n})")
-    return n
-
-
 class _Parser(argparse.ArgumentParser):
     """Usage errors in one line that says what was wrong and where to look (not the whole usage)."""
 
@@ -89,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", help="the executed notebook (default: NAME.out.ipynb beside it)")
     p.add_argument("-p", "--parameter", dest="parameters", nargs=2, action="append", default=[],
                    metavar=("NAME", "VALUE"), help="set a parameter (papermill's `parameters` tag convention)")
-    p.add_argument("--max-restarts", type=_nonneg, default=3, metavar="N",
+    p.add_argument("--max-restarts", type=options.whole_number(), default=3, metavar="N",
                    help="kernel restarts for the whole notebook (default 3)")
-    p.add_argument("--cell-timeout", type=_nonneg, default=None, metavar="S", help="seconds a cell may run")
+    p.add_argument("--cell-timeout", type=options.whole_number(), default=None, metavar="S", help="seconds a cell may run")
     p.add_argument("--kernel", help="kernel name (default: the notebook's kernelspec, else python3)")
     p.add_argument("--run-dir", help="where runs keep journals and checkpoints (default: a temporary folder)")
     p.add_argument("--log-output", action="store_true", help="echo each cell's output as it finishes")

@@ -1,8 +1,9 @@
-"""The few exception types colab_resilience raises.
+"""Every exception and warning type colab_resilience raises.
 
-Each inherits the built-in a caller would already catch, carries its facts as attributes, and
-stays picklable (its ``args`` are the message only). Messages are one line: what happened, what
-was kept, what to do next.
+Each error inherits :class:`ResilienceError` and the built-in a caller would already catch
+(``except FileNotFoundError`` still catches :class:`NoCheckpointError`), carries its facts as
+attributes, and stays picklable (its ``args`` are the message only). Messages are one line: what
+happened, what was kept, what to do next.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 
 class ResilienceError(Exception):
     """Base class of every error this package raises on purpose."""
+
+
+# -- checkpoints -------------------------------------------------------------------------------------
 
 
 class CheckpointError(ResilienceError):
@@ -41,6 +45,42 @@ class UnsaveableValueError(CheckpointError, TypeError):
         return (type(self), (self.args[0], self.name, self.type_name, self.reason))
 
 
+class MissingNameError(CheckpointError, KeyError):
+    """A name to save is not in the namespace (or a name to restore not in the checkpoint)."""
+
+    def __init__(self, message: str, name: str = ""):
+        super().__init__(message)
+        self.name = name
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.name))
+
+
+class NotPlainError(ResilienceError, TypeError):
+    """A value is not plain data that tagged JSON can hold; the checkpoint pickles it instead."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped or a value restored differently than saved (one line each)."""
+
+
+# -- the installation key ----------------------------------------------------------------------------
+
+
+class KeyPermissionError(ResilienceError, PermissionError):
+    """The installation key file is readable by other users."""
+
+
+class KeyFileError(ResilienceError, ValueError):
+    """The key file exists but is not a key this package wrote (wrong size, not a file)."""
+
+
+# -- runs and their journals -------------------------------------------------------------------------
+
+
 class RunLockedError(ResilienceError, RuntimeError):
     """Another live process holds the run directory."""
 
@@ -52,5 +92,35 @@ class RunLockedError(ResilienceError, RuntimeError):
         return (type(self), (self.args[0], self.pid))
 
 
-class KeyPermissionError(ResilienceError, PermissionError):
-    """The installation key file is readable by other users."""
+class JournalError(ResilienceError, ValueError):
+    """The journal file is damaged, foreign, or from a newer version of this package."""
+
+
+class JournalUntrustedError(JournalError):
+    """The journal is well formed but not signed by this installation's key (another machine, a
+    new Colab VM, a lost key, or an edit): its replay cells are not executed unless trusted."""
+
+
+class JournalNotFoundError(ResilienceError, FileNotFoundError):
+    """The run directory has no journal."""
+
+
+class RunStoppedError(ResilienceError, RuntimeError):
+    """A run cannot go on: its restart budget is spent, its journal is unusable, or this IPython
+    cannot be restarted. The message says which, and what to do."""
+
+
+class NotLoadedError(ResilienceError, RuntimeError):
+    """The extension is not loaded in this IPython (``%load_ext colab_resilience``)."""
+
+
+class OptionError(ResilienceError, ValueError):
+    """A magic's option does not fit the notebook (an unknown variable, a shrink that is not an
+    integer); shown to the user as a usage error."""
+
+
+# -- supervised execution ----------------------------------------------------------------------------
+
+
+class NotebookInputError(ResilienceError, ValueError):
+    """The notebook, a parameter or the kernel name is unusable (exit code 2)."""

@@ -1,10 +1,10 @@
 """Run a cell magic's body as if it were the cell itself.
 
-``run_body`` compiles the body the way IPython compiles a cell (input transforms, AST
+``compile_body`` compiles the body the way IPython compiles a cell (input transforms, AST
 transformers, display of the last expression) with line numbers that match the notebook (the
-``%%magic`` header is line 1), and runs it in the user's namespace. An exception escapes as
-:class:`BodyError`, which carries the user's exception and the part of the traceback that belongs
-to the user's code.
+``%%magic`` header is line 1); ``run_body`` runs it in the user's namespace and returns a
+:class:`Failure` (the user's exception and the part of its traceback that belongs to the user's
+code) or None.
 
 ``reraise(shell, exc, tb)`` raises the user's exception out of the magic so that IPython reports
 it exactly as it would without the magic: the same exception type and message in the
@@ -17,19 +17,19 @@ protocol; :func:`forget_rendered` removes that hook again after the cell.
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 from types import TracebackType
 
 #: exceptions whose ``_render_traceback_`` hook this module set; emptied after each cell
 _RENDERED: list[BaseException] = []
 
 
-class BodyError(Exception):
+@dataclass
+class Failure:
     """The body raised ``exc``; ``tb`` is its traceback from the first user frame on."""
 
-    def __init__(self, exc: BaseException, tb: TracebackType | None):
-        super().__init__(exc)
-        self.exc = exc
-        self.tb = tb
+    exc: BaseException
+    tb: TracebackType | None
 
 
 def _split_last_expr(tree: ast.Module):
@@ -40,20 +40,23 @@ def _split_last_expr(tree: ast.Module):
     return tree, None
 
 
-def compile_body(shell, header: str, body: str):
-    """Compile ``body`` (the lines under ``header``) into code objects named like the cell."""
+def compile_body(shell, header: str | None, body: str):
+    """Compile ``body`` (the lines under the ``%%magic`` line ``header``, or a whole cell when
+    ``header`` is None) into code objects named like the cell."""
     transformed = shell.transform_cell(body)
     # Cache the whole cell (header included) under the name IPython gives this execution, so a
     # traceback shows "Cell In[7], line 3" with the line the user sees in the notebook.
-    name = shell.compile.cache(header + "\n" + transformed, shell.execution_count)
+    offset = 0 if header is None else 1
+    name = shell.compile.cache(transformed if header is None else header + "\n" + transformed,
+                               shell.execution_count)
     try:
         tree = ast.parse(transformed, filename=name)
     except SyntaxError as e:
         if e.lineno is not None:
-            e.lineno += 1
+            e.lineno += offset
         e.filename = name
         raise
-    ast.increment_lineno(tree, 1)
+    ast.increment_lineno(tree, offset)
     tree = shell.transform_ast(tree)
     tree, last = _split_last_expr(tree)
     flags = getattr(shell.compile, "flags", 0)
@@ -63,8 +66,8 @@ def compile_body(shell, header: str, body: str):
     return codes
 
 
-def run_body(shell, codes) -> None:
-    """Execute compiled body code in the user's namespace; raise BodyError on any exception."""
+def run_body(shell, codes) -> Failure | None:
+    """Execute compiled body code in the user's namespace; what it raised, if anything."""
     try:
         for code in codes:
             exec(code, shell.user_global_ns, shell.user_ns)
@@ -73,7 +76,8 @@ def run_body(shell, codes) -> None:
         # the first entry is this frame's exec(); the user's code starts after it
         if tb is not None and tb.tb_frame.f_code is run_body.__code__:
             tb = tb.tb_next
-        raise BodyError(exc, tb) from None
+        return Failure(exc, tb)
+    return None
 
 
 def render(shell, exc: BaseException, tb: TracebackType | None) -> list[str]:

@@ -1,21 +1,18 @@
-"""The run's on-disk truth: its journal, and the lock that keeps one process per run directory.
+"""The run's on-disk truth: its journal, and the runs under a root.
 
-``journal.json`` in the run directory says what a restarted kernel needs to go on: the run id,
-its status (``pending`` after an abnormal end, ``done``, ``failed``), when it was created and last
-updated (Unix seconds), every restart with its reason and time, the restart budget
-(``max_restarts``, ``restarts_used``), the last checkpoint id, the replay cells' sources in order,
-the interrupted cell's source and the kernel's PID. ``extra`` is free-form JSON for the glue.
+``run-<id>/journal.json`` says what a restarted kernel needs to go on: the run's status
+(``pending`` after an abnormal end, ``done``, ``failed``), every restart with its reason, the
+restart budget, the last checkpoint, the set-up cells to replay and the interrupted cell, the
+names the run saves, the batch sizes ``--shrink`` settled on, the planned-restart policy, whether
+the last kernel left on purpose and whether it died while replaying. Every field is typed; a
+reader never sees a field that is not listed in :class:`Journal`.
 
-Every write is atomic (temporary file, ``fsync``, ``os.replace``, ``fsync`` of the folder): a
-reader sees the old journal or the new one, never half of one, even after a SIGKILL or a power
-cut. :meth:`Journal.load` refuses anything that is not a journal this package wrote, with
-:class:`JournalError` and one line saying what to do, never a raw ``KeyError``.
+Every write is atomic (:func:`colab_resilience.fsutil.atomic_write`) and signed with the
+installation key: the journal holds code a new kernel executes. :meth:`Journal.load` refuses
+anything that is not a journal this package wrote with :class:`JournalError` and one line saying
+what to do, never a raw ``KeyError``.
 
-:class:`RunLock` is an ``fcntl.flock`` on ``run_dir/lock``; the file holds the holder's PID so a
-second process is told who holds it (:class:`RunLockedError`). The kernel releases a flock when
-its holder dies, SIGKILL included, so a crashed kernel never leaves a stale lock. Re-acquiring in
-the same process is counted, not refused. Keep a reference to the lock while you need it: a
-lock object that is garbage-collected releases its hold.
+The run directory's lock is :class:`colab_resilience.lock.RunLock`:
 
     with RunLock(run_dir):
         j = Journal.load(run_dir) if Journal.exists(run_dir) else Journal.create(run_dir)
@@ -24,132 +21,75 @@ lock object that is garbage-collected releases its hold.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import os
 import secrets
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from .errors import ResilienceError, RunLockedError
+from . import fsutil
+from .errors import JournalError, JournalNotFoundError, JournalUntrustedError
 
 JOURNAL_NAME = "journal.json"
-LOCK_NAME = "lock"
 FORMAT = "colab_resilience.journal"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 STATUSES = ("pending", "done", "failed")
 _MAX_JOURNAL_BYTES = 64 << 20
 
 
-class JournalError(ResilienceError, ValueError):
-    """The journal file is damaged, foreign, or from a newer version of this package."""
+@dataclass(frozen=True)
+class RestartPolicy:
+    """``%restart_after``: a planned restart every ``every`` safe points, or when memory in use
+    reaches ``memory_percent``."""
+
+    every: int | None = None
+    memory_percent: float | None = None
+
+    def describe(self) -> str:
+        parts = []
+        if self.every:
+            parts.append(f"every {self.every} safe points")
+        if self.memory_percent is not None:
+            parts.append(f"when memory in use reaches {self.memory_percent:g}%")
+        return " or ".join(parts) or "off"
 
 
-class JournalUntrustedError(JournalError):
-    """The journal is well formed but not signed by this installation's key (another machine, a
-    new Colab VM, a lost key, or an edit): its replay cells are not executed unless trusted."""
+@dataclass
+class RestartRecord:
+    """One restart of a run: why, when, and whether it was planned or refused (budget spent)."""
+
+    reason: str
+    time: float = field(default_factory=time.time)
+    planned: bool = False
+    refused: bool = False
+    at: str | None = None  # repr of the iteration in progress
 
 
-class JournalNotFoundError(ResilienceError, FileNotFoundError):
-    """The run directory has no journal."""
+@dataclass
+class ReplayCell:
+    """A set-up cell: ``key`` identifies it (the front end's cell id, else its source), ``source``
+    is the whole cell, ``%%replay`` line included: what a new kernel executes again."""
+
+    key: str
+    source: str
 
 
-# -- file primitives (also used by state.py) ------------------------------------------------------
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make a folder's entries (a rename, a new file) durable; a no-op where unsupported."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some FUSE file systems cannot fsync a folder
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
-
-
-def write_all(fd: int, data) -> None:
-    """``os.write`` until every byte is written (large writes may be partial)."""
-    view = memoryview(data).cast("B")
-    while view.nbytes:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
-def read_limited(f, limit: int) -> bytes:
-    """The bytes of the open file ``f``, or ``limit`` + 1 of them if it holds more (the caller
-    refuses those). Allocates only what the file holds: ``f.read(limit + 1)`` would allocate
-    ``limit`` + 1 bytes up front, and this runs after an out-of-memory error, under memory caps,
-    where 64 or 256 MiB is what fails (the demo's retries all failed on such a read)."""
-    size = os.fstat(f.fileno()).st_size
-    return f.read(min(size, limit) + 1)
-
-
-def atomic_temp_prefix(name: str) -> str:
-    """How the temporary files of :func:`atomic_write` for ``name`` begin (a kill can leave one)."""
-    return f".{name}.tmp-"
-
-
-def atomic_write(path: str | os.PathLike, data: bytes, mode: int = 0o600) -> None:
-    """Replace ``path`` by ``data`` atomically and durably (temp + fsync + replace + fsync dir)."""
-    path = Path(path)
-    tmp = path.with_name(f"{atomic_temp_prefix(path.name)}{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
-    try:
-        try:
-            write_all(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(path.parent)
-
-
-def make_private_dir(path: str | os.PathLike) -> Path:
-    """Create ``path`` (and parents) owner-only (0700); tighten it if it exists and is ours."""
-    path = Path(path)
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = path.stat()
-    if st.st_mode & 0o077 and st.st_uid == os.geteuid():
-        os.chmod(path, 0o700)
-    return path
-
-
-# -- the journal ------------------------------------------------------------------------------------
-
-
-def new_run_id() -> str:
-    """A sortable, unique run id like ``20250101-120000-a1b2c3``."""
-    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
-
-
-_FIELDS: dict[str, tuple[type, ...]] = {
+# field -> (JSON types accepted, how to build the attribute from the JSON value)
+_SCALARS: dict[str, tuple[type, ...]] = {
     "run_id": (str,),
     "status": (str,),
     "created": (float, int),
     "updated": (float, int),
-    "restarts": (list,),
     "last_checkpoint": (str, type(None)),
-    "replay_cells": (list,),
     "interrupted_cell": (str, type(None)),
+    "cell_key": (str, type(None)),
     "max_restarts": (int,),
     "restarts_used": (int,),
     "kernel_pid": (int, type(None)),
-    "extra": (dict,),
+    "restart_requested": (bool,),
+    "phase": (str, type(None)),
 }
 
 
@@ -162,14 +102,19 @@ class Journal:
     status: str = "pending"
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
-    restarts: list[dict[str, Any]] = field(default_factory=list)
+    restarts: list[RestartRecord] = field(default_factory=list)
     last_checkpoint: str | None = None
-    replay_cells: list[dict[str, str]] = field(default_factory=list)
+    replay_cells: list[ReplayCell] = field(default_factory=list)
     interrupted_cell: str | None = None
+    cell_key: str | None = None
+    names: list[str] = field(default_factory=list)  # what --save checkpoints
+    shrink: dict[str, int] = field(default_factory=dict)  # --shrink values a new kernel starts from
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
     max_restarts: int = 3
     restarts_used: int = 0
     kernel_pid: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    restart_requested: bool = False  # the last kernel left on purpose (not a death to count)
+    phase: str | None = None  # "replay" while a new kernel replays the set-up cells
 
     @property
     def path(self) -> Path:
@@ -185,13 +130,13 @@ class Journal:
 
     @classmethod
     def create(
-        cls, run_dir: str | os.PathLike, run_id: str | None = None, *, save: bool = True, **fields: Any
+        cls, run_dir: str | os.PathLike, run_id: str | None = None, *, save: bool = True, **values: Any
     ) -> Journal:
         """A new pending journal for a run (written at once unless ``save=False``)."""
-        make_private_dir(run_dir)
-        fields.setdefault("kernel_pid", os.getpid())
-        journal = cls(run_dir=Path(run_dir), run_id=run_id or new_run_id(), **fields)
-        journal._validate(journal.to_dict(), journal.path)
+        fsutil.make_private_dir(run_dir)
+        values.setdefault("kernel_pid", os.getpid())
+        journal = cls(run_dir=Path(run_dir), run_id=run_id or new_run_id(), **values)
+        _validate(journal.to_dict(), journal.path)
         if save:
             journal.save()
         return journal
@@ -207,7 +152,7 @@ class Journal:
         path = Path(run_dir) / JOURNAL_NAME
         try:
             with open(path, "rb") as f:
-                raw = read_limited(f, _MAX_JOURNAL_BYTES)
+                raw = fsutil.read_limited(f, _MAX_JOURNAL_BYTES)
         except FileNotFoundError:
             raise JournalNotFoundError(
                 f"colab_resilience: no run journal in {run_dir}; nothing to resume"
@@ -217,99 +162,65 @@ class Journal:
                 f"colab_resilience: cannot read the run journal {path} ({e.strerror or e})"
             ) from None
         if len(raw) > _MAX_JOURNAL_BYTES:
-            cls._bad(path, "larger than any journal this package writes")
+            _bad(path, "larger than any journal this package writes")
         try:
-            data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+            data = fsutil.strict_json(raw)
         except ValueError as e:  # UnicodeDecodeError, JSONDecodeError, NaN/Infinity, huge ints
-            cls._bad(path, f"not valid JSON: {e}")
+            _bad(path, f"not valid JSON: {e}")
         except RecursionError:
-            cls._bad(path, "not valid JSON: nested too deep")
-        cls._validate(data, path)
-        if key is not None and not trust:
-            from .signing import key_path, verify
+            _bad(path, "not valid JSON: nested too deep")
+        _validate(data, path)
+        if key is not None and not trust and not _signed(key, data):
+            from .signing import key_path
 
-            body = {k: v for k, v in data.items() if k != "signature"}
-            try:
-                signed = verify(key, _canonical(body), data.get("signature"))
-            except (ValueError, RecursionError):  # 1e400 parses as inf, which no signed journal holds
-                signed = False
-            if not signed:
-                raise JournalUntrustedError(
-                    f"colab_resilience: {path} is not signed by this installation's key ({key_path()}), "
-                    "or was edited since, so its set-up cells are not run; if you wrote it (another "
-                    "machine, a new Colab VM, a lost key), `%resilience resume --trust` adopts it, "
-                    "else `%resilience reset` starts the run afresh"
-                )
-        values = {k: data[k] for k in _FIELDS}
-        values["created"] = float(values["created"])
-        values["updated"] = float(values["updated"])
-        return cls(run_dir=Path(run_dir), **values)
-
-    @staticmethod
-    def _bad(path: Path, why: str):
-        raise JournalError(
-            f"colab_resilience: {path} is not a usable run journal ({why}); "
-            "remove it (or `%resilience reset`) to start the run afresh"
-        )
+            raise JournalUntrustedError(
+                f"colab_resilience: {path} is not signed by this installation's key ({key_path()}), "
+                "or was edited since, so its set-up cells are not run; if you wrote it (another "
+                "machine, a new Colab VM, a lost key), `%resilience resume --trust` adopts it, "
+                "else `%resilience reset` starts the run afresh"
+            )
+        return cls._from_dict(Path(run_dir), _upgrade(data))
 
     @classmethod
-    def _validate(cls, data: Any, path: Path) -> None:
-        if not isinstance(data, dict):
-            cls._bad(path, "not a JSON object")
-        if data.get("format") != FORMAT:
-            cls._bad(path, f"format is {data.get('format')!r}, not {FORMAT!r}")
-        version = data.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
-            cls._bad(path, f"format version {version!r}; this package reads {FORMAT_VERSION}")
-        for name, types in _FIELDS.items():
-            if name not in data:
-                cls._bad(path, f"field {name!r} is missing")
-            value = data[name]
-            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-                cls._bad(path, f"field {name!r} is {type(value).__name__}")
-        if data["status"] not in STATUSES:
-            cls._bad(path, f"status {data['status']!r} is not one of {', '.join(STATUSES)}")
-        if data["max_restarts"] < 0 or data["restarts_used"] < 0:
-            cls._bad(path, "negative restart counts")
-        for cell in data["replay_cells"]:
-            if not (
-                isinstance(cell, dict)
-                and isinstance(cell.get("key"), str)
-                and isinstance(cell.get("source"), str)
-            ):
-                cls._bad(path, "a replay cell is not {key, source} strings")
-        for r in data["restarts"]:
-            if not (
-                isinstance(r, dict)
-                and isinstance(r.get("reason"), str)
-                and isinstance(r.get("time"), (int, float))
-            ):
-                cls._bad(path, "a restart is not {reason, time}")
+    def _from_dict(cls, run_dir: Path, data: dict[str, Any]) -> Journal:
+        values = {k: data[k] for k in _SCALARS}
+        values["created"], values["updated"] = float(values["created"]), float(values["updated"])
+        return cls(
+            run_dir=run_dir,
+            restarts=[RestartRecord(**{k: r[k] for k in _RESTART_KEYS if k in r}) for r in data["restarts"]],
+            replay_cells=[ReplayCell(c["key"], c["source"]) for c in data["replay_cells"]],
+            names=list(data["names"]),
+            shrink=dict(data["shrink"]),
+            policy=RestartPolicy(data["policy"]["every"], data["policy"]["memory_percent"]),
+            **values,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"format": FORMAT, "format_version": FORMAT_VERSION}
-        for name in _FIELDS:
-            data[name] = getattr(self, name)
+        for f in fields(self):
+            if f.name != "run_dir":
+                value = getattr(self, f.name)
+                data[f.name] = asdict(value) if f.name == "policy" else value
+        data["restarts"] = [asdict(r) for r in self.restarts]
+        data["replay_cells"] = [asdict(c) for c in self.replay_cells]
         return data
 
     def save(self) -> None:
-        """Write the journal atomically; ``updated`` becomes now."""
-        self.updated = time.time()
-        data = self.to_dict()
-        self._validate(data, self.path)
+        """Write the journal atomically and signed; ``updated`` becomes now."""
         from .signing import load_or_create_key, sign
 
-        data["signature"] = sign(load_or_create_key(), _canonical(data))
-        make_private_dir(self.run_dir)
-        atomic_write(self.path, (json.dumps(data, indent=1, allow_nan=False) + "\n").encode())
+        self.updated = time.time()
+        data = self.to_dict()
+        _validate(data, self.path)
+        data["signature"] = sign(load_or_create_key(), fsutil.canonical_json(data))
+        fsutil.make_private_dir(self.run_dir)
+        fsutil.atomic_write(self.path, (json.dumps(data, indent=1, allow_nan=False) + "\n").encode())
 
     # helpers the glue calls at each event; each one saves.
 
     def record_restart(self, reason: str, **details: Any) -> int:
         """Count one restart with its reason (one line) and return the restarts left."""
-        entry = {"reason": str(reason).splitlines()[0] if reason else "", "time": time.time()}
-        entry.update(details)
-        self.restarts.append(entry)
+        self.restarts.append(RestartRecord(str(reason).splitlines()[0] if reason else "", **details))
         self.restarts_used += 1
         self.status = "pending"
         self.save()
@@ -327,105 +238,155 @@ class Journal:
 
     def add_replay_cell(self, key: str, source: str) -> None:
         """Remember a replay cell; a cell run again (same key) keeps its place, new source."""
-        for cell in self.replay_cells:
-            if cell["key"] == key:
-                cell["source"] = source
-                break
-        else:
-            self.replay_cells.append({"key": key, "source": source})
+        merge_replay_cells(self.replay_cells, [ReplayCell(key, source)])
         self.save()
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a number this package writes")
+def merge_replay_cells(cells: list[ReplayCell], new: list[ReplayCell]) -> None:
+    """Add ``new`` to ``cells`` in order; a cell already there (same key) keeps its place and
+    takes the new source."""
+    index = {c.key: c for c in cells}
+    for cell in new:
+        if cell.key in index:
+            index[cell.key].source = cell.source
+        else:
+            index[cell.key] = ReplayCell(cell.key, cell.source)
+            cells.append(index[cell.key])
 
 
-def _canonical(data: dict[str, Any]) -> bytes:
-    return json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+def new_run_id() -> str:
+    """A sortable, unique run id like ``20250101-120000-a1b2c3``."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
-# -- the run-directory lock -------------------------------------------------------------------------
-
-_held: dict[str, list[int]] = {}  # realpath of lock file -> [fd, count]
-_held_guard = threading.Lock()
+_RESTART_KEYS = tuple(f.name for f in fields(RestartRecord))
 
 
-def _read_pid(fd: int) -> int | None:
+def _bad(path: Path, why: str):
+    raise JournalError(
+        f"colab_resilience: {path} is not a usable run journal ({why}); "
+        "remove it (or `%resilience reset`) to start the run afresh"
+    )
+
+
+def _signed(key: bytes, data: dict) -> bool:
+    from .signing import verify
+
+    body = {k: v for k, v in data.items() if k != "signature"}
     try:
-        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-        return int(text) if text else None
-    except (OSError, ValueError):
-        return None
+        return verify(key, fsutil.canonical_json(body), data.get("signature"))
+    except (ValueError, RecursionError):  # 1e400 parses as inf, which no signed journal holds
+        return False
 
 
-class RunLock:
-    """Exclusive use of one run directory by one process (re-entrant within the process)."""
+def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
+    """A version 1 journal (free-form ``extra``) as version 2 fields."""
+    if data["format_version"] >= 2:
+        return data
+    data = dict(data)
+    extra = data.pop("extra")
+    policy = extra.get("policy") if isinstance(extra.get("policy"), dict) else {}
+    shrink = extra.get("shrink") if isinstance(extra.get("shrink"), dict) else {}
+    names = extra.get("names") if isinstance(extra.get("names"), list) else []
+    data.update(
+        cell_key=extra.get("cell_key") if _is(extra.get("cell_key"), (str,)) else None,
+        names=[n for n in names if _is(n, (str,))],
+        shrink={k: v for k, v in shrink.items() if _is(v, (int,))},
+        policy={"every": policy.get("every") if _is(policy.get("every"), (int,)) else None,
+                "memory_percent": policy.get("memory_percent")
+                if _is(policy.get("memory_percent"), (int, float)) else None},
+        restart_requested=extra.get("restart_requested") is True,
+        phase=extra.get("phase") if _is(extra.get("phase"), (str,)) else None,
+    )
+    return data
 
-    def __init__(self, run_dir: str | os.PathLike):
-        self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LOCK_NAME
-        self._key: str | None = None
 
-    @property
-    def held(self) -> bool:
-        return self._key is not None
+def _is(value: Any, types: tuple[type, ...]) -> bool:
+    return isinstance(value, types) and (bool in types or not isinstance(value, bool))
 
-    def acquire(self) -> RunLock:
-        if self._key is not None:
-            return self
-        make_private_dir(self.run_dir)
-        key = os.path.realpath(self.path)
-        with _held_guard:
-            if key in _held:
-                _held[key][1] += 1
-                self._key = key
-                return self
-            fd = os.open(key, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+
+def _validate(data: Any, path: Path) -> None:
+    if not isinstance(data, dict):
+        _bad(path, "not a JSON object")
+    if data.get("format") != FORMAT:
+        _bad(path, f"format is {data.get('format')!r}, not {FORMAT!r}")
+    version = data.get("format_version")
+    if not _is(version, (int,)) or not 1 <= version <= FORMAT_VERSION:
+        _bad(path, f"format version {version!r}; this package reads {FORMAT_VERSION}")
+    scalars = dict(_SCALARS)
+    lists = {"restarts": list, "replay_cells": list}
+    if version == 1:
+        scalars = {k: v for k, v in scalars.items() if k not in ("cell_key", "restart_requested", "phase")}
+        lists["extra"] = dict
+    else:
+        lists.update(names=list, shrink=dict, policy=dict)
+    for name, types in [*scalars.items(), *((k, (t,)) for k, t in lists.items())]:
+        if name not in data:
+            _bad(path, f"field {name!r} is missing")
+        if not _is(data[name], types):
+            _bad(path, f"field {name!r} is {type(data[name]).__name__}")
+    if data["status"] not in STATUSES:
+        _bad(path, f"status {data['status']!r} is not one of {', '.join(STATUSES)}")
+    if data["max_restarts"] < 0 or data["restarts_used"] < 0:
+        _bad(path, "negative restart counts")
+    for cell in data["replay_cells"]:
+        if not (isinstance(cell, dict) and _is(cell.get("key"), (str,)) and _is(cell.get("source"), (str,))):
+            _bad(path, "a replay cell is not {key, source} strings")
+    for r in data["restarts"]:
+        if not (isinstance(r, dict) and _is(r.get("reason"), (str,)) and _is(r.get("time"), (int, float))
+                and all(_is(r.get(k, False), (bool,)) for k in ("planned", "refused"))
+                and _is(r.get("at"), (str, type(None)))):
+            _bad(path, "a restart is not {reason, time, planned, refused, at}")
+    if version >= 2:
+        if not all(_is(n, (str,)) for n in data["names"]):
+            _bad(path, "a saved name is not a string")
+        if not all(_is(v, (int,)) for v in data["shrink"].values()):
+            _bad(path, "a shrunk value is not an integer")
+        policy = data["policy"]
+        if set(policy) != {"every", "memory_percent"} or not _is(policy["every"], (int, type(None))) \
+                or not _is(policy["memory_percent"], (int, float, type(None))):
+            _bad(path, "the restart policy is not {every, memory_percent}")
+
+
+# -- the runs under a root ---------------------------------------------------------------------------
+
+
+def find_runs(root: str | os.PathLike) -> list[Path]:
+    """The run folders under ``root`` that have a journal, the most recently written first."""
+    found = []
+    try:
+        for path in Path(root).glob(f"run-*/{JOURNAL_NAME}"):
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                pid = _read_pid(fd)
-                os.close(fd)
-                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise
-                who = f"process {pid}" if pid else "another process"
-                raise RunLockedError(
-                    f"colab_resilience: run directory {self.run_dir} is in use by {who}; "
-                    "stop that kernel or choose another run directory",
-                    pid=pid,
-                ) from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-            _held[key] = [fd, 1]
-            self._key = key
-        return self
+                found.append((path.stat().st_mtime, path.parent))
+            except OSError:
+                continue
+    except OSError:
+        return []
+    return [p for _, p in sorted(found, key=lambda t: t[0], reverse=True)]
 
-    def release(self) -> None:
-        key, self._key = self._key, None
-        if key is None:
-            return
-        with _held_guard:
-            entry = _held.get(key)
-            if entry is None:
-                return
-            entry[1] -= 1
-            if entry[1] <= 0:
-                del _held[key]
-                try:
-                    os.ftruncate(entry[0], 0)
-                except OSError:
-                    pass
-                fcntl.flock(entry[0], fcntl.LOCK_UN)
-                os.close(entry[0])
 
-    def __enter__(self) -> RunLock:
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-    def __del__(self):
+def read_journals(root: str | os.PathLike, key: bytes | None = None) -> Iterator[Journal]:
+    """Every readable journal under ``root`` (unusable ones are left out), newest first."""
+    for run_dir in find_runs(root):
         try:
-            self.release()
-        except Exception:
-            pass
+            yield Journal.load(run_dir, key=key)
+        except (JournalError, JournalNotFoundError, OSError):
+            continue
+
+
+def pending_runs(root: str | os.PathLike) -> list[Path]:
+    return [j.run_dir for j in read_journals(root) if j.status == "pending"]
+
+
+def requested_restart(root: str | os.PathLike) -> RestartRecord | None:
+    """The restart the newest pending run asked for when its kernel left, if it asked."""
+    pending = [j for j in read_journals(root) if j.status == "pending" and j.restarts]
+    if not pending:
+        return None
+    newest = max(pending, key=lambda j: j.updated)
+    return newest.restarts[-1] if newest.restart_requested else None
+
+
+def budget_refused(root: str | os.PathLike) -> bool:
+    """Whether a run under ``root`` failed because its restart budget was spent."""
+    return any(j.status == "failed" and j.restarts and j.restarts[-1].refused for j in read_journals(root))

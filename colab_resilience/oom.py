@@ -9,7 +9,7 @@ the other way round).
 traceback (and in its chained exceptions'), ``sys.last_*``, the cell's entry in IPython's output
 history; then it collects garbage and empties the allocator cache of a framework that is already
 imported. It returns how many bytes that gave back to the operating system (host RSS plus CUDA
-memory reserved by torch).
+memory reserved by torch, :func:`colab_resilience.memory.memory_in_use`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-import os
 import sys
 from dataclasses import dataclass
+
+from .memory import memory_in_use
 
 #: The verdicts. ``RECOVERABLE``: free memory and retry in this process.
 #: ``RESTART``: the process (or its CUDA context) is unusable; only a new kernel helps.
@@ -149,32 +150,6 @@ def is_oom(exc: BaseException | None) -> bool:
 # releasing what an error holds
 
 
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        import resource
-
-        # ru_maxrss is a peak, not current: the best a non-Linux system gives without psutil
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-
-
-def _cuda_reserved_bytes() -> int:
-    torch = sys.modules.get("torch")
-    try:
-        if torch is not None and torch.cuda.is_initialized():
-            return sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count()))
-    except Exception:  # a poisoned CUDA context fails every call; nothing to measure then
-        pass
-    return 0
-
-
-def memory_in_use() -> int:
-    """Host resident memory plus CUDA memory reserved by torch, in bytes."""
-    return _rss_bytes() + _cuda_reserved_bytes()
-
-
 def clear_exception(exc: BaseException | None) -> None:
     """Drop the frame locals held by ``exc``'s traceback and by every chained exception's."""
     for e in _chain(exc):
@@ -264,13 +239,3 @@ def release(exc: BaseException | None, shell=None, execution_count: int | None =
     gc.collect()
     empty_framework_caches()
     return max(0, before - memory_in_use())
-
-
-def format_bytes(n: float) -> str:
-    """``1.5 GiB``; a value that would print as 1024.0 of a unit is written in the next one."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        shown = round(n) if unit == "B" else round(n, 1)
-        if abs(shown) < 1024 or unit == "TiB":
-            return f"{shown} {unit}" if unit == "B" else f"{shown:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover

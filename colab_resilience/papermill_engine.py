@@ -2,7 +2,8 @@
 
 papermill injects the parameters and tracks each cell's state; the cells run through
 :func:`colab_resilience.driver.run_notebook`, so a kernel that dies is restarted, the replay
-cells are replayed and the interrupted cell resumes. papermill itself is not a dependency of
+cells are replayed and the interrupted cell resumes. papermill records each cell's start and end
+(and so its duration) as the supervisor reports them. papermill itself is not a dependency of
 this package: the engine is registered through the ``papermill.engine`` entry point and only
 imported by papermill.
 """
@@ -18,16 +19,10 @@ class ResilientEngine(Engine):
     @classmethod
     def execute_managed_notebook(cls, nb_man, kernel_name, log_output=False, execution_timeout=None,
                                  cwd=None, max_restarts=3, **kwargs):
-        def on_cell(index, cell):
-            nb_man.cell_start(cell, index)
-            nb_man.cell_complete(cell, index)
-
-        result = run_notebook(
+        return run_notebook(
             nb_man.nb, kernel_name=kernel_name, cell_timeout=execution_timeout, cwd=cwd,
-            max_restarts=max_restarts, log_output=log_output, on_cell=on_cell,
+            max_restarts=max_restarts, log_output=log_output,
+            on_cell_start=lambda index, cell: nb_man.cell_start(cell, index),
+            on_cell_complete=lambda index, cell: nb_man.cell_complete(cell, index),
+            on_cell_error=lambda index, cell: nb_man.cell_exception(cell, cell_index=index),
         )
-        if result.failed_cell is not None:
-            cell = nb_man.nb.cells[result.failed_cell]
-            nb_man.cell_start(cell, result.failed_cell)
-            nb_man.cell_exception(cell, cell_index=result.failed_cell)
-        return result

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import oom
-from .execution import BodyError, compile_body, render, reraise, run_body
+from .execution import compile_body, render, reraise, run_body
+from .memory import format_bytes, memory_in_use
 
 PREFIX = "colab_resilience:"
 
@@ -81,15 +82,11 @@ class Recovery:
             outcome.shrink_history[s.name] = [ns[s.name]]
         while True:
             outcome.attempts += 1
-            failure = None
-            try:
-                if self.before_attempt is not None:
-                    self.before_attempt(outcome)
-                run_body(self.shell, codes)
+            if self.before_attempt is not None:
+                self.before_attempt(outcome)
+            failure = run_body(self.shell, codes)
+            if failure is None:
                 return
-            except BodyError as e:
-                failure = e
-            # Handled outside the except block, so a re-raised error gets no BodyError context.
             exc, tb = failure.exc, failure.tb
             del failure
             verdict = oom.classify(exc)
@@ -101,14 +98,14 @@ class Recovery:
                 return
             del tb, verdict
             # the rollback first (it may unbind what the attempt created), so release() frees that too
-            before = oom.memory_in_use()
+            before = memory_in_use()
             dropped = self.before_retry(outcome) if self.before_retry is not None else None
             freed = oom.release(exc, self.shell, self.shell.execution_count, before=before)
             del exc
             outcome.freed.append(freed)
             changes = self._shrink()  # after the rollback, which must not undo it
             unbound = f"unbound {_names(dropped)} (new since the last safe point) and " if dropped else ""
-            parts = [f"{PREFIX} OOM ({outcome.labels[-1]}) — {unbound}freed {oom.format_bytes(freed)}"]
+            parts = [f"{PREFIX} OOM ({outcome.labels[-1]}) — {unbound}freed {format_bytes(freed)}"]
             parts += changes
             parts.append(f"retry {outcome.attempts}/{self.retries}")
             self.say("; ".join(parts))

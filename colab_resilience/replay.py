@@ -1,23 +1,27 @@
-"""Which cells run again after a restart, and in which order.
+"""Which cells run again after a restart, in which order, and running them.
 
-A cell marked ``%%replay`` is recorded when it runs successfully. Cells are identified by the id
-the front end sends with the execute request (JupyterLab/Notebook: ``metadata.cellId``; Colab:
-``metadata.colab.cell_id``; IPython 8+ also passes ``cell_id`` to ``pre_run_cell``). Without an
-id (nbclient, the terminal), the source itself is the identity. Re-running a recorded cell
-replaces its record in place, so the order is the order in which the cells first ran, which is
-notebook order for a notebook run top to bottom.
+A set-up cell is a cell marked ``%%replay`` (recorded when it runs successfully) or, in a
+notebook run by the supervisor, a cell tagged ``replay`` (or papermill's ``parameters``). Cells
+are identified by the id the front end sends with the execute request (JupyterLab/Notebook:
+``metadata.cellId``; Colab: ``metadata.colab.cell_id``); without one (nbclient, the terminal) the
+source itself is the identity. Re-running a recorded cell replaces its record in place, so the
+order is the order in which the cells first ran: notebook order for a notebook run top to bottom.
+
+After a restart, :func:`replay` executes the recorded cells this kernel has not run yet, in that
+order, their output hidden unless one fails; a supervising driver replays the notebook's set-up
+cells itself, through nbclient, and declares the tagged ones (:mod:`colab_resilience.kernelapi`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from typing import Callable, Iterable
 
+from . import execution
+from .journal import ReplayCell
 
-@dataclass
-class ReplayCell:
-    key: str
-    source: str  # the full cell, ``%%replay`` line included: what a new kernel re-runs
+MAGIC = "%%replay"
+TAGS = frozenset({"replay", "parameters", "injected-parameters"})
 
 
 def cell_key_from_metadata(metadata: dict | None) -> str | None:
@@ -54,8 +58,30 @@ def parent_metadata(shell) -> dict | None:
     return (parent or {}).get("metadata") if isinstance(parent, dict) else None
 
 
+def current_cell_key(shell) -> str | None:
+    """The front end's id of the cell being executed, if it sent one."""
+    return cell_key_from_metadata(parent_metadata(shell))
+
+
+def is_replay_cell(cell) -> bool:
+    """Whether a notebook cell is a set-up cell: ``%%replay``, or tagged ``replay``, ``parameters``
+    or ``injected-parameters`` (parameters are set-up by definition)."""
+    if cell.get("cell_type") != "code":
+        return False
+    tags = set(cell.get("metadata", {}).get("tags", []) or [])
+    return bool(tags & TAGS) or cell.get("source", "").lstrip().startswith(MAGIC)
+
+
+def split(source: str) -> tuple[str | None, str]:
+    """A recorded cell as (its ``%%replay`` line or None, the code to execute)."""
+    if source.lstrip().startswith(MAGIC):
+        header, _, body = source.lstrip().partition("\n")
+        return header, body
+    return None, source
+
+
 class ReplayLog:
-    """The ordered record of replay cells of this kernel."""
+    """The ordered record of the set-up cells of this kernel."""
 
     def __init__(self):
         self._cells: dict[str, ReplayCell] = {}
@@ -73,8 +99,44 @@ class ReplayLog:
     def cells(self) -> list[ReplayCell]:
         return list(self._cells.values())
 
+    def __contains__(self, key: str) -> bool:
+        return key in self._cells
+
     def __len__(self) -> int:
         return len(self._cells)
 
     def clear(self) -> None:
         self._cells.clear()
+
+
+def run_replay_cell(shell, log: ReplayLog, line: str, body: str) -> None:
+    """``%%replay``: run the cell as if it had no magic, then record it (errors are the cell's)."""
+    header = f"{MAGIC} {line}".rstrip()
+    failure = execution.run_body(shell, execution.compile_body(shell, header, body))
+    if failure is not None:
+        execution.reraise(shell, failure.exc, failure.tb)
+    log.record(current_cell_key(shell), header + "\n" + body)
+
+
+def replay(shell, cells: Iterable[ReplayCell], log: ReplayLog, say: Callable[[str], None]) -> int:
+    """Execute the ``cells`` this kernel has not run yet, in order, one line each; their output
+    is shown only if one fails, whose error is then raised as the cell's own. Returns how many
+    ran."""
+    from IPython.utils.capture import capture_output
+
+    count = 0
+    for cell in cells:
+        if cell.key in log:
+            continue
+        header, body = split(cell.source)
+        with capture_output() as captured:
+            failure = execution.run_body(shell, execution.compile_body(shell, header, body))
+        first = next((line for line in body.splitlines() if line.strip()), "").strip()
+        if failure is not None:
+            captured.show()
+            say(f"colab_resilience: replaying a set-up cell failed ({first[:60]}); fix it, run it, then run this cell again")
+            execution.reraise(shell, failure.exc, failure.tb)
+        log.record(cell.key, cell.source)
+        say(f"colab_resilience: replayed {first[:70]}")
+        count += 1
+    return count

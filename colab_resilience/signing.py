@@ -23,15 +23,11 @@ import secrets
 import stat
 from pathlib import Path
 
-from .errors import KeyPermissionError, ResilienceError
+from . import fsutil
+from .errors import KeyFileError, KeyPermissionError
 
 KEY_BYTES = 32
 ENV_HOME = "COLAB_RESILIENCE_HOME"
-
-
-class KeyFileError(ResilienceError, ValueError):
-    """The key file exists but is not a key this package wrote (wrong size, not a file)."""
-
 
 def home() -> Path:
     """The folder holding the installation key: ``$COLAB_RESILIENCE_HOME`` or ``~/.colab_resilience``."""
@@ -55,7 +51,7 @@ def _check_folder(folder: Path) -> None:
 
 
 def _read_key(path: Path) -> bytes:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | fsutil.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -86,21 +82,14 @@ def load_or_create_key() -> bytes:
     path = key_path()
     folder = path.parent
     if not folder.exists():
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        os.chmod(folder, 0o700)
+        fsutil.make_private_dir(folder)
     _check_folder(folder)
     try:
         return _read_key(path)
     except FileNotFoundError:
         pass
     tmp = folder / f".key-{os.getpid()}-{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # the umask can only remove bits; this makes the mode exact
-        os.write(fd, secrets.token_bytes(KEY_BYTES))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsutil.write_new(tmp, secrets.token_bytes(KEY_BYTES))  # mode 0600 from the first byte
     try:
         try:
             os.link(tmp, path)  # fails if another process published a key first: use theirs
@@ -117,11 +106,7 @@ def load_or_create_key() -> bytes:
         except FileNotFoundError:
             pass
     try:
-        dfd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        fsutil.fsync_dir(folder)
     except OSError:
         pass
     return _read_key(path)

@@ -1,33 +1,22 @@
-"""The kernel side of the supervisor's standby kernel.
+"""The kernel side of the supervisor's standby kernel: a second kernel, started ahead of need and
+warmed with the working kernel's imports, that takes the working kernel's place when it dies
+(the driver side is :class:`colab_resilience.client.Standby`).
 
-While a notebook runs under :func:`colab_resilience.run_notebook`, the driver keeps a second
-kernel started and warm: after every cell it asks the working kernel which installed modules it
-has imported (:func:`new_modules`) and has the standby import them too (:func:`preload`). When the
-working kernel dies, the standby takes its place (:func:`adopt`): the kernel start and the imports
-(``import torch`` and what the set-up cells pull in, such as the ``torch._dynamo`` that torch's
-optimizers import: seconds) are already done, and only the replay of the set-up cells and the
-restore remain.
+The driver calls these through :mod:`colab_resilience.kernelapi`: it asks the working kernel for
+the installed modules it imported since the last cell (:func:`new_modules`), has the standby
+import them too (:func:`preload`), and when the working kernel dies makes the standby an ordinary
+kernel (:func:`adopt`). A standby must cost the run as little as possible:
 
-A standby must cost the run as little as possible:
-
-- it runs at the lowest CPU priority (nice 19), so it uses only CPU time that the working kernel
-  leaves idle: the whole process where the kernel that takes over may raise its priority back
-  (the driver checks), else only the thread that imports (Linux sets nice values per thread).
-  In the first case its scheduling group is niced too: with autogroups (the default of most
-  distributions, ``/proc/sys/kernel/sched_autogroup_enabled``) Linux first shares the CPUs
-  between sessions, and only then by nice within each, and jupyter_client starts every kernel
-  in a session of its own; a standby niced thread by thread still took half of a 2-CPU machine
-  from the working kernel while it imported torch (its first epoch after a restart: 2.8-3.4 s
-  instead of 0.85 s);
-- it is the OOM killer's first choice (``oom_score_adj`` 1000): when host RAM runs out, it is
-  killed before the working kernel and gives its memory back; the next restart is then a cold one;
+- it runs at the lowest CPU priority (:mod:`colab_resilience.priority`): the whole process where
+  the kernel that takes over may raise its priority back, else only the thread that imports;
+- it is the OOM killer's first choice: when host RAM runs out it is killed before the working
+  kernel and gives its memory back;
 - it imports only modules installed in the interpreter's own folders (the standard library and
   site-packages), never the notebook's own files, and never a module that starts a CUDA context
   on import (``pycuda.autoinit``): a standby holds no GPU memory.
 
-A standby is started with ``COLAB_RESILIENCE_STANDBY=1`` in its environment (:func:`adopt`
-removes it from ``os.environ``). Nothing here runs unless the driver asks; in a kernel started
-by hand it is never imported.
+A standby is started with ``COLAB_RESILIENCE_STANDBY=1`` in its environment (:func:`adopt` removes
+it). Nothing here runs unless a driver asks.
 """
 
 from __future__ import annotations
@@ -39,13 +28,12 @@ import queue
 import sys
 import sysconfig
 import threading
-import time
+
+from . import priority
 
 # modules that must not be imported ahead of need: they create a CUDA context (GPU memory) on import
 _NEVER = (".autoinit",)
 ENV = "COLAB_RESILIENCE_STANDBY"
-NICE = 19
-OOM_SCORE_ADJ = 1000
 
 _reported: set[str] = set()
 _queue: queue.SimpleQueue | None = None
@@ -53,6 +41,7 @@ _stop = threading.Event()
 _worker: threading.Thread | None = None
 _saved_adj: str | None = None
 _imported: list[str] = []  # what the standby imported ahead of need (for tests and reports)
+
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,52 +81,6 @@ def new_modules() -> list[str]:
     return out
 
 
-def _renice_all(value: int) -> None:
-    """Every thread of this process to nice ``value`` (Linux; elsewhere nothing)."""
-    try:
-        threads = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        return
-    for tid in threads:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, value)
-        except OSError:
-            pass
-
-
-def autogroup_nice(pid: int | str = "self") -> int | None:
-    """The nice value of the scheduling group (autogroup) of process ``pid``; None without one."""
-    try:
-        with open(f"/proc/{pid}/autogroup") as f:
-            return int(f.read().rsplit("nice", 1)[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def set_autogroup_nice(value: int, pid: int | str = "self") -> bool:
-    """Set the nice value of the scheduling group of ``pid`` (Linux with autogroups; lowering it
-    below 0 needs what lowering a nice value needs); False where that did not happen. Only where
-    ``pid`` leads its session (a kernel started by jupyter_client does): the group is the whole
-    session's, and another process's session may be the driver's own. Some kernels refuse a
-    second write within 0.1 s system-wide (``EAGAIN``) without ``CAP_SYS_ADMIN``: retried."""
-    leader = os.getpid() if pid == "self" else int(pid)
-    try:
-        if os.getsid(leader) != leader:
-            return False
-    except OSError:
-        return False
-    for _ in range(20):
-        try:
-            with open(f"/proc/{pid}/autogroup", "w") as f:
-                f.write(str(value))
-            return True
-        except BlockingIOError:
-            time.sleep(0.05)
-        except OSError:
-            return False
-    return False
-
-
 def become(whole: bool = False) -> None:
     """(In a new standby.) Volunteer for the OOM killer; start the low-priority import thread;
     ``whole``: the whole process at low priority (the driver found that it may be undone)."""
@@ -145,16 +88,10 @@ def become(whole: bool = False) -> None:
     if _worker is not None:
         return
     if whole:
-        _renice_all(NICE)
-        if autogroup_nice() != NICE:  # the driver usually did it already
-            set_autogroup_nice(NICE)
-    try:
-        with open("/proc/self/oom_score_adj") as f:
-            _saved_adj = f.read().strip()
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write(str(OOM_SCORE_ADJ))
-    except OSError:  # not Linux, or a sandbox without /proc: a standby all the same
-        _saved_adj = None
+        priority.renice_all(priority.NICE)
+        if priority.autogroup_nice() != priority.NICE:  # the driver usually did it already
+            priority.set_autogroup_nice(priority.NICE)
+    _saved_adj = priority.set_oom_score_adj(priority.OOM_SCORE_ADJ)
     _queue = queue.SimpleQueue()
     _worker = threading.Thread(target=_import_forever, args=(_queue,), name="colab_resilience-standby", daemon=True)
     _worker.start()
@@ -171,10 +108,7 @@ def preload(names: list[str]) -> None:
 
 
 def _import_forever(q: queue.SimpleQueue) -> None:
-    try:  # this thread only: on Linux a thread has its own nice value
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
-    except (OSError, AttributeError):
-        pass
+    priority.renice_this_thread(priority.NICE)
     while True:
         names = q.get()
         if names is None:
@@ -194,24 +128,20 @@ def _import_forever(q: queue.SimpleQueue) -> None:
 def adopt(nice: int | None = None) -> None:
     """(In the standby that replaces a dead kernel.) Be an ordinary kernel again: the OOM score
     it had, the priority ``nice`` where allowed, the scheduling group's nice value 0 (what the
-    new session of a freshly started kernel gets, whatever the driver's group has), and no more
+    session of a freshly started kernel gets, whatever the driver's group has), and no more
     imports (the one under way finishes: the replay may need it)."""
     global _queue
     _stop.set()
     os.environ.pop(ENV, None)
     if _saved_adj is not None:
-        try:
-            with open("/proc/self/oom_score_adj", "w") as f:
-                f.write(_saved_adj)
-        except OSError:
-            pass
+        priority.set_oom_score_adj(_saved_adj)
     if _queue is not None:
         _queue.put(None)
         _queue = None
     if nice is not None:  # allowed for root (CAP_SYS_NICE) or within RLIMIT_NICE
-        _renice_all(nice)
-    if autogroup_nice() not in (None, 0):
-        set_autogroup_nice(0)
+        priority.renice_all(nice)
+    if priority.autogroup_nice() not in (None, 0):
+        priority.set_autogroup_nice(0)
 
 
 def is_standby(pid: int) -> bool:
@@ -225,8 +155,7 @@ def is_standby(pid: int) -> bool:
 
 def standby_bytes() -> int:
     """(In a working kernel.) The resident memory of the standby kernels beside this one (started
-    by the same driver): memory the OOM killer takes back first, so not memory in use for
-    ``%restart_after --memory``."""
+    by the same driver)."""
     total = 0
     try:
         entries = os.listdir("/proc")

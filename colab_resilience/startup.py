@@ -1,4 +1,4 @@
-"""Run by the startup file that :mod:`colab_resilience.runs` installs before a restart.
+"""Run by the startup file that :mod:`colab_resilience.restart` installs while a run is pending.
 
 It loads the extension into the new kernel only while a run under ``root`` is pending, and
 remembers that root, so that the interrupted cell, run again, finds its run. Anything printed
@@ -12,12 +12,13 @@ from pathlib import Path
 
 
 def load_if_pending(shell, root: str) -> bool:
-    from .runs import pending_runs
+    from .journal import pending_runs
 
     if shell is None or not pending_runs(Path(root)):
         return False
-    from . import _magics_of, load_ipython_extension
+    from . import load_ipython_extension
+    from .session import session_of
 
     load_ipython_extension(shell)
-    _magics_of(shell).run_dir = str(root)
+    session_of(shell).settings.run_dir = str(root)
     return True

@@ -106,8 +106,8 @@ def test_a_death_between_cells_while_the_driver_restores_is_recovered_at_once(tm
     boom, later = tmp_path / "boom", tmp_path / "later"
     boom.touch()
     patch = (  # part of the replayed set-up: the first restore after a restart kills the kernel
-        "\nimport colab_resilience\n"
-        "_m = colab_resilience._magics_of(); _restore = _m.restore_finished_runs\n"
+        "\nimport colab_resilience.kernelapi as _m\n"
+        "_restore = _m.restore_finished_runs\n"
         "def _boom():\n"
         f"    if os.path.exists({str(boom)!r}):\n"
         f"        os.unlink({str(boom)!r}); os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -213,7 +213,7 @@ def test_ordinary_error_is_reported_like_papermill(tmp_path):
 
 def test_parameters_are_injected_after_the_parameters_cell(tmp_path):
     nb = notebook("lr = 0.1\nname = 'a'", "print('PARAMS', lr, name, steps)", tags={0: ["parameters"]})
-    result = run(nb, tmp_path, parameters={"lr": driver._resolve("0.01"), "name": driver._resolve("b"), "steps": driver._resolve("3")})
+    result = run(nb, tmp_path, parameters={"lr": driver.resolve_parameter("0.01"), "name": driver.resolve_parameter("b"), "steps": driver.resolve_parameter("3")})
     assert result.status == 0
     assert nb.cells[1].metadata["tags"] == ["injected-parameters"]
     assert "PARAMS 0.01 b 3" in cell_text(nb.cells[2])

@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from colab_resilience.errors import RunLockedError
-from colab_resilience.journal import Journal, JournalError, JournalNotFoundError, RunLock
+from colab_resilience.errors import JournalError, JournalNotFoundError, RunLockedError
+from colab_resilience.journal import Journal, ReplayCell
+from colab_resilience.lock import RunLock
 from kernels import child_env
 
 
@@ -32,14 +33,11 @@ def test_create_save_load_round_trip(tmp_path):
     assert left == 4
     back = Journal.load(run)
     assert back.run_id == "r1" and back.status == "pending"
-    assert back.replay_cells == [
-        {"key": "c1", "source": "import torch, numpy"},
-        {"key": "c2", "source": "model = Net()"},
-    ]
+    assert back.replay_cells == [ReplayCell("c1", "import torch, numpy"), ReplayCell("c2", "model = Net()")]
     assert back.interrupted_cell.startswith("for e")
     assert back.last_checkpoint == "ckpt-000004"
     assert back.restarts_used == 1 and back.max_restarts == 5
-    assert back.restarts[0]["reason"] == "CUDA out of memory. Tried to allocate 2 GiB"
+    assert back.restarts[0].reason == "CUDA out of memory. Tried to allocate 2 GiB"
     assert back.kernel_pid == os.getpid()
     assert back.created <= back.updated
     back.set_status("done")
@@ -100,7 +98,7 @@ def test_atomic_write_keeps_old_content_when_interrupted(tmp_path):
     code = (
         "import sys, os, signal\n"
         "from colab_resilience.journal import Journal\n"
-        "import colab_resilience.journal as jm\n"
+        "import colab_resilience.fsutil as jm\n"
         f"j = Journal.load({str(tmp_path)!r})\n"
         "j.interrupted_cell = 'x' * 5_000_000\n"
         "orig = jm.write_all\n"
@@ -118,7 +116,7 @@ def test_atomic_write_keeps_old_content_when_interrupted(tmp_path):
 def _holder(run_dir, ready_file):
     code = (
         "import sys, time, pathlib\n"
-        "from colab_resilience.journal import RunLock\n"
+        "from colab_resilience.lock import RunLock\n"
         f"lock = RunLock({str(run_dir)!r}).acquire()\n"
         f"pathlib.Path({str(ready_file)!r}).write_text('ok')\n"
         "time.sleep(60)\n"
@@ -154,7 +152,7 @@ def test_lock_is_reentrant_in_one_process_and_released_on_close(tmp_path):
     b = RunLock(run).acquire()  # same process: fine
     a.release()
     code = (
-        "from colab_resilience.journal import RunLock\n"
+        "from colab_resilience.lock import RunLock\n"
         "from colab_resilience.errors import RunLockedError\n"
         f"try:\n    RunLock({str(run)!r}).acquire(); print('got')\n"
         "except RunLockedError as e:\n    print('locked', e.pid)\n"
@@ -165,3 +163,50 @@ def test_lock_is_reentrant_in_one_process_and_released_on_close(tmp_path):
     b.release()
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout
     assert out.strip() == "got"
+
+
+def test_a_version_1_journal_is_read_as_typed_fields(tmp_path):
+    """A run left pending by the previous version (free-form ``extra``) resumes after an upgrade:
+    its fields come back typed, and it is written back as version 2."""
+    from colab_resilience import fsutil, signing
+    from colab_resilience.journal import RestartPolicy
+
+    j = Journal.create(tmp_path, "r1", save=False)
+    data = {k: v for k, v in j.to_dict().items()
+            if k not in ("cell_key", "names", "shrink", "policy", "restart_requested", "phase")}
+    data["format_version"] = 1
+    data["restarts"] = [{"reason": "CUDA out of memory", "time": 1.0, "at": "3"}]
+    data["extra"] = {"names": ["model", "opt", 7], "shrink": {"bs": 32, "bad": None},
+                     "policy": {"every": 2, "memory_percent": None}, "cell_key": "c9",
+                     "restart_requested": True, "phase": "replay"}
+    data["signature"] = signing.sign(signing.load_or_create_key(), fsutil.canonical_json(data))
+    j.path.write_text(json.dumps(data))
+    back = Journal.load(tmp_path, key=signing.load_or_create_key())
+    assert (back.names, back.shrink, back.cell_key) == (["model", "opt"], {"bs": 32}, "c9")
+    assert back.policy == RestartPolicy(2, None)
+    assert back.restart_requested is True and back.phase == "replay"
+    assert back.restarts[0].reason == "CUDA out of memory" and back.restarts[0].at == "3"
+    back.save()
+    assert json.loads(j.path.read_text())["format_version"] == 2
+    assert Journal.load(tmp_path, key=signing.load_or_create_key()).names == ["model", "opt"]
+
+
+def test_the_driver_reads_restart_requests_through_the_journal(tmp_path):
+    """What a supervisor learns after a death comes from the typed journal: the newest pending
+    run's requested restart, and whether a run failed on its budget."""
+    from colab_resilience.journal import RestartRecord, budget_refused, requested_restart
+
+    a = Journal.create(tmp_path / "run-a", "a")
+    a.restarts.append(RestartRecord("planned restart after 2 safe points", planned=True, at="4"))
+    a.restart_requested = True
+    a.save()
+    assert requested_restart(tmp_path).at == "4" and not budget_refused(tmp_path)
+    b = Journal.create(tmp_path / "run-b", "b")  # newer, pending, but it did not ask: a death
+    b.record_restart("the kernel died without warning")
+    assert requested_restart(tmp_path) is None
+    b.restarts.append(RestartRecord("CUDA out of memory", refused=True))
+    b.set_status("failed")
+    assert budget_refused(tmp_path)
+    (tmp_path / "run-c").mkdir()
+    (tmp_path / "run-c" / "journal.json").write_text("{damaged")  # left out, never a crash
+    assert requested_restart(tmp_path).reason == "planned restart after 2 safe points"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from colab_resilience import oom
+from colab_resilience import memory, oom
 
 
 def lookalike(qualname: str, base: type, message: str) -> BaseException:
@@ -175,16 +175,16 @@ def test_release_frees_what_the_traceback_holds():
         failing_step()
     except RuntimeError as e:
         failure = e
-    assert oom._rss_bytes() > 400 << 20
+    assert memory.rss_bytes() > 400 << 20
     freed = oom.release(failure)
-    assert freed >= 400 << 20, oom.format_bytes(freed)
+    assert freed >= 400 << 20, memory.format_bytes(freed)
     assert failure.__traceback__ is None
 
 
 def test_format_bytes():
-    assert oom.format_bytes(512) == "512 B"
-    assert oom.format_bytes(1.1 * (1 << 30)) == "1.1 GiB"
-    assert oom.format_bytes(3 << 20) == "3.0 MiB"
+    assert memory.format_bytes(512) == "512 B"
+    assert memory.format_bytes(1.1 * (1 << 30)) == "1.1 GiB"
+    assert memory.format_bytes(3 << 20) == "3.0 MiB"
     # just under 1 GiB (what a CUDA OOM freed, measured on an H200): not "1024.0 MiB"
-    assert oom.format_bytes((1 << 30) - 512) == "1.0 GiB"
-    assert oom.format_bytes(1023) == "1023 B" and oom.format_bytes(1023.96 * 1024) == "1.0 MiB"
+    assert memory.format_bytes((1 << 30) - 512) == "1.0 GiB"
+    assert memory.format_bytes(1023) == "1023 B" and memory.format_bytes(1023.96 * 1024) == "1.0 MiB"

@@ -144,7 +144,7 @@ def test_a_full_disk_at_a_safe_point_keeps_the_previous_checkpoint_and_the_run_g
         assert "File too large" in line and "is intact" in line
         assert line.endswith("the previous checkpoint is kept; the run goes on and tries again at the next safe point")
         assert k.value("step") == 3
-        k.ok("from colab_resilience.state import CheckpointStore\nimport glob\n"
+        k.ok("from colab_resilience.checkpoints import CheckpointStore\nimport glob\n"
              "ck = CheckpointStore(glob.glob(%r + '/run-*/checkpoints')[0]).load()\nback = {}\n"
              "ck.restore(back, rng=False)" % str(tmp_path / "runs"))
         assert k.value("(back['step'], float(back['big'][0]))") == (3, 4.0)

@@ -204,7 +204,7 @@ def test_supervised_kernel_exits_with_the_documented_code_and_no_startup_file(tm
         assert "restarting the kernel; restart 1/3" in out
         assert not list((tmp_path / "ipython").glob("profile_default/startup/*colab_resilience*"))
         journal = json.loads(next((tmp_path / "runs").glob("run-*/journal.json")).read_text())
-        assert journal["status"] == "pending" and journal["extra"]["restart_requested"] is True
+        assert journal["status"] == "pending" and journal["restart_requested"] is True
         assert journal["interrupted_cell"].startswith("%%resilient --retries 0")
         assert [c["source"].strip() for c in journal["replay_cells"]] == ["%%replay\nimport torch"]
     finally:

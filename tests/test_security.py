@@ -28,16 +28,18 @@ from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
 import colab_resilience
+from colab_resilience import fsutil, lock, restart, signing
 from colab_resilience import journal as jmod
-from colab_resilience import runs, signing
-from colab_resilience import state as smod
+from colab_resilience.run import run_id_for
+from colab_resilience.session import session_of
+from colab_resilience.checkpoints import CheckpointStore, CheckpointWarning
 from colab_resilience.errors import (
     CheckpointError,
     NoCheckpointError,
     UntrustedCheckpointError,
 )
+from colab_resilience.fsutil import canonical_json
 from colab_resilience.journal import Journal, JournalError
-from colab_resilience.state import CheckpointStore, CheckpointWarning
 from kernels import child_env
 
 KEY = bytes(range(32))
@@ -145,7 +147,7 @@ def sandbox(ip, tmp_path, monkeypatch):
     """The loaded extension's magics, writing only under ``tmp_path`` (runs, cwd, HOME)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    magics = colab_resilience._magics_of(ip)
+    magics = ip.magics_manager.registry["ResilienceMagics"]
     root = tmp_path / "runs"
     magics.run_dir = str(root)
     ip.user_ns.update(bs=64, hist=[1, 2])
@@ -163,7 +165,7 @@ def test_resilient_options_fuzzed(sandbox, ip, line):
     magics.run_dir = str(root)
     ip.user_ns.update(bs=64, hist=[1, 2])
     usage_or_ok(lambda: ip.run_cell_magic("resilient", line, "fuzz_x = 1\n"))
-    assert not jmod._held, "a run directory stayed locked after the cell"
+    assert not lock._held, "a run directory stayed locked after the cell"
     assert ip.user_ns["bs"] >= 1
 
 
@@ -181,9 +183,9 @@ RESTART_SEEDS = ["--memory 90%", "--memory=85", "5", "off", ""]
 @example(line="--memory nan")
 def test_restart_after_options_fuzzed(sandbox, ip, line):
     magics, _ = sandbox
-    magics.policy = None
+    session_of(ip).policy = None
     if usage_or_ok(lambda: ip.run_line_magic("restart_after", line)) == "ok":
-        p = magics.policy
+        p = session_of(ip).policy
         assert p.every is None or (isinstance(p.every, int) and p.every >= 0)
         assert p.memory_percent is None or 0 < p.memory_percent <= 100
 
@@ -216,7 +218,7 @@ def test_resilience_commands_fuzzed(sandbox, ip, tmp_path, line):
         ip.run_cell_magic("replay", "", "bs = 64\n")
         ip.run_cell_magic("resilient", "--save hist", "hist.append(len(hist))\n")
     _, messages = recorded(lambda: usage_or_ok(lambda: ip.run_line_magic("resilience", line)))
-    assert not jmod._held
+    assert not lock._held
     assert Path(magics.run_dir).resolve().is_relative_to(tmp_path.resolve()) or magics.run_dir == str(root)
 
 
@@ -405,7 +407,7 @@ def test_validly_signed_but_malformed_manifest_is_refused_clearly(template, data
     tmp, store = copy_store(template_dir)
     try:
         try:
-            sig = signing.sign(KEY, smod._canonical(body))
+            sig = signing.sign(KEY, canonical_json(body))
         except (ValueError, TypeError):
             sig = "0" * 64  # NaN or too deep to sign: written unsigned
         manifest = dumps_any({"body": body, "hmac": sig})
@@ -446,7 +448,7 @@ def test_random_latest_pointer_never_breaks_loading(template, data):
 def journal_template(tmp_path_factory):
     run = tmp_path_factory.mktemp("journal") / "run-r1"
     j = Journal.create(run, "r1", max_restarts=4,
-                       extra={"names": ["model", "opt"], "shrink": {"bs": 32}, "policy": {"every": None, "memory_percent": 90.0}})
+                       names=["model", "opt"], shrink={"bs": 32}, policy=jmod.RestartPolicy(None, 90.0))
     j.add_replay_cell("c1", "%%replay\nimport torch")
     j.set_checkpoint("ckpt-000003")
     j.record_restart("CUDA out of memory")
@@ -463,7 +465,7 @@ def check_journal_readers(ip, run: Path, original: bytes, key: bytes):
         signed = json.loads(original)
         signed.pop("signature")
         assert j.to_dict() == signed  # the signature verified: nothing signed changed
-        assert j.run_id == "r1" and j.replay_cells == [{"key": "c1", "source": "%%replay\nimport torch"}]
+        assert j.run_id == "r1" and j.replay_cells == [jmod.ReplayCell("c1", "%%replay\nimport torch")]
     try:
         j = Journal.load(run)
     except JournalError as e:
@@ -510,7 +512,7 @@ def test_validly_signed_but_malformed_journal_is_refused_clearly(sandbox, ip, jo
     doc.pop("signature")
     body = data.draw(structural_mutations(doc))
     try:
-        body["signature"] = signing.sign(key, jmod._canonical(body)) if isinstance(body, dict) else None
+        body["signature"] = signing.sign(key, fsutil.canonical_json(body)) if isinstance(body, dict) else None
     except (ValueError, TypeError):
         pass  # NaN or too deep to sign: written unsigned
     tmp = Path(tempfile.mkdtemp(prefix="cr-journal-"))
@@ -616,7 +618,7 @@ def test_unsigned_pickle_is_never_unpickled(tmp_path, signature):
     if signature == "absent":
         del doc["hmac"]
     elif signature == "truncated":
-        doc["hmac"] = signing.sign(KEY, smod._canonical(doc["body"]))[:-2]
+        doc["hmac"] = signing.sign(KEY, canonical_json(doc["body"]))[:-2]
     elif signature != "foreign":
         doc["hmac"] = {"null": None, "empty": "", "list": [doc["hmac"]]}[signature]
     path.write_text(json.dumps(doc))
@@ -645,7 +647,7 @@ def test_foreign_pickles_and_journals_are_refused_in_a_real_kernel(tmp_path):
     # runs 1 and 2: our own signed journal, a checkpoint with a malicious pickle not signed by us
     for i, run_id in enumerate(["f0reign1", "uns1gned"]):
         run = root / f"run-{run_id}"
-        Journal.create(run, run_id, extra={"names": ["p"], "shrink": {}, "policy": {}}, status="failed")
+        Journal.create(run, run_id, names=["p"], status="failed")
         CheckpointStore(run / "checkpoints", key=FOREIGN_KEY).save({"p": EvilPayload(str(canaries[i]))}, ["p"])
         if run_id == "uns1gned":
             manifest = run / "checkpoints" / "ckpt-000001" / "manifest.json"
@@ -654,11 +656,11 @@ def test_foreign_pickles_and_journals_are_refused_in_a_real_kernel(tmp_path):
             manifest.write_text(json.dumps(doc))
     # run 3: a pending journal for the cell below, signed with another key, replaying evil code
     cell_id = "cell-evil"
-    evil_id = runs.run_id_for(cell_id)
-    evil = Journal.create(root / f"run-{evil_id}", evil_id, save=False, extra={"names": [], "shrink": {}, "policy": {}})
-    evil.replay_cells = [{"key": "x", "source": f"%%replay\nopen({str(canaries[2])!r}, 'w').close()"}]
+    evil_id = run_id_for(cell_id)
+    evil = Journal.create(root / f"run-{evil_id}", evil_id, save=False)
+    evil.replay_cells = [jmod.ReplayCell("x", f"%%replay\nopen({str(canaries[2])!r}, 'w').close()")]
     data = evil.to_dict()
-    data["signature"] = signing.sign(FOREIGN_KEY, jmod._canonical(data))
+    data["signature"] = signing.sign(FOREIGN_KEY, fsutil.canonical_json(data))
     evil.path.write_text(json.dumps(data))
 
     k = Kernel({"COLAB_RESILIENCE_RUN_DIR": str(root), "IPYTHONDIR": str(tmp_path / "ipython")})
@@ -691,7 +693,7 @@ def test_foreign_pickles_and_journals_are_refused_in_a_real_kernel(tmp_path):
 def _lock_holder(run_dir: Path, ready: Path) -> subprocess.Popen:
     code = (
         "import pathlib, time\n"
-        "from colab_resilience.journal import RunLock\n"
+        "from colab_resilience.lock import RunLock\n"
         f"lock = RunLock({str(run_dir)!r}).acquire()\n"
         f"pathlib.Path({str(ready)!r}).write_text('ok')\n"
         "time.sleep(60)\n"
@@ -803,7 +805,7 @@ def test_everything_a_run_writes_is_private_even_with_umask_0(sandbox, ip, tmp_p
     magics, root = sandbox
     home = tmp_path / "keyhome"
     monkeypatch.setenv(signing.ENV_HOME, str(home))
-    startup = runs.startup_path(ip)
+    startup = restart.startup_path(ip)
     seen = {}
     ip.user_ns["seen"] = seen
     ip.user_ns["w"] = torch.zeros(3)

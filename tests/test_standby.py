@@ -11,7 +11,7 @@ import textwrap
 import nbformat
 import pytest
 
-from colab_resilience import driver, standby
+from colab_resilience import driver, priority, standby
 from kernels import KERNEL_NAME, cell_text, child_env, notebook
 
 # In a kernel: the standby kernels started by the same driver (told by their environment), from /proc.
@@ -101,22 +101,22 @@ def test_the_warm_standby_takes_over_and_the_run_resumes_exactly(tmp_path, refer
     after = ("print('AFTER', os.getpid(), *nice_and_adj(os.getpid()), "
              "sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir('/proc/self/task')}))")
     nb = notebook(SETUP.format(log=log), SIBLINGS + WAIT_WARM, TRAIN.format(fault=fault), SIBLINGS + after, RESULT)
-    own_group = standby.autogroup_nice()
+    own_group = priority.autogroup_nice()
     result = run(nb, tmp_path)
     assert result.status == 0, result.message
     assert line(nb, "RESULT") == reference
-    assert standby.autogroup_nice() == own_group  # the driver's own scheduling group untouched
+    assert priority.autogroup_nice() == own_group  # the driver's own scheduling group untouched
 
     _, spare, warm, nice, adj, group = line(nb, "STANDBY").split()
     assert warm == "True"  # torch was imported there before any death
     assert adj == "1000"  # the OOM killer's first choice
-    assert int(nice) == (19 if driver._may_raise_priority() else 0)  # low priority, where it can be undone
-    if driver._may_raise_priority() and standby.autogroup_nice() is not None:
+    assert int(nice) == (19 if priority.may_raise_priority() else 0)  # low priority, where it can be undone
+    if priority.may_raise_priority() and priority.autogroup_nice() is not None:
         assert group == "19"  # its session's scheduling group too (autogroups share CPUs first)
     _, pid, nice_after, adj_after, group_after, threads = line(nb, "AFTER").split(maxsplit=5)
     assert pid == spare  # the standby became the working kernel
     assert adj_after == "0" and nice_after == "0" and group_after in ("0", "-")
-    if driver._may_raise_priority():
+    if priority.may_raise_priority():
         assert threads == "[0]"
     # the replay in the standby found torch already imported; the first kernel did not
     first, second = [l.split() for l in log.read_text().splitlines()]
@@ -131,7 +131,7 @@ def test_the_warm_standby_takes_over_and_the_run_resumes_exactly(tmp_path, refer
 
 
 @pytest.mark.kernel
-@pytest.mark.skipif(standby.autogroup_nice() is None, reason="needs Linux scheduling autogroups")
+@pytest.mark.skipif(priority.autogroup_nice() is None, reason="needs Linux scheduling autogroups")
 def test_a_driver_in_a_niced_session_leaves_its_group_alone_and_the_new_kernel_at_0(tmp_path):
     """CI runs the suite from a session whose scheduling group may be niced (as `nice` does for a
     process): the standby that takes over must get a fresh kernel's group nice 0, not the driver's,
@@ -148,13 +148,13 @@ def test_a_driver_in_a_niced_session_leaves_its_group_alone_and_the_new_kernel_a
     nbformat.write(nb, tmp_path / "in.ipynb")
     code = textwrap.dedent(f"""
         import nbformat
-        from colab_resilience import driver, standby
-        if not standby.set_autogroup_nice(19):
+        from colab_resilience import driver, priority
+        if not priority.set_autogroup_nice(19):
             raise SystemExit('SKIP cannot nice its own group')
         nb = nbformat.read({str(tmp_path / "in.ipynb")!r}, 4)
         result = driver.run_notebook(nb, {str(tmp_path / "out.ipynb")!r}, cwd={str(tmp_path)!r},
                                      run_dir={str(tmp_path / "runs")!r}, kernel_name={KERNEL_NAME!r})
-        print('RESULT', result.status, [r.standby for r in result.restarts], standby.autogroup_nice())
+        print('RESULT', result.status, [r.standby for r in result.restarts], priority.autogroup_nice())
     """)
     out = subprocess.run([sys.executable, "-c", code], env=child_env(), start_new_session=True,
                          capture_output=True, text=True, timeout=180)
@@ -247,7 +247,7 @@ def test_a_standby_imports_in_the_background_and_stops_when_adopted():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert standby.OOM_SCORE_ADJ == 1000
+    assert priority.OOM_SCORE_ADJ == 1000
 
 
 def test_the_standbys_memory_is_not_counted_as_in_use(tmp_path):
@@ -264,13 +264,12 @@ def test_the_standbys_memory_is_not_counted_as_in_use(tmp_path):
         assert spare.stdout.readline().strip() == "ready" and other.stdout.readline().strip() == "ready"
         code = textwrap.dedent("""
             import os
-            from colab_resilience import runs, standby
+            from colab_resilience import memory, standby
             print(standby.standby_bytes())
             total = os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
             share = 100.0 * (48 << 20) / total  # half the standby's 96 MiB, in percent
             def reading(supervised):
-                os.environ[runs.SUPERVISED_ENV] = '1' if supervised else '0'
-                return runs.memory_in_use_percent()[0]
+                return memory.memory_in_use_percent(discount_standby=supervised)[0]
             # other processes move memory too: one of five paired readings must show the gap
             print(any(reading(True) < min(reading(False), reading(False)) - share for _ in range(5)))
         """)

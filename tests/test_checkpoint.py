@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -24,19 +25,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 from colab_resilience import signing
-from colab_resilience import state as smod
+from colab_resilience.checkpoints import (
+    CHUNK,
+    FORMAT_VERSION,
+    HASH_ALGORITHM,
+    TRASH,
+    CheckpointStore,
+    CheckpointWarning,
+    MissingNameError,
+    blobs,
+    capture_rng,
+    hashing,
+    restore_rng,
+    tree_hash,
+)
 from colab_resilience.errors import (
     CheckpointError,
     NoCheckpointError,
     UntrustedCheckpointError,
 )
-from colab_resilience.state import (
-    CheckpointStore,
-    CheckpointWarning,
-    MissingNameError,
-    capture_rng,
-    restore_rng,
-)
+from colab_resilience.fsutil import canonical_json
 from kernels import child_env
 
 KEY = bytes(range(32))
@@ -87,27 +95,28 @@ def test_layout_permissions_and_manifest(store):
         assert stat.S_IMODE(p.stat().st_mode) == 0o600
     doc = manifest(store)
     body = doc["body"]
-    assert body["format_version"] == smod.FORMAT_VERSION and body["created"] > 0
+    assert body["format_version"] == FORMAT_VERSION and body["created"] > 0
+    assert body["format"] == "colab_resilience.checkpoint"  # what checkpoints already on disk say
     assert body["versions"]["python"] and body["versions"]["torch"] == torch.__version__
     assert body["versions"]["numpy"] == np.__version__
     assert [(e["name"], e["kind"]) for e in body["entries"]] == [("t", "tensor"), ("n", "value")]
     for e in body["entries"]:
         data = (store.blob_dir / e["hash"]).read_bytes()
-        assert e["size"] == len(data) and e["hash"] == smod.tree_hash(data)
-    assert signing.verify(KEY, smod._canonical(body), doc["hmac"])
+        assert e["size"] == len(data) and e["hash"] == tree_hash(data)
+    assert signing.verify(KEY, canonical_json(body), doc["hmac"])
     ckpt = store.load()
     assert ckpt.meta == {"epoch": 2, "pair": (1, 2)}
     assert not [p for p in run.iterdir() if p.name.startswith(".")]
 
 
 def test_tree_hash_matches_a_plain_definition():
-    data = os.urandom(smod.CHUNK * 2 + 123)
+    data = os.urandom(CHUNK * 2 + 123)
     from blake3 import blake3
 
-    chunks = [data[i : i + smod.CHUNK] for i in range(0, len(data), smod.CHUNK)]
+    chunks = [data[i : i + CHUNK] for i in range(0, len(data), CHUNK)]
     expected = blake3(b"".join(blake3(c).digest() for c in chunks)).hexdigest()
-    assert smod.HASH_ALGORITHM == "blake3-tree-8MiB"
-    assert smod.tree_hash(data) == expected
+    assert HASH_ALGORITHM == "blake3-tree-8MiB"
+    assert tree_hash(data) == expected
 
 
 def test_keeps_the_last_two_and_collects_unreferenced_blobs(store):
@@ -119,7 +128,7 @@ def test_keeps_the_last_two_and_collects_unreferenced_blobs(store):
         body = manifest(store, cid)["body"]
         referenced |= {e["hash"] for e in body["entries"]} | {body["rng"]["hash"]}
     # old blobs are renamed at once (no save can reuse them) and unlinked in the background
-    assert {p.name for p in store.blob_dir.iterdir() if not p.name.startswith(smod.TRASH)} == referenced
+    assert {p.name for p in store.blob_dir.iterdir() if not p.name.startswith(TRASH)} == referenced
     store.wait()
     assert {p.name for p in store.blob_dir.iterdir()} == referenced
     assert store.load().checkpoint_id == "ckpt-000005"
@@ -141,7 +150,7 @@ def test_a_checkpoint_removal_cut_short_by_a_kill_is_finished_by_the_next_save(s
 
 def test_trash_left_by_a_kernel_that_left_is_emptied_by_the_next_save(store):
     store.save({"t": torch.zeros(10)}, ["t"])
-    (store.blob_dir / (smod.TRASH + "0" * 64)).write_bytes(b"x" * 1000)  # os._exit mid-unlink
+    (store.blob_dir / (TRASH + "0" * 64)).write_bytes(b"x" * 1000)  # os._exit mid-unlink
     store.save({"t": torch.ones(10)}, ["t"])
     store.wait()
     assert not [p for p in store.blob_dir.iterdir() if p.name.startswith(".")]
@@ -342,9 +351,9 @@ def rewrite_blob(store, name, change):
     header = change(data[8 : 8 + n]).rstrip(b" ")
     header += b" " * (-(8 + len(header)) % 8)
     data = struct.pack("<Q", len(header)) + header + data[8 + n :]
-    e["hash"], e["size"] = smod.tree_hash(data), len(data)
+    e["hash"], e["size"] = tree_hash(data), len(data)
     (store.blob_dir / e["hash"]).write_bytes(data)
-    doc["hmac"] = signing.sign(store.key, smod._canonical(doc["body"]))
+    doc["hmac"] = signing.sign(store.key, canonical_json(doc["body"]))
     path.write_text(json.dumps(doc))
 
 
@@ -484,7 +493,7 @@ def test_rng_restore_can_be_skipped(store):
 
 
 def test_unchanged_blobs_are_not_written_again(store):
-    big = torch.randn(3 * smod.CHUNK // 4)  # three chunks
+    big = torch.randn(3 * CHUNK // 4)  # three chunks
     ns = {"big": big, "small": [1, 2, 3], "m": torch.nn.Linear(64, 64)}
     first = store.save(ns, list(ns))
     assert first.bytes_reused == 0 and first.bytes_written > big.numel() * 4
@@ -508,44 +517,164 @@ def test_unchanged_blobs_are_not_written_again(store):
     assert raw(ns2["big"]) == raw(big)
 
 
-@pytest.mark.parametrize("track_writes", [True, False], ids=["write-tracked", "fingerprinted"])
-def test_unchanged_chunks_are_not_hashed_again_but_every_change_is_saved(store, monkeypatch, track_writes):
-    """Write tracking or the fast fingerprint decides only whether a chunk's hash must be computed
-    again; changes that autograd's version counter does not see (``.data``, a NumPy view) are
-    still caught, and the manifest always records the hash of what is really in the blob."""
-    store.track_writes = track_writes
+def test_unchanged_chunks_are_not_hashed_again_but_every_change_is_saved(store, monkeypatch):
+    """The fast fingerprint decides only whether a chunk's hash must be computed again; changes
+    that autograd's version counter does not see (``.data``, a NumPy view) are still caught, and
+    the manifest always records the hash of what is really in the blob."""
     hashed_bytes = []
-    real_digest = smod._digest
+    real_digest = hashing.digest
 
     def counting_digest(pieces):
         hashed_bytes.append(sum(memoryview(p).nbytes for p in pieces))
         return real_digest(pieces)
 
-    monkeypatch.setattr(smod, "_digest", counting_digest)
-    w = torch.nn.Parameter(torch.randn(3 * smod.CHUNK // 4))  # three chunks
+    monkeypatch.setattr(hashing, "digest", counting_digest)
+    w = torch.nn.Parameter(torch.randn(3 * CHUNK // 4))  # three chunks
     ns = {"w": w}
     store.save(ns, ["w"])
     hashed_bytes.clear()
     store.save(ns, ["w"])
-    assert sum(hashed_bytes) < smod.CHUNK  # the RNG state only; no chunk of w was hashed again
+    assert sum(hashed_bytes) < CHUNK  # the RNG state only; no chunk of w was hashed again
     for change in (
-        lambda: w.data.__setitem__(smod.CHUNK // 4 + 7, 42.0),  # 2nd chunk, invisible to w._version
+        lambda: w.data.__setitem__(CHUNK // 4 + 7, 42.0),  # 2nd chunk, invisible to w._version
         lambda: w.detach().numpy().__setitem__(-1, -3.0),  # last chunk, through NumPy
     ):
         change()
         hashed_bytes.clear()
         report = store.save(ns, ["w"])
-        # the changed chunk only; with write tracking, also the one changed at the previous save
-        # (hashed once more, found unchanged, and only then tracked again)
-        most = 2 if track_writes else 1
-        assert 1 <= len(hashed_bytes) <= most and 0 < sum(hashed_bytes) <= most * smod.CHUNK
+        assert len(hashed_bytes) == 1 and 0 < sum(hashed_bytes) <= CHUNK  # the changed chunk only
         assert report.bytes_written > w.numel() * 4
         entry = manifest(store)["body"]["entries"][0]
         blob = (store.blob_dir / entry["hash"]).read_bytes()
-        assert smod.tree_hash(blob) == entry["hash"]
+        assert tree_hash(blob) == entry["hash"]
         back: dict = {}
         store.load().restore(back)
         assert raw(back["w"]) == raw(w)
+
+
+def training_namespace():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 512)).square().mean().backward()
+    opt.step()
+    return {"model": model, "opt": opt, "table": np.random.default_rng(0).random((512, 1024)), "note": "x"}
+
+
+def adam_state(ns):
+    return ns["opt"].state[ns["opt"].param_groups[0]["params"][2]]["exp_avg"]
+
+
+def write_from_a_thread(a):
+    t = threading.Thread(target=a.__setitem__, args=(len(a) // 2, 7.0))
+    t.start()
+    t.join()
+
+
+CHANGES = {
+    "param .data": lambda ns: ns["model"][0].weight.data.__setitem__((300, 5), 9.0),
+    "param via numpy": lambda ns: ns["model"][2].weight.detach().numpy().__setitem__((1, 1), -9.0),
+    "optimizer state via ctypes": lambda ns: ctypes.memset(adam_state(ns).data_ptr() + 4 * 70_001, 0x41, 1),
+    "array from a thread": lambda ns: write_from_a_thread(ns["table"].reshape(-1)),
+    "load_state_dict": lambda ns: ns["model"].load_state_dict(
+        {k: v + 1 for k, v in ns["model"].state_dict().items()}
+    ),
+    "name rebound": lambda ns: ns.__setitem__("table", ns["table"] + 1),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=str)
+def test_every_change_is_in_the_next_checkpoint(tmp_path, change):
+    """However a byte was changed, the fingerprint of its chunk changes and the next checkpoint
+    holds it; a save after which nothing changed writes nothing but the manifest."""
+    ns = training_namespace()
+    names = ["model", "opt", "table", "note"]
+    store = CheckpointStore(tmp_path / "run", key=KEY)
+    store.save(ns, names)
+    unchanged = store.save(ns, names)
+    assert unchanged.bytes_written < 4096
+    CHANGES[change](ns)
+    report = store.save(ns, names)
+    assert report.bytes_written > 4096
+    back = training_namespace()
+    back["model"].apply(lambda m: torch.nn.init.zeros_(m.weight) if hasattr(m, "weight") else None)
+    store.load().restore(back)
+    for a, b in zip(back["model"].state_dict().values(), ns["model"].state_dict().values()):
+        assert raw(a) == raw(b)
+    assert raw(adam_state(back)) == raw(adam_state(ns))
+    assert back["table"].tobytes() == ns["table"].tobytes()
+    again = store.save(ns, names)  # and nothing is written twice
+    assert again.bytes_written < 4096
+
+
+def test_a_save_after_which_nothing_changed_reads_every_byte_once(tmp_path):
+    ns = training_namespace()
+    names = ["model", "opt", "table", "note"]
+    store = CheckpointStore(tmp_path / "run", key=KEY)
+    first = store.save(ns, names)
+    second = store.save(ns, names)
+    assert first.bytes_read >= 2 * (first.bytes_written - 4096)  # fingerprinted and hashed
+    assert first.bytes_written - 4096 <= second.bytes_read <= first.bytes_written  # fingerprinted only
+
+
+@pytest.mark.kernel
+def test_in_a_kernel_a_change_autograd_does_not_see_reaches_a_fresh_kernel(kernel, tmp_path):
+    setup = (
+        "import hashlib, torch\n"
+        "from colab_resilience.checkpoints import CheckpointStore\n"
+        f"store = CheckpointStore({str(tmp_path / 'run')!r})\n"
+        "w = torch.nn.Linear(1024, 1024)\n"
+        "def digest():\n"
+        "    return hashlib.sha256(w.weight.detach().numpy().tobytes()).hexdigest()\n"
+    )
+    kernel.ok(setup)
+    kernel.ok(
+        "first = store.save(globals(), ['w'])\n"
+        "quiet = store.save(globals(), ['w'])\n"
+        "version = w.weight._version\n"
+        "w.weight.data[700, 9] = 123.0\n"
+        "assert w.weight._version == version\n"
+        "changed = store.save(globals(), ['w'])\n"
+    )
+    quiet, changed = kernel.value("[r.bytes_written for r in (quiet, changed)]")
+    assert quiet < 4096 and changed > 4 << 20
+    saved = kernel.value("digest()")
+    kernel.restart()
+    kernel.ok(setup)
+    assert kernel.value("digest()") != saved
+    kernel.ok("store.load().restore(globals())")
+    assert kernel.value("digest()") == saved
+    assert kernel.value("float(w.weight[700, 9])") == 123.0
+
+
+def test_a_learning_rate_printed_longer_rehashes_one_chunk(tmp_path):
+    """The optimizer's param_groups live in its blob's header; a learning rate with more digits
+    must not shift the data behind it (its chunks would all look new and be hashed again): the
+    data starts at a 4 KiB boundary."""
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2048, 2048)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.001)
+        model(torch.randn(4, 2048)).sum().backward()
+        opt.step()
+        return {"opt": opt}
+
+    ns = build()
+    store = CheckpointStore(tmp_path / "run", key=KEY)
+    store.save(ns, ["opt"])
+    store.save(ns, ["opt"])
+    ns["opt"].param_groups[0]["lr"] = 0.0009000000000000001
+    report = store.save(ns, ["opt"])
+    size = entry(store, "opt")["size"]
+    assert report.bytes_written > 4 * CHUNK  # the header changed: a new blob (32 MiB of state)
+    # every byte fingerprinted once, and only the chunk holding the header (and the RNG) hashed
+    assert size <= report.bytes_read <= size + CHUNK + (1 << 20)
+    back = build()
+    store.load().restore(back)
+    assert back["opt"].param_groups[0]["lr"] == 0.0009000000000000001
+    state, state_back = ns["opt"].state_dict()["state"][0], back["opt"].state_dict()["state"][0]
+    assert all(raw(state[k]) == raw(state_back[k]) for k in ("exp_avg", "exp_avg_sq"))
+
 
 def test_a_fresh_store_reuses_blobs_already_on_disk(store):
     ns = {"t": torch.randn(1000)}
@@ -748,7 +877,7 @@ def test_damaged_blob_is_set_aside_and_rewritten_by_the_next_save(store):
 
 FAULT_SCRIPT = """
 import os, resource, signal, sys, torch
-from colab_resilience.state import CheckpointStore
+from colab_resilience.checkpoints import CheckpointStore
 from colab_resilience.errors import CheckpointError
 store = CheckpointStore(sys.argv[1], key=bytes(range(32)))
 store.save({"t": torch.zeros(1000), "v": 1}, ["t", "v"])
@@ -831,14 +960,14 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path):
     run = tmp_path / "run"
     code = (
         "import os, signal, sys, torch\n"
-        "from colab_resilience import state\n"
-        "store = state.CheckpointStore(sys.argv[1], key=bytes(range(32)))\n"
+        "from colab_resilience.checkpoints import CheckpointStore, blobs\n"
+        "store = CheckpointStore(sys.argv[1], key=bytes(range(32)))\n"
         "store.save({'t': torch.zeros(10)}, ['t'])\n"
-        "orig = state.write_all\n"
+        "orig = blobs.write_all\n"
         "def dying(fd, data):\n"
         "    orig(fd, bytes(memoryview(data)[:100]))\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "state.write_all = dying\n"
+        "blobs.write_all = dying\n"
         "store.save({'t': torch.ones(100_000)}, ['t'])\n"
     )
     proc = subprocess.run([sys.executable, "-c", code, str(run)], env=child_env())
@@ -860,7 +989,7 @@ def test_save_in_one_process_load_in_another(tmp_path):
     home = tmp_path / "home"
     save = (
         "import sys, torch, numpy as np, random\n"
-        "from colab_resilience.state import CheckpointStore\n"
+        "from colab_resilience.checkpoints import CheckpointStore\n"
         "torch.manual_seed(0); random.seed(0); np.random.seed(0)\n"
         "m = torch.nn.Linear(4, 3); opt = torch.optim.AdamW(m.parameters())\n"
         "m(torch.randn(2, 4)).sum().backward(); opt.step()\n"
@@ -870,7 +999,7 @@ def test_save_in_one_process_load_in_another(tmp_path):
     )
     load = (
         "import sys, torch, random\n"
-        "from colab_resilience.state import CheckpointStore\n"
+        "from colab_resilience.checkpoints import CheckpointStore\n"
         "m = torch.nn.Linear(4, 3); opt = torch.optim.AdamW(m.parameters())\n"
         "ns = dict(m=m, opt=opt)\n"
         "c = CheckpointStore(sys.argv[1]).load(); c.restore(ns)\n"
@@ -894,10 +1023,10 @@ def mapped_blob_files() -> set[str]:
 
 
 def test_large_blobs_are_mapped_to_verify_and_never_stay_mapped(store):
-    """Safetensors blobs of _MAP_AT_LEAST bytes or more are hashed through a file mapping; a
+    """Safetensors blobs of MAP_AT_LEAST bytes or more are hashed through a file mapping; a
     module copies from it into its own parameters, everything else gets private memory, and once
     restored nothing keeps a blob file mapped (training writes go to memory, never to the file)."""
-    n = smod._MAP_AT_LEAST // 4 + 1024  # float32 elements: over the threshold
+    n = blobs.MAP_AT_LEAST // 4 + 1024  # float32 elements: over the threshold
     torch.manual_seed(0)
     model = torch.nn.Linear(n // 64, 64)
     opt = torch.optim.AdamW(model.parameters())
@@ -931,7 +1060,7 @@ def test_large_blobs_are_mapped_to_verify_and_never_stay_mapped(store):
 
 
 def test_one_flipped_byte_in_a_mapped_blob_falls_back(store):
-    n = smod._MAP_AT_LEAST // 4 + 1024
+    n = blobs.MAP_AT_LEAST // 4 + 1024
     store.save({"t": torch.zeros(n)}, ["t"])
     store.save({"t": torch.ones(n)}, ["t"])
     path = blob_path(store, "t")

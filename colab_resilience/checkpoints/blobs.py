@@ -1,0 +1,256 @@
+"""Blob files: ``blobs/<hash>``, written durably, read back verified, shared by the manifests.
+
+A blob's file name is its hash, so a blob already in the folder is never written again, and
+checkpoints share blobs by naming them (not by hard links: Google Drive mounts, where Colab users
+keep checkpoints, have none). One damaged shared blob therefore damages every checkpoint naming
+it; a blob found damaged is set aside (``<hash>.damaged``) so the next save writes it afresh.
+
+Writing (:func:`write`): a blob goes to ``.tmp-*`` from its first chunk that differs from the last
+save, and stays there, in :class:`PendingBlobs`, until every blob of the save is written; then
+they are ``fsync``-ed together, in parallel (the disk writes one back while the next is written),
+and renamed to their hashes.
+
+Reading (:func:`read`): every byte is hashed before a blob is used. Safetensors blobs of
+``MAP_AT_LEAST`` bytes or more are mapped (private, copy-on-write) rather than read: the hash reads
+the page cache in place, and the restore copies each byte once. Pickles and small blobs are read,
+each chunk by one worker.
+
+Blobs no kept checkpoint names are renamed ``.trash-<hash>`` (no later save can reuse them) and
+unlinked in the background (:func:`trash`, :func:`empty_trash`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Iterable
+
+from ..errors import CheckpointCorruptError
+from ..fsutil import O_CLOEXEC, write_all
+from .hashing import CHUNK, combine, digest
+
+BLOBS = "blobs"  # the folder, inside the run directory
+TEMP = ".tmp-"
+TRASH = ".trash-"  # blobs no kept checkpoint names, renamed on the way to being unlinked
+MAP_AT_LEAST = 4 << 20  # smaller safetensors blobs are read: mapping costs more than it saves
+
+
+class PendingBlobs:
+    """Blobs written to temporary files, to be flushed and renamed into place together.
+
+    :meth:`commit` fsyncs them all on the pool (in parallel), then renames each to its hash; until
+    then a blob is only a ``.tmp-*`` file. Leaving the ``with`` block without a commit (an error,
+    a full disk) closes and removes what is pending.
+    """
+
+    def __init__(self):
+        self._items: list[tuple[int, str, Path]] = []
+
+    def add(self, fd: int, tmp: str, final: Path) -> None:
+        self._items.append((fd, tmp, final))
+
+    def commit(self, pool: ThreadPoolExecutor) -> None:
+        for fut in [pool.submit(os.fsync, fd) for fd, _, _ in self._items]:
+            fut.result()
+        while self._items:
+            fd, tmp, final = self._items[0]
+            self._items[0] = (-1, tmp, final)
+            os.close(fd)
+            os.replace(tmp, final)
+            self._items.pop(0)
+
+    def __enter__(self) -> PendingBlobs:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fd, tmp, _ in self._items:
+            if fd >= 0:
+                os.close(fd)
+            _unlink(tmp)
+        self._items.clear()
+
+
+def write(folder: Path, chunks: list[list[memoryview]], digests: Iterable[bytes], previous: list[bytes],
+          size: int, pending: PendingBlobs) -> tuple[str, bool]:
+    """Write the blob made of ``chunks`` unless ``folder`` holds it: (hash, written?).
+
+    ``digests`` yields each chunk's digest in order (as the pool computes them); ``previous`` are
+    the digests of the same name's chunks at the last save: while they match, nothing is written
+    (the blob is most likely there already). A written blob is left in ``pending``.
+    """
+    seen: list[bytes] = []
+    fd = -1
+    tmp: str | None = None
+
+    def start_writing(upto: int) -> int:
+        nonlocal tmp
+        tmp = str(folder / f"{TEMP}{secrets.token_hex(8)}")
+        new_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600)
+        for c in chunks[:upto]:
+            for piece in c:
+                write_all(new_fd, piece)
+        return new_fd
+
+    try:
+        for i, d in enumerate(digests):
+            seen.append(d)
+            if fd >= 0:
+                for piece in chunks[i]:
+                    write_all(fd, piece)
+            elif i >= len(previous) or previous[i] != d:
+                fd = start_writing(i + 1)  # this chunk changed: write from the start
+        blob_hash = combine(seen)
+        final = folder / blob_hash
+        if present(final, size):
+            return blob_hash, False
+        if fd < 0:
+            fd = start_writing(len(chunks))
+        pending.add(fd, tmp, final)  # it closes or removes them from now on
+        fd, tmp = -1, None
+        return blob_hash, True
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if tmp is not None:
+            _unlink(tmp)
+
+
+def present(path: Path, size: int) -> bool:
+    """Whether the blob file ``path`` exists with ``size`` bytes."""
+    try:
+        return path.stat().st_size == size
+    except FileNotFoundError:
+        return False
+
+
+def read(folder: Path, blob_hash: str, size: int, pool: ThreadPoolExecutor, *, map_file: bool = False):
+    """The verified bytes of a blob as a NumPy uint8 array, hashed chunk by chunk on the pool;
+    CheckpointCorruptError if it is missing, of another size, or does not match its hash.
+
+    With ``map_file`` (safetensors blobs of at least ``MAP_AT_LEAST`` bytes) the file is mapped
+    copy-on-write instead of read: hashing reads the page cache in place, and restoring copies
+    each byte once, straight into the module's own tensors (reading, then copying, touches every
+    byte more than once and first zero-fills a fresh buffer as large as the blob). The mapping is
+    private and writable, so whatever keeps a tensor of it can write to it; the restore copies it
+    out for everything but modules. Pickles are always read into private memory: bytes that will
+    be unpickled must be the bytes that were verified. Where mapping fails (a FUSE mount without
+    mmap), the blob is read.
+    """
+    import numpy as np
+
+    path = folder / blob_hash
+    try:
+        f = open(path, "rb", buffering=0)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"blob {blob_hash[:12]} is missing") from None
+    with f:
+        actual = os.fstat(f.fileno()).st_size
+        if actual != size:
+            set_aside(path)
+            raise CheckpointCorruptError(
+                f"blob {blob_hash[:12]} holds {actual} bytes, the manifest says {size} (truncated?)"
+            )
+        fd = f.fileno()
+        buf = None
+        if map_file and size >= MAP_AT_LEAST:
+            try:
+                buf = np.frombuffer(mmap.mmap(fd, size, access=mmap.ACCESS_COPY), dtype=np.uint8)
+            except (OSError, ValueError):
+                buf = None
+        if buf is not None:
+            view = memoryview(buf)
+            futures = [pool.submit(digest, [view[start : start + CHUNK]]) for start in range(0, size, CHUNK)]
+        else:
+            buf = np.empty(size, dtype=np.uint8)
+            view = memoryview(buf)
+            # Each chunk is read (pread: no shared file position) and hashed by one worker:
+            # copying from the page cache is CPU work too, so reading in one thread left a core idle.
+            futures = [
+                pool.submit(_read_and_digest, fd, view[start : min(start + CHUNK, size)], start)
+                for start in range(0, size, CHUNK)
+            ]
+        wait(futures)  # every worker done with the file before it is closed, errors or not
+        digests = [fu.result() for fu in futures]
+        if None in digests:
+            raise CheckpointCorruptError(f"blob {blob_hash[:12]} ended early")
+    if combine(digests) != blob_hash:
+        set_aside(path)
+        raise CheckpointCorruptError(f"blob {blob_hash[:12]} does not match its hash (altered or damaged)")
+    return buf
+
+
+def _read_and_digest(fd: int, dest: memoryview, offset: int) -> bytes | None:
+    """Fill ``dest`` from ``fd`` at ``offset``; its digest, or None if the file ends first."""
+    done = 0
+    while done < dest.nbytes:
+        n = os.preadv(fd, [dest[done:]], offset + done)
+        if n <= 0:
+            return None
+        done += n
+    return digest([dest])
+
+
+def is_mapped(buf) -> bool:
+    """Whether a NumPy array from :func:`read` lies over a file mapping."""
+    base = buf.base
+    return isinstance(getattr(base, "obj", base), mmap.mmap)
+
+
+def set_aside(path: Path) -> None:
+    """Rename a damaged blob, so that the next save writes that content afresh."""
+    try:
+        os.replace(path, path.with_name(path.name + ".damaged"))
+    except OSError:
+        pass
+
+
+def remove_temporary(folder: Path) -> None:
+    """Remove the ``.tmp-*`` blobs a writer killed mid-save left."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for n in names:
+        if n.startswith(TEMP):
+            try:
+                os.unlink(folder / n)
+            except OSError:
+                pass
+
+
+def trash(folder: Path, referenced: set[str]) -> None:
+    """Rename every blob not in ``referenced`` to ``.trash-<hash>``: no later save can find it,
+    and unlinking it (:func:`empty_trash`) can wait."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return
+    for n in names:
+        if n not in referenced and not n.startswith(TRASH):
+            try:
+                os.rename(folder / n, folder / (TRASH + n))
+            except FileNotFoundError:
+                pass
+
+
+def empty_trash(folder: Path) -> None:
+    """Unlink the trashed blobs."""
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(TRASH)]
+    except OSError:
+        return
+    for n in names:
+        try:
+            os.unlink(folder / n)
+        except OSError:
+            pass
+
+
+def _unlink(path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

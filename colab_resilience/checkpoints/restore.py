@@ -1,0 +1,284 @@
+"""A loaded checkpoint, and putting its values back into a namespace.
+
+Every blob of a :class:`Checkpoint` was verified when it was loaded; a value is decoded afresh at
+each restore (a second rollback from the same checkpoint gets the saved bytes again, whatever the
+training did to the first). ``state_dict`` values are loaded **in place** into the object of that
+name that exists at restore time (rebuilt by the set-up cells): a module copies them into its own
+parameters, an optimizer keeps the tensors it is given. Tensors go back to the device they were
+saved on (the CPU, with a warning, where that device is gone), as Parameters or with
+``requires_grad`` where they were; views of one storage stay views of one storage. Pickles are
+unpickled only here, after the manifest's signature and the blob's hash were checked.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import pickle
+import sys
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, MutableMapping, Sequence
+
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointWarning
+from . import blobs, codec, hashing, tensorfile
+from .manifest import Entry, Manifest
+from .rng import restore_rng
+from .values import first_line, type_name
+
+
+class LoadedBlob:
+    """One verified blob of a checkpoint, decoded lazily into fresh values at each restore."""
+
+    def __init__(self, folder: Path, entry: Entry):
+        self.folder = folder
+        self.entry = entry
+        self.name = entry.name
+        self.kind = entry.kind
+        self.type_name = entry.type_name
+        self.format = entry.format
+        self._buf = None
+        self._decoded: tuple | None = None
+
+    def read(self, pool: ThreadPoolExecutor) -> LoadedBlob:
+        """Read and verify the blob (CheckpointCorruptError if it is damaged)."""
+        e = self.entry
+        self.fill(blobs.read(self.folder, e.hash, e.size, pool, map_file=e.format == "st"))
+        return self
+
+    def fill(self, buf) -> None:
+        """Check ``buf`` decodes (a damaged structure means a damaged checkpoint)."""
+        try:
+            if self.format == "st":
+                tree, descs, ranges = tensorfile.parse(buf)
+                leaves = tensorfile.leaves_over(buf, descs, ranges)
+                codec.decode(tree, leaves)
+                self._decoded = (tree, descs, leaves)
+            elif self.format == "json":
+                self._decoded = (json.loads(bytes(buf)), [], [])
+                codec.decode(self._decoded[0], [])
+        except codec.MALFORMED as e:
+            raise CheckpointCorruptError(f"{self.name!r} does not decode: {first_line(e)}") from None
+        self._buf = buf
+
+    def take(self, *, private: bool = True) -> tuple:
+        """(tree, descs, leaves) or the pickle bytes; the buffer is handed out once, then re-read.
+
+        A mapped blob (see :func:`.blobs.read`) is copied into private memory first, unless
+        ``private`` is false: the caller copies the leaves itself (``Module.load_state_dict``
+        copies into the parameters) and nothing keeps the file mapped afterwards.
+        """
+        if self._buf is None:  # handed out before: the caller may have changed those tensors
+            self.read(hashing.pool())
+        buf, decoded = self._buf, self._decoded
+        self._buf = self._decoded = None
+        if self.format == "pickle":
+            return (bytes(buf),)
+        if private and blobs.is_mapped(buf):
+            own = _private_copy(buf)  # whole, so views of one storage stay views of one storage
+            tree, descs, ranges = tensorfile.parse(own)
+            return tree, descs, tensorfile.leaves_over(own, descs, ranges)
+        return decoded
+
+
+def _private_copy(buf):
+    """A copy of a (mapped) uint8 array in fresh memory, chunks copied on the pool: first-touch
+    page faults and copying are both CPU work, and one thread left the other cores idle."""
+    import numpy as np
+
+    own = np.empty_like(buf)
+    pool, step = hashing.pool(), hashing.CHUNK
+    futures = [pool.submit(np.copyto, own[a : a + step], buf[a : a + step]) for a in range(0, buf.size, step)]
+    for fu in futures:
+        fu.result()
+    return own
+
+
+class Checkpoint:
+    """A verified checkpoint in memory; :meth:`restore` puts it into a namespace."""
+
+    def __init__(self, store: Any, manifest: Manifest, entries: dict[str, LoadedBlob], rng: LoadedBlob, meta: Any):
+        self.store = store
+        self.manifest = manifest
+        self.checkpoint_id = manifest.checkpoint_id
+        self.names: list[str] = list(entries)
+        self.meta: dict = meta if isinstance(meta, dict) else {}
+        self.created: float = manifest.created
+        self.versions: dict = manifest.versions
+        self.skipped: dict = manifest.skipped
+        self.kinds: dict[str, str] = {n: e.kind for n, e in entries.items()}
+        self._entries = entries
+        self._rng = rng
+
+    def __repr__(self) -> str:
+        return f"<Checkpoint {self.checkpoint_id}: {', '.join(self.names)}>"
+
+    def restore(
+        self,
+        namespace: MutableMapping[str, Any],
+        names: Sequence[str] | None = None,
+        *,
+        rng: bool = True,
+        strict: bool = True,
+    ) -> list[str]:
+        """Restore ``names`` (default: all) into ``namespace``; return the names restored.
+
+        Objects saved by ``state_dict()`` are loaded in place into the object of that name in
+        ``namespace``. If one is missing or of another type, or a name is not in this checkpoint,
+        nothing is restored and :class:`CheckpointError` says so in one line (with
+        ``strict=False``: a :class:`CheckpointWarning` each, and the rest is restored).
+        """
+        wanted = self.names if names is None else list(dict.fromkeys([names] if isinstance(names, str) else names))
+        problems = {n: p for n in wanted if (p := self._problem(n, namespace)) is not None}
+        if problems and strict:
+            raise CheckpointError(next(iter(problems.values())) + (
+                f" (and {len(problems) - 1} more problem(s): {', '.join(list(problems)[1:])})"
+                if len(problems) > 1 else ""
+            ))
+        for message in problems.values():
+            warnings.warn(message, CheckpointWarning, stacklevel=2)
+        restored = []
+        for n in wanted:
+            if n in problems:
+                continue
+            try:
+                self._restore_one(self._entries[n], namespace)
+            except CheckpointError as err:
+                if strict:
+                    raise
+                warnings.warn(str(err), CheckpointWarning, stacklevel=2)
+                continue
+            restored.append(n)
+        if rng:
+            restore_rng(self._value(self._rng, place=False))
+        return restored
+
+    def _problem(self, n: str, namespace: MutableMapping[str, Any]) -> str | None:
+        """Why ``n`` cannot be restored into ``namespace`` (one line), or None."""
+        e = self._entries.get(n)
+        if e is None:
+            close = difflib.get_close_matches(n, self.names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            return (
+                f"colab_resilience: {n!r} is not in checkpoint {self.checkpoint_id}{hint}; "
+                f"it holds: {', '.join(self.names) or 'nothing'}"
+            )
+        if e.kind != "state_dict":
+            return None
+        short = e.type_name.rsplit(".", 1)[-1]
+        if n not in namespace:
+            return (
+                f"colab_resilience: cannot restore {n!r} in place: no variable {n!r} exists "
+                f"now (it was a {short}); run the cell that builds it (a %%replay cell) first"
+            )
+        if not callable(getattr(namespace[n], "load_state_dict", None)):
+            return (
+                f"colab_resilience: cannot restore {n!r} in place: it now holds a "
+                f"{type(namespace[n]).__name__}, which has no load_state_dict (it was a {short})"
+            )
+        if type_name(namespace[n]) != e.type_name:
+            return (
+                f"colab_resilience: cannot restore {n!r} in place: it was saved from a "
+                f"{e.type_name} and now holds a {type_name(namespace[n])}"
+            )
+        return None
+
+    def _value(self, e: LoadedBlob, place: bool, *, private: bool = True) -> Any:
+        got = e.take(private=private)
+        if e.format == "pickle":
+            try:
+                return pickle.loads(got[0])
+            except Exception as err:
+                raise CheckpointError(
+                    f"colab_resilience: cannot restore {e.name!r}: unpickling failed ({first_line(err)}); "
+                    "define its class (in a %%replay cell) before restoring"
+                ) from None
+        tree, descs, leaves = got
+        if place and leaves:
+            leaves = _place_leaves(e.name, descs, leaves)
+        return codec.decode(tree, leaves)
+
+    def _restore_one(self, e: LoadedBlob, namespace: MutableMapping[str, Any]) -> None:
+        if e.kind == "state_dict":
+            target = namespace[e.name]
+            torch = sys.modules.get("torch")
+            # a module copies what it is given into its own tensors; an optimizer keeps them
+            copies = torch is not None and isinstance(target, torch.nn.Module)
+            value = self._value(e, place=False, private=not copies)
+            try:
+                result = target.load_state_dict(value)
+            except Exception as err:
+                raise CheckpointError(
+                    f"colab_resilience: cannot restore {e.name!r} in place: load_state_dict failed "
+                    f"({first_line(err)})"
+                ) from None
+            missing = getattr(result, "missing_keys", None)
+            if missing or getattr(result, "unexpected_keys", None):
+                warnings.warn(
+                    f"colab_resilience: {e.name!r} restored with missing keys {missing} and "
+                    f"unexpected keys {result.unexpected_keys}",
+                    CheckpointWarning,
+                    stacklevel=3,
+                )
+            return
+        namespace[e.name] = self._value(e, place=True)
+
+
+def _place_leaves(name: str, descs: list[dict], leaves: list[Any]) -> list[Any]:
+    """Tensors back onto their device (CPU with a warning where it is gone); grads and Parameters."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return leaves
+    out = list(leaves)
+    moved_spans: dict[tuple, Any] = {}
+    gone: set[str] = set()
+    for i, (d, t) in enumerate(zip(descs, leaves)):
+        if d.get("lib") != "torch":
+            continue
+        device = d.get("device", "cpu")
+        if device != "cpu":
+            target = _device_if_present(torch, device)
+            if target is None:
+                gone.add(device)
+            elif "span" in d:
+                # move the shared storage once, then take the views on the device
+                key = (d["span"], device)
+                if key not in moved_spans:
+                    storage = t.untyped_storage()
+                    whole = torch.empty(0, dtype=t.dtype)
+                    whole.set_(storage, 0, (storage.nbytes() // t.element_size(),), (1,))
+                    moved_spans[key] = whole.to(target)
+                t = moved_spans[key].as_strided(t.shape, t.stride(), t.storage_offset())
+            else:
+                t = t.to(target)
+        if d.get("parameter"):
+            t = torch.nn.Parameter(t, requires_grad=bool(d.get("requires_grad")))
+        elif d.get("requires_grad") and (t.is_floating_point() or t.is_complex()):
+            t = t.requires_grad_(True)
+        out[i] = t
+    if gone:
+        warnings.warn(
+            f"colab_resilience: {name!r} was saved on {', '.join(sorted(gone))}, which this machine "
+            "does not have; restored on the CPU",
+            CheckpointWarning,
+            stacklevel=4,
+        )
+    return out
+
+
+def _device_if_present(torch, device: str):
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        return None
+    if dev.type == "cuda":
+        if torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count():
+            return dev
+        return None
+    backend = getattr(torch, dev.type, None)
+    available = getattr(backend, "is_available", None)
+    try:
+        return dev if callable(available) and available() else None
+    except Exception:
+        return None

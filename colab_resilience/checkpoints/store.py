@@ -1,0 +1,349 @@
+"""The checkpoint store of one run directory: save, load, and keep the folder tidy.
+
+A save (:meth:`CheckpointStore.save`) prepares every value (:mod:`.values`), has the pool
+fingerprint and hash each one's chunks while the next is prepared (:mod:`.hashing`), writes the
+blobs the folder lacks (:mod:`.blobs`), then writes the signed manifest (:mod:`.manifest`) into
+``.tmp-ckpt-*/``, renames that folder to ``ckpt-NNNNNN/`` and replaces ``LATEST``. Old
+checkpoints and the blobs only they named are removed afterwards; what a killed writer left is
+removed at the start of the next save. A load (:meth:`CheckpointStore.load`) verifies the newest
+checkpoint whole, and falls back to older ones with a warning each.
+
+One process writes a run directory at a time (the run lock); any number may read it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from .. import signing
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointWarning,
+    MissingNameError,
+    NoCheckpointError,
+    NotPlainError,
+    UnsaveableValueError,
+    UntrustedCheckpointError,
+)
+from ..fsutil import atomic_write, fsync_dir, make_private_dir, private_temp_dir, write_new
+from . import blobs, cleanup, codec, hashing, manifest, values
+from .hashing import HashJob
+from .manifest import LATEST, MANIFEST, TEMP_PREFIX, Entry, Manifest, ManifestFile
+from .restore import Checkpoint, LoadedBlob
+from .rng import capture_rng
+
+RNG_NAME = "__rng__"
+
+
+@dataclass
+class SaveReport:
+    """What one :meth:`CheckpointStore.save` did."""
+
+    checkpoint_id: str
+    names: list[str]
+    skipped: dict[str, str]  # name -> one-line message
+    bytes_written: int
+    bytes_reused: int
+    seconds: float
+    # bytes of the saved values read to fingerprint or hash them (a byte both counts twice)
+    bytes_read: int = 0
+    meta: dict = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        mib = 1 << 20
+        line = (
+            f"colab_resilience: saved {', '.join(self.names) or 'nothing'} as {self.checkpoint_id} "
+            f"({self.bytes_written / mib:.1f} MiB written, {self.bytes_reused / mib:.1f} MiB "
+            f"unchanged, {self.seconds:.2f} s)"
+        )
+        if self.skipped:
+            line += f"; not saved: {', '.join(self.skipped)}"
+        return line
+
+
+class CheckpointStore:
+    """The checkpoints of one run directory. One process writes at a time (hold a ``RunLock``)."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        key: bytes | None = None,
+        keep: int = 2,
+        run_id: str | None = None,
+    ):
+        if keep < 1:
+            raise ValueError("keep must be at least 1")
+        self.run_dir = Path(run_dir)
+        # signed into every manifest; a manifest of another run (copied in) is not loaded
+        self.run_id = run_id
+        self.keep = keep
+        self._key = key
+        self._trash: Future | None = None
+        # per saved blob: (fingerprint, digest) of each chunk as this process last saved it
+        self._chunk_memory: dict[str, list[tuple[bytes, bytes]]] = {}
+
+    @property
+    def key(self) -> bytes:
+        if self._key is None:
+            self._key = signing.load_or_create_key()
+        return self._key
+
+    @property
+    def blob_dir(self) -> Path:
+        return self.run_dir / blobs.BLOBS
+
+    def checkpoint_ids(self) -> list[str]:
+        """Complete checkpoints on disk, newest first (damaged ones included)."""
+        return manifest.checkpoint_ids(self.run_dir)
+
+    def latest_id(self) -> str | None:
+        """The id ``LATEST`` points to (or the newest complete checkpoint); None if there is none."""
+        return manifest.latest_id(self.run_dir)
+
+    def _next_id(self) -> str:
+        return manifest.next_id(self.run_dir)
+
+    # -- saving --
+
+    def save(
+        self, namespace: Mapping[str, Any], names: Sequence[str], *, meta: dict | None = None
+    ) -> SaveReport:
+        """Checkpoint ``names`` from ``namespace`` (with the RNG states); see the package docstring.
+
+        Raises :class:`MissingNameError` (nothing written) if a name is not defined, and
+        :class:`CheckpointError` if the checkpoint could not be written (the previous one stays).
+        """
+        start = time.perf_counter()
+        if isinstance(names, str):
+            names = [names]
+        names = list(dict.fromkeys(names))
+        for name in names:
+            if name not in namespace:
+                raise MissingNameError(values.missing_name_message(name, namespace, "save"), name)
+        rng = capture_rng()
+        meta_enc: Any = None
+        if meta is not None:
+            try:
+                meta_enc = codec.Encoder(leaves=False).encode(dict(meta))
+            except (NotPlainError, RecursionError):
+                raise CheckpointError(
+                    "colab_resilience: checkpoint meta must hold plain values (numbers, strings, "
+                    "lists, dicts); nothing was written"
+                ) from None
+        skipped: dict[str, str] = {}
+        # the workers fingerprint and hash each value while the next one is being prepared
+        pool = hashing.pool()
+        jobs: list[tuple[values.Prepared, HashJob]] = []
+        try:
+            for name in names:
+                try:
+                    prepared = values.prepare(name, namespace[name])
+                except UnsaveableValueError as e:
+                    skipped[name] = str(e)
+                    continue
+                jobs.append(self._start_hashing(prepared, pool))
+            jobs.append(self._start_hashing(values.encode(RNG_NAME, "rng", "dict", rng), pool))
+            return self._commit(jobs, pool, skipped, meta, meta_enc, start)
+        finally:  # after an error: nothing of this save left queued or running on the pool
+            futures = [f for _, job in jobs for f in job.futures]
+            for f in futures:
+                f.cancel()
+            wait(futures)
+
+    def _start_hashing(self, p: values.Prepared, pool: ThreadPoolExecutor) -> tuple[values.Prepared, HashJob]:
+        """Have the pool fingerprint ``p``'s chunks, and hash those that changed since the last save."""
+        return p, HashJob(p.payload.segments, pool, self._chunk_memory, f"{p.name}\0{p.kind}\0{p.format}")
+
+    def _commit(self, jobs: list[tuple[values.Prepared, HashJob]], pool: ThreadPoolExecutor, skipped: dict[str, str],
+                meta: dict | None, meta_enc: Any, start: float) -> SaveReport:
+        """The writing half of :meth:`save`: blobs, manifest, ``LATEST``, old checkpoints."""
+        previous = self.latest_id()
+        tmp_dir: Path | None = None
+        written = reused = 0
+        try:
+            make_private_dir(self.run_dir)
+            make_private_dir(self.blob_dir)
+            cleanup.remove_leftovers(self.run_dir)
+            self._empty_trash()  # what a killed writer trashed but did not unlink yet, meanwhile
+            checkpoint_id = self._next_id()
+            entries = []
+            with blobs.PendingBlobs() as pending:
+                for p, job in jobs:
+                    blob_hash, was_written = blobs.write(
+                        self.blob_dir, job.chunks, job.digests(), job.previous, p.payload.size, pending
+                    )
+                    written += p.payload.size if was_written else 0
+                    reused += 0 if was_written else p.payload.size
+                    entries.append(Entry(p.name, p.kind, p.type_name, p.format, blob_hash, p.payload.size))
+                pending.commit(pool)
+            fsync_dir(self.blob_dir)
+            body = Manifest(checkpoint_id, entries[:-1], entries[-1], meta=meta_enc, skipped=skipped,
+                            run_id=self.run_id).to_body()
+            data = ManifestFile.sign(body, self.key).to_bytes()
+            tmp_dir = private_temp_dir(self.run_dir, TEMP_PREFIX)
+            write_new(tmp_dir / MANIFEST, data)
+            fsync_dir(tmp_dir)
+            os.rename(tmp_dir, self.run_dir / checkpoint_id)
+            tmp_dir = None
+            fsync_dir(self.run_dir)
+            manifest.write_latest(self.run_dir, checkpoint_id)
+            written += len(data)
+        except OSError as e:
+            if tmp_dir is not None:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+            self._chunk_memory.clear()
+            try:
+                self._collect_garbage()
+            except OSError:
+                pass
+            kept = f"checkpoint {previous} is intact" if previous else "there is no earlier checkpoint"
+            where = e.filename or self.run_dir
+            raise CheckpointError(
+                f"colab_resilience: checkpoint not written to {where} ({e.strerror or e}); {kept}"
+            ) from e
+        try:
+            self._collect_garbage()
+        except OSError as e:
+            warnings.warn(
+                f"colab_resilience: could not remove old checkpoints in {self.run_dir} ({e.strerror or e})",
+                CheckpointWarning,
+                stacklevel=3,
+            )
+        saved = [p for p, _ in jobs[:-1]]
+        return SaveReport(
+            checkpoint_id=checkpoint_id,
+            names=[p.name for p in saved],
+            skipped=skipped,
+            bytes_written=written,
+            bytes_reused=reused,
+            bytes_read=sum(job.bytes_read for _, job in jobs),
+            seconds=time.perf_counter() - start,
+            meta=dict(meta or {}),
+            kinds={p.name: p.kind for p in saved},
+        )
+
+    # -- housekeeping --
+
+    def _collect_garbage(self) -> None:
+        cleanup.collect_garbage(self.run_dir, self.keep)
+        self._empty_trash()
+
+    def wait(self) -> None:
+        """Wait until the blobs removed by the last save are unlinked (background work)."""
+        if self._trash is not None:
+            self._trash.result()
+
+    def _empty_trash(self) -> None:
+        """Unlink the trashed blobs in the background (on the pool): freeing a large file takes a
+        file system a while, which a training loop should not wait for at every safe point. What
+        a kernel leaving for a restart leaves behind is emptied after the next save."""
+        if self._trash is not None and not self._trash.done():
+            return
+        self._trash = hashing.pool().submit(blobs.empty_trash, self.blob_dir)
+
+    def clear(self) -> None:
+        """Remove every checkpoint and blob of this run (``%resilience reset``)."""
+        for cid in self.checkpoint_ids():
+            shutil.rmtree(self.run_dir / cid, ignore_errors=True)
+        shutil.rmtree(self.blob_dir, ignore_errors=True)
+        try:
+            os.unlink(self.run_dir / LATEST)
+        except FileNotFoundError:
+            pass
+        cleanup.remove_leftovers(self.run_dir)
+        self._chunk_memory.clear()
+
+    def adopt(self) -> list[str]:
+        """Re-sign every well-formed checkpoint manifest with this installation's key; return their
+        ids. For a run the user vouched for (``%resilience resume --trust``) after it was written
+        under another key. Blob hashes are still verified by every load."""
+        adopted = []
+        for cid in self.checkpoint_ids():
+            path = self.run_dir / cid / MANIFEST
+            try:
+                doc = manifest.read(path)
+                if doc.verify(self.key):
+                    continue
+                data = ManifestFile.sign(doc.body, self.key).to_bytes()
+            except (OSError, ValueError, TypeError, RecursionError):  # CheckpointCorruptError too
+                continue  # unreadable: loading will skip it as damaged
+            atomic_write(path, data)
+            adopted.append(cid)
+        return adopted
+
+    # -- loading --
+
+    def load(self, *, trust: bool = False) -> Checkpoint:
+        """The newest checkpoint that verifies; older ones are tried after a warning.
+
+        Raises :class:`NoCheckpointError` when none is loadable, or
+        :class:`UntrustedCheckpointError` when the only loadable ones are not signed by this
+        installation (pass ``trust=True`` to load them anyway).
+        """
+        ids = self.checkpoint_ids()
+        latest = self.latest_id()
+        if latest in ids:
+            ids.remove(latest)
+            ids.insert(0, latest)
+        if not ids:
+            raise NoCheckpointError(f"colab_resilience: no checkpoint in {self.run_dir} yet; nothing to restore")
+        untrusted: list[str] = []
+        reasons: list[str] = []
+        for i, cid in enumerate(ids):
+            then = "trying the previous one" if i + 1 < len(ids) else "no older checkpoint is left"
+            try:
+                return self._load_one(cid, trust)
+            except UntrustedCheckpointError as e:
+                untrusted.append(cid)
+                reasons.append(f"{cid}: not signed here")
+                warnings.warn(f"{e}; {then}", CheckpointWarning, stacklevel=2)
+            except CheckpointCorruptError as e:
+                reasons.append(f"{cid}: {e.args[0]}")
+                warnings.warn(
+                    f"colab_resilience: checkpoint {cid} is damaged ({e.args[0]}); {then}",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
+        if untrusted:
+            raise UntrustedCheckpointError(
+                f"colab_resilience: checkpoint {untrusted[0]} in {self.run_dir} was not signed by "
+                f"this installation's key ({signing.key_path()}); if you wrote it yourself (another "
+                "machine, a lost key), load it with trust=True (`%resilience resume --trust`)"
+            )
+        raise NoCheckpointError(
+            f"colab_resilience: no loadable checkpoint in {self.run_dir} ({'; '.join(reasons)})"
+        )
+
+    def _load_one(self, cid: str, trust: bool) -> Checkpoint:
+        """Checkpoint ``cid``, every blob verified; CheckpointCorruptError or UntrustedCheckpointError."""
+        doc = manifest.read(self.run_dir / cid / MANIFEST)
+        try:
+            signed = doc.verify(self.key)
+        except (OSError, ValueError, TypeError, RecursionError) as e:  # an unreadable key, too
+            raise CheckpointCorruptError(f"manifest unreadable: {values.first_line(e)}") from None
+        if not signed and not trust:
+            raise UntrustedCheckpointError(
+                f"colab_resilience: checkpoint {cid} is not signed by this installation's key "
+                "(written elsewhere, or edited); load(trust=True) would accept it"
+            )
+        m = Manifest.from_body(doc.body, cid, self.run_id)
+        try:
+            meta = codec.decode(m.meta, [])
+            pool = hashing.pool()
+            loaded = {e.name: LoadedBlob(self.blob_dir, e).read(pool) for e in m.entries}
+            rng = LoadedBlob(self.blob_dir, m.rng).read(pool)
+        except CheckpointCorruptError:
+            raise
+        except (OSError, *codec.MALFORMED) as e:
+            raise CheckpointCorruptError(values.first_line(e)) from None
+        return Checkpoint(self, m, loaded, rng, meta)

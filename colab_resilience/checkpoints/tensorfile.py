@@ -1,0 +1,249 @@
+"""Safetensors files: tensors and arrays written from their own memory, and read back over one buffer.
+
+A blob holding tensors or arrays is a standard safetensors file (``safetensors.safe_open`` reads
+it): an 8-byte header length, a JSON header, then the data. The structure around the tensors (the
+tagged JSON of :mod:`.codec`) and a description of each tensor or array go to the header's
+``__metadata__`` under ``"colab_resilience"``: library, dtype, shape, device, ``requires_grad``,
+Parameter or not; for NumPy, C or Fortran order. Every torch dtype is kept: dtypes safetensors has
+no name for are stored as raw ``U8`` bytes, the real dtype in the description. Different views of
+one storage (``{"a": t, "b": t[::2]}``) are stored as the storage span once, each view described by
+its stride and offset in it.
+
+Writing makes no copy of contiguous CPU memory: :class:`Payload` is a list of memory segments (the
+header, then each tensor's own bytes). Data of more than a chunk starts at a 4 KiB boundary, so
+that a header a few bytes longer than at the last save (an optimizer's learning rate printed with
+more digits) leaves every chunk boundary where it was, and unchanged data is still recognised
+chunk for chunk.
+
+Reading (:func:`parse`, :func:`leaves_over`) checks every length and range, then makes tensors and
+arrays that are views of the one buffer the blob was read (or mapped) into.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import struct
+import sys
+from typing import Any
+
+from .hashing import CHUNK
+
+META_KEY = "colab_resilience"
+_MAX_HEADER = 256 << 20
+_HEADER_ALIGN = 4096
+
+_TORCH_ST = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+    "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+    "complex64": "C64", "uint16": "U16", "uint32": "U32", "uint64": "U64",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+}
+_NUMPY_ST = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "complex64": "C64",
+    "uint16": "U16", "uint32": "U32", "uint64": "U64",
+}
+_ST_SIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+    "BOOL": 1, "C64": 8, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1,
+}
+
+
+class Payload:
+    """A blob as a list of memory segments, plus the objects that keep that memory alive."""
+
+    def __init__(self, segments: list, keep: list | None = None):
+        self.segments = [memoryview(s).cast("B") for s in segments]
+        self.size = sum(s.nbytes for s in self.segments)
+        self.keep = keep or []
+
+
+def _memory(t) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (and without NumPy)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
+def _cpu_contiguous(t):
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.contiguous()
+
+
+def _shared_spans(torch, leaves: list, add, keep: list, descs: list) -> None:
+    """Different views of one storage: the storage span once (``add``), a description per view."""
+    groups: dict[tuple, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor) and x.numel():
+            groups.setdefault((x.device.type, x.device.index, x.untyped_storage().data_ptr()), []).append(i)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        ts = [leaves[i] for i in members]
+        if len({t.dtype for t in ts}) != 1 or any(s < 0 for t in ts for s in t.stride()):
+            continue
+        lo = min(t.storage_offset() for t in ts)
+        hi = max(t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1 for t in ts)
+        if (hi - lo) > 2 * sum(t.numel() for t in ts):
+            continue  # mostly gaps: cheaper to save the views apart
+        base = ts[0]
+        span = torch.empty(0, dtype=base.dtype, device=base.device)
+        span.set_(base.untyped_storage(), lo, (hi - lo,), (1,))
+        span = _cpu_contiguous(span)
+        keep.append(span)
+        dname = str(base.dtype).removeprefix("torch.")
+        st = _TORCH_ST.get(dname)
+        key = add(_memory(span), st or "U8", [hi - lo] if st else [span.numel() * span.element_size()],
+                  min(span.element_size(), 8))
+        for i, t in zip(members, ts):
+            descs[i] = {
+                "lib": "torch", "dtype": dname, "shape": list(t.shape), "span": key,
+                "stride": list(t.stride()), "offset": t.storage_offset() - lo,
+                "device": str(t.device), "requires_grad": bool(t.requires_grad),
+                "parameter": type(t) is not torch.Tensor,
+            }
+
+
+def payload(tree: Any, leaves: list) -> Payload:
+    """A safetensors file for ``leaves``; ``tree`` and each leaf's description go to metadata."""
+    torch = sys.modules.get("torch")
+    entries: list[tuple] = []  # key, st dtype, shape, memory, alignment
+    keep: list = []
+    descs: list[dict | None] = [None] * len(leaves)
+
+    def add(mem, st_dtype, shape, align) -> str:
+        key = str(len(entries))
+        entries.append((key, st_dtype, shape, mem, align))
+        return key
+
+    if torch is not None:
+        _shared_spans(torch, leaves, add, keep, descs)
+    for i, x in enumerate(leaves):
+        if descs[i] is not None:
+            continue
+        if torch is not None and isinstance(x, torch.Tensor):
+            c = _cpu_contiguous(x)
+            keep.append(c)
+            dname = str(x.dtype).removeprefix("torch.")
+            st = _TORCH_ST.get(dname)
+            nbytes = c.numel() * c.element_size()
+            key = add(_memory(c), st or "U8", list(c.shape) if st else [nbytes], min(c.element_size(), 8))
+            descs[i] = {
+                "lib": "torch", "dtype": dname, "shape": list(x.shape), "key": key,
+                "device": str(x.device), "requires_grad": bool(x.requires_grad),
+                "parameter": type(x) is not torch.Tensor,
+            }
+        else:
+            import numpy as np
+
+            order = "F" if (x.flags.f_contiguous and not x.flags.c_contiguous and x.ndim > 1) else "C"
+            c = np.ascontiguousarray(x.T if order == "F" else x)
+            keep.append(c)
+            st = _NUMPY_ST.get(x.dtype.name) if x.dtype.isnative else None
+            mem = memoryview(c.reshape(-1).view(np.uint8)) if c.nbytes else memoryview(b"")
+            key = add(mem, st or "U8", list(c.shape) if st else [c.nbytes], min(max(c.itemsize, 1), 8))
+            descs[i] = {"lib": "numpy", "dtype": x.dtype.str, "shape": list(x.shape), "key": key, "order": order}
+
+    entries.sort(key=lambda e: (-e[4], int(e[0])))  # aligned offsets: 8-byte items first
+    structure = json.dumps({"tree": tree, "leaves": descs}, separators=(",", ":"), allow_nan=False)
+    header: dict[str, Any] = {"__metadata__": {META_KEY: structure}}
+    offset = 0
+    for key, st, shape, mem, _ in entries:
+        header[key] = {"dtype": st, "shape": shape, "data_offsets": [offset, offset + mem.nbytes]}
+        offset += mem.nbytes
+    hbytes = json.dumps(header, separators=(",", ":")).encode()
+    # safetensors allows trailing spaces in the header; smaller data starts 8-aligned, as it does
+    hbytes += b" " * (-(8 + len(hbytes)) % (_HEADER_ALIGN if offset >= CHUNK else 8))
+    return Payload([struct.pack("<Q", len(hbytes)) + hbytes] + [e[3] for e in entries], keep)
+
+
+def parse(buf) -> tuple[Any, list[dict], dict[str, tuple[int, int]]]:
+    """Check a safetensors buffer; return (tree, leaf descriptions, key -> absolute byte range)."""
+    size = len(buf)
+    if size < 8:
+        raise ValueError("shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", bytes(buf[:8]))
+    if n > min(size - 8, _MAX_HEADER):
+        raise ValueError("safetensors header length is out of range")
+    header = json.loads(bytes(buf[8 : 8 + n]).decode("utf-8"))
+    if not isinstance(header, dict):
+        raise ValueError("safetensors header is not an object")
+    meta = header.pop("__metadata__", None)
+    if not isinstance(meta, dict) or not isinstance(meta.get(META_KEY), str):
+        raise ValueError("not a colab_resilience safetensors file")
+    structure = json.loads(meta[META_KEY])
+    ranges: dict[str, tuple[int, int]] = {}
+    base = 8 + n
+    for key, info in header.items():
+        a, b = info["data_offsets"]
+        count = 1
+        for d in info["shape"]:
+            if type(d) is not int or d < 0:
+                raise ValueError("bad shape")
+            count *= d
+        if type(a) is not int or type(b) is not int or not 0 <= a <= b <= size - base:
+            raise ValueError(f"tensor {key!r} lies outside the file")
+        if count * _ST_SIZE[info["dtype"]] != b - a:
+            raise ValueError(f"tensor {key!r} has the wrong length")
+        ranges[key] = (base + a, base + b)
+    if not isinstance(structure, dict) or not isinstance(structure.get("leaves"), list):
+        raise ValueError("no structure in the safetensors metadata")
+    return structure.get("tree"), structure["leaves"], ranges
+
+
+def leaves_over(buf, descs: list[dict], ranges: dict[str, tuple[int, int]]) -> list[Any]:
+    """Tensors and arrays over ``buf`` (a NumPy uint8 array), on the CPU, without a copy."""
+    import numpy as np
+
+    leaves: list[Any] = []
+    spans: dict[str, Any] = {}
+    for d in descs:
+        if not isinstance(d, dict):
+            raise ValueError("bad leaf description")
+        shape = [int(s) for s in d["shape"]]
+        count = math.prod(shape)
+        if d["lib"] == "numpy":
+            dtype = np.dtype(d["dtype"])
+            a, b = ranges[d["key"]]
+            if count * dtype.itemsize != b - a:
+                raise ValueError("an array has the wrong length")
+            arr = buf[a:b].view(dtype)
+            arr = arr.reshape(shape[::-1]).T if d.get("order") == "F" else arr.reshape(shape)
+            leaves.append(arr)
+            continue
+        import torch
+
+        dtype = getattr(torch, d["dtype"])
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError("unknown dtype")
+        if "span" in d:
+            key = d["span"]
+            if key not in spans:
+                a, b = ranges[key]
+                spans[key] = torch.from_numpy(buf[a:b]).view(dtype)
+            span = spans[key]
+            stride = [int(s) for s in d["stride"]]
+            off = int(d["offset"])
+            end = off + sum((n - 1) * s for n, s in zip(shape, stride)) + 1 if count else off
+            if off < 0 or any(s < 0 for s in stride) or end > span.numel():
+                raise ValueError("a view lies outside its storage")
+            leaves.append(span.as_strided(shape, stride, off))
+            continue
+        a, b = ranges[d["key"]]
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        if count * itemsize != b - a:
+            raise ValueError("a tensor has the wrong length")
+        if count == 0:
+            leaves.append(torch.empty(shape, dtype=dtype))
+        else:
+            leaves.append(torch.from_numpy(buf[a:b]).view(dtype).reshape(shape))
+    return leaves

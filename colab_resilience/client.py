@@ -1,0 +1,246 @@
+"""The supervisor's kernels: nbclient's ``NotebookClient`` made to survive its kernel, and the
+standby kernel it keeps warm.
+
+:class:`SupervisedClient` adds what a supervisor needs to the client papermill and nbclient use:
+it notices a dead kernel within :attr:`~SupervisedClient.kernel_poll_interval` instead of a
+second, connects to a kernel without giving up for good when that kernel dies while starting,
+puts a new kernel (the standby, or a restarted one) in place of a dead one, and calls the
+kernel-side API (:mod:`colab_resilience.kernelapi`, spelled by :func:`api_call`) with replies
+that fail fast when the kernel dies under them.
+
+:class:`Standby` is a second kernel, started with the working kernel's arguments, environment and
+folder: after every cell the driver asks the working kernel which installed modules it imported
+since the last cell and has the standby import them too. When the working kernel dies, the
+standby is adopted: the kernel start and the imports (``import torch`` and what the set-up cells
+pull in) are already done, and only the replay and the restore remain. A standby that died (the
+OOM killer's first choice) is noticed when it is needed; that restart is a cold one. What the
+standby does to itself is :mod:`colab_resilience.standby`.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import os
+import time
+from typing import Any
+
+from jupyter_client import AsyncKernelManager
+from jupyter_core.utils import ensure_async, run_sync
+from nbclient import NotebookClient
+from nbclient.exceptions import DeadKernelError
+from traitlets import Float
+
+from . import kernelapi, priority, standby
+
+
+def api_call(function: str, *args) -> str:
+    """The code that runs ``colab_resilience.kernelapi.<function>(*args)`` in a kernel (args:
+    literals)."""
+    if function not in kernelapi.__all__:
+        raise ValueError(f"{function!r} is not a kernel API function")
+    return f"__import__('colab_resilience.kernelapi').kernelapi.{function}({', '.join(map(repr, args))})"
+
+
+class SupervisedClient(NotebookClient):
+    """A ``NotebookClient`` whose kernel may die and be replaced between and within cells."""
+
+    kernel_poll_interval = Float(
+        0.1, help="Seconds between checks that the kernel is alive while a cell runs (nbclient: 1)."
+    ).tag(config=True)
+
+    async def _async_poll_kernel_alive(self) -> None:
+        # nbclient has no setting for how often it checks, and this coroutine is the one place
+        # it does; cancelling the reply task from outside instead would leave nbclient's own
+        # check running after a death, and it would later cancel a replayed cell's reply. Should
+        # nbclient rename it, this override is unused and deaths are noticed after a second.
+        while True:
+            await asyncio.sleep(self.kernel_poll_interval)
+            try:
+                await self._async_check_alive()
+            except DeadKernelError:
+                if self.task_poll_for_reply is not None:
+                    self.task_poll_for_reply.cancel()
+                return
+
+    def connect(self) -> bool:
+        """Connect to the kernel the manager just started; False if it died first.
+
+        Not nbclient's ``start_new_kernel_client``: when the kernel dies before it answers, that
+        raises out of the run and shuts the manager down for good (its ZMQ context too); a crash
+        at start-up must instead count against the budget like any other death.
+        """
+        kc = self.km.client()
+        kc.start_channels()
+        try:
+            run_sync(kc.wait_for_ready)(timeout=self.startup_timeout)
+        except RuntimeError:  # "Kernel died before replying to kernel_info", or no answer in time
+            kc.stop_channels()
+            return False
+        kc.allow_stdin = False
+        self.kc = kc
+        return True
+
+    def replace_kernel(self, adopted=None) -> bool:
+        """A kernel in place of the dead one: ``adopted`` (a started kernel manager, the standby)
+        or the same kernel restarted with its first arguments and environment. False when the new
+        kernel died while starting."""
+        if adopted is not None:
+            dead, self.km = self.km, adopted
+            discard(dead)
+        else:
+            run_sync(self.km.restart_kernel)(now=True)
+        if self.kc is not None:
+            self.kc.stop_channels()
+            self.kc = None
+        return self.connect()
+
+    def exit_code(self) -> int | None:
+        """How the kernel process ended: its exit code, ``-N`` for signal N, None if unknown."""
+        process = getattr(getattr(self.km, "provisioner", None), "process", None)
+        try:
+            return process.poll() if process is not None else None
+        except Exception:
+            return None
+
+    def call(self, code: str = "", *, user_expressions: dict | None = None, timeout: float = 60.0) -> dict:
+        """Run ``code`` silently in the kernel and return its ``execute_reply``.
+
+        Unlike ``execute_interactive``, which waits out its whole timeout when the kernel dies
+        under it, this raises ``DeadKernelError`` within a poll interval of a death, so a kill
+        between two cells is recovered like a kill inside one.
+        """
+        from queue import Empty
+
+        async def call() -> dict:
+            kc, km = self.kc, self.km
+            msg_id = kc.execute(code, silent=True, store_history=False,
+                                user_expressions=user_expressions or {}, allow_stdin=False)
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    msg = await ensure_async(kc.get_shell_msg(timeout=self.kernel_poll_interval))
+                except Empty:
+                    if not await ensure_async(km.is_alive()):
+                        raise DeadKernelError("Kernel died") from None
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"the kernel did not answer within {timeout:.0f} s") from None
+                    continue
+                if msg.get("parent_header", {}).get("msg_id") == msg_id:
+                    return msg
+
+        return run_sync(call)()
+
+    def evaluate(self, expr: str, *, timeout: float = 60.0) -> Any:
+        """The value of ``expr`` evaluated silently in the kernel (a literal: its repr is parsed
+        back), or None when it failed or is not a literal. ``DeadKernelError`` and
+        ``TimeoutError`` go to the caller."""
+        reply = self.call(user_expressions={"v": expr}, timeout=timeout)
+        value = reply.get("content", {}).get("user_expressions", {}).get("v", {})
+        if value.get("status") != "ok":
+            return None
+        try:
+            return ast.literal_eval(value["data"]["text/plain"])
+        except (KeyError, ValueError, SyntaxError, TypeError):
+            return None
+
+    def shutdown(self) -> None:
+        """Stop the kernel (whichever took over) and the channels; nothing here may fail."""
+        try:
+            if self.km.has_kernel:
+                run_sync(self.km.shutdown_kernel)(now=True)
+        except Exception:
+            pass
+        if self.kc is not None:
+            try:
+                self.kc.stop_channels()
+            except Exception:
+                pass
+
+
+class Standby:
+    """The driver's standby kernel: started with the working kernel's arguments, environment and
+    folder; fed the working kernel's imports after every cell; handed over by :meth:`take`."""
+
+    def __init__(self, client, sockets: str, env: dict, cwd: str):
+        self.client, self.sockets, self.env, self.cwd = client, sockets, env, cwd
+        self.km = self.kc = None
+        self.started = 0
+        self.modules: dict[str, None] = {}  # every module a working kernel reported, in order
+
+    def spawn(self) -> None:
+        self.shutdown()
+        self.started += 1
+        km = AsyncKernelManager(kernel_name=self.client.kernel_name, transport="ipc",
+                                ip=os.path.join(self.sockets, f"standby-{self.started}"))
+        try:
+            run_sync(km.start_kernel)(extra_arguments=list(self.client.extra_arguments),
+                                      env={**self.env, standby.ENV: "1"}, cwd=self.cwd)
+        except Exception:  # no standby: the next restart is a cold one, as without it
+            return
+        self.km, self.kc = km, km.client()
+        whole = priority.may_raise_priority()
+        if whole:  # its start-up at low priority too, not only its later imports
+            try:
+                priority.lower(km.provisioner.process.pid)
+            except AttributeError:
+                pass
+        self.kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        self._send(api_call("become_standby", whole))
+        if self.modules:
+            self._send(api_call("preload", list(self.modules)))
+
+    def _send(self, code: str) -> None:
+        async def send() -> None:  # the client's sockets belong to the driver's event loop
+            self.kc.execute(code, silent=True, store_history=False, allow_stdin=False)
+
+        run_sync(send)()
+
+    def follow(self) -> None:
+        """After a cell: have the standby import what the working kernel imported since the last."""
+        if self.km is None:
+            return
+        try:
+            names = self.client.evaluate(api_call("new_modules"), timeout=30)
+        except (DeadKernelError, TimeoutError):  # the next cell finds out
+            return
+        fresh = [n for n in names.split() if n not in self.modules] if isinstance(names, str) else []
+        self.modules.update(dict.fromkeys(fresh))
+        if fresh:
+            self._send(api_call("preload", fresh))
+
+    def take(self):
+        """The standby's kernel manager, for the driver to adopt; None when none is alive."""
+        km, kc = self.km, self.kc
+        self.km = self.kc = None
+        if km is None:
+            return None
+        kc.stop_channels()
+        try:
+            alive = run_sync(km.is_alive)()
+        except Exception:
+            alive = False
+        if not alive:
+            discard(km)
+            return None
+        return km
+
+    def shutdown(self) -> None:
+        km, kc = self.km, self.kc
+        self.km = self.kc = None
+        if kc is not None:
+            kc.stop_channels()
+        if km is not None:
+            try:  # at once: jupyter_client's shutdown interrupts it first, and it would say so
+                km.provisioner.process.kill()
+            except (AttributeError, OSError):
+                pass
+            discard(km)
+
+
+def discard(km) -> None:
+    """Shut down (a dead kernel: clean up) ``km``; nothing it raises matters any more."""
+    try:
+        run_sync(km.shutdown_kernel)(now=True)
+    except Exception:
+        pass

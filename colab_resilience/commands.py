@@ -1,0 +1,159 @@
+"""``%resilience status | resume | reset | dir``, and putting back the state of finished runs.
+
+Plain functions of a :class:`colab_resilience.session.Session`; the magic only parses. User
+mistakes raise :class:`colab_resilience.errors.OptionError` (shown as a usage error).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from . import fsutil, replay, restart
+from .errors import JournalError, OptionError, ResilienceError, RunLockedError
+from .journal import Journal, find_runs
+from .lock import RunLock
+from .run import open_store, restore_latest
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
+
+def pick_run(session, command: str, wanted: str | None) -> Path:
+    """The run folder ``wanted`` names (``run-<id>`` or ``<id>``), or the most recent one."""
+    found = find_runs(session.root())
+    if wanted:
+        wanted = wanted.removeprefix("run-")
+        match = [p for p in found if p.name == f"run-{wanted}"]
+        if not match:
+            have = ", ".join(p.name.removeprefix("run-") for p in found) or "none"
+            raise OptionError(f"%resilience {command}: no run {wanted!r} in {session.root()} (runs: {have})")
+        return match[0]
+    if not found:
+        raise OptionError(f"%resilience {command}: no runs in {session.root()}; a %%resilient cell creates one")
+    return found[0]
+
+
+def status(session) -> None:
+    """Every run in the run directory: status, restarts, what it saves, its last checkpoint."""
+    found = find_runs(session.root())
+    policy = (session.policy or restart.RestartPolicy()).describe()
+    print(f"colab_resilience: run directory {session.root()}; planned restarts {policy}")
+    if not found:
+        print("  no runs yet")
+    for path in found:
+        try:
+            j = Journal.load(path)  # without the key: status only shows
+        except (JournalError, OSError) as e:
+            print(f"  {path.name}: unreadable ({e})")
+            continue
+        shrink = ", ".join(f"{k}={v}" for k, v in j.shrink.items())
+        last = j.restarts[-1].reason if j.restarts else "none"
+        print(
+            f"  run {j.run_id}: {j.status}; restarts {j.restarts_used}/{j.max_restarts} (last: {last}); "
+            f"saves {', '.join(j.names) or 'nothing'}; last checkpoint {j.last_checkpoint or 'none'}; "
+            f"{_plural(len(j.replay_cells), 'replay cell')}"
+            + (f"; {shrink}" if shrink else "")
+        )
+
+
+def set_dir(session, folder: str) -> None:
+    path = Path(folder)
+    try:
+        path = path.expanduser()  # RuntimeError: ~user of no such user
+        fsutil.make_private_dir(path)  # ValueError: a NUL in the path
+    except (OSError, ValueError, RuntimeError) as e:
+        why = getattr(e, "strerror", None) or e
+        raise OptionError(f"%resilience dir: cannot use {path} ({why}); choose a writable folder") from None
+    session.settings.run_dir = str(path)
+    session.say(f"colab_resilience: runs are kept in {path}")
+
+
+def _locked(command: str, run_dir: Path) -> RunLock:
+    lock = RunLock(run_dir)
+    try:
+        return lock.acquire()
+    except RunLockedError as e:
+        raise OptionError(f"%resilience {command}: {str(e).splitlines()[0]}") from None
+
+
+def reset(session, run_dir: Path) -> None:
+    """Forget a run: its journal and checkpoints."""
+    lock = _locked("reset", run_dir)
+    try:
+        shutil.rmtree(run_dir)
+    finally:
+        lock.release()
+    restart.remove_startup_file_if_idle(session.shell, session.root())
+    if session.adopt and run_dir.name == f"run-{session.adopt}":
+        session.adopt = None
+    session.say(f"colab_resilience: forgot {run_dir.name} (journal and checkpoints removed)")
+
+
+def resume(session, run_dir: Path, *, trust: bool = False) -> None:
+    """Replay a run's set-up cells, restore its last checkpoint and mark it pending, so that the
+    next ``%%resilient`` cell continues it. ``trust``: the run was written under another key (the
+    user vouches for it); it is signed with this installation's key from then on."""
+    from .signing import load_or_create_key
+
+    lock = _locked("resume", run_dir)
+    try:
+        key = load_or_create_key()
+        try:
+            j = Journal.load(run_dir, key=key, trust=trust)
+        except JournalError as e:
+            raise OptionError(str(e)) from None
+        store = open_store(run_dir, key)
+        if trust:
+            adopted = store.adopt()
+            j.save()
+            firsts = "; ".join(c.source.strip().splitlines()[0][:60] for c in j.replay_cells if c.source.strip())
+            session.say(
+                f"colab_resilience: run {j.run_id} trusted and signed with this installation's key "
+                f"(journal and {_plural(len(adopted), 'checkpoint')})"
+                + (f"; replaying: {firsts}" if firsts else "")
+            )
+        replayed = replay.replay(session.shell, j.replay_cells, session.replay_log, session.say)
+        restored: list[str] = []
+        try:
+            _, restored = restore_latest(store, session.shell.user_ns, j.names)
+        except ResilienceError as e:
+            session.say(str(e).splitlines()[0])
+        j.status = "pending"
+        j.restart_requested = True  # resumed by hand: not a kernel death to count
+        j.kernel_pid = os.getpid()
+        j.save()
+    finally:
+        lock.release()
+    session.adopt = j.run_id
+    session.say(
+        f"colab_resilience: run {j.run_id}: replayed {_plural(replayed, 'cell')}, "
+        f"restored {', '.join(restored) or 'nothing'}; the next %%resilient cell you run continues it"
+    )
+
+
+def restore_finished_runs(session) -> list[str]:
+    """Put back the final state of every run that finished in the run directory, oldest first (a
+    later run's values win); return the names restored."""
+    from .signing import load_or_create_key
+
+    key = load_or_create_key()
+    done = []
+    for run_dir in reversed(find_runs(session.root())):
+        try:
+            j = Journal.load(run_dir, key=key)
+        except JournalError:
+            continue
+        if j.status == "done":
+            done.append((run_dir, j))
+    restored: list[str] = []
+    for run_dir, j in done:
+        try:
+            _, got = restore_latest(open_store(run_dir, key), session.shell.user_ns, j.names)
+        except ResilienceError as e:
+            session.say(str(e).splitlines()[0])
+            continue
+        restored += [n for n in got if n not in restored]
+    return restored

@@ -1,0 +1,105 @@
+"""One process per run directory: an ``fcntl.flock`` on ``run_dir/lock``.
+
+The file holds the holder's PID, so a second process is told who holds it
+(:class:`~colab_resilience.errors.RunLockedError`). The kernel drops a flock when its holder
+dies, SIGKILL included, so a crashed kernel never leaves a stale lock. Re-acquiring in the same
+process is counted, not refused.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+from pathlib import Path
+
+from . import fsutil
+from .errors import RunLockedError
+
+LOCK_NAME = "lock"
+
+_held: dict[str, list[int]] = {}  # realpath of lock file -> [fd, count]
+_held_guard = threading.Lock()
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        return int(text) if text else None
+    except (OSError, ValueError):
+        return None
+
+
+class RunLock:
+    """Exclusive use of one run directory by one process (re-entrant within the process). Keep a
+    reference while you need it: a lock object that is garbage-collected releases its hold."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_NAME
+        self._key: str | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._key is not None
+
+    def acquire(self) -> RunLock:
+        if self._key is not None:
+            return self
+        fsutil.make_private_dir(self.run_dir)
+        key = os.path.realpath(self.path)
+        with _held_guard:
+            if key in _held:
+                _held[key][1] += 1
+                self._key = key
+                return self
+            fd = os.open(key, os.O_RDWR | os.O_CREAT | fsutil.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                pid = _read_pid(fd)
+                os.close(fd)
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                who = f"process {pid}" if pid else "another process"
+                raise RunLockedError(
+                    f"colab_resilience: run directory {self.run_dir} is in use by {who}; "
+                    "stop that kernel or choose another run directory",
+                    pid=pid,
+                ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            _held[key] = [fd, 1]
+            self._key = key
+        return self
+
+    def release(self) -> None:
+        key, self._key = self._key, None
+        if key is None:
+            return
+        with _held_guard:
+            entry = _held.get(key)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del _held[key]
+                try:
+                    os.ftruncate(entry[0], 0)
+                except OSError:
+                    pass
+                fcntl.flock(entry[0], fcntl.LOCK_UN)
+                os.close(entry[0])
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:
+            pass

@@ -1,0 +1,79 @@
+"""How much memory is in use: this process (host RSS plus what torch holds on CUDA devices), the
+machine (for ``%restart_after --memory``), and byte counts written for people.
+
+No framework is imported here: torch is looked at only if the notebook imported it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def rss_bytes() -> int:
+    """This process's resident memory."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        # ru_maxrss is a peak, not current: the best a non-Linux system gives without psutil
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def cuda_reserved_bytes() -> int:
+    """CUDA memory torch's caching allocator holds, on every device (0 before CUDA is used)."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_initialized():
+            return sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count()))
+    except Exception:  # a poisoned CUDA context fails every call; nothing to measure then
+        pass
+    return 0
+
+
+def memory_in_use() -> int:
+    """Host resident memory plus CUDA memory reserved by torch, in bytes."""
+    return rss_bytes() + cuda_reserved_bytes()
+
+
+def memory_in_use_percent(*, discount_standby: bool = False) -> tuple[float, str]:
+    """The higher of host memory in use and (once CUDA is initialised) GPU memory in use, and
+    which one it is. ``discount_standby`` (under a supervisor): the standby kernel's memory does
+    not count, since the OOM killer takes it back first."""
+    best, where = 0.0, "host RAM"
+    try:
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, v = line.split(":", 1)
+                info[k] = int(v.split()[0])
+        available = info["MemAvailable"]
+        if discount_standby:
+            from .standby import standby_bytes
+
+            available = min(info["MemTotal"], available + standby_bytes() // 1024)
+        best = 100.0 * (info["MemTotal"] - available) / info["MemTotal"]
+    except (OSError, KeyError, ValueError, ZeroDivisionError):
+        pass
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_initialized():
+            free, total = torch.cuda.mem_get_info()
+            gpu = 100.0 * (total - free) / total
+            if gpu > best:
+                best, where = gpu, "GPU memory"
+    except Exception:
+        pass
+    return best, where
+
+
+def format_bytes(n: float) -> str:
+    """``1.5 GiB``; a value that would print as 1024.0 of a unit is written in the next one."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        shown = round(n) if unit == "B" else round(n, 1)
+        if abs(shown) < 1024 or unit == "TiB":
+            return f"{shown} {unit}" if unit == "B" else f"{shown:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover

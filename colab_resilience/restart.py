@@ -1,0 +1,164 @@
+"""How a kernel leaves for a restart and comes back: the policy, the budget, the startup file.
+
+The contract with a supervising driver (:mod:`colab_resilience.driver`):
+
+* ``COLAB_RESILIENCE_SUPERVISED=1`` in the kernel's environment means a driver started it. The
+  kernel writes the journal (``status: "pending"``, ``interrupted_cell``, the restart and
+  ``restart_requested``) and exits with :data:`EXIT_RESTART`; the driver restarts the kernel,
+  replays the set-up cells and re-executes the interrupted cell.
+* Otherwise (Colab, JupyterLab, Notebook) a small startup file in the active IPython profile
+  loads this extension into the next kernel while a run is pending; the kernel writes the journal
+  and exits, the server's restarter starts a new kernel, and the run goes on when the user runs
+  the interrupted cell again (or Run all).
+
+Unplanned restarts (an OOM past the retries, a kernel that died without warning) spend the run's
+budget (``--max-restarts``), counted on disk across kernels; planned ones (``%restart_after``)
+do not. Past the budget the run fails with a report of every restart.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from .journal import Journal, RestartPolicy, RestartRecord, pending_runs
+
+__all__ = ["EXIT_RESTART", "RestartPolicy", "SUPERVISED_ENV", "leave", "planned_reason", "refuse", "supervised"]
+
+SUPERVISED_ENV = "COLAB_RESILIENCE_SUPERVISED"
+EXIT_RESTART = 75  # EX_TEMPFAIL: "restart me and re-execute the interrupted cell"
+STARTUP_NAME = "00-colab_resilience.py"
+
+
+def supervised() -> bool:
+    return os.environ.get(SUPERVISED_ENV) == "1"
+
+
+def planned_reason(policy: RestartPolicy, safe_points: int) -> str | None:
+    """Why ``policy`` asks for a restart at this safe point, or None."""
+    if policy.every and safe_points % policy.every == 0:
+        return f"planned restart after {policy.every} safe points"
+    if policy.memory_percent is not None:
+        from .memory import memory_in_use_percent
+
+        used, where = memory_in_use_percent(discount_standby=supervised())
+        if used >= policy.memory_percent:
+            return f"planned restart: {where} in use at {used:.0f}% (threshold {policy.memory_percent:g}%)"
+    return None
+
+
+def budget_report(journal: Journal, reason: str) -> str:
+    done = [r for r in journal.restarts if not r.refused]
+    fix = "the set-up cell that kills the kernel" if "replaying" in reason else "a smaller batch, less memory"
+    attempts = "; ".join(f"{i}. {r.reason}" + (" (planned)" if r.planned else "") for i, r in enumerate(done, 1))
+    return (
+        f"colab_resilience: run {journal.run_id} failed: restart budget spent "
+        f"({journal.restarts_used}/{journal.max_restarts} restarts) and {reason}. Restarts: {attempts or 'none'}. "
+        f"Fix the cause ({fix}), then run the cell again to start afresh, or raise --max-restarts."
+    )
+
+
+def refuse(journal: Journal, reason: str) -> str:
+    """Record a restart the budget does not allow; the run fails. Returns the report to show."""
+    journal.restarts.append(RestartRecord(reason, refused=True))
+    journal.status = "failed"
+    journal.save()
+    return budget_report(journal, reason)
+
+
+def leave(shell, journal: Journal, reason: str, *, planned: bool = False, iteration: object = None,
+          say: Callable[[str], None] = print) -> str:
+    """Restart the kernel: record why, arrange the next kernel, exit. Returns only when it cannot:
+    the budget is spent or this IPython is not a kernel; the run has then failed, and the
+    returned line says why."""
+    if getattr(shell, "kernel", None) is None and not supervised():
+        # terminal IPython, or a shell embedded in a program: no restarter would bring it back
+        journal.restarts.append(RestartRecord(reason, refused=True))
+        journal.status = "failed"
+        journal.save()
+        return (
+            f"colab_resilience: {reason}; this IPython is not a Jupyter kernel, so it cannot be "
+            "restarted: the run stops here (its last checkpoint is kept)"
+        )
+    at = repr(iteration) if iteration is not None else None
+    if planned:
+        journal.restarts.append(RestartRecord(reason, planned=True))
+    elif journal.restarts_left == 0:
+        return refuse(journal, reason)
+    else:
+        journal.restarts.append(RestartRecord(reason, at=at))
+        journal.restarts_used += 1
+    journal.restart_requested = True
+    journal.status = "pending"
+    journal.kernel_pid = os.getpid()
+    journal.save()
+    where = f" in iteration {iteration!r}" if iteration is not None else ""
+    count = "" if planned else f"; restart {journal.restarts_used}/{journal.max_restarts}"
+    then = "" if supervised() else (
+        ". When it is back, run this cell again (or Run all) to continue from the last safe point."
+    )
+    say(f"colab_resilience: {reason}{where}: restarting the kernel{count}{then}")
+    exit_kernel(EXIT_RESTART)
+    return ""  # not reached
+
+
+def exit_kernel(code: int) -> None:
+    """Leave the kernel now: flush what the user should see, give iopub a moment, exit."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    # flush() returns once ipykernel's IO thread handed the output to ZMQ, whose own thread sends
+    # it a moment later; os._exit would drop what is still queued
+    time.sleep(0.1)
+    os._exit(code)
+
+
+# -- the startup file that brings the extension into the next kernel --------------------------------
+
+_STARTUP = '''\
+# Written by colab_resilience: loads it into a kernel that replaces one it restarted, while a run
+# is pending. It does nothing otherwise, and is removed when no run is pending any more.
+try:
+    from colab_resilience.startup import load_if_pending as _crl
+    _crl(get_ipython(), {root!r})
+    del _crl
+except Exception:
+    pass
+'''
+
+
+def startup_path(shell) -> Path | None:
+    profile_dir = getattr(shell, "profile_dir", None)
+    if profile_dir is None:
+        return None
+    return Path(profile_dir.startup_dir) / STARTUP_NAME
+
+
+def install_startup_file(shell, root: Path) -> None:
+    path = startup_path(shell)
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    # IPython executes this file: never writable by others, whatever the umask
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        os.fchmod(fd, 0o644)
+        os.write(fd, _STARTUP.format(root=str(root)).encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def remove_startup_file_if_idle(shell, root: Path) -> None:
+    path = startup_path(shell)
+    if path is not None and path.exists() and not pending_runs(root):
+        try:
+            path.unlink()
+        except OSError:
+            pass

@@ -1,0 +1,378 @@
+"""A run: one logical execution of a ``%%resilient`` cell, surviving retries and restarts, and its
+safe points (:func:`resume_range`, :func:`checkpoint`).
+
+A run lives in ``ROOT/run-<id>/`` (``journal.json``, ``lock``, ``checkpoints/``); its id comes from
+the cell's identity, so the same cell executed in a new kernel finds its run again. The journal
+says whether the run is *pending* (it ended abnormally: an OOM past the retries, a restart we
+asked for, a kernel that died) and so resumes on the next execution, or ended *done* or *failed*.
+
+Opening a run (:meth:`Run.open`) takes the lock and reads or creates the journal; it runs no user
+code. The caller replays the set-up cells if a kernel restart came between (:attr:`Run.needs_replay`),
+then calls :meth:`Run.start`. Safe points are where the declared state (``--save``) is
+consistent: the start of the loop (or of the cell, when it has no :func:`resume_range`), the end
+of every ``resume_range`` iteration, an explicit :func:`checkpoint`, the successful end of the
+cell. A resumed or retried run restores the state of the last safe point at the loop start (so
+``history = []`` above the loop does not wipe it) and skips the iterations that were finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Mapping, MutableMapping
+
+from . import fsutil, restart
+from .checkpoints import Checkpoint, CheckpointStore
+from .errors import CheckpointError, JournalError, NoCheckpointError, RunStoppedError
+from .journal import Journal, ReplayCell, RestartPolicy, merge_replay_cells
+from .lock import RunLock
+
+
+def run_id_for(cell_key: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(cell_key.encode()).hexdigest()[:8]
+
+
+def open_store(run_dir: Path, key: bytes) -> CheckpointStore:
+    """The checkpoints of the run in ``run_dir``."""
+    return CheckpointStore(run_dir / "checkpoints", key=key, run_id=run_dir.name.removeprefix("run-"))
+
+
+def restore_latest(store: CheckpointStore, namespace: MutableMapping, names: Iterable[str],
+                   *, trust: bool = False) -> tuple[Checkpoint, list[str]]:
+    """Restore ``names`` from the newest loadable checkpoint of ``store`` into ``namespace``
+    (in place where they were saved by ``state_dict``; the random-number states too). Returns the
+    checkpoint and the names restored; :class:`NoCheckpointError` when there is none."""
+    ckpt = store.load(trust=trust)
+    wanted = set(names)
+    return ckpt, ckpt.restore(namespace, [n for n in ckpt.names if n in wanted], strict=False)
+
+
+class Run:
+    """One ``%%resilient`` run, opened for one execution of its cell in this kernel."""
+
+    def __init__(self, shell, journal: Journal, store: CheckpointStore, lock: RunLock, *, root: Path,
+                 body: str, names: list[str], shrink: list[str], every: tuple[int | None, float | None],
+                 policy: RestartPolicy, resuming: bool, after_restart: bool, say: Callable[[str], None]):
+        self.shell, self.journal, self.store, self.lock, self.root = shell, journal, store, lock, root
+        self.names, self.shrink, self.policy, self.say = names, shrink, policy, say
+        self.every_n, self.every_seconds = every
+        self.uses_loop = "resume_range" in body
+        self.resuming = resuming  # restore the last safe point at the next restore point
+        self.after_restart = after_restart  # this kernel replaced the one that wrote the journal
+        self.safe_points = 0
+        self.iteration: object = None  # the value of the iteration in progress
+        self.next_index = 0  # where a resume from a checkpoint taken now would go on
+        self._saved_point = -1  # the safe point the last successful save was made at
+        self._names_at_checkpoint: set[str] | None = None  # the namespace's names then
+        self._said: set = set()  # names already reported as missing or unsaveable
+        self._last_save = 0.0
+        self._replayed, self._replay_seconds = 0, 0.0
+        self._resume_note: str | None = None  # said where the run goes on after a restart
+
+    @property
+    def run_id(self) -> str:
+        return self.journal.run_id
+
+    @property
+    def dir(self) -> Path:
+        return self.journal.run_dir
+
+    @classmethod
+    def open(cls, shell, root: Path, run_id: str, *, cell_key: str, source: str, body: str,
+             names: list[str], shrink: list[str] = (), max_restarts: int = 3,
+             every: tuple[int | None, float | None] = (1, None), policy: RestartPolicy | None = None,
+             say: Callable[[str], None] = print) -> Run:
+        """Take the run's lock and read its journal (a pending run resumes) or start a new one.
+        Raises :class:`RunLockedError` (another kernel holds it) or :class:`RunStoppedError` (an
+        unusable journal, or a death without warning that the budget does not cover)."""
+        from .signing import load_or_create_key
+
+        run_dir = Path(root) / f"run-{run_id}"
+        fsutil.make_private_dir(root)
+        lock = RunLock(run_dir).acquire()
+        try:
+            key = load_or_create_key()
+            store = open_store(run_dir, key)
+            journal = None
+            if Journal.exists(run_dir):
+                try:
+                    journal = Journal.load(run_dir, key=key)
+                except JournalError as e:
+                    raise RunStoppedError(str(e)) from None
+            if journal is not None and journal.status == "pending":
+                after_restart = _take_over(shell, journal, root)
+                resuming = True
+                policy = policy or journal.policy
+            else:
+                store.clear()
+                journal = Journal.create(run_dir, run_id, max_restarts=max_restarts, save=False)
+                resuming = after_restart = False
+            policy = policy or RestartPolicy()
+            journal.cell_key, journal.names, journal.policy = cell_key, list(names), policy
+            journal.kernel_pid, journal.interrupted_cell, journal.status = os.getpid(), source, "pending"
+            journal.save()
+        except BaseException:
+            lock.release()
+            raise
+        if not restart.supervised():
+            # already now, not only before a restart we ask for: a kernel killed without warning
+            # (the OOM killer) must come back with the extension loaded too
+            restart.install_startup_file(shell, Path(root))
+        return cls(shell, journal, store, lock, root=Path(root), body=body, names=list(names),
+                   shrink=list(shrink), every=every, policy=policy, resuming=resuming,
+                   after_restart=after_restart, say=say)
+
+    # -------------------------------------------------------------------------------- resume
+
+    @property
+    def needs_replay(self) -> bool:
+        """Whether this kernel must run the journal's set-up cells before the run goes on."""
+        return self.after_restart and bool(self.journal.replay_cells)
+
+    def begin_replay(self) -> None:
+        """Mark the replay in the journal: a death during it is then told apart from one in the
+        training by the next kernel."""
+        self.journal.phase = "replay"
+        self.journal.save()
+
+    def start(self, setup_cells: list[ReplayCell], *, replayed: int = 0, replay_seconds: float = 0.0) -> None:
+        """The run goes on in this kernel: the set-up cells it knows are recorded, the shrunk
+        values of a resumed run are put back."""
+        self._replayed, self._replay_seconds = replayed, replay_seconds
+        j = self.journal
+        j.phase = None
+        if self.resuming:
+            self.shell.user_ns.update(j.shrink)
+        merge_replay_cells(j.replay_cells, setup_cells)
+        j.save()
+
+    def restore(self, where: str) -> int:
+        """Restore the last safe point into the namespace; return the iteration index to go on from."""
+        start = time.perf_counter()
+        try:
+            ckpt, restored = restore_latest(self.store, self.shell.user_ns, self.names)
+        except NoCheckpointError:
+            self.say(f"colab_resilience: run {self.run_id}: no checkpoint yet, {where} starts from the beginning")
+            self.resuming = False
+            return 0
+        seconds = time.perf_counter() - start
+        nxt = int(ckpt.meta.get("next", 0)) if isinstance(ckpt.meta, dict) else 0
+        self.resuming = False
+        if self.after_restart:
+            self.after_restart = False
+            j = self.journal
+            last = j.restarts[-1].reason if j.restarts else "a restart"
+            replayed = self._replayed
+            self._resume_note = (
+                f"colab_resilience: resumed run {self.run_id} after kernel restart ({last}; "
+                f"restart {j.restarts_used}/{j.max_restarts}): "
+                + (f"replayed {replayed} cell{'s' if replayed != 1 else ''}, " if replayed else "")
+                + f"restored {', '.join(restored) or 'nothing'} in {seconds + self._replay_seconds:.1f} s"
+            )
+        return nxt
+
+    def _take_note(self) -> str | None:
+        note, self._resume_note = self._resume_note, None
+        return note
+
+    # ----------------------------------------------------------------------- safe points
+
+    def attempt_start(self) -> None:
+        """Before each attempt of the cell: without a loop, the cell start is the restore point."""
+        if self.uses_loop:
+            return
+        if self.resuming:
+            self.restore("the cell")
+            note = self._take_note()
+            if note:
+                self.say(note + "; running the cell again")
+        elif self.safe_points == 0:
+            self.save(next_index=0, force=True)
+
+    def loop_start(self, r: range) -> int:
+        if self.resuming:
+            nxt = self.restore("the loop")
+            note = self._take_note()
+            if note:
+                at = f"continuing at {r[nxt]}" if nxt < len(r) else "the loop had finished"
+                self.say(f"{note}; {at}")
+            elif nxt:
+                self.say(f"colab_resilience: rolled back to the last safe point; continuing at {r[nxt] if nxt < len(r) else 'the end'}")
+            return nxt
+        self.save(next_index=0, force=True)
+        return 0
+
+    def save(self, next_index: int | None = None, *, force: bool = False) -> None:
+        due = force or (
+            (self.every_n is not None and self.safe_points % self.every_n == 0)
+            or (self.every_seconds is not None and time.monotonic() - self._last_save >= self.every_seconds)
+        )
+        if not due:
+            return
+        ns = self.shell.user_ns
+        # A name the cell has not assigned yet (checked when the cell started: it assigns it) is
+        # left out of this checkpoint and saved at the next safe point that finds it.
+        present = [n for n in self.names if n in ns]
+        missing = [n for n in self.names if n not in ns and n not in self._said]
+        if missing and self.safe_points:
+            self._said.update(missing)
+            self.say(
+                f"colab_resilience: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not defined at "
+                "this safe point; the checkpoint holds the other names"
+            )
+        try:
+            report = self.store.save(ns, present, meta={"next": next_index or 0})
+        except CheckpointError as e:
+            # e.g. a full disk: the previous checkpoint is intact; try again at the next safe point
+            self.say(f"{str(e).splitlines()[0]} — the previous checkpoint is kept; the run goes on and tries again at the next safe point")
+            return
+        self._last_save = time.monotonic()
+        self._saved_point = self.safe_points
+        self._names_at_checkpoint = set(ns)
+        for name, message in report.skipped.items():
+            if ("skipped", name) not in self._said:  # once per run, not at every safe point
+                self._said.add(("skipped", name))
+                self.say(message)
+        self.journal.last_checkpoint = report.checkpoint_id
+        # the batch size that fits goes with the checkpoint: a new kernel starts from it
+        self.journal.shrink.update(_integers(ns, self.shrink))
+        self.journal.save()
+
+    def forget_new_names(self) -> list[str]:
+        """Unbind the names created since the last checkpoint, the point a retry goes back to,
+        where they did not exist: a batch left bound to a global by the failed attempt would
+        otherwise hold its memory through the retry. Names that existed then are left alone;
+        ``--save`` names are restored from the checkpoint. Returns the names unbound."""
+        if self._names_at_checkpoint is None:
+            return []
+        ns, hidden = self.shell.user_ns, getattr(self.shell, "user_ns_hidden", {})
+        new = [n for n in ns if n not in self._names_at_checkpoint and not n.startswith("_") and n not in hidden]
+        for n in new:
+            del ns[n]
+        return new
+
+    def rollback(self) -> list[str]:
+        """Before an in-process retry: restore the last safe point at the next restore point, and
+        unbind what the failed attempt created (returned, to be reported)."""
+        self.resuming = True
+        return self.forget_new_names()
+
+    def safe_point(self, next_index: int, *, last: bool = False) -> None:
+        """The end of an iteration: save if due; restart if planned (not after the last one)."""
+        self.safe_points += 1
+        self.save(next_index)
+        if last:
+            return
+        reason = restart.planned_reason(self.policy, self.safe_points)
+        if reason is None:
+            return
+        if self._saved_point != self.safe_points:  # not saved yet at this safe point (--every)
+            self.save(next_index, force=True)  # the state to resume from is this safe point's
+        raise RunStoppedError(self.leave(reason, planned=True))
+
+    # -------------------------------------------------------------------------- leaving
+
+    def record_shrink(self, values: Mapping[str, object]) -> None:
+        self.journal.shrink.update(_integers(values, values))
+        self.journal.save()
+
+    def leave(self, reason: str, *, planned: bool = False) -> str:
+        """Restart the kernel (see :func:`colab_resilience.restart.leave`). Returns only when it
+        cannot; the run has then failed, and the returned line says why."""
+        report = restart.leave(self.shell, self.journal, reason, planned=planned, iteration=self.iteration,
+                               say=self.say)
+        self.close()
+        return report
+
+    def finish(self, status: str) -> None:
+        self.journal.restart_requested = False
+        self.journal.status = status
+        self.journal.save()
+        self.close()
+
+    def close(self) -> None:
+        """Let go of the run: the lock, and the startup file once no run is pending."""
+        restart.remove_startup_file_if_idle(self.shell, self.root)
+        self.lock.release()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[Run]:
+        """Make this the run that :func:`resume_range` and :func:`checkpoint` report to."""
+        _active.append(self)
+        try:
+            yield self
+        finally:
+            _active.remove(self)
+
+
+def _take_over(shell, journal: Journal, root: Path) -> bool:
+    """A pending run found by a new execution of its cell: count a death without warning (or
+    fail the run when the budget does not cover it). Returns whether a kernel restart came
+    between (the set-up cells must be replayed)."""
+    requested, in_replay = journal.restart_requested, journal.phase == "replay"
+    journal.restart_requested, journal.phase = False, None
+    died = journal.kernel_pid != os.getpid()
+    if died and not requested:
+        why = ("the kernel died without warning while replaying the set-up cells" if in_replay
+               else "the kernel died without warning (killed by the OS, likely out of host memory)")
+        if journal.restarts_left == 0:
+            report = restart.refuse(journal, why)
+            restart.remove_startup_file_if_idle(shell, root)
+            raise RunStoppedError(report)
+        journal.record_restart(why)
+    return died
+
+
+def _integers(values: Mapping[str, object], names: Iterable[str]) -> dict[str, int]:
+    return {n: values[n] for n in names
+            if isinstance(values.get(n), int) and not isinstance(values.get(n), bool)}
+
+
+# --------------------------------------------------------------------------------------------
+# resume_range and checkpoint(): the public safe points
+
+_active: list[Run] = []
+_warned_outside = False
+
+
+def active_run() -> Run | None:
+    return _active[-1] if _active else None
+
+
+def resume_range(*args: int):
+    """``range(*args)`` whose iterations are safe points of the enclosing ``%%resilient`` cell.
+
+    In a resumed (or retried) run, the declared state is restored when the loop starts and the
+    finished iterations are skipped. Outside a ``%%resilient`` cell it is a plain ``range``.
+    """
+    global _warned_outside
+    r = range(*args)
+    run = active_run()
+    if run is None:
+        if not _warned_outside:
+            _warned_outside = True
+            print("colab_resilience: resume_range outside a %%resilient cell: nothing is checkpointed here", file=sys.stderr)
+        yield from r
+        return
+    start = run.loop_start(r)
+    for index in range(start, len(r)):
+        run.iteration, run.next_index = r[index], index
+        yield r[index]
+        run.iteration, run.next_index = None, index + 1
+        run.safe_point(index + 1, last=index + 1 == len(r))
+
+
+def checkpoint() -> str | None:
+    """An explicit safe point: save the declared state now. Returns the checkpoint id."""
+    run = active_run()
+    if run is None:
+        print("colab_resilience: checkpoint() outside a %%resilient cell: nothing to save", file=sys.stderr)
+        return None
+    run.safe_points += 1
+    run.save(next_index=run.next_index, force=True)
+    return run.journal.last_checkpoint

@@ -1,0 +1,83 @@
+"""What this kernel remembers between cells: the set-up cells run so far, the planned-restart
+policy, the run that ``%resilience resume`` handed to the next cell, and where runs are kept.
+
+One :class:`Session` per IPython shell, made when the extension is loaded and found again with
+:func:`session_of`. Its settings (retries, verbosity, the run directory, ...) are the traits of
+the ``ResilienceMagics`` instance, so ``%config`` and ``ipython_config.py`` keep working.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from .errors import NotLoadedError
+from .journal import RestartPolicy
+from .replay import ReplayLog
+
+RUN_DIR_ENV = "COLAB_RESILIENCE_RUN_DIR"
+DRIVE = Path("/content/drive/MyDrive")
+
+
+def in_colab() -> bool:
+    return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
+
+
+def default_root() -> Path:
+    """``$COLAB_RESILIENCE_RUN_DIR``; in Colab a mounted Drive folder; else ./.colab_resilience."""
+    env = os.environ.get(RUN_DIR_ENV)
+    if env:
+        return Path(env).expanduser()
+    if in_colab() and DRIVE.is_dir():
+        return DRIVE / "colab_resilience"
+    return Path.cwd() / ".colab_resilience"
+
+
+class Session:
+    """The extension's state in one shell; ``settings`` holds the configurable traits."""
+
+    def __init__(self, shell, settings):
+        self.shell = shell
+        self.settings = settings
+        self.replay_log = ReplayLog()
+        self.policy: RestartPolicy | None = None  # None: not set in this kernel
+        self.linted: set[str] = set()  # cells already warned about names a restart would lose
+        self.adopt: str | None = None  # the run id the next %%resilient cell continues
+
+    def root(self) -> Path:
+        run_dir = self.settings.run_dir
+        return Path(run_dir).expanduser() if run_dir else default_root()
+
+    def say(self, line: str) -> None:
+        if self.settings.verbose:
+            print(line, flush=True)
+
+
+_sessions: dict[int, Session] = {}
+
+
+def register(shell, session: Session) -> None:
+    _sessions[id(shell)] = session
+
+
+def unregister(shell) -> Session | None:
+    return _sessions.pop(id(shell), None)
+
+
+def is_loaded(shell) -> bool:
+    return id(shell) in _sessions
+
+
+def session_of(shell=None) -> Session:
+    """The session of ``shell`` (default: the running IPython)."""
+    if shell is None:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    session = _sessions.get(id(shell)) if shell is not None else None
+    if session is None:
+        raise NotLoadedError(
+            "colab_resilience is not loaded in this IPython; run %load_ext colab_resilience first"
+        )
+    return session
