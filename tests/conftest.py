@@ -1,4 +1,5 @@
-"""Shared fixtures: an isolated Jupyter/IPython environment, real kernels, an in-process shell."""
+"""Shared fixtures: an isolated Jupyter/IPython environment, real kernels, an in-process shell, and
+the one reference run of tests/files/train.ipynb."""
 
 from __future__ import annotations
 
@@ -7,22 +8,35 @@ from pathlib import Path
 
 import pytest
 
-import kernels
+sys.path.insert(0, str(Path(__file__).parent))
+
+import harness  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
 def isolated_jupyter(tmp_path_factory):
     """Kernels started by the tests run this interpreter, with a fresh IPython profile."""
-    with kernels.isolated_jupyter(tmp_path_factory.mktemp("jupyter")) as root:
+    with harness.isolated_jupyter(tmp_path_factory.mktemp("jupyter")) as root:
         yield root
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, isolated_jupyter) -> harness.Reference:
+    """tests/files/train.ipynb with its default parameters, run once, supervised and uninterrupted:
+    the RESULT line every interrupted run of it must end with, bit for bit. (tests/test_golden.py
+    proves an interactive run and a run in this process end with it too.)"""
+    work = tmp_path_factory.mktemp("reference")
+    nb = harness.load("train.ipynb", work)
+    run = harness.run(nb, work, standby=False)
+    assert run.status == 0, run.message
+    assert harness.epochs(work / "events.log") == [0, 1, 2, 3]
+    return harness.Reference(harness.result(nb), work / "events.log")
 
 
 @pytest.fixture
 def kernel():
     """A real kernel, started by jupyter_client, with a blocking client."""
-    from kernels import Kernel
-
-    k = Kernel()
+    k = harness.Kernel()
     try:
         yield k
     finally:
@@ -36,7 +50,9 @@ def ip():
 
     shell = get_ipython()
     shell.run_line_magic("load_ext", "colab_resilience")
+    threads = torch_threads()
     yield shell
+    torch_threads(threads)  # train.ipynb, run in this process, sets 1 thread
     shell.run_line_magic("unload_ext", "colab_resilience")
     # `%config ResilienceMagics.x = ...` lands in the shared shell's config, and a later load of
     # the extension would read it: every test starts from the defaults.
@@ -45,5 +61,11 @@ def ip():
         shell.user_ns.pop(name, None)
 
 
-def pytest_configure(config):
-    sys.path.insert(0, str(Path(__file__).parent))
+def torch_threads(n: int | None = None) -> int | None:
+    """torch's intra-op threads in this process (None: torch not imported); set them to ``n``."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if n is not None:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()

@@ -45,7 +45,8 @@ from colab_resilience.errors import (
     UntrustedCheckpointError,
 )
 from colab_resilience.fsutil import canonical_json
-from kernels import child_env
+from harness import child_env
+from payloads import EvilPayload, Opaque
 
 KEY = bytes(range(32))
 
@@ -84,6 +85,9 @@ def blob_path(store, name, cid=None):
 
 
 def test_layout_permissions_and_manifest(store):
+    """A save writes owner-only blobs named by their hash, a signed manifest that names the format,
+    the versions and each entry's kind, size and hash, and LATEST; loading gives back the values
+    and the meta."""
     t = torch.arange(6.0)
     report = store.save({"t": t, "n": 3}, ["t", "n"], meta={"epoch": 2, "pair": (1, 2)})
     run = store.run_dir
@@ -110,6 +114,7 @@ def test_layout_permissions_and_manifest(store):
 
 
 def test_tree_hash_matches_a_plain_definition():
+    """The blob hash is BLAKE3 over the BLAKE3 digests of 8 MiB chunks, as its name says."""
     data = os.urandom(CHUNK * 2 + 123)
     from blake3 import blake3
 
@@ -120,6 +125,8 @@ def test_tree_hash_matches_a_plain_definition():
 
 
 def test_keeps_the_last_two_and_collects_unreferenced_blobs(store):
+    """Only the last two checkpoints are kept; blobs no kept checkpoint names are set aside at once
+    and removed in the background."""
     for i in range(5):
         store.save({"t": torch.full((100,), float(i)), "i": i}, ["t", "i"])
     assert store.checkpoint_ids() == ["ckpt-000005", "ckpt-000004"]
@@ -149,6 +156,7 @@ def test_a_checkpoint_removal_cut_short_by_a_kill_is_finished_by_the_next_save(s
 
 
 def test_trash_left_by_a_kernel_that_left_is_emptied_by_the_next_save(store):
+    """Blobs set aside by a kernel that left before removing them are removed by the next save."""
     store.save({"t": torch.zeros(10)}, ["t"])
     (store.blob_dir / (TRASH + "0" * 64)).write_bytes(b"x" * 1000)  # os._exit mid-unlink
     store.save({"t": torch.ones(10)}, ["t"])
@@ -160,6 +168,7 @@ def test_trash_left_by_a_kernel_that_left_is_emptied_by_the_next_save(store):
 
 
 def test_tensor_blobs_are_standard_safetensors(store):
+    """Tensors and modules are written as standard safetensors files, readable without the package."""
     import safetensors.torch
 
     t = torch.randn(4, 5)
@@ -185,6 +194,7 @@ PLAIN = [
 
 @pytest.mark.parametrize("value", PLAIN, ids=[type(v).__name__ + str(i) for i, v in enumerate(PLAIN)])
 def test_plain_values_round_trip_exactly(store, value):
+    """Plain values come back with the same type and value, stored as JSON, never pickled."""
     back = roundtrip(store, value)
     assert type(back) is type(value)
     assert pickle.dumps(back) == pickle.dumps(value)
@@ -193,6 +203,7 @@ def test_plain_values_round_trip_exactly(store, value):
 
 
 def test_nan_round_trips_as_nan(store):
+    """NaN, alone or inside a complex number, comes back as NaN."""
     back = roundtrip(store, [float("nan"), complex(float("nan"), 1)])
     assert math.isnan(back[0]) and math.isnan(back[1].real) and back[1].imag == 1
     nan = float("nan")
@@ -201,6 +212,7 @@ def test_nan_round_trips_as_nan(store):
 
 
 def test_each_restore_hands_out_a_fresh_list(store):
+    """Two restores of one checkpoint give lists that do not share state."""
     store.save({"h": [1.0] * 100, "s": ["a"] * 3}, ["h", "s"])
     ckpt = store.load()
     first: dict = {}
@@ -223,6 +235,7 @@ def test_each_restore_hands_out_a_fresh_list(store):
     )
 )
 def test_plain_values_property(value):
+    """Any nesting of plain values comes back equal, with the same repr."""
     with tempfile.TemporaryDirectory() as d:
         back = roundtrip(CheckpointStore(d, key=KEY), value)
         assert back == value and repr(back) == repr(value)
@@ -237,6 +250,8 @@ DTYPES = [
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_tensors_of_every_dtype_round_trip_byte_for_byte(store, dtype):
+    """Tensors of every dtype, transposed, strided, scalar or empty, come back byte for byte with
+    their dtype and shape."""
     g = torch.Generator().manual_seed(0)
     base = torch.randn(6, 5, generator=g, dtype=torch.float64) * 100
     if dtype.is_complex:
@@ -251,6 +266,7 @@ def test_tensors_of_every_dtype_round_trip_byte_for_byte(store, dtype):
 
 
 def test_parameters_and_requires_grad_survive(store):
+    """A Parameter comes back a Parameter; requires_grad is kept for leaves and plain tensors."""
     p = torch.nn.Parameter(torch.randn(3))
     leaf = torch.randn(2, requires_grad=True)
     back = roundtrip(store, {"p": p, "leaf": leaf, "plain": torch.ones(2)})
@@ -275,6 +291,7 @@ def test_parameters_and_requires_grad_survive(store):
     ids=lambda a: f"{a.dtype}-{a.shape}",
 )
 def test_numpy_arrays_round_trip_exactly(store, array):
+    """NumPy arrays come back with their dtype, shape, bytes and memory order."""
     back = roundtrip(store, array)
     assert entry(store, "x")["kind"] == "ndarray"
     assert type(back) is np.ndarray and back.dtype == array.dtype and back.shape == array.shape
@@ -285,6 +302,7 @@ def test_numpy_arrays_round_trip_exactly(store, array):
 
 
 def test_object_arrays_fall_back_to_signed_pickle(store):
+    """An object array cannot be raw bytes: it is pickled (and signed)."""
     a = np.array([{"a": 1}, None], dtype=object)
     back = roundtrip(store, a)
     assert entry(store, "x")["kind"] == "pickle"
@@ -292,6 +310,8 @@ def test_object_arrays_fall_back_to_signed_pickle(store):
 
 
 def test_tied_tensors_share_storage_again(store):
+    """Tensors that shared a storage share one again after a restore (writes go through), and the
+    storage is written once."""
     t = torch.arange(20.0)
     value = {"a": t, "b": t[::2], "c": t, "d": t.view(4, 5)[1:, 2:], "other": torch.ones(3)}
     back = roundtrip(store, value)
@@ -308,6 +328,7 @@ def test_tied_tensors_share_storage_again(store):
 
 
 def test_tied_module_weights_stored_once_and_restored_in_place(store):
+    """A module's tied weights are stored once and stay tied when restored in place."""
     def build():
         m = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50, bias=False))
         m[1].weight = m[0].weight
@@ -357,12 +378,8 @@ def rewrite_blob(store, name, change):
     path.write_text(json.dumps(doc))
 
 
-class Opaque:
-    def __init__(self, v):
-        self.v = v
-
-
 def test_other_objects_are_pickled_and_signed(store):
+    """Other objects, cyclic ones too, are pickled (in a signed checkpoint) and come back."""
     value = Opaque([1, 2])
     back = roundtrip(store, value)
     assert entry(store, "x")["kind"] == "pickle" and back.v == [1, 2]
@@ -396,6 +413,8 @@ def train_step(ns, seed):
 
 
 def test_in_place_restore_then_training_is_bit_identical(store):
+    """A model, optimizer, scheduler and grad scaler restored in place into freshly built objects
+    train on bit-identical to the originals."""
     ns = build_training(0)
     for s in range(3):
         train_step(ns, s)
@@ -420,6 +439,9 @@ def test_in_place_restore_then_training_is_bit_identical(store):
 
 
 def test_restore_into_missing_object_says_so_and_invents_nothing(store):
+    """A module's state cannot be restored without a module to put it in: one line says to define it
+    in a %%replay cell; nothing is invented; a module of another class or a misspelt name is
+    refused."""
     store.save({"model": torch.nn.Linear(2, 2), "n": 1}, ["model", "n"])
     ckpt = store.load()
     ns: dict = {}
@@ -438,6 +460,8 @@ def test_restore_into_missing_object_says_so_and_invents_nothing(store):
 
 
 def test_each_restore_hands_out_fresh_tensors(store):
+    """Two restores of one checkpoint give tensors that do not share memory: a second rollback
+    undoes in-place training."""
     t = torch.zeros(4)
     store.save({"t": t}, ["t"])
     ckpt = store.load()
@@ -461,6 +485,7 @@ def draws():
 
 
 def test_rng_states_are_saved_and_restored(store):
+    """The Python, NumPy and torch random states are saved with a checkpoint and restored with it."""
     random.seed(1)
     np.random.seed(2)
     torch.manual_seed(3)
@@ -481,6 +506,7 @@ def test_rng_states_are_saved_and_restored(store):
 
 
 def test_rng_restore_can_be_skipped(store):
+    """restore(rng=False) leaves the random states alone."""
     store.save({"n": 1}, ["n"])
     random.seed(5)
     expected = random.random()
@@ -493,6 +519,8 @@ def test_rng_restore_can_be_skipped(store):
 
 
 def test_unchanged_blobs_are_not_written_again(store):
+    """A save writes only the blobs whose content changed since the last one; a change in one chunk
+    of a tensor is found."""
     big = torch.randn(3 * CHUNK // 4)  # three chunks
     ns = {"big": big, "small": [1, 2, 3], "m": torch.nn.Linear(64, 64)}
     first = store.save(ns, list(ns))
@@ -608,6 +636,8 @@ def test_every_change_is_in_the_next_checkpoint(tmp_path, change):
 
 
 def test_a_save_after_which_nothing_changed_reads_every_byte_once(tmp_path):
+    """A first save reads each byte twice (fingerprint and hash); a save after which nothing changed
+    reads each byte once (fingerprint only)."""
     ns = training_namespace()
     names = ["model", "opt", "table", "note"]
     store = CheckpointStore(tmp_path / "run", key=KEY)
@@ -619,6 +649,8 @@ def test_a_save_after_which_nothing_changed_reads_every_byte_once(tmp_path):
 
 @pytest.mark.kernel
 def test_in_a_kernel_a_change_autograd_does_not_see_reaches_a_fresh_kernel(kernel, tmp_path):
+    """In a kernel, a write through .data (invisible to autograd's version counter) is still saved,
+    and a fresh kernel restores it."""
     setup = (
         "import hashlib, torch\n"
         "from colab_resilience.checkpoints import CheckpointStore\n"
@@ -677,6 +709,7 @@ def test_a_learning_rate_printed_longer_rehashes_one_chunk(tmp_path):
 
 
 def test_a_fresh_store_reuses_blobs_already_on_disk(store):
+    """A new store on a run folder reuses the blobs already there."""
     ns = {"t": torch.randn(1000)}
     store.save(ns, ["t"])
     again = CheckpointStore(store.run_dir, key=KEY).save(ns, ["t"])
@@ -687,6 +720,8 @@ def test_a_fresh_store_reuses_blobs_already_on_disk(store):
 
 
 def test_missing_name_is_one_clear_line_and_writes_nothing(store):
+    """Saving a name that does not exist is one line with a suggestion and the defined names;
+    nothing is written."""
     ns = {"model": 1, "optimizer": 2, "_hidden": 3, "np": np}
     with pytest.raises(MissingNameError) as info:
         store.save(ns, ["modle", "optimizer"])
@@ -702,6 +737,8 @@ def _gen():
 
 
 def test_unsaveable_values_are_named_and_the_rest_is_saved(store, tmp_path):
+    """Generators, iterators, files, locks, sockets, modules and lambdas are named as not saveable,
+    with why, and the rest is saved."""
     lock = threading.Lock()
     sock = socket.socket()
     f = open(tmp_path / "f.txt", "w")
@@ -738,6 +775,7 @@ def test_unsaveable_values_are_named_and_the_rest_is_saved(store, tmp_path):
 
 
 def test_meta_must_be_plain(store):
+    """A checkpoint's meta must hold plain values."""
     with pytest.raises(CheckpointError, match="meta must hold plain values"):
         store.save({"a": 1}, ["a"], meta={"x": object()})
 
@@ -770,6 +808,8 @@ def assert_falls_back(store, match):
 
 @pytest.mark.parametrize("name", ["t", "v", "p", "a", "__rng__"])
 def test_one_flipped_byte_in_any_blob_falls_back(store, name, tmp_path):
+    """One flipped byte in any kind of blob: the damaged checkpoint is skipped with a warning and
+    the one before it loads."""
     two_checkpoints(store)
     path = blob_path(store, name)
     data = bytearray(path.read_bytes())
@@ -779,6 +819,7 @@ def test_one_flipped_byte_in_any_blob_falls_back(store, name, tmp_path):
 
 
 def test_flipped_pickle_blob_is_never_unpickled(store, tmp_path):
+    """A pickle blob replaced by a malicious pickle fails its hash and is never unpickled."""
     marker = tmp_path / "ran"
     store.save({"p": Opaque(1)}, ["p"])
     store.save({"p": Opaque(2)}, ["p"])
@@ -790,15 +831,8 @@ def test_flipped_pickle_blob_is_never_unpickled(store, tmp_path):
     assert not marker.exists()
 
 
-class EvilPayload:
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
 def test_truncated_blob_falls_back(store):
+    """A truncated blob: the checkpoint before it loads."""
     two_checkpoints(store)
     path = blob_path(store, "t")
     path.write_bytes(path.read_bytes()[:-5])
@@ -806,6 +840,7 @@ def test_truncated_blob_falls_back(store):
 
 
 def test_missing_blob_falls_back(store):
+    """A missing blob: the checkpoint before it loads."""
     two_checkpoints(store)
     blob_path(store, "v").unlink()
     assert_falls_back(store, "is missing")
@@ -813,12 +848,14 @@ def test_missing_blob_falls_back(store):
 
 @pytest.mark.parametrize("damage", [b"{ bad json", b"", b'{"body": 1}', b"[]"])
 def test_bad_manifest_falls_back(store, damage):
+    """A damaged manifest: the checkpoint before it loads."""
     two_checkpoints(store)
     (store.run_dir / "ckpt-000002" / "manifest.json").write_bytes(damage)
     assert_falls_back(store, "ckpt-000002 is damaged")
 
 
 def test_edited_manifest_is_not_trusted(store):
+    """A manifest edited without the key fails its signature: the checkpoint before it loads."""
     two_checkpoints(store)
     path = store.run_dir / "ckpt-000002" / "manifest.json"
     doc = json.loads(path.read_text())
@@ -828,6 +865,8 @@ def test_edited_manifest_is_not_trusted(store):
 
 
 def test_manifest_from_another_installation(store, tmp_path):
+    """A checkpoint signed with another key is refused (nothing unpickled), in one line that names
+    trust=True; with trust it loads."""
     marker = tmp_path / "ran"
     foreign = CheckpointStore(store.run_dir, key=b"\x07" * 32)
     foreign.save({"p": EvilPayload(str(marker))}, ["p"])
@@ -843,12 +882,14 @@ def test_manifest_from_another_installation(store, tmp_path):
 
 
 def test_foreign_checkpoint_falls_back_to_own(store):
+    """A foreign-signed newest checkpoint is skipped for our own older one."""
     store.save({"v": {"k": 1}, "t": torch.arange(10.0), "p": Opaque("first"), "a": 1}, ["v", "t", "p", "a"])
     CheckpointStore(store.run_dir, key=b"\x07" * 32).save({"v": {"k": 2}}, ["v"])
     assert_falls_back(store, "ckpt-000002 is not signed")
 
 
 def test_no_checkpoint_at_all(store):
+    """No checkpoint, or none undamaged: one line that says so, naming the damaged one."""
     with pytest.raises(NoCheckpointError, match="no checkpoint in .* yet"):
         store.load()
     store.save({"a": 1}, ["a"])
@@ -860,6 +901,7 @@ def test_no_checkpoint_at_all(store):
 
 
 def test_damaged_blob_is_set_aside_and_rewritten_by_the_next_save(store):
+    """A blob found damaged is set aside, so the next save writes it again rather than reusing it."""
     ns = {"t": torch.arange(100.0)}
     store.save(ns, ["t"])
     path = blob_path(store, "t")
@@ -946,6 +988,8 @@ def test_unwritable_run_directory(tmp_path):
 
 
 def test_run_directory_under_a_regular_file(tmp_path):
+    """A run folder that cannot be created is one CheckpointError that says no earlier checkpoint
+    exists."""
     (tmp_path / "file").write_text("x")
     store = CheckpointStore(tmp_path / "file" / "run", key=KEY)
     with pytest.raises(CheckpointError) as info:
@@ -985,6 +1029,8 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path):
 
 
 def test_save_in_one_process_load_in_another(tmp_path):
+    """What one process saves (module, AdamW state, values, arrays, meta, random states) another
+    process restores exactly."""
     run = tmp_path / "run"
     home = tmp_path / "home"
     save = (
@@ -1060,6 +1106,8 @@ def test_large_blobs_are_mapped_to_verify_and_never_stay_mapped(store):
 
 
 def test_one_flipped_byte_in_a_mapped_blob_falls_back(store):
+    """A flipped byte in a blob large enough to be memory-mapped is caught too: the checkpoint
+    before it loads."""
     n = blobs.MAP_AT_LEAST // 4 + 1024
     store.save({"t": torch.zeros(n)}, ["t"])
     store.save({"t": torch.ones(n)}, ["t"])
@@ -1078,6 +1126,8 @@ def test_one_flipped_byte_in_a_mapped_blob_falls_back(store):
 
 
 def test_large_checkpoint_round_trip(tmp_path):
+    """A 16-layer model and its AdamW state round-trip byte for byte; saving again unchanged writes
+    almost nothing."""
     store = CheckpointStore(tmp_path / "run", key=KEY)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)])
     opt = torch.optim.AdamW(model.parameters())

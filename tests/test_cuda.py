@@ -5,6 +5,9 @@ to the device and the cell is retried smaller; CUDA tensors, modules, optimizers
 state saved in one process come back on the GPU in another, byte for byte; a supervised run on the
 GPU, killed or out of memory mid-epoch, resumes bit-identical, and its standby kernel never opened
 the GPU; GPU memory in use triggers a planned restart.
+
+The supervised runs are tests/files/train.ipynb with device="cuda", compared with this module's
+`gpu_reference` (the same notebook on the GPU, uninterrupted: CUDA computes other bits than the CPU).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import textwrap
 
 import pytest
 import torch
-from kernels import Kernel, cell_text, child_env, notebook
+
+from harness import Kernel, cell_text, child_env, index, insert, load
 from test_standby import SIBLINGS, WAIT_WARM, line, run
 
 
@@ -117,40 +121,6 @@ GPU_OPEN = textwrap.dedent("""\
         return found
 """)
 
-SETUP = (
-    "%%replay\nimport os, signal, hashlib, torch\n"
-    "torch.use_deterministic_algorithms(True)\n"
-    "torch.manual_seed(0)\n"
-    "X = torch.randn(512, 32, device='cuda')\nY = (X.sum(1) > 0).long()\n"
-    "model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2),\n"
-    "                            torch.nn.Linear(64, 2)).cuda()\n"
-    "opt = torch.optim.AdamW(model.parameters(), lr=0.01)"
-)
-TRAIN = (
-    "%%resilient --save model,opt,history --retries 1\n"
-    "history = []\n"
-    "for epoch in resume_range(4):\n"
-    "    perm = torch.randperm(len(X), device='cuda')  # the CUDA generator: restored with the state\n"
-    "    for b in range(0, len(X), 64):\n"
-    "        idx = perm[b:b + 64]\n"
-    "        loss = torch.nn.functional.cross_entropy(model(X[idx]), Y[idx])\n"
-    "        opt.zero_grad(); loss.backward(); opt.step()\n"
-    "        if epoch == 2 and b == 256 and (not os.path.exists({mark!r}) or open({mark!r}).read() == str(os.getpid())):\n"
-    "            open({mark!r}, 'w').write(str(os.getpid()))\n"
-    "            {fault}\n"
-    "    history.append(round(loss.item(), 6))\n"
-)
-FAULTS = {
-    "none": "pass",
-    "sigkill": "os.kill(os.getpid(), signal.SIGKILL)",
-    # a real failure of the CUDA caching allocator, in every attempt in this kernel
-    "cuda-oom": "torch.empty(1 << 50, device='cuda')",
-}
-RESULT = (
-    "print('RESULT', history, hashlib.sha256(b''.join(t.cpu().numpy().tobytes() for t in model.state_dict().values()))"
-    ".hexdigest(), sorted({str(p.device) for p in model.parameters()}))"
-)
-
 
 @pytest.fixture
 def deterministic_cublas(monkeypatch):
@@ -158,11 +128,12 @@ def deterministic_cublas(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ref")
+def gpu_reference(tmp_path_factory):
+    """train.ipynb on the GPU, uninterrupted: the RESULT line of this module's interrupted runs."""
+    tmp = tmp_path_factory.mktemp("gpu-reference")
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     try:
-        nb = notebook(SETUP, TRAIN.format(mark=str(tmp / "mark"), fault="pass"), RESULT)
+        nb = load("train.ipynb", tmp, device="cuda")
         assert run(nb, tmp, standby=False).status == 0
     finally:
         os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
@@ -171,26 +142,33 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("fault", ["sigkill", "cuda-oom"])
 def test_a_supervised_gpu_run_resumes_bit_identical_and_the_standby_never_opened_the_gpu(
-        tmp_path, reference, deterministic_cublas, fault):
-    check = SIBLINGS + GPU_OPEN + WAIT_WARM + "\nprint('GPU', gpu_open(os.getpid()), gpu_open(spare))"
-    nb = notebook(SETUP, check, TRAIN.format(mark=str(tmp_path / "mark"), fault=FAULTS[fault]), RESULT)
+        tmp_path, gpu_reference, deterministic_cublas, fault):
+    """A SIGKILL, or a real CUDA OOM in every attempt of the first kernel (past its one retry),
+    mid-epoch 2 of a training on the GPU (the CUDA random state drives the shuffles and dropout):
+    the standby takes over and the run ends bit-identical; the working kernel had the GPU open,
+    the warm standby (torch imported) never did."""
+    nb = load("train.ipynb", tmp_path, device="cuda", fault=fault, fault_epoch=2, fault_step=4, retries=1)
+    insert(nb, "train", SIBLINGS + GPU_OPEN + WAIT_WARM + "\nprint('GPU', gpu_open(os.getpid()), gpu_open(spare))",
+           "gpu-probe")
     result = run(nb, tmp_path)
     assert result.status == 0, result.message
-    assert line(nb, "RESULT") == reference
-    assert "['cuda:0']" in reference
+    assert line(nb, "RESULT") == gpu_reference
+    assert "device=cuda:0" in gpu_reference
     # the working kernel has the GPU open; the warm standby (torch imported) has not
     assert line(nb, "GPU").split() == ["GPU", "True", "False"]
     [restart] = result.restarts
     assert restart.standby
     assert restart.exit_code == (-9 if fault == "sigkill" else 75)
-    text = cell_text(nb.cells[2])
+    text = cell_text(nb.cells[index(nb, "train")])
     if fault == "cuda-oom":
         assert "OOM (CUDA out of memory) — freed" in text and "retry 1/1" in text
-    assert "switched to the standby kernel, replayed 1 cell and resumed in" in text
+    assert "switched to the standby kernel, replayed 3 cells and resumed in" in text
     assert "continuing at 2" in text
 
 
 def test_gpu_memory_in_use_triggers_a_planned_restart(tmp_path):
+    """`%restart_after --memory 80%`: 90% of the GPU's memory in use at a safe point makes the
+    kernel leave for a planned restart."""
     k = Kernel({"COLAB_RESILIENCE_RUN_DIR": str(tmp_path / "runs"), "IPYTHONDIR": str(tmp_path / "ipython")})
     try:
         k.ok("%load_ext colab_resilience")

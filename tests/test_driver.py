@@ -1,5 +1,9 @@
 """The supervisor: real kernel deaths (inside and outside), a real OOM, exact resume, budgets,
-ordinary errors, the CLI's exit codes and messages, -p parameters, the papermill engine."""
+ordinary errors, the CLI's exit codes and messages, -p parameters, the papermill engine.
+
+The training runs are tests/files/train.ipynb with a fault injected, compared with the `reference`
+fixture (its uninterrupted run); tests/files/budget.ipynb is a run that dies in every kernel.
+"""
 
 from __future__ import annotations
 
@@ -16,86 +20,59 @@ import nbformat
 import pytest
 
 from colab_resilience import driver
-from kernels import HOST_OOM, KERNEL_NAME, cell_text, notebook
+from harness import FILES, KERNEL_NAME, cell_text, epochs, events, index, insert, load, notebook, result, run
 
 pytestmark = pytest.mark.kernel
 
-SETUP = "%%replay\nimport os, signal, time, torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(8, 2)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)"
-TRAIN = (
-    "%%resilient --save model,opt,history\n"
-    "history = []\n"
-    "for epoch in resume_range(5):\n"
-    "    loss = model(torch.randn(16, 8)).pow(2).mean()\n"
-    "    opt.zero_grad(); loss.backward(); opt.step()\n"
-    "    {fault}\n"
-    "    history.append(round(loss.item(), 6))\n"
-)
-RESULT = "print('RESULT', history, [round(x, 6) for x in model.weight.flatten().tolist()])"
-
-
-def result_line(nb) -> str:
-    return next(l for l in cell_text(nb.cells[-1]).splitlines() if l.startswith("RESULT"))
-
-
-def run(nb, tmp_path, **kw):
-    kw.setdefault("kernel_name", KERNEL_NAME)
-    return driver.run_notebook(nb, tmp_path / "out.ipynb", cwd=tmp_path, run_dir=tmp_path / "runs", **kw)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ref")
-    nb = notebook(SETUP, TRAIN.format(fault="pass"), RESULT)
-    assert run(nb, tmp).status == 0
-    return result_line(nb)
-
 
 def test_sigkill_from_inside_resumes_exactly(tmp_path, reference):
-    mark = tmp_path / "mark"
-    fault = f"if epoch == 2 and not os.path.exists({str(mark)!r}):\n        open({str(mark)!r}, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)"
-    nb = notebook("%load_ext colab_resilience", SETUP, TRAIN.format(fault=fault), RESULT)
-    result = run(nb, tmp_path)
-    assert result.status == 0, result.message
-    assert [r.exit_code for r in result.restarts] == [-9]
-    assert result_line(nb) == reference
+    """A SIGKILL mid-epoch: the warm standby takes over, the parameters and set-up cells are
+    replayed, the run continues at the interrupted epoch and ends bit-identical."""
+    nb = load("train.ipynb", tmp_path, fault="sigkill", fault_epoch=2)
+    outcome = run(nb, tmp_path)
+    assert outcome.status == 0, outcome.message
+    assert [r.exit_code for r in outcome.restarts] == [-9]
+    assert result(nb) == reference.result
     out = nbformat.read(tmp_path / "out.ipynb", 4)
-    text = cell_text(out.cells[2])
-    # the driver's standby kernel took over (tests/test_standby.py: its warm-up, priority, OOM score)
-    assert "colab_resilience: the kernel died (killed by SIGKILL, likely the OS out-of-memory killer); switched to the standby kernel, replayed 1 cell and resumed in" in text
+    train = index(out, "train")
+    text = cell_text(out.cells[train])
+    # the driver's standby kernel took over (tests/test_standby.py: its warm-up, priority, OOM score);
+    # replayed: the parameters, the injected parameters and the set-up cell
+    assert "colab_resilience: the kernel died (killed by SIGKILL, likely the OS out-of-memory killer); switched to the standby kernel, replayed 3 cells and resumed in" in text
     assert "continuing at 2" in text
     meta = out.metadata["colab_resilience"]
-    assert meta["status"] == "done" and meta["restarts"][0]["cell"] == 2 and meta["restarts"][0]["replayed"] == 1
+    assert meta["status"] == "done" and meta["restarts"][0]["cell"] == train and meta["restarts"][0]["replayed"] == 3
+    assert epochs(tmp_path / "events.log") == [0, 1, 2, 3]
 
 
 def test_sigkill_from_outside_by_pid_resumes_exactly(tmp_path, reference):
-    pidfile = tmp_path / "pid"
-    fault = f"open({str(pidfile)!r}, 'a').write(f'{{os.getpid()}} {{epoch}}\\n'); time.sleep(0.3)"
-    nb = notebook(SETUP, TRAIN.format(fault=fault), RESULT)
+    """A kill from outside the kernel, by PID, in epoch 1, without a standby: jupyter_client
+    restarts the kernel, the loop goes on in the new one and ends bit-identical."""
+    log = tmp_path / "events.log"
+    nb = load("train.ipynb", tmp_path, pause=0.05)  # epochs of 0.4 s: time for the killer to land in one
     killed = []
 
     def killer():
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            lines = pidfile.read_text().split("\n") if pidfile.exists() else []
-            done = [l.split() for l in lines if l.strip()]
-            if done and int(done[-1][1]) >= 1:
-                pid = int(done[-1][0])
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
+            started = [e for e in events(log) if e.name == "epoch-start" and int(e.arg) >= 1]
+            if started:
+                os.kill(started[0].pid, signal.SIGKILL)
+                killed.append(started[0].pid)
                 return
             time.sleep(0.05)
 
     t = threading.Thread(target=killer)
     t.start()
-    result = run(nb, tmp_path, standby=False)  # the cold path: a kernel restarted by jupyter_client
+    outcome = run(nb, tmp_path, standby=False)  # the cold path: a kernel restarted by jupyter_client
     t.join()
-    assert killed and result.status == 0, result.message
-    assert len(result.restarts) == 1
-    assert "restarted it, replayed 1 cell and resumed in" in cell_text(nb.cells[1])
+    assert killed and outcome.status == 0, outcome.message
+    assert len(outcome.restarts) == 1
+    assert "restarted it, replayed 3 cells and resumed in" in cell_text(nb.cells[index(nb, "train")])
     assert json.loads(nbformat.writes(nb))["metadata"]["colab_resilience"]["restarts"][0]["kernel"] == "restarted"
-    assert result_line(nb) == reference
-    pids = {l.split()[0] for l in pidfile.read_text().splitlines()}
-    assert len(pids) == 2  # the loop went on in a new kernel
+    assert result(nb) == reference.result
+    pids = {e.pid for e in events(log) if e.name == "epoch-start"}
+    assert len(pids) == 2 and killed[0] in pids  # the loop went on in a new kernel
 
 
 @pytest.mark.timeout(120)
@@ -103,61 +80,65 @@ def test_a_death_between_cells_while_the_driver_restores_is_recovered_at_once(tm
     """The kernel dies while the driver, not a cell, is talking to it: in the restore that follows
     a replay. The driver notices within its poll (it used to wait out a 600 s timeout), counts a
     restart, and the run ends identical to the uninterrupted one."""
-    boom, later = tmp_path / "boom", tmp_path / "later"
+    boom = tmp_path / "boom"
     boom.touch()
-    patch = (  # part of the replayed set-up: the first restore after a restart kills the kernel
-        "\nimport colab_resilience.kernelapi as _m\n"
+    nb = load("train.ipynb", tmp_path, fault="sigkill", fault_epoch="result")  # a death after the training
+    insert(nb, "train", (  # a set-up cell too: the first restore after a restart kills the kernel
+        "%%replay\n"
+        "import colab_resilience.kernelapi as _m\n"
         "_restore = _m.restore_finished_runs\n"
         "def _boom():\n"
         f"    if os.path.exists({str(boom)!r}):\n"
         f"        os.unlink({str(boom)!r}); os.kill(os.getpid(), signal.SIGKILL)\n"
         "    return _restore()\n"
         "_m.restore_finished_runs = _boom"
-    )
-    kill_once = (f"if not os.path.exists({str(later)!r}):\n"
-                 f"    open({str(later)!r}, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n")
-    nb = notebook("%load_ext colab_resilience", SETUP + patch, TRAIN.format(fault="pass"), kill_once + RESULT)
+    ), "restore-killer")
     t0 = time.perf_counter()
-    result = run(nb, tmp_path)
-    assert result.status == 0, result.message
+    outcome = run(nb, tmp_path)
+    assert outcome.status == 0, outcome.message
     assert time.perf_counter() - t0 < 90
-    assert [r.cell for r in result.restarts] == [3, 3]
-    assert "died while replaying" in result.restarts[0].reason
-    assert result.restarts[1].restored == ["model", "opt", "history"]
+    assert [r.cell for r in outcome.restarts] == [index(nb, "result")] * 2
+    assert "died while replaying" in outcome.restarts[0].reason
+    assert outcome.restarts[1].restored == ["model", "opt", "history"]
     assert not boom.exists()
-    assert result_line(nb) == reference
+    assert result(nb) == reference.result
+    assert epochs(tmp_path / "events.log") == [0, 1, 2, 3]  # the training was not run again
 
 
 def test_real_oom_beyond_retries_restarts_and_resumes(tmp_path, reference):
-    # a real allocator failure, in the first kernel only
-    fault = f"if epoch == 3 and not os.path.exists({str(tmp_path / 'm')!r}):\n        open({str(tmp_path / 'm')!r}, 'w').write(str(os.getpid()))\n    if epoch == 3 and open({str(tmp_path / 'm')!r}).read() == str(os.getpid()):\n        " + HOST_OOM
-    nb = notebook(SETUP, TRAIN.format(fault=fault).replace("--save model,opt,history", "--save model,opt,history --retries 1"), RESULT)
-    result = run(nb, tmp_path)
-    assert result.status == 0, result.message
-    assert [r.exit_code for r in result.restarts] == [75]
-    assert result.restarts[0].reason == "OOM (DefaultCPUAllocator: can't allocate memory) after 2 attempts"
-    assert result.restarts[0].iteration == "3"
-    assert result_line(nb) == reference
+    """A real allocator failure in epoch 3, in every attempt of the first kernel: past its one
+    retry the kernel asks for a restart (exit 75), and the next kernel finishes bit-identical."""
+    nb = load("train.ipynb", tmp_path, fault="oom", fault_epoch=3, retries=1)
+    outcome = run(nb, tmp_path)
+    assert outcome.status == 0, outcome.message
+    assert [r.exit_code for r in outcome.restarts] == [75]
+    assert outcome.restarts[0].reason == "OOM (DefaultCPUAllocator: can't allocate memory) after 2 attempts"
+    assert outcome.restarts[0].iteration == "3"
+    assert result(nb) == reference.result
 
 
 def test_restart_budget_spent_exits_3_and_later_cells_do_not_run(tmp_path):
-    nb = notebook(SETUP, "%%resilient --max-restarts 1\nos.kill(os.getpid(), signal.SIGKILL)", "print('not reached')")
-    result = run(nb, tmp_path, max_restarts=5)
-    assert result.status == driver.EXIT_BUDGET
+    """A cell that dies in every kernel stops at its run's --max-restarts (below the driver's own
+    budget): exit status 3, a report, and the cells after it never run."""
+    nb = load("budget.ipynb", death="sigkill", max_restarts=1)
+    outcome = run(nb, tmp_path, max_restarts=5)
+    assert outcome.status == driver.EXIT_BUDGET
     # the first death is counted by the second kernel; the third kernel finds the budget spent
-    assert len(result.restarts) == 2
-    assert "failed: restart budget spent (1/1 restarts) and the kernel died without warning" in result.message
-    assert result.message.startswith("colab-resilience: cell 1 failed: UsageError: colab_resilience: run ")
-    assert nb.cells[2].get("outputs", []) == []
+    assert len(outcome.restarts) == 2
+    assert "failed: restart budget spent (1/1 restarts) and the kernel died without warning" in outcome.message
+    assert outcome.message.startswith(f"colab-resilience: cell {index(nb, 'die')} failed: UsageError: colab_resilience: run ")
+    assert nb.cells[index(nb, "after")].get("outputs", []) == []
 
 
 def test_a_crash_loop_at_start_up_stops_at_the_driver_budget(tmp_path):
+    """A plain first cell that kills every kernel (no run to count restarts) stops at the driver's
+    own budget, quickly."""
     nb = notebook("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", "print('not reached')")
     started = time.monotonic()
-    result = run(nb, tmp_path, max_restarts=2)
-    assert result.status == driver.EXIT_BUDGET
-    assert len(result.restarts) == 2
-    assert "restart budget spent (2/2 restarts): the kernel died again in cell 0 (killed by SIGKILL" in result.message
+    outcome = run(nb, tmp_path, max_restarts=2)
+    assert outcome.status == driver.EXIT_BUDGET
+    assert len(outcome.restarts) == 2
+    assert "restart budget spent (2/2 restarts): the kernel died again in cell 0 (killed by SIGKILL" in outcome.message
     assert time.monotonic() - started < 60
 
 
@@ -179,15 +160,18 @@ def startup_killer(tmp_path):
 
 
 def test_the_first_kernel_dying_while_starting_is_restarted_like_any_death(tmp_path, startup_killer):
+    """The very first kernel dies before it answers: a death like any other, restarted."""
     startup_killer(once=True)
     nb = notebook("print('ran', 1 + 1)")
-    result = run(nb, tmp_path)
-    assert result.status == 0, result.message
-    assert [r.reason for r in result.restarts] == ["died while starting: killed by SIGKILL, likely the OS out-of-memory killer"]
+    outcome = run(nb, tmp_path)
+    assert outcome.status == 0, outcome.message
+    assert [r.reason for r in outcome.restarts] == ["died while starting: killed by SIGKILL, likely the OS out-of-memory killer"]
     assert "ran 2" in cell_text(nb.cells[0])
 
 
 def test_cli_a_kernel_that_never_starts_exits_3_with_a_report_not_a_traceback(tmp_path, startup_killer):
+    """`colab-resilience run` with kernels that always die while starting: exit status 3 and a
+    report of the attempts, never a traceback, never a claim that a kernel resumed."""
     startup_killer(once=False)
     nb = notebook("print('not reached')")
     nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
@@ -201,10 +185,12 @@ def test_cli_a_kernel_that_never_starts_exits_3_with_a_report_not_a_traceback(tm
 
 
 def test_ordinary_error_is_reported_like_papermill(tmp_path):
+    """An ordinary exception is no death: the run stops at that cell (exit status 1), its error in
+    the output notebook, the later cells not run."""
     nb = notebook("x = 1", "raise ValueError('bad parameter')", "print('not reached')")
-    result = run(nb, tmp_path)
-    assert result.status == driver.EXIT_CELL_FAILED and result.failed_cell == 1
-    assert result.message == "colab-resilience: cell 1 failed: ValueError: bad parameter"
+    outcome = run(nb, tmp_path)
+    assert outcome.status == driver.EXIT_CELL_FAILED and outcome.failed_cell == 1
+    assert outcome.message == "colab-resilience: cell 1 failed: ValueError: bad parameter"
     out = nbformat.read(tmp_path / "out.ipynb", 4)
     assert out.cells[1].outputs[0].output_type == "error"
     assert out.cells[2].get("outputs", []) == []
@@ -212,19 +198,24 @@ def test_ordinary_error_is_reported_like_papermill(tmp_path):
 
 
 def test_parameters_are_injected_after_the_parameters_cell(tmp_path):
+    """papermill's convention: typed -p values in a cell tagged injected-parameters right after the
+    cell tagged parameters, overriding its values and adding new names."""
     nb = notebook("lr = 0.1\nname = 'a'", "print('PARAMS', lr, name, steps)", tags={0: ["parameters"]})
-    result = run(nb, tmp_path, parameters={"lr": driver.resolve_parameter("0.01"), "name": driver.resolve_parameter("b"), "steps": driver.resolve_parameter("3")})
-    assert result.status == 0
+    outcome = run(nb, tmp_path, parameters={"lr": driver.resolve_parameter("0.01"), "name": driver.resolve_parameter("b"), "steps": driver.resolve_parameter("3")})
+    assert outcome.status == 0
     assert nb.cells[1].metadata["tags"] == ["injected-parameters"]
     assert "PARAMS 0.01 b 3" in cell_text(nb.cells[2])
 
 
 def cli(*args, cwd=None, timeout=240):
+    """``python -m colab_resilience ARGS`` in a child process."""
     return subprocess.run([sys.executable, "-m", "colab_resilience", *args], capture_output=True, text=True,
                           cwd=cwd, timeout=timeout)
 
 
 def test_cli_runs_a_notebook_with_parameters(tmp_path):
+    """`colab-resilience run -p n 21 --log-output`: the value reaches the kernel, the cells' output
+    is echoed with their index, and a summary line ends the run."""
     nb = notebook("n = 1", "print('N', n * 2)", tags={0: ["parameters"]})
     nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
     nbformat.write(nb, tmp_path / "in.ipynb")
@@ -246,6 +237,7 @@ def test_cli_runs_a_notebook_with_parameters(tmp_path):
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, make, args, expected):
+    """Unusable input is exit status 2 and one line that says what to do; nothing runs."""
     if make == "nb":
         nbformat.write(notebook("1"), tmp_path / "good.ipynb")
     elif make is not None:
@@ -258,22 +250,23 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, make, args, expected):
 
 
 def test_papermill_engine(tmp_path, reference):
+    """`papermill --engine resilient` runs train.ipynb (its parameters injected by papermill) through
+    a SIGKILL in epoch 1 and writes the reference's RESULT and the restart to the notebook."""
     import papermill
 
-    mark = tmp_path / "mark"
-    fault = f"if epoch == 1 and not os.path.exists({str(mark)!r}):\n        open({str(mark)!r}, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)"
-    nb = notebook("steps = 5", SETUP, TRAIN.format(fault=fault).replace("resume_range(5)", "resume_range(steps)"), RESULT,
-                  tags={0: ["parameters"]})
-    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
-    nbformat.write(nb, tmp_path / "in.ipynb")
-    out = papermill.execute_notebook(str(tmp_path / "in.ipynb"), str(tmp_path / "out.ipynb"), engine_name="resilient",
-                                     kernel_name=KERNEL_NAME, parameters={"steps": 5}, progress_bar=False)
-    assert result_line(out) == reference
+    files = {"mark": str(tmp_path / "fault.mark"), "log": str(tmp_path / "events.log")}
+    out = papermill.execute_notebook(str(FILES / "train.ipynb"), str(tmp_path / "out.ipynb"), engine_name="resilient",
+                                     kernel_name=KERNEL_NAME, parameters={"fault": "sigkill", "fault_epoch": 1, **files},
+                                     progress_bar=False)
+    assert result(out) == reference.result
     assert len(out.metadata["colab_resilience"]["restarts"]) == 1
     assert out.metadata["papermill"]["exception"] is None or out.metadata["papermill"]["exception"] is False
+    assert epochs(tmp_path / "events.log") == [0, 1, 2, 3]
 
 
 def test_demo_is_identical_to_the_uninterrupted_run():
+    """`colab-resilience demo`: a real OOM recovered in process and a SIGKILL recovered by a restart,
+    and the result bit-identical to the uninterrupted run."""
     r = cli("demo", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "identical to the uninterrupted run: yes (bit for bit)" in r.stdout
@@ -287,6 +280,7 @@ def test_demo_is_identical_to_the_uninterrupted_run():
 
 
 def test_bundled_demo_and_notebooks_copy_are_the_same():
+    """The demo notebook shipped in the package is notebooks/demo.ipynb."""
     from importlib import resources
     from pathlib import Path
 
@@ -296,11 +290,12 @@ def test_bundled_demo_and_notebooks_copy_are_the_same():
 
 @pytest.mark.parametrize("name", ["tutorial.ipynb", "quickstart.ipynb"])
 def test_shipped_notebooks_run_headless(tmp_path, name):
+    """The notebooks users start from run to their end under the supervisor."""
     from pathlib import Path
 
     nb = nbformat.read(Path(__file__).parent.parent / "notebooks" / name, 4)
-    result = run(nb, tmp_path)
-    assert result.status == 0, result.message
+    outcome = run(nb, tmp_path)
+    assert outcome.status == 0, outcome.message
     text = cell_text(nb.cells[-1])
     if name == "tutorial.ipynb":
         assert "final accuracy" in text and ": done; restarts 0/3" in text

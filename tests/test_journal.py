@@ -15,11 +15,13 @@ import pytest
 from colab_resilience.errors import JournalError, JournalNotFoundError, RunLockedError
 from colab_resilience.journal import Journal, ReplayCell
 from colab_resilience.lock import RunLock
-from kernels import child_env
+from harness import child_env
 
 
 
 def test_create_save_load_round_trip(tmp_path):
+    """Everything a journal records reads back the same (replay cells in first-run order, the first
+    line of a restart's reason); owner-only files, no temporary file left."""
     run = tmp_path / "run"
     j = Journal.create(run, "r1", max_restarts=5)
     assert stat.S_IMODE(run.stat().st_mode) == 0o700
@@ -46,6 +48,7 @@ def test_create_save_load_round_trip(tmp_path):
 
 
 def test_missing_journal(tmp_path):
+    """A folder without a journal says so."""
     assert not Journal.exists(tmp_path)
     with pytest.raises(JournalNotFoundError, match="no run journal"):
         Journal.load(tmp_path)
@@ -65,6 +68,8 @@ def test_missing_journal(tmp_path):
     ],
 )
 def test_damaged_or_foreign_journal_is_refused_clearly(tmp_path, content, why):
+    """A journal that is not a JSON object, another program's, lacks a field, has a wrong type or
+    status, or comes from a newer version is refused in one line that says why."""
     j = Journal.create(tmp_path, "r")
     data = j.to_dict()
     if content is None:
@@ -86,6 +91,7 @@ def test_damaged_or_foreign_journal_is_refused_clearly(tmp_path, content, why):
 
 
 def test_bad_status_is_refused_before_writing(tmp_path):
+    """An unknown status is refused before anything is written."""
     j = Journal.create(tmp_path, "r")
     with pytest.raises(ValueError):
         j.set_status("paused")
@@ -130,6 +136,8 @@ def _holder(run_dir, ready_file):
 
 
 def test_lock_held_by_another_process_names_its_pid(tmp_path):
+    """A run locked by another live process is refused naming that PID; once that process is
+    SIGKILLed the lock is free."""
     run = tmp_path / "run"
     proc = _holder(run, tmp_path / "ready")
     try:
@@ -147,6 +155,8 @@ def test_lock_held_by_another_process_names_its_pid(tmp_path):
 
 
 def test_lock_is_reentrant_in_one_process_and_released_on_close(tmp_path):
+    """One process may take its own run's lock twice; another process is refused until the last
+    holder releases it."""
     run = tmp_path / "run"
     a = RunLock(run).acquire()
     b = RunLock(run).acquire()  # same process: fine

@@ -8,16 +8,19 @@ import time
 import pytest
 from nbclient.exceptions import CellExecutionError
 
-from kernels import MEMORY_TOOLS, cell_text, notebook, run_notebook
+from harness import MEMORY_TOOLS, cell_text, notebook, run_notebook
 
 pytestmark = pytest.mark.kernel
 
-SETUP = MEMORY_TOOLS + "\nimport torch\ntorch.set_num_threads(1)\n%load_ext colab_resilience\n"
+# the first cell of these kernels: memory tools (a cap for real OOMs), torch on one thread, the extension
+PRELUDE = MEMORY_TOOLS + "\nimport torch\ntorch.set_num_threads(1)\n%load_ext colab_resilience\n"
 
 
 def test_real_oom_finishes_after_shrink_in_a_headless_notebook():
+    """A real CPU OOM under a memory cap, in a notebook run by nbclient: the batch halves at each
+    retry, each retry says what was freed, and the cell finishes with the size that fits."""
     nb = notebook(
-        SETUP,
+        PRELUDE,
         "batch_size = 8192\ncap_memory(1 * GiB)  # 8192 and 4096 rows of 64 Ki floats do not fit",
         "%%resilient --retries 3 --shrink batch_size\n"
         "x = torch.ones(batch_size, 65536)\n"
@@ -39,7 +42,7 @@ def test_real_oom_finishes_after_shrink_in_a_headless_notebook():
 
 def test_recovery_frees_a_gigabyte_held_in_a_local_frame(kernel):
     """Without release() the traceback keeps `held` (1 GiB) alive and the retry fails too."""
-    kernel.ok(SETUP)
+    kernel.ok(PRELUDE)
     kernel.ok("batch_size = 8192\nstarts = []\nbefore = rss()\ncap_memory(int(1.5 * GiB) + 128 * MiB)")
     r = kernel.ok(
         "%%resilient --retries 3 --shrink batch_size\n"
@@ -63,7 +66,7 @@ def test_a_retry_unbinds_what_the_failed_attempt_bound_since_the_last_safe_point
     """`x`, bound to a global by the failed attempt, held 512 MiB through the retry and the half
     batch failed too (the demo's retries all did). A name bound before the safe point the retry
     goes back to (`lookup`, in epoch 0) stays: the retry does not bind it again."""
-    kernel.ok(SETUP)
+    kernel.ok(PRELUDE)
     kernel.ok("batch_size = 4096\ncap_memory(768 * MiB)  # 512 MiB fits, 1 GiB does not")
     r = kernel.ok(
         "%%resilient --retries 2 --shrink batch_size\n"
@@ -85,7 +88,9 @@ def test_a_retry_unbinds_what_the_failed_attempt_bound_since_the_last_safe_point
 
 
 def test_spent_retries_and_budget_reraise_the_oom_and_still_free_its_memory(kernel):
-    kernel.ok(SETUP)
+    """Retries and restart budget spent: the OOM is raised with its own traceback, the report says
+    why, and the memory the failed attempts held is given back."""
+    kernel.ok(PRELUDE)
     kernel.ok("before = rss()\ncap_memory(4 * GiB)  # else a kernel that always overcommits grants 64 TiB")
     r = kernel.execute(
         "%%resilient --retries 1 --max-restarts 0\n"
@@ -111,6 +116,8 @@ def _frames(traceback_text: str) -> list[str]:
 
 
 def test_ordinary_error_is_reported_exactly_as_without_the_magic(kernel):
+    """An ordinary error in a %%resilient cell has the same reply and the same traceback frames as
+    without the magic, with no frame of the package's."""
     kernel.ok("%load_ext colab_resilience")
     body = "def load(path):\n    return open(path).read()\ndata = load('/nonexistent/file.txt')\n"
     plain = kernel.execute(body)
@@ -125,6 +132,7 @@ def test_ordinary_error_is_reported_exactly_as_without_the_magic(kernel):
 
 
 def test_ordinary_error_aborts_queued_cells(kernel):
+    """An error in a %%resilient cell aborts the requests queued behind it, as any error does."""
     kernel.ok("%load_ext colab_resilience\nimport time")
     # the pause makes sure the second request is queued when the error comes: ipykernel 6.17
     # aborts only what has arrived by then (stop_on_error_timeout 0), with or without the magic
@@ -136,6 +144,7 @@ def test_ordinary_error_aborts_queued_cells(kernel):
 
 
 def test_keyboard_interrupt_is_never_caught(kernel):
+    """An interrupt stops the cell at once: never taken for an OOM, never retried."""
     kernel.ok("%load_ext colab_resilience\nimport time\nattempts = 0")
     msg_id = kernel.submit("%%resilient --retries 5\nattempts += 1\nfor _ in range(600):\n    time.sleep(0.05)")
     time.sleep(1.5)
@@ -147,6 +156,7 @@ def test_keyboard_interrupt_is_never_caught(kernel):
 
 
 def test_notebook_stops_at_an_ordinary_error_in_a_resilient_cell():
+    """Headless (nbclient), an ordinary error in a %%resilient cell stops the notebook there."""
     nb = notebook(
         "%load_ext colab_resilience",
         "%%resilient\nx = [1, 2, 3]\nx[10]",

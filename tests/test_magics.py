@@ -43,6 +43,8 @@ def usage_error(ip, cell: str) -> str:
     ],
 )
 def test_bad_input_is_one_clear_line_and_runs_nothing(ip, cell, expected):
+    """A bad %%resilient or %%replay cell is one UsageError line that says what to write; the body
+    does not run and no variable changes."""
     ip.user_ns.update(batch_size=64, lr=0.001, flag=True, ran=[])
     message = usage_error(ip, cell.replace("x = 1", "ran.append(1)"))
     assert expected in message
@@ -51,11 +53,14 @@ def test_bad_input_is_one_clear_line_and_runs_nothing(ip, cell, expected):
 
 
 def test_empty_cell_body_is_a_usage_error(ip):
+    """%%resilient with nothing under it is a UsageError."""
     result = ip.run_cell("%%resilient\n")
     assert isinstance(result.error_in_exec, UsageError)
 
 
 def test_successful_cell_runs_once_and_displays_last_expression(ip, capsys):
+    """A cell that succeeds runs once, its last expression is its result as without the magic, no
+    OOM message; a name the cell reads that a restart would lose is named."""
     ip.user_ns.update(batch_size=8, calls=[])
     result = ip.run_cell("%%resilient --shrink batch_size\ncalls.append(batch_size)\nbatch_size * 3")
     assert result.success
@@ -68,6 +73,7 @@ def test_successful_cell_runs_once_and_displays_last_expression(ip, capsys):
 
 
 def test_shrink_list_and_repeat_forms(ip):
+    """--shrink a=0.25,b: each variable shrinks by its own factor (default a half) at every retry."""
     ip.user_ns.update(a=16, b=10, n=[0])
     body = (
         "n[0] += 1\n"
@@ -80,6 +86,7 @@ def test_shrink_list_and_repeat_forms(ip):
 
 
 def test_shrink_never_below_one_and_message_per_attempt(ip, capsys):
+    """A shrunk variable stops at 1; every retry prints one line saying what was freed and shrunk."""
     ip.user_ns.update(bs=2, n=[0])
     result = ip.run_cell("%%resilient --retries 3 --shrink bs\nn[0] += 1\nif n[0] <= 3:\n    raise MemoryError()")
     assert result.success
@@ -93,6 +100,8 @@ def test_shrink_never_below_one_and_message_per_attempt(ip, capsys):
 
 
 def test_retries_spent_reraises_last_oom_with_summary(ip, capsys):
+    """Past its retries the cell raises the last attempt's OOM, after one line summing up the
+    attempts and the shrinking."""
     ip.user_ns.update(bs=8, n=[0])
     result = ip.run_cell("%%resilient --retries 1 --shrink bs\nn[0] += 1\nraise MemoryError(f'attempt {n[0]}')")
     assert isinstance(result.error_in_exec, MemoryError)
@@ -103,6 +112,7 @@ def test_retries_spent_reraises_last_oom_with_summary(ip, capsys):
 
 
 def test_retries_zero_means_one_attempt(ip, capsys):
+    """--retries 0: one attempt, the OOM raised at once."""
     ip.user_ns.update(n=[0])
     result = ip.run_cell("%%resilient --retries 0\nn[0] += 1\nraise MemoryError()")
     assert isinstance(result.error_in_exec, MemoryError)
@@ -111,6 +121,7 @@ def test_retries_zero_means_one_attempt(ip, capsys):
 
 
 def test_poisoned_cuda_error_is_not_retried(ip, capsys):
+    """A device-side assert poisons the CUDA context: never retried, and said why."""
     ip.user_ns.update(n=[0])
     result = ip.run_cell(
         "%%resilient --retries 3\nn[0] += 1\nraise RuntimeError('CUDA error: device-side assert triggered')"
@@ -121,6 +132,7 @@ def test_poisoned_cuda_error_is_not_retried(ip, capsys):
 
 
 def test_non_oom_error_is_untouched(ip, capsys):
+    """An ordinary exception goes through untouched: one attempt, no message."""
     ip.user_ns.update(n=[0])
     result = ip.run_cell("%%resilient --save n\nn[0] += 1\nraise KeyError('missing')")
     assert isinstance(result.error_in_exec, KeyError)
@@ -129,6 +141,7 @@ def test_non_oom_error_is_untouched(ip, capsys):
 
 
 def test_syntax_error_reports_the_notebook_line(ip):
+    """A syntax error in the body points at its line in the cell, magic line included."""
     result = ip.run_cell("%%resilient\nx = 1\ny = = 2")
     assert isinstance(result.error_in_exec or result.error_before_exec, SyntaxError)
     err = result.error_in_exec or result.error_before_exec
@@ -136,6 +149,7 @@ def test_syntax_error_reports_the_notebook_line(ip):
 
 
 def test_config_magic_sets_default_retries(ip):
+    """`%config ResilienceMagics.retries = 0` changes the default of later cells."""
     ip.run_line_magic("config", "ResilienceMagics.retries = 0")
     assert ip.magics_manager.registry["ResilienceMagics"].retries == 0
     ip.user_ns["n"] = [0]
@@ -144,6 +158,7 @@ def test_config_magic_sets_default_retries(ip):
 
 
 def test_config_file_values_are_read():
+    """ResilienceMagics reads its defaults from an IPython configuration."""
     cfg = Config()
     cfg.ResilienceMagics.retries = 5
     cfg.ResilienceMagics.verbose = False
@@ -152,6 +167,8 @@ def test_config_file_values_are_read():
 
 
 def test_load_twice_is_harmless_and_unload_removes_everything(ip):
+    """Loading the extension twice registers nothing twice; unloading removes its magics, hooks and
+    configurable, and it loads again."""
     before = len(ip.events.callbacks["post_run_cell"])
     colab_resilience.load_ipython_extension(ip)
     assert len(ip.events.callbacks["post_run_cell"]) == before
@@ -165,6 +182,8 @@ def test_load_twice_is_harmless_and_unload_removes_everything(ip):
 
 
 def test_replay_records_in_order_and_replaces_rerun_cells(ip):
+    """%%replay cells are recorded in the order they first ran; running one again replaces its
+    record in place."""
     ip.run_cell("%%replay\nsetup_a = 1")
     ip.run_cell("%%replay\nsetup_b = 2")
     ip.run_cell("%%replay\nsetup_a = 1")  # the same cell again (no id: same source)
@@ -173,6 +192,7 @@ def test_replay_records_in_order_and_replaces_rerun_cells(ip):
 
 
 def test_failing_replay_cell_is_not_recorded(ip):
+    """A %%replay cell that raises is not recorded: it would fail again at every replay."""
     result = ip.run_cell("%%replay\nraise ValueError('bad setup')")
     assert isinstance(result.error_in_exec, ValueError)
     assert [c.rstrip() for c in colab_resilience.replay_cells(ip)] == []

@@ -3,9 +3,10 @@
 - kill-writes: a checkpoint writer SIGKILLed at random moments of its saves, the store folder
   reused across trials: every load is the newest committed generation or the one before, byte
   for byte, or "no checkpoint yet"; one clean save removes what the kills left behind.
-- chaos: a supervised training run whose kernel is SIGKILLed from outside by PID during a
-  checkpoint write, during start-up and during the replay ends bit-identical to the uninterrupted
-  run.
+- chaos: a supervised training run (tests/files/train.ipynb at the trial's size) whose kernel is
+  SIGKILLed from outside by PID during a checkpoint write, during start-up and during the replay
+  ends bit-identical to the uninterrupted run.
+- a kill in the cell after the training: that cell sees the trained state (the `reference`).
 - crash loops: a kernel that dies at every start-up or during every replay (supervised), at the
   start of every attempt or during every replay (interactive, jupyter_client standing in for the
   Jupyter server's restarter) stops at its budget with a report, in bounded time.
@@ -17,14 +18,21 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
+import harness
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import reliability  # noqa: E402
+
+# train.ipynb at the size of the chaos trials: 13 MB checkpoints (weights and AdamW state), whose
+# writes last long enough for a kill from outside to land in one; epochs that outlast the restarts
+CHAOS = {"epochs": 5, "width": 1024}
 
 
 def test_the_generation_check_is_exact():
@@ -43,6 +51,8 @@ def test_the_generation_check_is_exact():
 
 
 def test_sigkill_during_checkpoint_writes_never_loses_the_last_checkpoint():
+    """A checkpoint writer SIGKILLed at random moments of its saves: every load is the newest
+    committed generation or the one before, byte for byte, or none before the first commit."""
     trials, summary = reliability.kill_trials(10, 48, seed=1)
     assert summary["data_lost"] == 0, summary["failures"]
     assert summary["faults_survived"] == 10
@@ -53,27 +63,45 @@ def test_sigkill_during_checkpoint_writes_never_loses_the_last_checkpoint():
     assert summary["leftovers_after_clean_save"] == []
 
 
+@pytest.fixture(scope="module")
+def chaos_reference(tmp_path_factory) -> harness.Reference:
+    """train.ipynb at the chaos trials' size, uninterrupted: what every chaos run must end with (the
+    session's `reference` is the small default size, whose checkpoint writes take milliseconds)."""
+    work = tmp_path_factory.mktemp("chaos-reference")
+    nb = harness.load("train.ipynb", work, **CHAOS)
+    run = harness.run(nb, work, standby=False)
+    assert run.status == 0, run.message
+    return harness.Reference(harness.result(nb), work / "events.log")
+
+
 @pytest.mark.kernel
 @pytest.mark.parametrize("standby, schedule", [
     (False, ["checkpoint write", "start-up", "set-up/replay"]),  # start-up: a restarted kernel
     (True, ["checkpoint write", "start-up", "training", "set-up/replay"]),  # start-up: the standby
 ], ids=["cold-restarts", "standby"])
-def test_chaos_run_with_kills_from_outside_is_bit_identical(standby, schedule):
-    out = reliability.chaos_runs(1, len(schedule), epochs=5, seed=3, spread=0, schedule=schedule, standby=standby)
+def test_chaos_run_with_kills_from_outside_is_bit_identical(standby, schedule, chaos_reference):
+    """Kills from outside by PID in the phases of ``schedule``: the run survives every one (a
+    standby's death costs no restart) and ends with the uninterrupted run's RESULT line: its
+    weights, optimizer state and history."""
+    out = reliability.chaos_runs(1, len(schedule), parameters=CHAOS, reference=chaos_reference, seed=3, spread=0,
+                                 schedule=schedule, standby=standby)
     run = out["runs"][0]
     assert run["killer_error"] is None
     assert run["status"] == 0, run["message"]
     assert run["kills"] == len(schedule), run
     assert run["standby_kills"] == (1 if standby else 0), run
     assert run["restarts"] == run["kills"] - run["standby_kills"], run  # a standby's death costs no restart
-    assert run["identical"], (run["result"], out["reference"]["result"])
-    assert len(run["result"]) == 3  # weights, optimizer state, history
+    assert run["identical"], (run["result"], chaos_reference.result)
+    assert re.fullmatch(r"RESULT device=cpu history=\[.+\] weights=[0-9a-f]{64} optimizer=[0-9a-f]{64}", run["result"])
 
 
 @pytest.mark.kernel
-def test_a_kill_in_a_cell_after_training_keeps_the_trained_state():
+def test_a_kill_in_a_cell_after_training_keeps_the_trained_state(reference):
+    """A SIGKILL in the plain cell after the finished training: after the restart that cell sees
+    the trained state (restored from the finished run, said in its output), not the replayed,
+    untrained model, and the training does not run again."""
     with reliability.workspace() as root:
-        r = reliability.kill_in_a_later_cell(root)
+        r = reliability.kill_in_a_later_cell(root, reference.result)
     assert r["restarts"] == 1 and r["trained"]
     assert r["identical"], r
     assert r["marker"] and r["status"] == 0, r
@@ -81,6 +109,8 @@ def test_a_kill_in_a_cell_after_training_keeps_the_trained_state():
 
 @pytest.mark.kernel
 def test_supervised_kernel_dying_at_every_start_up_stops_at_the_budget():
+    """Every restarted kernel dies while starting: the driver stops at its budget, quickly, with a
+    report of each attempt."""
     # tests/test_driver.py covers a death in the first cell of every kernel; here every restarted
     # kernel dies while starting, before it answers (the driver used to raise RuntimeError)
     with reliability.workspace() as root:
@@ -94,6 +124,8 @@ def test_supervised_kernel_dying_at_every_start_up_stops_at_the_budget():
 
 @pytest.mark.kernel
 def test_supervised_kernel_dying_during_every_replay_stops_at_the_budget():
+    """Every new kernel dies replaying the set-up cell: the driver stops at its budget, quickly,
+    saying so for each restart."""
     with reliability.workspace() as root:
         r = reliability.crash_loop_driver_replay(root, max_restarts=2)
     assert r["status"] == 3, r["message"]
@@ -106,6 +138,8 @@ def test_supervised_kernel_dying_during_every_replay_stops_at_the_budget():
 @pytest.mark.kernel
 @pytest.mark.parametrize("where", ["attempt", "replay"])
 def test_interactive_crash_loop_stops_at_the_budget_and_the_kernel_stays(where):
+    """Interactive kernels that die at every attempt, or in every replay: the run's budget stops
+    the loop with an error reply naming the restarts, and that kernel stays up."""
     fn = {"attempt": reliability.crash_loop_interactive_attempt, "replay": reliability.crash_loop_interactive_replay}[where]
     with reliability.workspace() as root:
         r = fn(root, max_restarts=2)
@@ -125,7 +159,7 @@ def test_interactive_crash_loop_stops_at_the_budget_and_the_kernel_stays(where):
 def test_a_full_disk_at_a_safe_point_keeps_the_previous_checkpoint_and_the_run_goes_on(tmp_path):
     """The disk fills (RLIMIT_FSIZE: writes past 1 MiB fail with EFBIG, as ENOSPC would) for one
     safe point: one line says so, the run trains on, the next safe point saves again."""
-    from kernels import Kernel
+    from harness import Kernel
 
     k = Kernel({"COLAB_RESILIENCE_RUN_DIR": str(tmp_path / "runs"), "IPYTHONDIR": str(tmp_path / "ipython")})
     try:

@@ -1,9 +1,10 @@
 """Restart and resume in real kernels; jupyter_client stands in for the Jupyter server's restarter.
 
-A training loop with shuffling and dropout is interrupted by a SIGKILL, by an OOM beyond the
-retries, and by planned restarts; each time the final weights must be bit-identical to those of an
-uninterrupted run, and a log written at the end of every epoch proves that each epoch after the
-last safe point ran exactly once.
+tests/files/train.ipynb (a training loop with shuffling and dropout), run cell by cell as a user
+runs it in Jupyter, is interrupted by a SIGKILL, by an OOM beyond the retries, and by planned
+restarts; each time the RESULT line (history, weights, optimizer state) must be the reference's,
+bit for bit, and its log, written at the end of every epoch, must show that each epoch after the
+last safe point ran exactly once. tests/files/budget.ipynb dies in every kernel.
 """
 
 from __future__ import annotations
@@ -13,48 +14,16 @@ import time
 
 import pytest
 
-from kernels import HOST_OOM, Kernel
+from harness import Kernel, epochs, load, result, run_interactive, user_cell, user_cells
 
 pytestmark = pytest.mark.kernel
 
-REPLAY = """%%replay
-import os, signal, torch
-torch.manual_seed(0)
-torch.set_num_threads(1)
-X = torch.randn(256, 16)
-Y = (X.sum(1) > 0).long()
-model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 2))
-opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-"""
-
-TRAIN = """%%resilient --save model,opt,history --retries 1 --max-restarts {max_restarts}
-history = []
-for epoch in resume_range(4):
-    perm = torch.randperm(len(X))
-    for b in range(0, len(X), 64):
-        idx = perm[b:b + 64]
-        loss = torch.nn.functional.cross_entropy(model(X[idx]), Y[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if epoch == 2 and b == 128 and (not os.path.exists({mark!r}) or open({mark!r}).read() == str(os.getpid())):
-            open({mark!r}, 'w').write(str(os.getpid()))
-            {fault}
-    history.append(round(loss.item(), 6))
-    with open({log!r}, 'a') as f:
-        f.write(f'{{epoch}}\\n')
-"""
-
-FAULTS = {
-    "sigkill": "os.kill(os.getpid(), signal.SIGKILL)",
-    "oom": HOST_OOM,  # a real allocator failure, every attempt in this kernel
-    "none": "pass",
-}
-
-DIGEST = (
-    "(__import__('hashlib').sha256(b''.join(t.numpy().tobytes() for t in model.state_dict().values()))"
-    ".hexdigest(), history)"
-)
+# what a kernel prints when the interrupted cell, run again, replays train.ipynb's set-up cells
+REPLAYED = [
+    "colab_resilience: replayed epochs = 4            # epochs to train (8 minibatches each)",  # parameters
+    "colab_resilience: replayed # Parameters",  # the injected parameters
+    "colab_resilience: replayed # Set-up: replayed in every new kernel before the training resumes.",
+]
 
 
 @pytest.fixture
@@ -66,38 +35,17 @@ def env(tmp_path):
     }
 
 
-def train_source(tmp_path, fault: str, max_restarts: int = 3) -> str:
-    return TRAIN.format(
-        mark=str(tmp_path / "fault-mark"), log=str(tmp_path / "epochs.log"),
-        fault=FAULTS[fault], max_restarts=max_restarts,
-    )
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted run: same cells, no fault."""
-    tmp = tmp_path_factory.mktemp("reference")
-    k = Kernel({"COLAB_RESILIENCE_RUN_DIR": str(tmp / "runs"), "IPYTHONDIR": str(tmp / "ipython")})
-    try:
-        k.ok("%load_ext colab_resilience")
-        k.ok(REPLAY)
-        k.ok(train_source(tmp, "none"))
-        return k.value(DIGEST)
-    finally:
-        k.shutdown()
-
-
-def epochs_logged(tmp_path) -> list[int]:
-    return [int(x) for x in (tmp_path / "epochs.log").read_text().split()]
-
-
 @pytest.mark.parametrize("fault", ["sigkill", "oom"])
 def test_interrupted_run_resumes_bit_identical(tmp_path, env, reference, fault):
+    """A SIGKILL, or a real OOM in every attempt of the first kernel, mid-epoch 2: the user runs the
+    interrupted cell again in the restarted kernel, and nothing else; the startup file loaded the
+    extension, the run replays the set-up cells, restores the last safe point and finishes
+    bit-identical, each epoch once; then the startup file is gone."""
+    nb = load("train.ipynb", tmp_path, fault=fault, fault_epoch=2, retries=1, max_restarts=3)
     k = Kernel(env)
     try:
-        k.ok("%load_ext colab_resilience")
-        k.ok(REPLAY)
-        source = train_source(tmp_path, fault)
+        run_interactive(k, nb, stop="train")
+        source = user_cell(nb, "train")
         out, code = k.execute_until_exit(source)
         first_pid = k.pid
         if fault == "oom":
@@ -109,13 +57,13 @@ def test_interrupted_run_resumes_bit_identical(tmp_path, env, reference, fault):
         k.restart()
         assert k.pid != first_pid
         # As a user would: run the interrupted cell again, nothing else. The startup file
-        # loaded the extension; the run replays the set-up cell and restores the state.
+        # loaded the extension; the run replays the set-up cells and restores the state.
         r = k.ok(source)
-        assert "colab_resilience: replayed import os, signal, torch" in r.stdout
+        assert [l for l in r.stdout.splitlines() if "colab_resilience: replayed" in l] == REPLAYED
         assert "colab_resilience: resumed run" in r.stdout
         assert "restart 1/3" in r.stdout and "continuing at 2" in r.stdout
-        assert k.value(DIGEST) == reference
-        assert epochs_logged(tmp_path) == [0, 1, 2, 3]  # each epoch exactly once
+        assert result(k.ok(user_cell(nb, "result")).stdout) == reference.result
+        assert epochs(tmp_path / "events.log") == [0, 1, 2, 3]  # each epoch exactly once
         runs = list((tmp_path / "runs").glob("run-*/journal.json"))
         journal = json.loads(runs[0].read_text())
         assert journal["status"] == "done" and journal["restarts_used"] == 1
@@ -126,35 +74,39 @@ def test_interrupted_run_resumes_bit_identical(tmp_path, env, reference, fault):
 
 
 def test_planned_restarts_do_not_spend_the_budget(tmp_path, env, reference):
+    """`%restart_after 2`: the kernel leaves at the safe point after two epochs, even with a budget
+    of 0 restarts; after "Run all" in the new kernel the run continues at epoch 2, without a
+    replay (the set-up cells ran themselves), and ends bit-identical."""
+    nb = load("train.ipynb", tmp_path, max_restarts=0)
     k = Kernel(env)
     try:
-        k.ok("%load_ext colab_resilience")
-        k.ok(REPLAY)
+        run_interactive(k, nb, stop="train")
         k.ok("%restart_after 2")
-        source = train_source(tmp_path, "none", max_restarts=0)
+        source = user_cell(nb, "train")
         out, code = k.execute_until_exit(source)
         assert code == 75
         assert "planned restart after 2 safe points in" not in out  # at a safe point, not mid-epoch
         assert "planned restart after 2 safe points: restarting the kernel." in out
         k.restart()
-        # "Run all": the set-up cell runs again by itself, so the run does not replay it twice
-        k.ok("%load_ext colab_resilience")
-        k.ok(REPLAY)
-        r = k.ok(source)  # epochs 2 and 3; no restart after the last epoch
+        # "Run all": the set-up cells run again by themselves, so the run does not replay them twice
+        replies = run_interactive(k, nb)
+        r = replies["train"]  # epochs 2 and 3; no restart after the last epoch
         assert "continuing at 2" in r.stdout
         assert "replayed" not in r.stdout
-        assert k.value(DIGEST) == reference
-        assert epochs_logged(tmp_path) == [0, 1, 2, 3]
+        assert result(replies["result"].stdout) == reference.result
+        assert epochs(tmp_path / "events.log") == [0, 1, 2, 3]
     finally:
         k.shutdown()
 
 
 def test_always_oom_stops_at_its_budget_with_a_report(tmp_path, env):
+    """A cell with a real OOM in every kernel (budget.ipynb) is restarted twice, then the third
+    kernel refuses with an error that names both restarts, and stays up."""
+    nb = load("budget.ipynb", death="oom", retries=0, max_restarts=2)
     k = Kernel(env)
     try:
-        k.ok("%load_ext colab_resilience")
-        k.ok("%%replay\nimport torch")
-        cell = f"%%resilient --retries 0 --max-restarts 2\n{HOST_OOM}\n"
+        run_interactive(k, nb, stop="die")
+        cell = user_cell(nb, "die")
         pids = {k.pid}
         for restart in (1, 2):
             out, code = k.execute_until_exit(cell)
@@ -175,12 +127,15 @@ def test_always_oom_stops_at_its_budget_with_a_report(tmp_path, env):
 
 
 def test_memory_threshold_triggers_a_planned_restart(tmp_path, env, reference):
+    """`%restart_after --memory 1%`: memory in use past the threshold at a safe point makes the
+    kernel leave; in the new kernel, with the policy turned off there, the interrupted cell alone
+    continues at epoch 1 and ends bit-identical."""
+    nb = load("train.ipynb", tmp_path, max_restarts=0)
     k = Kernel(env)
     try:
-        k.ok("%load_ext colab_resilience")
-        k.ok(REPLAY)
+        run_interactive(k, nb, stop="train")
         k.ok("%restart_after --memory 1%")  # any machine uses more than 1% of its RAM
-        source = train_source(tmp_path, "none", max_restarts=0)
+        source = user_cell(nb, "train")
         out, code = k.execute_until_exit(source)
         assert code == 75
         assert "planned restart: host RAM in use at" in out and "(threshold 1%)" in out
@@ -188,30 +143,35 @@ def test_memory_threshold_triggers_a_planned_restart(tmp_path, env, reference):
         k.ok("%restart_after off")  # set in the new kernel: wins over the journal's policy
         r = k.ok(source)
         assert "continuing at 1" in r.stdout
-        assert k.value(DIGEST) == reference
-        assert epochs_logged(tmp_path) == [0, 1, 2, 3]
+        assert result(k.ok(user_cell(nb, "result")).stdout) == reference.result
+        assert epochs(tmp_path / "events.log") == [0, 1, 2, 3]
     finally:
         k.shutdown()
 
 
 def test_supervised_kernel_exits_with_the_documented_code_and_no_startup_file(tmp_path, env):
+    """Under a supervisor (COLAB_RESILIENCE_SUPERVISED=1) an OOM beyond the retries makes the kernel
+    exit 75 and leaves no startup file: the journal tells the driver what to replay and re-run."""
+    nb = load("budget.ipynb", death="oom", retries=0, max_restarts=3)
     k = Kernel({**env, "COLAB_RESILIENCE_SUPERVISED": "1"})
     try:
-        k.ok("%load_ext colab_resilience")
-        k.ok("%%replay\nimport torch")
-        out, code = k.execute_until_exit(f"%%resilient --retries 0\n{HOST_OOM}\n")
+        run_interactive(k, nb, stop="die")
+        out, code = k.execute_until_exit(user_cell(nb, "die"))
         assert code == 75
         assert "restarting the kernel; restart 1/3" in out
         assert not list((tmp_path / "ipython").glob("profile_default/startup/*colab_resilience*"))
         journal = json.loads(next((tmp_path / "runs").glob("run-*/journal.json")).read_text())
         assert journal["status"] == "pending" and journal["restart_requested"] is True
-        assert journal["interrupted_cell"].startswith("%%resilient --retries 0")
-        assert [c["source"].strip() for c in journal["replay_cells"]] == ["%%replay\nimport torch"]
+        assert journal["interrupted_cell"].strip() == user_cell(nb, "die") == "%%resilient --retries 0 --max-restarts 3\ndie()"
+        setup = [source.strip() for cell_id, source in user_cells(nb) if cell_id in ("parameters", "injected-parameters", "setup")]
+        assert [c["source"].strip() for c in journal["replay_cells"]] == setup
     finally:
         k.shutdown()
 
 
 def test_a_second_kernel_on_the_same_run_is_refused(tmp_path, env):
+    """Two kernels, one run directory, the same cell: the second is refused while the first runs it
+    (naming its PID), and may run it once the first is done."""
     a, b = Kernel(env), Kernel(env)
     try:
         cell = "%%resilient\nimport time\nfor _ in range(60):\n    time.sleep(0.05)\n"

@@ -1,4 +1,9 @@
-"""Runs in an in-process shell: --save and rollback, safe points, the line magics, bad input."""
+"""Runs in an in-process shell: --save and rollback, safe points, the line magics, bad input.
+
+The training is tests/files/train.ipynb, its cells run in this process's IPython shell
+(harness.run_in_shell); tests/test_golden.py proves that its uninterrupted run here ends with the
+`reference` fixture's RESULT line, as in a kernel.
+"""
 
 from __future__ import annotations
 
@@ -10,27 +15,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import colab_resilience
-
-SETUP = """
-import torch
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 2))
-opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-X = torch.randn(64, 8)
-"""
-
-TRAIN = """%%resilient --save model,opt,history --retries 2
-history = []
-for epoch in resume_range(4):
-    perm = torch.randperm(64)
-    loss = model(X[perm]).pow(2).mean()
-    opt.zero_grad(); loss.backward(); opt.step()
-    if epoch in fail_in:                      # half-way through the epoch: inconsistent state
-        fail_in.discard(epoch)
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    history.append(round(loss.item(), 6))
-    epochs_done.append(epoch)
-"""
+from harness import epochs, events, load, result, run_in_shell, user_cell
 
 
 @pytest.fixture
@@ -39,39 +24,42 @@ def root(ip, tmp_path):
     return tmp_path / "runs"
 
 
-def weights(ip) -> bytes:
-    return b"".join(t.detach().numpy().tobytes() for t in ip.user_ns["model"].state_dict().values())
+def train(ip, tmp_path, **parameters):
+    """train.ipynb with ``parameters`` (its fault record and log in ``tmp_path``), run to its end
+    in the shell; returns the notebook."""
+    nb = load("train.ipynb", tmp_path, **parameters)
+    run_in_shell(ip, nb)
+    return nb
 
 
-def train(ip, fail_in: set[int]):
-    ip.run_cell(SETUP)
-    ip.user_ns.update(fail_in=set(fail_in), epochs_done=[])
-    result = ip.run_cell(TRAIN)
-    assert result.success, result.error_in_exec
-    return weights(ip), list(ip.user_ns["history"]), list(ip.user_ns["epochs_done"])
-
-
-def test_retry_rolls_back_to_the_last_safe_point_bit_identical(ip, root, capsys):
-    clean = train(ip, set())
-    interrupted = train(ip, {1, 3})
-    assert interrupted == clean
-    assert interrupted[2] == [0, 1, 2, 3]  # every epoch ran to its end exactly once
+@pytest.mark.kernel  # the reference is a kernel's run
+def test_retry_rolls_back_to_the_last_safe_point_bit_identical(ip, root, tmp_path, capsys, reference):
+    """A (simulated) CUDA OOM half-way through epochs 1 and 3, once each: each retry rolls the run
+    back to the safe point before that epoch, and the run ends bit-identical to the reference,
+    every epoch run to its end exactly once."""
+    train(ip, tmp_path, fault="oom-error", fault_epoch=[1, 3], strikes=1, retries=2)
     out = capsys.readouterr().out
+    assert result(out) == reference.result
+    assert epochs(tmp_path / "events.log") == [0, 1, 2, 3]  # every epoch ran to its end exactly once
     assert out.count("rolled back to the last safe point; continuing at 1") == 1
     assert out.count("rolled back to the last safe point; continuing at 3") == 1
 
 
-def test_modules_and_optimizers_are_restored_in_place(ip, root):
-    ip.run_cell(SETUP)
-    ip.user_ns.update(fail_in={2}, epochs_done=[])
+def test_modules_and_optimizers_are_restored_in_place(ip, root, tmp_path):
+    """A rollback puts the saved state into the objects the names already hold: the optimizer
+    still steps the model's own parameters."""
+    nb = load("train.ipynb", tmp_path, fault="oom-error", fault_epoch=2, strikes=1)
+    run_in_shell(ip, nb, stop="train")
     model, opt = ip.user_ns["model"], ip.user_ns["opt"]
-    assert ip.run_cell(TRAIN).success
+    assert ip.run_cell(user_cell(nb, "train")).success
     assert ip.user_ns["model"] is model and ip.user_ns["opt"] is opt
     assert opt.param_groups[0]["params"][0] is next(model.parameters())
 
 
-def test_done_run_journal_and_status(ip, root, capsys):
-    train(ip, set())
+def test_done_run_journal_and_status(ip, root, tmp_path, capsys):
+    """A finished run's journal (done, no restarts, the saved names, signed) and `%resilience
+    status`'s line for it."""
+    train(ip, tmp_path)
     journals = list(root.glob("run-*/journal.json"))
     assert len(journals) == 1
     j = json.loads(journals[0].read_text())
@@ -86,6 +74,7 @@ def test_done_run_journal_and_status(ip, root, capsys):
 
 
 def test_explicit_checkpoint_is_a_safe_point(ip, root, capsys):
+    """checkpoint() in the cell is a safe point: a retry resumes from it."""
     ip.user_ns.update(state={"step": 0}, tries=[0])
     cell = (
         "%%resilient --save state\n"
@@ -101,13 +90,16 @@ def test_explicit_checkpoint_is_a_safe_point(ip, root, capsys):
 
 
 def test_resume_range_outside_a_resilient_cell_is_range(ip, capsys):
+    """resume_range outside %%resilient is plain range (the same object as the package's)."""
     ip.run_cell("seen = list(resume_range(2, 8, 3))")
     assert ip.user_ns["seen"] == [2, 5]
     assert colab_resilience.resume_range is ip.user_ns["resume_range"]
 
 
-def test_reset_forgets_a_run_and_resume_marks_it_pending(ip, root, capsys):
-    train(ip, set())
+def test_reset_forgets_a_run_and_resume_marks_it_pending(ip, root, tmp_path, capsys):
+    """`%resilience resume` restores a finished run's names and makes it pending again;
+    `%resilience reset RUN` deletes it."""
+    train(ip, tmp_path)
     run_dir = next(root.glob("run-*"))
     ip.run_line_magic("resilience", "resume")
     j = json.loads((run_dir / "journal.json").read_text())
@@ -118,15 +110,18 @@ def test_reset_forgets_a_run_and_resume_marks_it_pending(ip, root, capsys):
     assert "forgot run-" in capsys.readouterr().out
 
 
-def test_damaged_journal_is_refused_with_one_line(ip, root):
-    train(ip, set())
+def test_damaged_journal_is_refused_with_one_line(ip, root, tmp_path):
+    """A journal edited without the key (a replay cell swapped for evil code) is refused by the
+    cell that would resume it, in one line, and nothing of it runs."""
+    nb = train(ip, tmp_path)
     path = next(root.glob("run-*/journal.json"))
     data = json.loads(path.read_text())
     data["replay_cells"] = [{"key": "x", "source": "%%replay\nimport os; os.system('echo pwned')"}]
     path.write_text(json.dumps(data))  # edited without the key: its signature no longer matches
-    ip.run_cell(SETUP)
+    run_in_shell(ip, nb, stop="train")
+    line, body = user_cell(nb, "train").removeprefix("%%resilient ").split("\n", 1)
     with pytest.raises(UsageError) as info:
-        ip.run_cell_magic("resilient", "--save model,opt,history --retries 2", TRAIN.split("\n", 1)[1])
+        ip.run_cell_magic("resilient", line, body)
     assert "is not signed by this installation's key" in str(info.value)
     assert "so its set-up cells are not run" in str(info.value) and "\n" not in str(info.value)
 
@@ -138,14 +133,14 @@ def test_a_run_written_under_another_key_resumes_only_when_trusted(ip, root, tmp
     from colab_resilience.journal import Journal
     from colab_resilience.signing import load_or_create_key
 
-    canary = tmp_path / "setup-ran"
-    replay = f"%%replay\nopen({str(canary)!r}, 'a').write('x')\n" + SETUP
-    ip.run_cell(replay)
-    ip.user_ns.update(fail_in=set(), epochs_done=[])
-    cell = TRAIN.replace("for epoch in resume_range(4):", "for epoch in resume_range(4):\n    if epoch == 2 and not stop: raise KeyboardInterrupt")
-    ip.user_ns["stop"] = False
-    ip.run_cell(cell)  # interrupted at epoch 2: the run ends, its checkpoint is kept
-    assert canary.read_text() == "x"
+    nb = load("train.ipynb", tmp_path, fault="interrupt", fault_epoch=2, strikes=1)
+
+    def setups() -> int:  # how many times the set-up cell ran: it logs its start
+        return sum(e.name == "setup-start" for e in events(tmp_path / "events.log"))
+
+    run_in_shell(ip, nb, stop="train")
+    ip.run_cell(user_cell(nb, "train"))  # interrupted in epoch 2: the run ends, its checkpoint is kept
+    assert setups() == 1
     want = ip.user_ns["history"]
     run_dir = next(root.glob("run-*"))
     ip.run_line_magic("unload_ext", "colab_resilience")
@@ -157,7 +152,7 @@ def test_a_run_written_under_another_key_resumes_only_when_trusted(ip, root, tmp
     with pytest.raises(UsageError) as info:
         ip.run_line_magic("resilience", "resume")
     assert "`%resilience resume --trust` adopts it" in str(info.value)
-    assert canary.read_text() == "x"  # the old set-up cell did not run
+    assert setups() == 1  # the old set-up cell did not run
     with pytest.raises(UsageError) as info:
         ip.run_line_magic("resilience", "resume --trusted")
     assert "%resilience resume: unexpected '--trusted'; write %resilience resume [--trust] [RUN]" in str(info.value)
@@ -165,14 +160,13 @@ def test_a_run_written_under_another_key_resumes_only_when_trusted(ip, root, tmp
     ip.run_line_magic("resilience", "resume --trust")
     out = capsys.readouterr().out
     assert f"run {run_dir.name[4:]} trusted and signed with this installation's key (journal and 2 checkpoints)" in out
-    assert canary.read_text() == "xx"  # replayed now, because the user said so
+    assert setups() == 2  # replayed now, because the user said so
     assert ip.user_ns["history"] == want[:2]
     key = load_or_create_key()
     Journal.load(run_dir, key=key)  # signed with the new key now
     CheckpointStore(run_dir / "checkpoints", key=key).load()
-    ip.user_ns.update(fail_in=set(), epochs_done=[], stop=True)
-    assert ip.run_cell(cell).success
-    assert ip.user_ns["epochs_done"] == [2, 3]
+    assert ip.run_cell(user_cell(nb, "train")).success  # the fault struck its one time
+    assert epochs(tmp_path / "events.log") == [0, 1] + [2, 3]  # before the interrupt; after the resume
 
 
 @pytest.mark.parametrize(
@@ -185,8 +179,9 @@ def test_a_run_written_under_another_key_resumes_only_when_trusted(ip, root, tmp
         ("--every soon", "(got 'soon')"),
     ],
 )
-def test_bad_run_options(ip, root, line, expected):
-    ip.run_cell(SETUP)
+def test_bad_run_options(ip, root, tmp_path, line, expected):
+    """A bad %%resilient option is a one-line UsageError that says how to write it."""
+    run_in_shell(ip, load("train.ipynb", tmp_path), stop="train")
     with pytest.raises(UsageError) as info:
         ip.run_cell_magic("resilient", line, "x = 1\n")
     assert expected in str(info.value)
@@ -203,6 +198,7 @@ def test_bad_run_options(ip, root, line, expected):
     ],
 )
 def test_restart_after(ip, capsys, line, expected):
+    """%restart_after confirms the policy it set."""
     ip.run_line_magic("restart_after", line)
     assert expected in capsys.readouterr().out
     ip.run_line_magic("restart_after", "off")
@@ -217,12 +213,14 @@ def test_restart_after(ip, capsys, line, expected):
     ],
 )
 def test_restart_after_bad_input(ip, line, expected):
+    """Bad %restart_after input is a one-line UsageError."""
     with pytest.raises(UsageError) as info:
         ip.run_line_magic("restart_after", line)
     assert expected in str(info.value)
 
 
 def test_resilience_bad_input(ip, root, tmp_path):
+    """Bad %resilience input is a UsageError that lists what is possible."""
     for line, expected in [
         ("frobnicate", "%resilience: unknown command 'frobnicate'; write %resilience status, resume [--trust] [RUN], reset [RUN] or dir PATH"),
         ("resume", f"%resilience resume: no runs in {root}; a %%resilient cell creates one"),
@@ -238,14 +236,16 @@ def test_resilience_bad_input(ip, root, tmp_path):
     assert "cannot use" in str(info.value) and "choose a writable folder" in str(info.value)
 
 
-def test_run_directories_are_owner_only(ip, root):
-    train(ip, set())
+def test_run_directories_are_owner_only(ip, root, tmp_path):
+    """The run folder and every run directory in it are 0700."""
+    train(ip, tmp_path)
     run_dir = next(root.glob("run-*"))
     assert run_dir.stat().st_mode & 0o777 == 0o700
     assert Path(root).stat().st_mode & 0o777 == 0o700
 
 
 def test_terminal_ipython_cannot_restart_and_says_so(ip, root, capsys):
+    """An OOM beyond the retries outside a Jupyter kernel: said so, the OOM raised, the run failed."""
     ip.user_ns["n"] = [0]
     result = ip.run_cell("%%resilient --retries 0\nn[0] += 1\nraise MemoryError()")
     assert isinstance(result.error_in_exec, MemoryError)
@@ -254,22 +254,22 @@ def test_terminal_ipython_cannot_restart_and_says_so(ip, root, capsys):
     assert j["status"] == "failed"
 
 
-
-def test_an_ordinary_error_ends_the_run_with_a_hint_to_resume_it(ip, root, capsys):
-    ip.run_cell(SETUP)
-    ip.user_ns.update(fail_in=set(), epochs_done=[])
-    cell = TRAIN.replace("    history.append(", "    if epoch == 2:\n        raise ValueError('bad batch')\n    history.append(")
-    result = ip.run_cell(cell)
-    assert isinstance(result.error_in_exec, ValueError)
+def test_an_ordinary_error_ends_the_run_with_a_hint_to_resume_it(ip, root, tmp_path, capsys):
+    """An ordinary exception in epoch 2 fails the run with a hint; `%resilience resume`, then the
+    cell run again (now without the error), continues from the last safe point."""
+    nb = load("train.ipynb", tmp_path, fault="error", fault_epoch=2, strikes=1)
+    run_in_shell(ip, nb, stop="train")
+    outcome = ip.run_cell(user_cell(nb, "train"))
+    assert isinstance(outcome.error_in_exec, ValueError)
     out = capsys.readouterr().out
     assert "stopped by ValueError; to go on anyway: %resilience resume then run this cell again to continue from ckpt-" in out
     j = json.loads(next(root.glob("run-*/journal.json")).read_text())
     assert j["status"] == "failed"
     ip.run_line_magic("resilience", "resume")
-    result = ip.run_cell(TRAIN)  # the fixed cell continues from the last safe point (epoch 2)
-    assert result.success
+    outcome = ip.run_cell(user_cell(nb, "train"))  # the "fixed" cell: the fault struck its one time
+    assert outcome.success
     assert "rolled back to the last safe point; continuing at 2" in capsys.readouterr().out
-    assert ip.user_ns["epochs_done"] == [0, 1, 2, 3]
+    assert epochs(tmp_path / "events.log") == [0, 1, 2, 3]
 
 
 def test_names_the_cell_assigns_later_and_unsaveable_values_are_said_once(ip, root, capsys):
@@ -297,6 +297,7 @@ def test_names_the_cell_assigns_later_and_unsaveable_values_are_said_once(ip, ro
 
 
 def test_a_saved_name_deleted_later_is_said_once_and_the_rest_is_saved(ip, root, capsys):
+    """A --save name deleted mid-run is said once; the checkpoints hold the others."""
     ip.user_ns.update(a=1, b=2)
     cell = "%%resilient --save a,b\nfor i in resume_range(3):\n    a += 1\n    if i == 0:\n        del b\n"
     assert ip.run_cell(cell).success

@@ -40,7 +40,8 @@ from colab_resilience.errors import (
 )
 from colab_resilience.fsutil import canonical_json
 from colab_resilience.journal import Journal, JournalError
-from kernels import child_env
+from harness import child_env
+from payloads import EvilPayload, Opaque
 
 KEY = bytes(range(32))
 FOREIGN_KEY = b"\x07" * 32
@@ -50,21 +51,6 @@ FUZZ = dict(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
     database=None,
 )
-
-
-class EvilPayload:
-    """Unpickling it creates ``path`` (the canary): it must never be unpickled without the key."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
-class Opaque:
-    def __init__(self, v):
-        self.v = v
 
 
 def one_line(text: str) -> bool:
@@ -161,6 +147,8 @@ def sandbox(ip, tmp_path, monkeypatch):
 @example(line='--shrink "bs')
 @example(line="--save bs --retries 99999999999999999999999 --every 1e999min")
 def test_resilient_options_fuzzed(sandbox, ip, line):
+    """Any %%resilient line is either run or refused with a UsageError: no other exception, no run
+    left locked, a shrink variable never below 1."""
     magics, root = sandbox
     magics.run_dir = str(root)
     ip.user_ns.update(bs=64, hist=[1, 2])
@@ -182,6 +170,7 @@ RESTART_SEEDS = ["--memory 90%", "--memory=85", "5", "off", ""]
 @given(line=option_lines(RESTART_WORDS, RESTART_SEEDS))
 @example(line="--memory nan")
 def test_restart_after_options_fuzzed(sandbox, ip, line):
+    """Any %restart_after line is refused with a UsageError or sets a valid policy."""
     magics, _ = sandbox
     session_of(ip).policy = None
     if usage_or_ok(lambda: ip.run_line_magic("restart_after", line)) == "ok":
@@ -206,6 +195,8 @@ SAFE_DIR_ARGS = {"sub", "sub/inner", "a_file", "\x00", "~cr_no_such_user/x", "/p
 @example(line="dir a_file")
 @example(line="resume")
 def test_resilience_commands_fuzzed(sandbox, ip, tmp_path, line):
+    """Any %resilience command is refused with a UsageError or done, without leaving a run locked or
+    the run folder moved outside the sandbox."""
     from hypothesis import assume
 
     magics, root = sandbox
@@ -432,6 +423,8 @@ def test_validly_signed_but_malformed_manifest_is_refused_clearly(template, data
 @settings(max_examples=60, **FUZZ)
 @given(data=st.data())
 def test_random_latest_pointer_never_breaks_loading(template, data):
+    """Whatever LATEST holds, loading gives one of the real checkpoints, and the next save never
+    overwrites one."""
     template_dir, first, second = template
     latest = data.draw(st.one_of(st.binary(max_size=40), st.sampled_from([b"ckpt-000001\n", b"ckpt-999999", b"../x", b"ckpt-000002/.."])))
     tmp, store = copy_store(template_dir)
@@ -480,6 +473,8 @@ def check_journal_readers(ip, run: Path, original: bytes, key: bytes):
 @given(data=st.data())
 @example(data=None)
 def test_mutated_journal_is_refused_clearly(sandbox, ip, journal_template, data):
+    """A journal with random byte changes, or a pathological one, is loaded the same or refused in
+    one line by every reader."""
     magics, _ = sandbox
     template_run, original = journal_template
     key = signing.load_or_create_key()
@@ -640,7 +635,7 @@ def test_foreign_pickles_and_journals_are_refused_in_a_real_kernel(tmp_path):
     """With the default settings, in a real kernel: `%resilience resume` of a run whose checkpoint
     is foreign-signed or unsigned restores nothing; a journal signed with another key (its replay
     cell would create a canary) is refused by `%resilience resume` and by the %%resilient cell."""
-    from kernels import Kernel
+    from harness import Kernel
 
     root = tmp_path / "runs"
     canaries = [tmp_path / f"canary{i}" for i in range(3)]
@@ -727,65 +722,36 @@ def test_reset_and_resume_of_a_run_in_use_are_refused_naming_the_holder(sandbox,
     assert not run.exists()
 
 
-SUPERVISED_SETUP = "%%replay\nimport os, signal, torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(8, 2)\nopt = torch.optim.SGD(model.parameters(), lr=lr)"
-SUPERVISED_TRAIN = (
-    "%%resilient --save model,opt,history\n"
-    "history = []\n"
-    "for epoch in resume_range(4):\n"
-    "    loss = model(torch.randn(16, 8)).pow(2).mean()\n"
-    "    opt.zero_grad(); loss.backward(); opt.step()\n"
-    "    if epoch == 2 and kill_at_2 and not os.path.exists('killed'):\n"
-    "        open('killed', 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n"
-    "    history.append(round(loss.item(), 6))\n"
-)
-SUPERVISED_RESULT = "print('RESULT', history, [round(x, 6) for x in model.weight.flatten().tolist()])"
-
-
-def expected_result(lr: float) -> str:
-    """The same training, uninterrupted, in this process."""
-    gen = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(0)
-        model = torch.nn.Linear(8, 2)
-        opt = torch.optim.SGD(model.parameters(), lr=lr)
-        history = []
-        for _ in range(4):
-            loss = model(torch.randn(16, 8)).pow(2).mean()
-            opt.zero_grad(); loss.backward(); opt.step()
-            history.append(round(loss.item(), 6))
-        return f"RESULT {history} {[round(x, 6) for x in model.weight.flatten().tolist()]}"
-    finally:
-        torch.random.set_rng_state(gen)
-
-
 @pytest.mark.kernel
 @pytest.mark.timeout(240)
-def test_two_supervised_runs_in_parallel_do_not_interfere(tmp_path):
-    """Two `colab-resilience run` processes at once, same notebook (so the same run id), other
-    parameters and run directories; one kernel is SIGKILLed mid-run. Both finish with their own
-    exact results: no lock, checkpoint or journal of one leaks into the other."""
-    from kernels import KERNEL_NAME, cell_text
+def test_two_supervised_runs_in_parallel_do_not_interfere(tmp_path, ip, capsys, reference):
+    """Two `colab-resilience run` processes at once, same notebook (tests/files/train.ipynb, so the
+    same run id), other parameters and run directories; one kernel is SIGKILLed mid-run. Both
+    finish with their own exact results: no lock, checkpoint or journal of one leaks into the other."""
+    from harness import FILES, KERNEL_NAME, load, result, run_in_shell
 
-    cells = ["lr = 0.1\nkill_at_2 = False", SUPERVISED_SETUP, SUPERVISED_TRAIN, SUPERVISED_RESULT]
-    nb = nbformat.v4.new_notebook()
-    for i, src in enumerate(cells):
-        nb.cells.append(nbformat.v4.new_code_cell(src))
-    nb.cells[0].metadata["tags"] = ["parameters"]
     jobs = {}
-    for name, lr, kill in [("a", 0.1, True), ("b", 0.05, False)]:
+    for name, parameters, kill in [("a", {"fault": "sigkill", "fault_epoch": 2}, True), ("b", {"seed": 1}, False)]:
         work = tmp_path / name
         work.mkdir()
-        nbformat.write(nb, work / "train.ipynb")
+        shutil.copy(FILES / "train.ipynb", work / "train.ipynb")
+        parameters = {"mark": str(work / "fault.mark"), "log": str(work / "events.log"), **parameters}
         cmd = [sys.executable, "-m", "colab_resilience", "run", str(work / "train.ipynb"), "-o", str(work / "out.ipynb"),
-               "--kernel", KERNEL_NAME, "--run-dir", str(work / "runs"), "--no-progress",
-               "-p", "lr", str(lr), "-p", "kill_at_2", str(kill)]
-        jobs[name] = (subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), lr, kill)
-    for name, (proc, lr, kill) in jobs.items():
+               "--kernel", KERNEL_NAME, "--run-dir", str(work / "runs"), "--no-progress"]
+        for key, value in parameters.items():
+            cmd += ["-p", key, str(value)]
+        jobs[name] = (subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), kill)
+    # b's own reference: seed 1, uninterrupted, in this process (tests/test_golden.py: the same bits as in a kernel)
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs-here'}")
+    (tmp_path / "here").mkdir()
+    run_in_shell(ip, load("train.ipynb", tmp_path / "here", seed=1))
+    expected = {"a": reference.result, "b": result(capsys.readouterr().out)}
+    assert expected["a"] != expected["b"]
+    for name, (proc, kill) in jobs.items():
         out, _ = proc.communicate(timeout=200)
         assert proc.returncode == 0, out
         executed = nbformat.read(tmp_path / name / "out.ipynb", 4)
-        result = next(l for l in cell_text(executed.cells[-1]).splitlines() if l.startswith("RESULT"))
-        assert result == expected_result(lr), name
+        assert result(executed) == expected[name], name
         restarts = executed.metadata["colab_resilience"]["restarts"]
         assert [r["exit_code"] for r in restarts] == ([-9] if kill else [])
         journals = list((tmp_path / name / "runs").glob("run-*/journal.json"))

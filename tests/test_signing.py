@@ -11,7 +11,7 @@ import pytest
 
 from colab_resilience import signing
 from colab_resilience.errors import KeyPermissionError
-from kernels import child_env
+from harness import child_env
 
 
 @pytest.fixture
@@ -22,6 +22,8 @@ def home(tmp_path, monkeypatch):
 
 
 def test_key_created_owner_only_and_stable(home):
+    """The key is created once, 32 bytes, 0600 in a 0700 folder, read back the same, no temporary
+    file left."""
     key = signing.load_or_create_key()
     assert len(key) == 32
     path = signing.key_path()
@@ -33,11 +35,13 @@ def test_key_created_owner_only_and_stable(home):
 
 
 def test_default_home_is_in_the_user_folder(monkeypatch):
+    """Without COLAB_RESILIENCE_HOME the key lives in ~/.colab_resilience."""
     monkeypatch.delenv(signing.ENV_HOME, raising=False)
     assert signing.key_path() == signing.Path.home() / ".colab_resilience" / "key"
 
 
 def test_key_readable_by_others_is_refused(home):
+    """A key others can read is refused, in one line that gives the chmod to fix it."""
     signing.load_or_create_key()
     path = signing.key_path()
     os.chmod(path, 0o644)
@@ -48,6 +52,7 @@ def test_key_readable_by_others_is_refused(home):
 
 
 def test_key_folder_writable_by_others_is_refused(home):
+    """A key folder others can write to is refused, naming chmod 700."""
     signing.load_or_create_key()
     os.chmod(home, 0o777)
     with pytest.raises(KeyPermissionError, match="chmod 700"):
@@ -55,6 +60,7 @@ def test_key_folder_writable_by_others_is_refused(home):
 
 
 def test_key_of_wrong_size_is_refused(home):
+    """A key file of the wrong size is refused, saying its size."""
     home.mkdir(mode=0o700)
     fd = os.open(home / "key", os.O_WRONLY | os.O_CREAT, 0o600)
     os.write(fd, b"short")
@@ -64,6 +70,7 @@ def test_key_of_wrong_size_is_refused(home):
 
 
 def test_concurrent_first_use_agrees_on_one_key(home):
+    """Processes creating the key at the same moment all end with the same key."""
     code = "from colab_resilience import signing; print(signing.load_or_create_key().hex())"
     env = child_env()
     procs = [
@@ -75,6 +82,7 @@ def test_concurrent_first_use_agrees_on_one_key(home):
 
 
 def test_sign_and_verify():
+    """An HMAC verifies only the same bytes under the same key; no signature never verifies."""
     key = b"k" * 32
     sig = signing.sign(key, b"data")
     assert signing.verify(key, b"data", sig)

@@ -1,5 +1,8 @@
 """The supervisor's standby kernel: warmed with the working kernel's imports, low priority, the OOM
-killer's first choice, and in its place when it dies; a dead standby means a cold restart."""
+killer's first choice, and in its place when it dies; a dead standby means a cold restart.
+
+The training runs are tests/files/train.ipynb with probe cells inserted, compared with the
+`reference` fixture (its uninterrupted run)."""
 
 from __future__ import annotations
 
@@ -11,8 +14,8 @@ import textwrap
 import nbformat
 import pytest
 
-from colab_resilience import driver, priority, standby
-from kernels import KERNEL_NAME, cell_text, child_env, notebook
+from colab_resilience import priority, standby
+from harness import KERNEL_NAME, cell_text, child_env, events, index, insert, load, notebook, run
 
 # In a kernel: the standby kernels started by the same driver (told by their environment), from /proc.
 SIBLINGS = textwrap.dedent("""\
@@ -51,22 +54,6 @@ SIBLINGS = textwrap.dedent("""\
         return nice, adj, group
 """)
 
-SETUP = (
-    "%%replay\nimport os, signal, sys\n"
-    "open('{log}', 'a').write(f'{{os.getpid()}} {{\"torch\" in sys.modules}}\\n')\n"
-    "import torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(8, 2)\n"
-    "opt = torch.optim.AdamW(model.parameters(), lr=0.1)"
-)
-TRAIN = (
-    "%%resilient --save model,opt,history\n"
-    "history = []\n"
-    "for epoch in resume_range(4):\n"
-    "    loss = model(torch.randn(16, 8)).pow(2).mean()\n"
-    "    opt.zero_grad(); loss.backward(); opt.step()\n"
-    "    {fault}\n"
-    "    history.append(round(loss.item(), 6))\n"
-)
-RESULT = "print('RESULT', history, [round(x, 6) for x in model.weight.flatten().tolist()])"
 WAIT_WARM = (  # until the standby has torch loaded (the driver sent it the working kernel's imports)
     "deadline = time.monotonic() + 90\n"
     "while time.monotonic() < deadline and not (siblings() and torch_loaded(siblings()[0])):\n"
@@ -76,35 +63,26 @@ WAIT_WARM = (  # until the standby has torch loaded (the driver sent it the work
 )
 
 
-def run(nb, tmp_path, **kw):
-    return driver.run_notebook(nb, tmp_path / "out.ipynb", cwd=tmp_path, run_dir=tmp_path / "runs",
-                               kernel_name=KERNEL_NAME, **kw)
-
-
 def line(nb, prefix: str) -> str:
+    """The first output line of an executed notebook that starts with ``prefix``."""
     return next(l for c in nb.cells for l in cell_text(c).splitlines() if l.startswith(prefix))
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ref")
-    nb = notebook(SETUP.format(log=tmp / "log"), TRAIN.format(fault="pass"), RESULT)
-    assert run(nb, tmp, standby=False).status == 0
-    return line(nb, "RESULT")
 
 
 @pytest.mark.kernel
 def test_the_warm_standby_takes_over_and_the_run_resumes_exactly(tmp_path, reference):
-    log, mark = tmp_path / "log", tmp_path / "mark"
-    fault = (f"if epoch == 2 and not os.path.exists({str(mark)!r}):\n"
-             f"        open({str(mark)!r}, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)")
+    """Before any death the standby has the working kernel's imports (torch), the lowest CPU
+    priority it can get back from and oom_score_adj 1000; after a SIGKILL mid-epoch it becomes the
+    working kernel at normal priority, its replay finds torch imported, and the run ends
+    bit-identical."""
+    nb = load("train.ipynb", tmp_path, fault="sigkill", fault_epoch=2)
     after = ("print('AFTER', os.getpid(), *nice_and_adj(os.getpid()), "
              "sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir('/proc/self/task')}))")
-    nb = notebook(SETUP.format(log=log), SIBLINGS + WAIT_WARM, TRAIN.format(fault=fault), SIBLINGS + after, RESULT)
+    insert(nb, "train", SIBLINGS + WAIT_WARM, "standby-probe")
+    insert(nb, "result", SIBLINGS + after, "after-probe")
     own_group = priority.autogroup_nice()
     result = run(nb, tmp_path)
     assert result.status == 0, result.message
-    assert line(nb, "RESULT") == reference
+    assert line(nb, "RESULT") == reference.result
     assert priority.autogroup_nice() == own_group  # the driver's own scheduling group untouched
 
     _, spare, warm, nice, adj, group = line(nb, "STANDBY").split()
@@ -119,14 +97,14 @@ def test_the_warm_standby_takes_over_and_the_run_resumes_exactly(tmp_path, refer
     if priority.may_raise_priority():
         assert threads == "[0]"
     # the replay in the standby found torch already imported; the first kernel did not
-    first, second = [l.split() for l in log.read_text().splitlines()]
-    assert first[1] == "False" and second == [spare, "True"]
+    first, second = [(e.pid, e.arg) for e in events(tmp_path / "events.log") if e.name == "setup-start"]
+    assert first[1] == "torch-imported=False" and second == (int(spare), "torch-imported=True")
 
     [restart] = result.restarts
     assert restart.standby and restart.exit_code == -9
     out = nbformat.read(tmp_path / "out.ipynb", 4)
     assert "the kernel died (killed by SIGKILL, likely the OS out-of-memory killer); switched to the standby kernel, " \
-           "replayed 1 cell and resumed in" in cell_text(out.cells[2])
+           "replayed 3 cells and resumed in" in cell_text(out.cells[index(out, "train")])
     assert out.metadata["colab_resilience"]["restarts"][0]["kernel"] == "standby"
 
 
@@ -162,9 +140,9 @@ def test_a_driver_in_a_niced_session_leaves_its_group_alone_and_the_new_kernel_a
         pytest.skip(out.stdout.strip())
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-4:] == ["RESULT", "0", "[True]", "19"], out.stdout  # its own group kept
-    run = nbformat.read(tmp_path / "out.ipynb", 4)
-    _, pid, nice, adj, group = line(run, "AFTER").split()
-    assert pid == line(run, "STANDBY").split()[1]  # the standby took over
+    executed = nbformat.read(tmp_path / "out.ipynb", 4)
+    _, pid, nice, adj, group = line(executed, "AFTER").split()
+    assert pid == line(executed, "STANDBY").split()[1]  # the standby took over
     assert (adj, group) == ("0", "0")  # ... as an ordinary kernel in a group of its own at nice 0
 
 
@@ -172,28 +150,26 @@ def test_a_driver_in_a_niced_session_leaves_its_group_alone_and_the_new_kernel_a
 def test_a_dead_standby_means_a_cold_restart_and_the_same_result(tmp_path, reference):
     """The OOM killer takes the standby first (oom_score_adj 1000); the driver finds it dead when it
     needs it, restarts a kernel instead, and starts a new standby."""
-    log, mark = tmp_path / "log", tmp_path / "mark"
-    fault = (f"if epoch == 2 and not os.path.exists({str(mark)!r}):\n"
-             f"        open({str(mark)!r}, 'w').close(); os.kill(siblings()[0], signal.SIGKILL); "
-             "time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)")
-    train = SIBLINGS + "\n" + TRAIN.format(fault=fault).replace("%%resilient --save model,opt,history\n", "")
-    train = "%%resilient --save model,opt,history\n" + train
-    nb = notebook(SETUP.format(log=log), SIBLINGS + WAIT_WARM, train, SIBLINGS + WAIT_WARM.replace("STANDBY", "NEXT"),
-                  RESULT)
+    nb = load("train.ipynb", tmp_path, fault="standby-first", fault_epoch=2)
+    insert(nb, "train", SIBLINGS + WAIT_WARM + (  # a fault of this test's own, in the first kernel only
+        "\nFAULTS['standby-first'] = lambda: (os.kill(siblings()[0], signal.SIGKILL), time.sleep(0.5),"
+        " os.kill(os.getpid(), signal.SIGKILL))"), "standby-probe")
+    insert(nb, "result", SIBLINGS + WAIT_WARM.replace("STANDBY", "NEXT"), "next-probe")
     result = run(nb, tmp_path)
     assert result.status == 0, result.message
-    assert line(nb, "RESULT") == reference
+    assert line(nb, "RESULT") == reference.result
     [restart] = result.restarts
     assert not restart.standby
-    assert "the kernel died (killed by SIGKILL, likely the OS out-of-memory killer); restarted it, replayed 1 cell" \
-        in cell_text(nb.cells[2])
-    pids = [l.split()[0] for l in log.read_text().splitlines()]
-    assert len(pids) == 2 and pids[1] != line(nb, "STANDBY").split()[1]  # a new kernel, not the killed standby
+    assert "the kernel died (killed by SIGKILL, likely the OS out-of-memory killer); restarted it, replayed 3 cells" \
+        in cell_text(nb.cells[index(nb, "train")])
+    pids = [e.pid for e in events(tmp_path / "events.log") if e.name == "setup-start"]
+    assert len(pids) == 2 and pids[1] != int(line(nb, "STANDBY").split()[1])  # a new kernel, not the killed standby
     assert line(nb, "NEXT").split()[2] == "True"  # and a new standby is warm again
 
 
 @pytest.mark.kernel
 def test_no_standby_means_no_second_kernel(tmp_path):
+    """standby=False: the driver starts no kernel besides the working one."""
     nb = notebook("import time\ntime.sleep(2)", SIBLINGS + "print('SIBLINGS', siblings())")
     assert run(nb, tmp_path, standby=False).status == 0
     assert line(nb, "SIBLINGS") == "SIBLINGS []"
@@ -228,6 +204,8 @@ def test_only_installed_modules_are_offered_to_the_standby(tmp_path, monkeypatch
 
 
 def test_a_standby_imports_in_the_background_and_stops_when_adopted():
+    """A standby (oom_score_adj 1000) imports what it is offered in a background thread, skipping
+    what does not exist; once adopted it is an ordinary process and imports nothing ahead."""
     code = textwrap.dedent("""
         import sys, time, os
         from colab_resilience import standby

@@ -1,4 +1,24 @@
-"""Real kernels for the tests: jupyter_client for fine control, nbclient for whole notebooks."""
+"""The tests' one harness: the golden notebooks under ``tests/files``, run supervised, interactively
+or in this process; real kernels (jupyter_client for fine control, nbclient for whole notebooks).
+
+Golden notebooks
+    :func:`load` reads ``tests/files/NAME`` with parameters injected after its ``parameters`` cell,
+    as ``colab_resilience.driver.run_notebook(..., parameters=...)`` and papermill do; :func:`index`
+    finds a cell by its id (``setup``, ``train``, ``result``...), wherever injected cells put it;
+    :func:`insert` adds a test's own probe cell; :func:`parameter_values` reads the parameters.
+Three ways to run one
+    :func:`run` supervised (``colab_resilience.driver.run_notebook`` with the test kernel, a working
+    folder and a run folder in it); :func:`run_interactive` cell by cell in a :class:`Kernel`, as a
+    user runs it in Jupyter (:func:`user_cells`); :func:`run_in_shell` in an in-process IPython shell.
+What a run leaves
+    :func:`result` (the ``RESULT`` line of ``train.ipynb``), :func:`events` and :func:`epochs` (its
+    log: which kernel did what, and which epochs finished); :class:`Reference` (an uninterrupted
+    run: the ``reference`` fixture of ``conftest.py``).
+Kernels and the rest
+    :class:`Kernel`, :func:`run_notebook` (plain nbclient), :func:`notebook` (a small inline
+    notebook), :func:`cell_text`, :data:`HOST_OOM`, :data:`MEMORY_TOOLS`, :func:`child_env`,
+    :func:`isolated_jupyter`.
+"""
 
 from __future__ import annotations
 
@@ -16,13 +36,16 @@ from jupyter_client import AsyncKernelManager, KernelManager
 from nbclient import NotebookClient
 
 KERNEL_NAME = "colab-resilience-test"
-REPO = str(Path(__file__).resolve().parent.parent)
+TESTS = Path(__file__).resolve().parent
+REPO = str(TESTS.parent)
+FILES = TESTS / "files"
 
 
 def child_env(**extra: str) -> dict:
-    """The environment for a child Python that imports this checkout (before any PYTHONPATH
-    already set, which is kept: a machine may carry packages there)."""
-    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    """The environment for a child Python that imports this checkout and the tests' own modules
+    (``payloads``: what a test pickles, a child may unpickle), before any PYTHONPATH already set,
+    which is kept: a machine may carry packages there."""
+    path = os.pathsep.join(filter(None, [REPO, str(TESTS), os.environ.get("PYTHONPATH")]))
     return dict(os.environ, PYTHONPATH=path, **extra)
 
 
@@ -57,6 +80,8 @@ def isolated_jupyter(root: Path, display_name: str = "colab_resilience tests"):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 # In the kernel: read resident memory / address-space size and cap the address space, so that
@@ -263,3 +288,163 @@ def cell_text(cell) -> str:
         elif out.output_type == "error":
             parts.append(strip_ansi("\n".join(out.traceback)))
     return "".join(parts)
+
+
+# -- the golden notebooks -------------------------------------------------------------------------
+
+USER_TAGS = {"parameters", "injected-parameters", "replay"}  # colab_resilience.replay.TAGS
+
+
+def load(name: str, workdir: str | os.PathLike | None = None, **parameters):
+    """``tests/files/<name>`` with ``parameters`` in a cell tagged ``injected-parameters`` after
+    its ``parameters`` cell (that cell's id: ``injected-parameters``), as the driver and papermill
+    put them. With ``workdir``, a notebook's ``mark`` and ``log`` parameters default to
+    ``fault.mark`` and ``events.log`` there: nothing lands in the current directory."""
+    from colab_resilience.driver import inject_parameters
+
+    nb = nbformat.read(FILES / name, as_version=4)
+    if workdir is not None:
+        defaults = parameter_values(nb)
+        for key, file in (("mark", "fault.mark"), ("log", "events.log")):
+            if key in defaults:
+                parameters.setdefault(key, str(Path(workdir) / file))
+    inject_parameters(nb, parameters)
+    for c in nb.cells:
+        if "injected-parameters" in c.get("metadata", {}).get("tags", []):
+            c["id"] = "injected-parameters"
+    return nb
+
+
+def index(nb, cell_id: str) -> int:
+    """The position of the cell with id ``cell_id`` (the golden notebooks name their cells)."""
+    found = [i for i, c in enumerate(nb.cells) if c.get("id") == cell_id]
+    assert len(found) == 1, f"no single cell {cell_id!r} in {[c.get('id') for c in nb.cells]}"
+    return found[0]
+
+
+def insert(nb, before: str, source: str, cell_id: str):
+    """Put a code cell (a test's probe or patch) before the cell ``before``; returns ``nb``."""
+    cell = nbformat.v4.new_code_cell(source)
+    cell["id"] = cell_id
+    nb.cells.insert(index(nb, before), cell)
+    return nb
+
+
+def _tags(cell) -> set:
+    return set(cell.get("metadata", {}).get("tags", []) or [])
+
+
+def parameter_values(nb) -> dict:
+    """The parameters' values: the ``parameters`` cell, then the injected ones (plain assignments)."""
+    values: dict = {}
+    for c in nb.cells:
+        if c.cell_type == "code" and _tags(c) & {"parameters", "injected-parameters"}:
+            exec(c.source, {}, values)
+    return values
+
+
+def user_cells(nb, *, verbatim: bool = False) -> list[tuple[str, str]]:
+    """``(id, source)`` of the code cells as a user runs them in Jupyter, where no supervisor reads
+    tags: a cell tagged ``parameters``, ``injected-parameters`` or ``replay`` starts with
+    ``%%replay`` (what the supervisor makes of those tags), and ``$name`` in a magic's line is the
+    parameter's value (IPython expands ``$name`` before the magic runs: after a restart, before the
+    replay that defines it). ``verbatim``: the sources as they are (enough for a run without
+    restarts)."""
+    values = parameter_values(nb)
+    out = []
+    for c in nb.cells:
+        if c.cell_type != "code":
+            continue
+        source = c.source
+        if verbatim:
+            out.append((c.get("id"), source))
+            continue
+        if _tags(c) & USER_TAGS and not source.lstrip().startswith("%%replay"):
+            source = "%%replay\n" + source
+        first, sep, rest = source.partition("\n")
+        if first.startswith("%"):
+            first = re.sub(r"\$(\w+)", lambda m: str(values[m.group(1)]) if m.group(1) in values else m.group(0), first)
+        out.append((c.get("id"), first + sep + rest))
+    return out
+
+
+def user_cell(nb, cell_id: str) -> str:
+    """One cell of :func:`user_cells`."""
+    return dict(user_cells(nb))[cell_id]
+
+
+def run(nb, workdir: str | os.PathLike, **kw):
+    """Supervised: ``colab_resilience.driver.run_notebook`` in the test kernel, in ``workdir``, with
+    its run folder ``workdir/runs`` and the executed notebook written to ``workdir/out.ipynb``."""
+    from colab_resilience import driver
+
+    workdir = Path(workdir)
+    kw.setdefault("kernel_name", KERNEL_NAME)
+    return driver.run_notebook(nb, workdir / "out.ipynb", cwd=workdir, run_dir=workdir / "runs", **kw)
+
+
+def run_interactive(kernel: "Kernel", nb, *, start: str | None = None, stop: str | None = None,
+                    verbatim: bool = False) -> dict[str, "Reply"]:
+    """Execute :func:`user_cells` in ``kernel`` one by one, each insisting on success: from the cell
+    ``start`` (default: the first), up to but not including ``stop`` (default: to the end).
+    Returns the replies by cell id."""
+    replies, started = {}, start is None
+    for cell_id, source in user_cells(nb, verbatim=verbatim):
+        started = started or cell_id == start
+        if cell_id == stop:
+            break
+        if started:
+            replies[cell_id] = kernel.ok(source)
+    return replies
+
+
+def run_in_shell(ip, nb, *, stop: str | None = None, verbatim: bool = False) -> None:
+    """Execute :func:`user_cells` in the in-process shell ``ip`` (the extension already loaded:
+    the ``load-extension`` cell is skipped), up to but not including ``stop``; each must succeed."""
+    for cell_id, source in user_cells(nb, verbatim=verbatim):
+        if cell_id == stop:
+            break
+        if cell_id != "load-extension":
+            r = ip.run_cell(source)
+            assert r.success, f"cell {cell_id}: {r.error_before_exec or r.error_in_exec!r}"
+
+
+def result(executed) -> str:
+    """The ``RESULT`` line of an executed notebook, or of text."""
+    text = executed if isinstance(executed, str) else "".join(cell_text(c) for c in executed.cells)
+    found = [line for line in text.splitlines() if line.startswith("RESULT ")]
+    assert len(found) == 1, f"{len(found)} RESULT lines:\n{text[-3000:]}"
+    return found[0]
+
+
+@dataclass(frozen=True)
+class Event:
+    """A line of train.ipynb's log: ``pid time name [arg]``."""
+
+    pid: int
+    time: float
+    name: str
+    arg: str = ""
+
+
+def events(log: str | os.PathLike) -> list[Event]:
+    """The log's lines in order (none if it does not exist)."""
+    path = Path(log)
+    out = []
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        pid, t, name, *arg = line.split(" ", 3)
+        out.append(Event(int(pid), float(t), name, arg[0] if arg else ""))
+    return out
+
+
+def epochs(log: str | os.PathLike) -> list[int]:
+    """The epochs that finished, in order: each once, unless a resume repeated one."""
+    return [int(e.arg) for e in events(log) if e.name == "epoch-end"]
+
+
+@dataclass(frozen=True)
+class Reference:
+    """An uninterrupted run of train.ipynb: its ``RESULT`` line and its log."""
+
+    result: str
+    log: Path
