@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import re
 import sys
 from dataclasses import dataclass
 
@@ -38,18 +39,31 @@ _OOM_TYPES = (
     ("builtins.MemoryError", "MemoryError"),
 )
 
-# (substring, short label): for errors that frameworks raise as a generic RuntimeError (torch's
-# CPU allocator, TorchScript re-raising a CUDA OOM, MPS, cuBLAS) or as their own runtime error
-# (JAX). Order matters only for the label: the first match names the error.
-_OOM_MESSAGES = (
-    ("CUDA out of memory", "CUDA out of memory"),
-    ("CUDA error: out of memory", "CUDA error: out of memory"),
-    ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: can't allocate memory"),
-    ("MPS backend out of memory", "MPS backend out of memory"),
-    ("CUBLAS_STATUS_ALLOC_FAILED", "CUBLAS_STATUS_ALLOC_FAILED"),
-    ("RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED"),
-    (" out of memory.", "out of memory"),
-)
+# (pattern, short label): for errors that frameworks raise as a generic RuntimeError (torch's
+# CPU allocator, TorchScript re-raising a CUDA OOM, MPS, the CUDA libraries, NCCL, DataLoader
+# workers) or as their own runtime error (JAX). Phrases a user might quote must begin a line of
+# the message (after an optional "SomeError: "); the libraries' status codes may stand anywhere.
+# The first match names the error.
+_LINE = r"(?m)^[ \t]*(?:[\w.]+(?:Error|Exception): )?"
+_OOM_MESSAGES = tuple((re.compile(pattern), label) for pattern, label in (
+    (_LINE + r"CUDA out of memory\.", "CUDA out of memory"),
+    (_LINE + r"CUDA error: out of memory", "CUDA error: out of memory"),
+    (_LINE + r"HIP error: out of memory", "HIP error: out of memory"),
+    (_LINE + r"CUDA driver error: out of memory", "CUDA driver error: out of memory"),
+    (r"DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: can't allocate memory"),
+    (_LINE + r"MPS backend out of memory", "MPS backend out of memory"),
+    (r"\bCUBLAS_STATUS_ALLOC_FAILED\b", "CUBLAS_STATUS_ALLOC_FAILED"),
+    (r"\bCUDNN_STATUS_ALLOC_FAILED\b", "CUDNN_STATUS_ALLOC_FAILED"),
+    (r"\bCUDNN_STATUS_\w*NOT_ENOUGH_WORKSPACE\b|\bNOT_ENOUGH_WORKSPACE\b", "cuDNN: not enough workspace"),
+    (r"\bCUSOLVER_STATUS_ALLOC_FAILED\b", "CUSOLVER_STATUS_ALLOC_FAILED"),
+    (r"\bCUFFT_ALLOC_FAILED\b", "CUFFT_ALLOC_FAILED"),
+    (r"Cuda failure 'out of memory'", "NCCL: CUDA out of memory"),
+    (r"DataLoader worker \(pid[^)]*\) is killed by signal: Killed", "a DataLoader worker was killed (out of host memory)"),
+    (r"DataLoader worker \(pid[^)]*\) is killed by signal: Bus error", "a DataLoader worker ran out of shared memory"),
+    (r"unable to write to file </torch_[^>]*>: No space left on device", "shared memory (/dev/shm) is full"),
+    (_LINE + r"RESOURCE_EXHAUSTED: (?!.*\b(?:429|[Qq]uota)\b)(?=.*(?:[Mm]emory|allocat))", "RESOURCE_EXHAUSTED"),
+    (_LINE + r"\w+ out of memory\.", "out of memory"),
+))
 
 # Messages after which a CUDA context is poisoned: every later CUDA call fails too, so an
 # in-process retry cannot succeed. Checked before the OOM rows: they win when both appear.
@@ -84,8 +98,11 @@ def _qualnames(exc: BaseException):
         yield cls.__name__, f"{module}.{cls.__qualname__}"
 
 
-def _chain(exc: BaseException | None, limit: int = 32):
-    """The exception, then its causes and contexts, each once (chains can be cyclic)."""
+def _chain(exc: BaseException | None, limit: int = 32, *, every_context: bool = False):
+    """The exception, then its causes, each once (chains can be cyclic). A context (an error
+    raised while another was being handled) counts only where it is wrapped: the outer message
+    repeats the inner one. ``except OutOfMemoryError: raise ValueError("bad config")`` is a
+    ValueError. ``every_context``: every context, for freeing what they hold."""
     seen: set[int] = set()
     stack = [exc]
     while stack and len(seen) < limit:
@@ -95,8 +112,15 @@ def _chain(exc: BaseException | None, limit: int = 32):
         seen.add(id(e))
         yield e
         stack.append(e.__cause__)
-        if not e.__suppress_context__ or e.__cause__ is None:
-            stack.append(e.__context__)
+        context = e.__context__
+        if context is not None and (every_context or (e.__cause__ is None and not e.__suppress_context__
+                                                      and _wraps(e, context))):
+            stack.append(context)
+
+
+def _wraps(outer: BaseException, inner: BaseException) -> bool:
+    first = next((line.strip() for line in str(inner).splitlines() if line.strip()), "")
+    return bool(first) and first in str(outer)
 
 
 def _classify_one(exc: BaseException) -> tuple[str, str] | None:
@@ -115,8 +139,8 @@ def _classify_one(exc: BaseException) -> tuple[str, str] | None:
                 text = str(exc).split("\n", 1)[0]
                 label = f"MemoryError: {text[:60]}" if text else "MemoryError"
             return RECOVERABLE, label
-    for needle, label in _OOM_MESSAGES:
-        if needle in message:
+    for pattern, label in _OOM_MESSAGES:
+        if message and pattern.search(message):
             return RECOVERABLE, label
     return None
 
@@ -152,7 +176,7 @@ def is_oom(exc: BaseException | None) -> bool:
 
 def clear_exception(exc: BaseException | None) -> None:
     """Drop the frame locals held by ``exc``'s traceback and by every chained exception's."""
-    for e in _chain(exc):
+    for e in _chain(exc, every_context=True):
         tb = e.__traceback__
         while tb is not None:
             frame = tb.tb_frame

@@ -85,8 +85,29 @@ POSITIVE = [
         "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1024 bytes."), "RESOURCE_EXHAUSTED"),
     ("OOM as __cause__", lambda: chained(ValueError("loader failed"), torch.OutOfMemoryError(CUDA_OOM_MSG)),
      "CUDA out of memory"),
-    ("OOM as __context__", lambda: chained(KeyError("batch"), real_torch_cpu_oom(), cause=False),
-     "DefaultCPUAllocator: can't allocate memory"),
+    ("an OOM wrapped by a re-raise that repeats it", lambda: chained(
+        RuntimeError("forward failed: " + CUDA_OOM_MSG), torch.OutOfMemoryError(CUDA_OOM_MSG), cause=False),
+     "CUDA out of memory"),
+    ("HIP", lambda: RuntimeError("HIP error: out of memory\nHIP kernel errors might be asynchronously reported"),
+     "HIP error: out of memory"),
+    ("CUDA driver", lambda: RuntimeError("CUDA driver error: out of memory"), "CUDA driver error: out of memory"),
+    ("cuDNN alloc", lambda: RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), "CUDNN_STATUS_ALLOC_FAILED"),
+    ("cuDNN workspace", lambda: RuntimeError(
+        "cuDNN Frontend error: [cudnn_frontend] Error: CUDNN_STATUS_NOT_ENOUGH_WORKSPACE"), "cuDNN: not enough workspace"),
+    ("cuSOLVER", lambda: RuntimeError("cusolver error: CUSOLVER_STATUS_ALLOC_FAILED, when calling `cusolverDnCreate(handle)`"),
+     "CUSOLVER_STATUS_ALLOC_FAILED"),
+    ("cuFFT", lambda: RuntimeError("cuFFT error: CUFFT_ALLOC_FAILED"), "CUFFT_ALLOC_FAILED"),
+    ("NCCL", lambda: lookalike("torch.distributed.DistBackendError", RuntimeError,
+                               "NCCL error in: ProcessGroupNCCL.cpp:1691, unhandled cuda error (run with NCCL_DEBUG=INFO "
+                               "for details), NCCL version 2.21.5\nLast error:\nCuda failure 'out of memory'"),
+     "NCCL: CUDA out of memory"),
+    ("a DataLoader worker killed by the OOM killer", lambda: RuntimeError(
+        "DataLoader worker (pid 4242) is killed by signal: Killed. "), "a DataLoader worker was killed (out of host memory)"),
+    ("a DataLoader worker out of shared memory", lambda: RuntimeError(
+        "DataLoader worker (pid 4242) is killed by signal: Bus error. It is possible that dataloader's workers are out "
+        "of shared memory. Please try to raise your shared memory limit."), "a DataLoader worker ran out of shared memory"),
+    ("a full /dev/shm", lambda: RuntimeError(
+        "unable to write to file </torch_123_3386862183_0>: No space left on device (28)"), "shared memory (/dev/shm) is full"),
 ]
 
 RESTART = [
@@ -110,6 +131,14 @@ NEGATIVE = [
     ("a class named like TF's in another module", lambda: lookalike(
         "mylib.errors.ResourceExhaustedError", Exception, "quota exceeded")),
     ("None", lambda: None),
+    ("an ordinary error raised while handling an OOM", lambda: chained(
+        ValueError("batch size must be a power of two"), torch.OutOfMemoryError(CUDA_OOM_MSG), cause=False)),
+    ("an ordinary error raised while handling a real CPU OOM", lambda: chained(
+        KeyError("batch"), real_torch_cpu_oom(), cause=False)),
+    ("user text quoting the words", lambda: RuntimeError("the notes say: CUDA out of memory. happened last week")),
+    ("an API quota", lambda: RuntimeError("429 RESOURCE_EXHAUSTED: Quota exceeded for aiplatform.googleapis.com")),
+    ("an API quota as JAX-like text", lambda: lookalike(
+        "jaxlib._jax.JaxRuntimeError", RuntimeError, "RESOURCE_EXHAUSTED: 429 Too many requests")),
 ]
 
 
