@@ -967,19 +967,20 @@ def crash_loop_driver_startup(root: Path, max_restarts: int = 2) -> dict:
 
 
 def crash_loop_driver_replay(root: Path, max_restarts: int = 2) -> dict:
-    """Supervised: the training cell dies once; then every replay of the set-up cell dies."""
+    """Supervised: the training cell dies once; then every replay of the set-up cell dies. The
+    run's --max-restarts is ``max_restarts``, the driver's larger: the run's governs."""
     from colab_resilience import driver
     from harness import KERNEL_NAME
 
     mark = root / "replay-mark"
     setup = f"%%replay\nimport os, signal\nif os.path.exists({str(mark)!r}):\n    os.kill(os.getpid(), signal.SIGKILL)\nx = 1"
-    train = (f"%%resilient --max-restarts {max_restarts + 5}\n"
+    train = (f"%%resilient --max-restarts {max_restarts}\n"
              f"open({str(mark)!r}, 'w').close()\nos.kill(os.getpid(), signal.SIGKILL)")
     nb = _nb(setup, train, "print('not reached')")
     t0 = time.perf_counter()
     try:
         res = driver.run_notebook(nb, root / "replay-loop.ipynb", kernel_name=KERNEL_NAME,
-                                  run_dir=root / "runs-replay", cwd=root, max_restarts=max_restarts)
+                                  run_dir=root / "runs-replay", cwd=root, max_restarts=max_restarts + 5)
         out = {"status": res.status, "message": res.message, "restarts": len(res.restarts),
                "reasons": [r.reason for r in res.restarts], "reached": "not reached" in _cell_text(nb.cells[2])}
     except Exception as e:  # noqa: BLE001

@@ -22,7 +22,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .oom import classify, is_oom  # noqa: E402  (light: imports no framework)
-from .run import checkpoint, resume_range  # noqa: E402
+from .loops import checkpoint, resume_range  # noqa: E402
 
 __all__ = [
     "__version__",

@@ -2,7 +2,9 @@
 
 ``colab-resilience run NOTEBOOK`` executes a notebook headless under supervision
 (:func:`colab_resilience.driver.run_notebook`): a kernel that dies is restarted, the replay cells
-are replayed and the interrupted cell resumes. ``colab-resilience demo`` runs the bundled demo.
+are replayed and the interrupted cell resumes. ``colab-resilience check NOTEBOOK`` runs it with
+injected faults and compares (:func:`colab_resilience.check.check_notebook`).
+``colab-resilience demo`` runs the bundled demo.
 
 Exit codes: 0 done, 1 a cell failed, 2 usage or input error, 3 restart budget spent.
 """
@@ -23,13 +25,21 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
-def run(args) -> int:
-    path = Path(args.notebook)
-    out = Path(args.output) if args.output else path.with_name(path.stem + ".out.ipynb")
+def _parameters(args) -> dict | str:
+    """The -p values, typed as papermill types them; a one-line refusal for a bad name."""
     parameters = {name: resolve_parameter(value) for name, value in args.parameters}
     for name in parameters:
         if not name.isidentifier():
-            return _fail(f"-p {name}: not a Python variable name; write -p NAME VALUE, e.g. -p lr 0.01")
+            return f"-p {name}: not a Python variable name; write -p NAME VALUE, e.g. -p lr 0.01"
+    return parameters
+
+
+def run(args) -> int:
+    path = Path(args.notebook)
+    out = Path(args.output) if args.output else path.with_name(path.stem + ".out.ipynb")
+    parameters = _parameters(args)
+    if isinstance(parameters, str):
+        return _fail(parameters)
     try:
         result = run_notebook(
             path, out, parameters=parameters, max_restarts=args.max_restarts,
@@ -49,6 +59,28 @@ def run(args) -> int:
         f"restart{'s' if len(result.restarts) != 1 else ''}; wrote {out}"
     )
     return result.status
+
+
+def check(args) -> int:
+    from .check import check_notebook
+
+    parameters = _parameters(args)
+    if isinstance(parameters, str):
+        return _fail(parameters)
+    try:
+        report = check_notebook(args.notebook, parameters=parameters, faults=args.faults, seed=args.seed,
+                                kernel_name=args.kernel, cell_timeout=args.cell_timeout, keep=args.keep,
+                                standby=not args.no_standby)
+    except NotebookInputError as e:
+        return _fail(str(e))
+    if report.broken:
+        print(f"colab-resilience check: {args.notebook}: cannot check: {report.broken}", file=sys.stderr)
+    else:
+        bad = sum(1 for r in report.results if r.differences or not r.fired)
+        print(f"colab-resilience check: {args.notebook}: "
+              + (f"identical after each of {len(report.results)} faults (seed {args.seed})" if not bad
+                 else f"{bad} of {len(report.results)} faulted runs differ (seed {args.seed})"))
+    return report.status
 
 
 def demo(args) -> int:
@@ -91,6 +123,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-standby", action="store_true",
                    help="no standby kernel kept warm to take over from a dead one (saves its memory; "
                    "restarts then start a kernel and redo the imports)")
+    c = sub.add_parser("check", help="run a notebook uninterrupted and with injected faults, and compare",
+                       description="Run NOTEBOOK once uninterrupted and once per fault (SIGKILLs between and at "
+                       "safe points and during checkpoint writes, out-of-memory errors in %%%%resilient cells), "
+                       "and compare every variable bit for bit and every cell's printed output.",
+                       epilog="exit codes: 0 identical, 1 a faulted run differs (what differs is named), "
+                       "2 usage or input error, 3 the notebook fails (or has no safe point) without faults")
+    c.add_argument("notebook", help="the .ipynb file to check")
+    c.add_argument("-p", "--parameter", dest="parameters", nargs=2, action="append", default=[],
+                   metavar=("NAME", "VALUE"), help="set a parameter, e.g. -p epochs 2 for a short check")
+    c.add_argument("--faults", type=options.whole_number(), default=3, metavar="N",
+                   help="faulted runs, one fault each (default 3)")
+    c.add_argument("--seed", type=int, default=0, metavar="S", help="which faults, and when (default 0)")
+    c.add_argument("--cell-timeout", type=options.whole_number(), default=None, metavar="S", help="seconds a cell may run")
+    c.add_argument("--kernel", help="kernel name (default: the notebook's kernelspec, else python3)")
+    c.add_argument("--keep", metavar="DIR", help="keep the executed notebooks, runs and timeline in DIR")
+    c.add_argument("--no-standby", action="store_true", help="cold restarts only (no standby kernel)")
     d = sub.add_parser("demo", help="train a small model through a real OOM and a real kernel kill, and compare")
     d.add_argument("--keep", metavar="DIR", help="keep the demo's notebooks in DIR")
     try:
@@ -99,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE if e.code else EXIT_OK
     if args.command == "run":
         return run(args)
+    if args.command == "check":
+        return check(args)
     if args.command == "demo":
         return demo(args)
     parser.print_help()

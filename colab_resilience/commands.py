@@ -40,19 +40,20 @@ def status(session) -> None:
     """Every run in the run directory: status, restarts, what it saves, its last checkpoint."""
     found = find_runs(session.root())
     policy = (session.policy or restart.RestartPolicy()).describe()
+    # every line begins as all of this package's lines do: a reader can tell them from the notebook's
     print(f"colab_resilience: run directory {session.root()}; planned restarts {policy}")
     if not found:
-        print("  no runs yet")
+        print("colab_resilience:   no runs yet")
     for path in found:
         try:
             j = Journal.load(path)  # without the key: status only shows
         except (JournalError, OSError) as e:
-            print(f"  {path.name}: unreadable ({e})")
+            print(f"colab_resilience:   {path.name}: unreadable ({e})")
             continue
         shrink = ", ".join(f"{k}={v}" for k, v in j.shrink.items())
         last = j.restarts[-1].reason if j.restarts else "none"
         print(
-            f"  run {j.run_id}: {j.status}; restarts {j.restarts_used}/{j.max_restarts} (last: {last}); "
+            f"colab_resilience:   run {j.run_id}: {j.status}; restarts {j.restarts_used}/{j.max_restarts} (last: {last}); "
             f"saves {', '.join(j.names) or 'nothing'}; last checkpoint {j.last_checkpoint or 'none'}; "
             f"{_plural(len(j.replay_cells), 'replay cell')}"
             + (f"; {shrink}" if shrink else "")
@@ -123,7 +124,7 @@ def resume(session, run_dir: Path, *, trust: bool = False) -> None:
             session.say(str(e).splitlines()[0])
         j.status = "pending"
         j.restart_requested = True  # resumed by hand: not a kernel death to count
-        j.kernel_pid = os.getpid()
+        j.kernel_pid = j.counted_pid = os.getpid()
         j.save()
     finally:
         lock.release()
@@ -155,5 +156,7 @@ def restore_finished_runs(session) -> list[str]:
         except ResilienceError as e:
             session.say(str(e).splitlines()[0])
             continue
+        session.shell.user_ns.update(j.shrink)  # the batch sizes the run settled on
+        got += [n for n in j.shrink if n not in got]
         restored += [n for n in got if n not in restored]
     return restored

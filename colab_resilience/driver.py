@@ -33,9 +33,10 @@ from typing import Any, Callable
 
 from . import journal
 from .client import Standby, SupervisedClient, api_call
+from .deaths import Budgets, Restart
 from .errors import NotebookInputError
 from .replay import MAGIC, is_replay_cell
-from .restart import EXIT_RESTART, SUPERVISED_ENV
+from .restart import SUPERVISED_ENV
 from .session import RUN_DIR_ENV
 
 # exit codes of `colab-resilience run` (and the `status` of a RunResult)
@@ -47,38 +48,6 @@ STATUS_NAMES = {EXIT_OK: "done", EXIT_CELL_FAILED: "failed", EXIT_BUDGET: "resta
 LOAD_EXTENSION = "import colab_resilience as _cr; _cr.load_ipython_extension(get_ipython()); del _cr"
 
 CellHook = Callable[[int, Any], None]
-
-
-@dataclass
-class Restart:
-    """One kernel the driver replaced, and how that went."""
-
-    cell: int
-    reason: str
-    exit_code: int | None
-    iteration: str | None
-    replayed: int
-    seconds: float
-    time: float = field(default_factory=time.time)
-    restored: list = field(default_factory=list)  # names put back from runs finished earlier
-    recovered: bool = True  # False: the new kernel died too (while starting or replaying)
-    standby: bool = False  # True: the standby kernel took over; False: a kernel was (re)started
-
-    def marker(self) -> str:
-        where = f" in iteration {self.iteration}" if self.iteration else ""
-        if not self.recovered:
-            return f"colab_resilience: the kernel died{where} ({self.reason}) after {self.seconds:.1f} s\n"
-        state = f", restored {', '.join(self.restored)} from the finished training" if self.restored else ""
-        how = "switched to the standby kernel" if self.standby else "restarted it"
-        return (
-            f"colab_resilience: the kernel died{where} ({self.reason}); {how}, replayed "
-            f"{self.replayed} cell{'s' if self.replayed != 1 else ''}{state} and resumed in {self.seconds:.1f} s\n"
-        )
-
-    def to_metadata(self) -> dict:
-        return {"cell": self.cell, "reason": self.reason, "exit_code": self.exit_code, "iteration": self.iteration,
-                "replayed": self.replayed, "recovery_seconds": round(self.seconds, 3), "time": self.time,
-                "kernel": "standby" if self.standby else "restarted"}
 
 
 @dataclass
@@ -120,22 +89,7 @@ def inject_parameters(nb, parameters: dict[str, Any]) -> None:
     cells.insert(0 if index is None else index + 1, new)
 
 
-def death_reason(code: int | None) -> str:
-    if code == EXIT_RESTART:
-        return "it asked for a restart"
-    if code is not None and code < 0:
-        import signal
-
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        hint = ", likely the OS out-of-memory killer" if code == -9 else ""
-        return f"killed by {name}{hint}"
-    return f"exit code {code}" if code is not None else "it stopped answering"
-
-
-def _read_notebook(notebook) -> tuple[Any, Path | None]:
+def read_notebook(notebook) -> tuple[Any, Path | None]:
     import nbformat
 
     if not isinstance(notebook, (str, os.PathLike)):
@@ -183,7 +137,7 @@ def run_notebook(
 
 
     started = time.perf_counter()
-    nb, folder = _read_notebook(notebook)
+    nb, folder = read_notebook(notebook)
     cwd = str(cwd or folder or os.getcwd())
     inject_parameters(nb, parameters or {})
     kernel_name = kernel_name or nb.metadata.get("kernelspec", {}).get("name") or "python3"
@@ -240,6 +194,7 @@ class Supervisor:
         self.log_output, self.progress = log_output, progress
         self.result = RunResult(EXIT_OK, self.nb, [])
         self.replay_done: list[int] = []  # set-up cells executed so far, in order
+        self.budgets = Budgets(run_root, max_restarts)
         self.code_cells = [i for i, c in enumerate(self.nb.cells) if c.cell_type == "code"]
 
     def run(self, kernel_env: dict) -> None:
@@ -290,12 +245,13 @@ class Supervisor:
                     self.finished(index, cell, failed=True)
                     return False
             except CellExecutionError as e:
-                cell.outputs = earlier + cell.get("outputs", [])
+                cell.outputs = earlier + self.markers(index) + cell.get("outputs", [])
                 self.fail(index, cell, e)
                 self.finished(index, cell, failed=True)
                 return False
         if died:
             cell.outputs = earlier + self.markers(index) + cell.get("outputs", [])
+        self.budgets.recovering = None
         if is_replay_cell(cell):
             self.replay_done.append(index)
         if self.spare is not None:
@@ -332,35 +288,28 @@ class Supervisor:
         result.message = f"colab-resilience: cell {index} failed: {what}"
 
     def recover(self, index: int, *, starting: bool = False) -> bool:
-        """After a death: check the budget, bring in the standby or restart the kernel, replay.
-        False when the budget is spent (the result says so); the caller re-executes otherwise."""
+        """After a death: count it against its budget, bring in the standby or restart the
+        kernel, replay. False when the budget is spent (the result says so); the caller
+        re-executes otherwise."""
         from nbclient.exceptions import DeadKernelError
 
         t0 = time.perf_counter()
-        restarts, client = self.result.restarts, self.client
-        code = client.exit_code()
-        asked = journal.requested_restart(self.run_root)
-        reason = asked.reason if asked else death_reason(code)
-        iteration = asked.at if asked else None
-        if starting:
-            reason = f"died while starting: {reason}"
+        client = self.client
+        death = self.budgets.death(client, starting=starting)
         while True:
-            if len(restarts) >= self.max_restarts:
-                self.result.status, self.result.failed_cell = EXIT_BUDGET, index
-                self.result.message = (
-                    f"colab-resilience: restart budget spent ({len(restarts)}/{self.max_restarts} restarts): "
-                    f"the kernel died again in cell {index} ({reason}). Attempts: "
-                    + "; ".join(f"{i}. cell {r.cell}: {r.reason}" for i, r in enumerate(restarts, 1))
-                )
+            refusal = self.budgets.charge(index, death, self.result.restarts)
+            if refusal is not None:
+                self.result.status, self.result.failed_cell, self.result.message = EXIT_BUDGET, index, refusal
                 return False
             adopted = self.spare.take() if self.spare is not None else None
             if client.replace_kernel(adopted):
                 break
-            restarts.append(Restart(index, f"{reason}; then the new kernel died while starting", code, iteration,
-                                    0, time.perf_counter() - t0, recovered=False, standby=adopted is not None))
-            code = client.exit_code()
-            reason, t0 = f"died while starting: {death_reason(code)}", time.perf_counter()
+            self.result.restarts.append(death.restart(index, time.perf_counter() - t0, recovered=False,
+                                                      standby=adopted is not None, then="the new kernel died while starting"))
+            death, t0 = self.budgets.death(client, starting=True), time.perf_counter()
+        self.budgets.kernel_started()
         replayed = 0
+        self.budgets.replaying = True
         try:
             if adopted is not None:
                 client.call(api_call("adopt_standby", os.getpriority(os.PRIO_PROCESS, 0)))
@@ -369,15 +318,18 @@ class Supervisor:
                 replayed += 1
                 self.declare_replay(self.nb.cells[j])
             restored = client.evaluate(api_call("restore_finished_runs"), timeout=600)
+            client.call(api_call("expect_reexecution"))
         except DeadKernelError:  # the caller's next execution finds the kernel dead and restarts again
-            restarts.append(Restart(index, f"{reason}; then died while replaying", code, iteration, replayed,
-                                    time.perf_counter() - t0, recovered=False, standby=adopted is not None))
+            self.result.restarts.append(death.restart(index, time.perf_counter() - t0, replayed=replayed,
+                                                      recovered=False, standby=adopted is not None,
+                                                      then="died while replaying"))
             return True
+        self.budgets.replaying = False
         if self.spare is not None:  # the next one, warming while the interrupted cell resumes
             self.spare.spawn()
-        restarts.append(Restart(index, reason, code, iteration, replayed, time.perf_counter() - t0,
-                                restored=list(restored) if isinstance(restored, (list, tuple)) else [],
-                                standby=adopted is not None))
+        self.result.restarts.append(death.restart(
+            index, time.perf_counter() - t0, replayed=replayed, standby=adopted is not None,
+            restored=list(restored) if isinstance(restored, (list, tuple)) else []))
         return True
 
     def declare_replay(self, cell) -> None:

@@ -114,6 +114,10 @@ class NotLoadedError(ResilienceError, RuntimeError):
     """The extension is not loaded in this IPython (``%load_ext colab_resilience``)."""
 
 
+class UnsafeCheckpointError(ResilienceError, RuntimeError):
+    """``checkpoint()`` was called where a resumed run could not continue exactly."""
+
+
 class OptionError(ResilienceError, ValueError):
     """A magic's option does not fit the notebook (an unknown variable, a shrink that is not an
     integer); shown to the user as a usage error."""

@@ -90,7 +90,12 @@ _SCALARS: dict[str, tuple[type, ...]] = {
     "kernel_pid": (int, type(None)),
     "restart_requested": (bool,),
     "phase": (str, type(None)),
+    "resume_at": (str, type(None)),
+    "oom_kills": (int, type(None)),
+    "counted_pid": (int, type(None)),
 }
+# absent from the first journals of version 2
+_OPTIONAL = {"resume_at": None, "oom_kills": None, "counted_pid": None}
 
 
 @dataclass
@@ -115,6 +120,9 @@ class Journal:
     kernel_pid: int | None = None
     restart_requested: bool = False  # the last kernel left on purpose (not a death to count)
     phase: str | None = None  # "replay" while a new kernel replays the set-up cells
+    resume_at: str | None = None  # where the last checkpoint resumes (iteration values, for people)
+    oom_kills: int | None = None  # the OS's count of OOM kills when a live kernel last wrote this
+    counted_pid: int | None = None  # the kernel whose end is accounted for (counted, or planned)
 
     @property
     def path(self) -> Path:
@@ -281,9 +289,9 @@ def _signed(key: bytes, data: dict) -> bool:
 
 def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
     """A version 1 journal (free-form ``extra``) as version 2 fields."""
+    data = {**_OPTIONAL, **data}
     if data["format_version"] >= 2:
         return data
-    data = dict(data)
     extra = data.pop("extra")
     policy = extra.get("policy") if isinstance(extra.get("policy"), dict) else {}
     shrink = extra.get("shrink") if isinstance(extra.get("shrink"), dict) else {}
@@ -313,7 +321,7 @@ def _validate(data: Any, path: Path) -> None:
     version = data.get("format_version")
     if not _is(version, (int,)) or not 1 <= version <= FORMAT_VERSION:
         _bad(path, f"format version {version!r}; this package reads {FORMAT_VERSION}")
-    scalars = dict(_SCALARS)
+    scalars = {k: v for k, v in _SCALARS.items() if k not in _OPTIONAL or k in data}
     lists = {"restarts": list, "replay_cells": list}
     if version == 1:
         scalars = {k: v for k, v in scalars.items() if k not in ("cell_key", "restart_requested", "phase")}

@@ -13,9 +13,11 @@ __all__ = [
     "adopt_standby",
     "become_standby",
     "declare_replay_cell",
+    "expect_reexecution",
     "new_modules",
     "preload",
     "restore_finished_runs",
+    "state_digest",
 ]
 
 
@@ -37,6 +39,14 @@ def declare_replay_cell(source: str) -> None:
     session_of().replay_log.record(None, source)
 
 
+def expect_reexecution() -> None:
+    """The next ``%%resilient`` cell is the one a dead kernel was running: if its run finished
+    before the death, it is not run again (:func:`restore_finished_runs` put its state back)."""
+    from .session import session_of
+
+    session_of().reexecuting = True
+
+
 def new_modules() -> str:
     """The installed modules imported since the last call, space-separated (see
     :func:`colab_resilience.standby.new_modules`)."""
@@ -53,3 +63,83 @@ def preload(names: list[str]) -> None:
 
 def adopt_standby(nice: int | None = None) -> None:
     standby.adopt(nice)
+
+
+def state_digest() -> dict[str, list]:
+    """For ``colab-resilience check``: every variable of the notebook as ``[digest, preview]``:
+    a BLAKE3 of the bytes a checkpoint would hold for it (the same bytes for the same value),
+    and a short repr for plain scalars (else None). Modules, functions, classes and IPython's
+    own names are left out; a value that cannot be saved is digested by its type."""
+    import types
+
+    import blake3
+
+    from .checkpoints import values
+    from .errors import UnsaveableValueError
+    from .session import session_of
+
+    shell = session_of().shell
+    hidden = shell.user_ns_hidden
+    out: dict[str, list] = {}
+    for name, value in list(shell.user_ns.items()):
+        if name.startswith("_") or name in hidden or isinstance(value, (types.ModuleType, types.FunctionType,
+                                                                        types.BuiltinFunctionType, type)):
+            continue
+        try:
+            prepared = values.prepare(name, value)
+        except UnsaveableValueError:
+            out[name] = [f"unsaveable:{values.type_name(value)}", None]
+            continue
+        except Exception as e:  # a value whose state_dict() or pickle fails in an unexpected way
+            out[name] = [f"error:{type(e).__name__}", None]
+            continue
+        h = blake3.blake3()
+        if prepared.format == "pickle":  # a pickle's bytes differ from process to process
+            _walk(value, h, set(), 0)
+        else:  # safetensors and tagged JSON: the same bytes for the same value
+            for segment in prepared.payload.segments:
+                h.update(segment)
+        plain = isinstance(value, (int, float, complex, str, bytes, bool, type(None)))
+        out[name] = [f"{prepared.kind}:{h.hexdigest()}", repr(value)[:60] if plain else None]
+    return out
+
+
+def _walk(value, h, seen: set, depth: int) -> None:
+    """Feed ``h`` with what ``value`` holds: the bytes of tensors and arrays, the repr of plain
+    leaves, the attributes of objects (each object once; code by its name only)."""
+    import types
+
+    h.update(type(value).__qualname__.encode())
+    torch, np = __import__("sys").modules.get("torch"), __import__("sys").modules.get("numpy")
+    if torch is not None and isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return
+    if np is not None and isinstance(value, np.ndarray):
+        h.update(f"{value.dtype}{value.shape}".encode() + np.ascontiguousarray(value).tobytes())
+        return
+    if isinstance(value, (int, float, complex, str, bytes, bool, type(None))) or depth > 32:
+        h.update(repr(value).encode())
+        return
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type, types.ModuleType)):
+        h.update(getattr(value, "__qualname__", getattr(value, "__name__", "")).encode())
+        return
+    if id(value) in seen:
+        h.update(b"<seen>")
+        return
+    seen.add(id(value))
+    if isinstance(value, dict):
+        for k in sorted(value, key=repr):
+            h.update(repr(k).encode())
+            _walk(value[k], h, seen, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _walk(v, h, seen, depth + 1)
+    elif isinstance(value, (set, frozenset)):
+        for v in sorted(value, key=repr):
+            _walk(v, h, seen, depth + 1)
+    elif hasattr(value, "__dict__"):
+        _walk(vars(value), h, seen, depth + 1)
+    else:
+        h.update(repr(value).encode())

@@ -17,9 +17,10 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from traitlets import Bool, Float, Integer, Unicode
 
 from . import commands, options, replay, resilient
-from .errors import OptionError, RunLockedError, RunStoppedError
+from .errors import OptionError, RunLockedError, RunStoppedError, UnsafeCheckpointError, UnsaveableValueError
 from .journal import RestartPolicy
 from .recovery import Shrink
+from .run import active_run
 from .session import Session
 
 OPTIONS_HINT = {
@@ -173,7 +174,8 @@ class ResilienceMagics(Magics):
         )
         try:
             resilient.execute(self.session, line, cell, options)
-        except (OptionError, RunLockedError, RunStoppedError) as e:
+        except (OptionError, RunLockedError, RunStoppedError, UnsafeCheckpointError, UnsaveableValueError) as e:
+            # refusals, each in one line that says what to do: no traceback through this package
             raise UsageError(str(e).splitlines()[0]) from None
 
     @magic_arguments()
@@ -228,7 +230,11 @@ class ResilienceMagics(Magics):
             if not 0 < memory <= 100:
                 raise UsageError(f"%restart_after: --memory {memory:g}% is not between 0 and 100; {usage}")
         self.session.policy = RestartPolicy(every, memory)
-        self.session.say(f"colab_resilience: planned restarts {self.session.policy.describe()}")
+        run = active_run()
+        if run is not None:  # written inside a %%resilient cell: for its run too, from now on
+            run.set_policy(self.session.policy)
+        self.session.say(f"colab_resilience: planned restarts {self.session.policy.describe()}"
+                         + (f" (run {run.run_id} included)" if run is not None else ""))
 
     @magic_arguments()
     @argument("command", nargs="?", default="status", metavar="COMMAND", help="status, resume, reset or dir")
@@ -260,6 +266,11 @@ class ResilienceMagics(Magics):
         args = _parse(self.resilience, line, "%", unknown)
         command, rest, session = args.command, list(args.target), self.session
         try:
+            if command != "status" and active_run() is not None:
+                raise OptionError(
+                    f"%resilience {command}: not while the %%resilient cell of run {active_run().run_id} runs; "
+                    "write it in a cell of its own"
+                )
             if command not in forms:
                 raise OptionError(
                     f"%resilience: unknown command {command!r}; "

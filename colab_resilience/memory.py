@@ -69,6 +69,20 @@ def memory_in_use_percent(*, discount_standby: bool = False) -> tuple[float, str
     return best, where
 
 
+def oom_kills() -> int | None:
+    """How many processes the kernel's out-of-memory killer has killed since boot (``oom_kill``
+    in ``/proc/vmstat``, Linux 4.13+; memory-cgroup kills included); None where unknown. A death
+    by SIGKILL is put down to the OOM killer only when this count went up meanwhile."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def format_bytes(n: float) -> str:
     """``1.5 GiB``; a value that would print as 1024.0 of a unit is written in the next one."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -8,7 +8,8 @@ This is the engine behind ``%%resilient``; it knows nothing about argument parsi
 3. on an OOM the ``before_retry`` hook runs (the run rolls back to the last safe point there:
    it unbinds the names created since, returned to be reported, and the declared state is
    restored when the body starts again), what the error holds is released
-   (:func:`colab_resilience.oom.release`), the ``--shrink`` variables are made smaller, one line
+   (:func:`colab_resilience.oom.release`), the ``--shrink`` variables are made smaller (and handed
+   to the ``on_shrink`` hook at once, so a kill before the next safe point keeps them), one line
    says what happened, and the body runs again;
 4. when the retries are spent, or the error poisons the process (a CUDA device-side assert), the
    ``give_up`` hook decides what comes next. Without one, the last error is re-raised after a
@@ -20,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import oom
+from . import faults, oom
 from .execution import compile_body, render, reraise, run_body
 from .memory import format_bytes, memory_in_use
 
@@ -64,6 +65,7 @@ class Recovery:
         before_attempt: Callable[[Outcome], None] | None = None,
         before_retry: Callable[[Outcome], list[str] | None] | None = None,
         give_up: Callable[[BaseException, oom.OOMVerdict, Outcome], None] | None = None,
+        on_shrink: Callable[[dict[str, int]], None] | None = None,
     ):
         self.shell = shell
         self.retries = retries
@@ -72,6 +74,7 @@ class Recovery:
         self.before_attempt = before_attempt
         self.before_retry = before_retry
         self.give_up = give_up
+        self.on_shrink = on_shrink
         self.outcome = Outcome()
 
     def run(self, header: str, body: str) -> None:
@@ -103,7 +106,12 @@ class Recovery:
             freed = oom.release(exc, self.shell, self.shell.execution_count, before=before)
             del exc
             outcome.freed.append(freed)
-            changes = self._shrink()  # after the rollback, which must not undo it
+            if faults.take_injected():  # colab-resilience check's: compared with a run that had none
+                changes = ["injected by colab-resilience check: nothing shrunk"] if self.shrink else []
+            else:
+                changes = self._shrink()  # after the rollback, which must not undo it
+            if self.shrink and self.on_shrink is not None:  # kept at once: a kill may come next
+                self.on_shrink({s.name: ns[s.name] for s in self.shrink if _is_int(ns.get(s.name))})
             unbound = f"unbound {_names(dropped)} (new since the last safe point) and " if dropped else ""
             parts = [f"{PREFIX} OOM ({outcome.labels[-1]}) — {unbound}freed {format_bytes(freed)}"]
             parts += changes

@@ -3,9 +3,8 @@
 1. open the cell's run (:meth:`colab_resilience.run.Run.open`): a pending run resumes;
 2. after a kernel restart, replay the set-up cells (:func:`colab_resilience.replay.replay`), then
    start the run in this kernel;
-3. check the options against the notebook (a ``--save`` name that exists nowhere, a ``--shrink``
-   variable that is not an integer), and warn once about names the cell reads that a restart
-   would lose;
+3. check the options against the notebook and warn once about what would make a resumed run
+   differ (:mod:`colab_resilience.lint`);
 4. run the body with in-process OOM recovery (:class:`colab_resilience.recovery.Recovery`): each
    retry rolls the run back to its last safe point; past the retries, leave the kernel for a
    restart (:func:`colab_resilience.restart.leave`);
@@ -14,16 +13,13 @@
 
 from __future__ import annotations
 
-import ast
-import builtins
-import difflib
 import time
 from dataclasses import dataclass
 
-from . import oom, replay
-from .errors import OptionError
+from . import lint, oom, replay
+from .errors import OptionError, ResilienceError
 from .recovery import Recovery, Shrink
-from .run import Run, run_id_for
+from .run import Run, finished_run, run_id_for
 
 
 @dataclass(frozen=True)
@@ -44,6 +40,13 @@ def execute(session, line: str, body: str, options: Options) -> None:
     source = header + "\n" + body
     key = replay.current_cell_key(shell) or replay.source_key(source)
     shrink_names = [s.name for s in options.shrink]
+    reexecuting, session.reexecuting = session.reexecuting, False
+    if reexecuting:
+        done = finished_run(session.root(), session.adopt or run_id_for(key))
+        if done is not None:  # the kernel died after the run finished, before the cell returned
+            session.say(f"colab_resilience: run {done.run_id} had finished before the kernel died; its final "
+                        f"state ({', '.join(done.names) or 'nothing'}) is back, and the cell is not run again")
+            return
     run = Run.open(
         shell, session.root(), session.adopt or run_id_for(key),
         cell_key=key, source=source, body=body, names=options.names, shrink=shrink_names,
@@ -62,16 +65,12 @@ def execute(session, line: str, body: str, options: Options) -> None:
         seconds = time.perf_counter() - start
     run.start(session.replay_log.cells, replayed=replayed, replay_seconds=seconds)
     try:
-        check_options(shell, options, body)
-        if key not in session.linted:
+        lint.check_options(shell, options.names, options.shrink, body)
+        if key not in session.linted:  # once per cell and kernel: after a restart, said again
             session.linted.add(key)
-            lost = names_lost_on_restart(shell, body, options.names + shrink_names,
-                                         [c.source for c in session.replay_log.cells])
-            if lost:
-                session.say(
-                    f"colab_resilience: this cell reads {', '.join(lost)}, which neither --save nor a "
-                    "%%replay cell would bring back after a restart; add them to --save or define them in a %%replay cell"
-                )
+            for line in lint.warnings(shell, body, options.names + shrink_names,
+                                      [c.source for c in session.replay_log.cells]):
+                session.say(line)
     except OptionError:
         run.finish("failed")
         raise
@@ -90,106 +89,20 @@ def execute(session, line: str, body: str, options: Options) -> None:
         before_attempt=lambda outcome: run.attempt_start(),
         before_retry=lambda outcome: run.rollback(),
         give_up=give_up,
+        on_shrink=run.record_shrink,
     )
     with run.active():
         try:
             recovery.run(header, body)
         except BaseException as e:
             if run.lock.held:
-                if oom.classify(e) is None and run.safe_points:  # only when progress was made
+                # only when progress was made, and not after a refusal of ours (it says what to do)
+                if oom.classify(e) is None and run.safe_points and not isinstance(e, ResilienceError):
                     last = run.journal.last_checkpoint
                     hint = (f"%resilience resume then run this cell again to continue from {last}" if last
                             else "run the cell again to start afresh")
                     session.say(f"colab_resilience: run {run.run_id} stopped by {type(e).__name__}; to go on anyway: {hint}")
                 run.finish("failed")
             raise
-        run.save(next_index=run.next_index, force=True)
+        run.finish_save()
         run.finish("done")
-
-
-# -- checks of the options against the notebook ------------------------------------------------------
-
-
-def _parse(shell, source: str) -> ast.AST | None:
-    try:
-        return ast.parse(shell.transform_cell(source))
-    except SyntaxError:
-        return None
-
-
-def bound_names(tree: ast.AST | None, *, arguments: bool = False) -> set[str]:
-    """Names a piece of code binds anywhere: assignments, deletions, definitions, imports (and,
-    with ``arguments``, function parameters)."""
-    names: set[str] = set()
-    for node in ast.walk(tree) if tree is not None else ():
-        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
-            names.add(node.id)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            for alias in node.names:
-                names.add((alias.asname or alias.name).split(".")[0])
-        elif arguments and isinstance(node, ast.arg):
-            names.add(node.arg)
-    return names
-
-
-def _user_variables(shell) -> list[str]:
-    """The user's own names (not IPython's ``open``/``In``/``Out``, not ours), for suggestions."""
-    hidden = shell.user_ns_hidden
-    return [k for k in shell.user_ns if not k.startswith("_") and k not in hidden]
-
-
-def _did_you_mean(name: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(name, candidates, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def check_options(shell, options: Options, body: str) -> None:
-    """:class:`OptionError` for a ``--save`` name that nothing defines, or a ``--shrink`` variable
-    that is missing, not a positive integer, or assigned by the cell itself."""
-    ns = shell.user_ns
-    assigned = bound_names(_parse(shell, body))
-    for name in options.names:
-        if name not in ns and name not in assigned:
-            raise OptionError(
-                f"%%resilient: --save {name}: no variable {name!r} exists and the cell does not "
-                f"assign it{_did_you_mean(name, _user_variables(shell))}; create it in a %%replay cell or in this cell"
-            )
-    for s in options.shrink:
-        if s.name not in ns:
-            ints = [k for k in _user_variables(shell) if type(ns[k]) is int]
-            raise OptionError(
-                f"%%resilient: --shrink {s.name}: no variable {s.name!r} exists{_did_you_mean(s.name, ints)}; "
-                f"set it in an earlier cell, e.g. {s.name} = 256"
-            )
-        value = ns[s.name]
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise OptionError(
-                f"%%resilient: --shrink {s.name}: {s.name} is a {type(value).__name__} "
-                f"({value!r:.40}), but --shrink needs an integer such as a batch size"
-            )
-        if value < 1:
-            raise OptionError(f"%%resilient: --shrink {s.name}: {s.name} is {value}; it must be at least 1")
-        if s.name in assigned:
-            raise OptionError(
-                f"%%resilient: --shrink {s.name}: the cell assigns {s.name}, so every retry "
-                f"would undo the shrink; set {s.name} in an earlier cell instead"
-            )
-
-
-def names_lost_on_restart(shell, body: str, saved: list[str], replay_sources: list[str]) -> list[str]:
-    """Names ``body`` reads from the namespace that nothing would bring back after a restart."""
-    tree = _parse(shell, body)
-    if tree is None:
-        return []
-    read = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in read:
-            read.append(node.id)
-    defined = bound_names(tree, arguments=True) | set(saved) | set(dir(builtins))
-    defined |= {"resume_range", "checkpoint", "get_ipython"}
-    for src in replay_sources:
-        defined |= bound_names(_parse(shell, replay.split(src)[1]), arguments=True)
-    ns = shell.user_ns
-    return [n for n in read if n not in defined and n in ns and not n.startswith("_")]

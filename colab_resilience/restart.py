@@ -69,7 +69,7 @@ def refuse(journal: Journal, reason: str) -> str:
     return budget_report(journal, reason)
 
 
-def leave(shell, journal: Journal, reason: str, *, planned: bool = False, iteration: object = None,
+def leave(shell, journal: Journal, reason: str, *, planned: bool = False, iteration: str | None = None,
           say: Callable[[str], None] = print) -> str:
     """Restart the kernel: record why, arrange the next kernel, exit. Returns only when it cannot:
     the budget is spent or this IPython is not a kernel; the run has then failed, and the
@@ -83,9 +83,9 @@ def leave(shell, journal: Journal, reason: str, *, planned: bool = False, iterat
             f"colab_resilience: {reason}; this IPython is not a Jupyter kernel, so it cannot be "
             "restarted: the run stops here (its last checkpoint is kept)"
         )
-    at = repr(iteration) if iteration is not None else None
+    at = iteration if iteration is not None else journal.resume_at
     if planned:
-        journal.restarts.append(RestartRecord(reason, planned=True))
+        journal.restarts.append(RestartRecord(reason, planned=True, at=at))
     elif journal.restarts_left == 0:
         return refuse(journal, reason)
     else:
@@ -93,14 +93,13 @@ def leave(shell, journal: Journal, reason: str, *, planned: bool = False, iterat
         journal.restarts_used += 1
     journal.restart_requested = True
     journal.status = "pending"
-    journal.kernel_pid = os.getpid()
+    journal.kernel_pid = journal.counted_pid = os.getpid()
     journal.save()
-    where = f" in iteration {iteration!r}" if iteration is not None else ""
-    count = "" if planned else f"; restart {journal.restarts_used}/{journal.max_restarts}"
-    then = "" if supervised() else (
-        ". When it is back, run this cell again (or Run all) to continue from the last safe point."
-    )
-    say(f"colab_resilience: {reason}{where}: restarting the kernel{count}{then}")
+    if not supervised():  # a driver puts its own marker in the output: the news once, not twice
+        where = f" in iteration {iteration}" if iteration is not None else ""
+        count = "" if planned else f"; restart {journal.restarts_used}/{journal.max_restarts}"
+        say(f"colab_resilience: {reason}{where}: restarting the kernel{count}. When it is back, run this "
+            "cell again (or Run all) to continue from the last safe point.")
     exit_kernel(EXIT_RESTART)
     return ""  # not reached
 

@@ -9,26 +9,29 @@ asked for, a kernel that died) and so resumes on the next execution, or ended *d
 Opening a run (:meth:`Run.open`) takes the lock and reads or creates the journal; it runs no user
 code. The caller replays the set-up cells if a kernel restart came between (:attr:`Run.needs_replay`),
 then calls :meth:`Run.start`. Safe points are where the declared state (``--save``) is
-consistent: the start of the loop (or of the cell, when it has no :func:`resume_range`), the end
-of every ``resume_range`` iteration, an explicit :func:`checkpoint`, the successful end of the
-cell. A resumed or retried run restores the state of the last safe point at the loop start (so
-``history = []`` above the loop does not wipe it) and skips the iterations that were finished.
+consistent: the start of the first loop (or of the cell, when it has no ``resume_range``), the end
+of every ``resume_range`` iteration (:mod:`colab_resilience.loops` says where a resumed attempt
+goes on), the successful end of the cell. Every save records, beside the values, what a step
+carries that they do not hold (:mod:`colab_resilience.carried`), and a value that cannot be saved
+stops the cell at the first safe point that meets it: nothing is ever skipped later on the
+strength of state that was not saved.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
+from collections import ChainMap
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, MutableMapping
 
-from . import fsutil, restart
+from . import carried, faults, fsutil, memory, restart
 from .checkpoints import Checkpoint, CheckpointStore
-from .errors import CheckpointError, JournalError, NoCheckpointError, RunStoppedError
+from .errors import CheckpointError, JournalError, NoCheckpointError, RunStoppedError, UnsaveableValueError
 from .journal import Journal, ReplayCell, RestartPolicy, merge_replay_cells
 from .lock import RunLock
+from .loops import LOOP_RNG, Loops, Plan, position_of
 
 
 def run_id_for(cell_key: str) -> str:
@@ -43,13 +46,30 @@ def open_store(run_dir: Path, key: bytes) -> CheckpointStore:
 
 
 def restore_latest(store: CheckpointStore, namespace: MutableMapping, names: Iterable[str],
-                   *, trust: bool = False) -> tuple[Checkpoint, list[str]]:
+                   *, trust: bool = False, rng: bool = True) -> tuple[Checkpoint, list[str]]:
     """Restore ``names`` from the newest loadable checkpoint of ``store`` into ``namespace``
-    (in place where they were saved by ``state_dict``; the random-number states too). Returns the
-    checkpoint and the names restored; :class:`NoCheckpointError` when there is none."""
+    (in place where they were saved by ``state_dict``; with ``rng``, the random-number states
+    too). Returns the checkpoint and the names restored; :class:`NoCheckpointError` when there is
+    none."""
     ckpt = store.load(trust=trust)
     wanted = set(names)
-    return ckpt, ckpt.restore(namespace, [n for n in ckpt.names if n in wanted], strict=False)
+    return ckpt, ckpt.restore(namespace, [n for n in ckpt.names if n in wanted], rng=rng, strict=False)
+
+
+def finished_run(root: Path, run_id: str) -> Journal | None:
+    """The journal of run ``run_id`` if it ended ``done``, signed by this installation."""
+    from .signing import load_or_create_key
+
+    run_dir = Path(root) / f"run-{run_id}"
+    try:
+        journal = Journal.load(run_dir, key=load_or_create_key())
+    except (JournalError, OSError):
+        return None
+    return journal if journal.status == "done" else None
+
+
+def _meta(ckpt: Checkpoint) -> dict:
+    return ckpt.meta if isinstance(ckpt.meta, dict) else {}
 
 
 class Run:
@@ -65,11 +85,11 @@ class Run:
         self.resuming = resuming  # restore the last safe point at the next restore point
         self.after_restart = after_restart  # this kernel replaced the one that wrote the journal
         self.safe_points = 0
-        self.iteration: object = None  # the value of the iteration in progress
-        self.next_index = 0  # where a resume from a checkpoint taken now would go on
+        self.iteration: str | None = None  # the iteration in progress, for people ("2, item 3")
+        self.loops = Loops(self)
         self._saved_point = -1  # the safe point the last successful save was made at
         self._names_at_checkpoint: set[str] | None = None  # the namespace's names then
-        self._said: set = set()  # names already reported as missing or unsaveable
+        self._said: set = set()  # names already reported as missing
         self._last_save = 0.0
         self._replayed, self._replay_seconds = 0, 0.0
         self._resume_note: str | None = None  # said where the run goes on after a restart
@@ -115,6 +135,7 @@ class Run:
             policy = policy or RestartPolicy()
             journal.cell_key, journal.names, journal.policy = cell_key, list(names), policy
             journal.kernel_pid, journal.interrupted_cell, journal.status = os.getpid(), source, "pending"
+            journal.oom_kills = memory.oom_kills()
             journal.save()
         except BaseException:
             lock.release()
@@ -151,30 +172,65 @@ class Run:
         merge_replay_cells(j.replay_cells, setup_cells)
         j.save()
 
-    def restore(self, where: str) -> int:
-        """Restore the last safe point into the namespace; return the iteration index to go on from."""
+    def _restore(self, where: str) -> tuple[Checkpoint, list[str]] | None:
+        """Restore the last safe point's declared names (not yet its random state) and what a
+        step carries (:mod:`colab_resilience.carried`); None when there is no checkpoint."""
         start = time.perf_counter()
+        ns = self.shell.user_ns
         try:
-            ckpt, restored = restore_latest(self.store, self.shell.user_ns, self.names)
+            ckpt, restored = restore_latest(self.store, ns, self.names, rng=False)
         except NoCheckpointError:
             self.say(f"colab_resilience: run {self.run_id}: no checkpoint yet, {where} starts from the beginning")
             self.resuming = False
-            return 0
-        seconds = time.perf_counter() - start
-        nxt = int(ckpt.meta.get("next", 0)) if isinstance(ckpt.meta, dict) else 0
+            return None
+        carried.apply(ns, restored, _meta(ckpt).get("carried", {}))
         self.resuming = False
         if self.after_restart:
             self.after_restart = False
             j = self.journal
-            last = j.restarts[-1].reason if j.restarts else "a restart"
-            replayed = self._replayed
+            replayed, seconds = self._replayed, time.perf_counter() - start + self._replay_seconds
+            why = ""
+            if not restart.supervised():  # else the driver's marker above says why
+                last = j.restarts[-1] if j.restarts else None
+                budget = "planned" if last is not None and last.planned else f"restart {j.restarts_used}/{j.max_restarts}"
+                why = f" after kernel restart ({last.reason if last else 'a restart'}; {budget})"
             self._resume_note = (
-                f"colab_resilience: resumed run {self.run_id} after kernel restart ({last}; "
-                f"restart {j.restarts_used}/{j.max_restarts}): "
+                f"colab_resilience: resumed run {self.run_id}{why}: "
                 + (f"replayed {replayed} cell{'s' if replayed != 1 else ''}, " if replayed else "")
-                + f"restored {', '.join(restored) or 'nothing'} in {seconds + self._replay_seconds:.1f} s"
+                + f"restored {', '.join(restored) or 'nothing'} in {seconds:.1f} s"
             )
-        return nxt
+        return ckpt, restored
+
+    def restore_for_loops(self) -> Plan | None:
+        """When the first loop of a resumed attempt starts: restore, and say where to go on."""
+        got = self._restore("the loop")
+        if got is None:
+            return None
+        ckpt, restored = got
+        position = position_of(_meta(ckpt))
+        rngs: list = []
+        if len(position) > 1:
+            holder: dict = {}
+            ckpt.restore(holder, [LOOP_RNG], rng=False)
+            rngs = holder[LOOP_RNG]
+        ns = self.shell.user_ns
+        return Plan(position, rngs, ckpt, {n: ns[n] for n in restored if n in ns})
+
+    def arrive(self, plan: Plan, at_text: str) -> None:
+        """At the loop the saved position ends in: the names the code above it rebound get their
+        saved values again, the carried state and the random state become the safe point's."""
+        ns, ckpt = self.shell.user_ns, plan.checkpoint
+        rebound = [n for n, value in plan.restored.items() if ns.get(n) is not value]
+        if rebound:
+            ckpt.restore(ns, rebound, rng=False, strict=False)
+        carried.apply(ns, list(plan.restored), _meta(ckpt).get("carried", {}))
+        ckpt.restore(ns, [], rng=True)
+        note = self._take_note()
+        finished = at_text.endswith("the end")
+        if note:
+            self.say(f"{note}; " + ("the loop had finished" if finished else f"continuing at {at_text}"))
+        elif plan.position != [(0, 0)]:
+            self.say(f"colab_resilience: rolled back to the last safe point; continuing at {at_text}")
 
     def _take_note(self) -> str | None:
         note, self._resume_note = self._resume_note, None
@@ -184,30 +240,44 @@ class Run:
 
     def attempt_start(self) -> None:
         """Before each attempt of the cell: without a loop, the cell start is the restore point."""
+        self.loops.reset()
         if self.uses_loop:
             return
         if self.resuming:
-            self.restore("the cell")
+            got = self._restore("the cell")
+            if got is not None:
+                got[0].restore(self.shell.user_ns, [], rng=True)
             note = self._take_note()
             if note:
                 self.say(note + "; running the cell again")
         elif self.safe_points == 0:
-            self.save(next_index=0, force=True)
+            self.save_position([(0, 0)], [], force=True)
 
-    def loop_start(self, r: range) -> int:
-        if self.resuming:
-            nxt = self.restore("the loop")
-            note = self._take_note()
-            if note:
-                at = f"continuing at {r[nxt]}" if nxt < len(r) else "the loop had finished"
-                self.say(f"{note}; {at}")
-            elif nxt:
-                self.say(f"colab_resilience: rolled back to the last safe point; continuing at {r[nxt] if nxt < len(r) else 'the end'}")
-            return nxt
-        self.save(next_index=0, force=True)
-        return 0
+    def safe_point(self, position: list[tuple[int, int]], rngs: list, *, force: bool = False,
+                   last: bool = False, where: str | None = None) -> None:
+        """The end of an iteration (:mod:`colab_resilience.loops`): save if due; restart if
+        planned (not after the last iteration). ``where``: the iteration a resume goes on with."""
+        self.safe_points += 1
+        faults.safe_point("before")
+        self.save_position(position, rngs, force=force, where=where)
+        faults.safe_point("after")
+        if last:
+            return
+        reason = restart.planned_reason(self.policy, self.safe_points)
+        if reason is None:
+            return
+        if self._saved_point != self.safe_points:  # not saved yet at this safe point (--every)
+            self.save_position(position, rngs, force=True, where=where)  # resume from this one
+        raise RunStoppedError(self.leave(reason, planned=True))
 
-    def save(self, next_index: int | None = None, *, force: bool = False) -> None:
+    def finish_save(self) -> None:
+        """The end of the cell, a safe point: a resumed cell would skip every loop."""
+        faults.safe_point("before", end=True)
+        self.save_position([(self.loops.top, 0)], [], force=True)
+        faults.safe_point("after", end=True)
+
+    def save_position(self, position: list[tuple[int, int]], rngs: list, *, force: bool = False,
+                      where: str | None = None) -> None:
         due = force or (
             (self.every_n is not None and self.safe_points % self.every_n == 0)
             or (self.every_seconds is not None and time.monotonic() - self._last_save >= self.every_seconds)
@@ -225,8 +295,13 @@ class Run:
                 f"colab_resilience: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not defined at "
                 "this safe point; the checkpoint holds the other names"
             )
+        meta = {"loops": [list(p) for p in position], "carried": carried.snapshot(ns, present)}
+        namespace: Mapping = ChainMap({LOOP_RNG: rngs}, ns) if rngs else ns
         try:
-            report = self.store.save(ns, present, meta={"next": next_index or 0})
+            # strict: a value that cannot be saved stops the cell here, before anything is written
+            report = self.store.save(namespace, present + ([LOOP_RNG] if rngs else []), meta=meta, strict=True)
+        except UnsaveableValueError:
+            raise
         except CheckpointError as e:
             # e.g. a full disk: the previous checkpoint is intact; try again at the next safe point
             self.say(f"{str(e).splitlines()[0]} — the previous checkpoint is kept; the run goes on and tries again at the next safe point")
@@ -234,11 +309,8 @@ class Run:
         self._last_save = time.monotonic()
         self._saved_point = self.safe_points
         self._names_at_checkpoint = set(ns)
-        for name, message in report.skipped.items():
-            if ("skipped", name) not in self._said:  # once per run, not at every safe point
-                self._said.add(("skipped", name))
-                self.say(message)
-        self.journal.last_checkpoint = report.checkpoint_id
+        self.journal.last_checkpoint, self.journal.resume_at = report.checkpoint_id, where
+        self.journal.oom_kills = memory.oom_kills()
         # the batch size that fits goes with the checkpoint: a new kernel starts from it
         self.journal.shrink.update(_integers(ns, self.shrink))
         self.journal.save()
@@ -262,20 +334,12 @@ class Run:
         self.resuming = True
         return self.forget_new_names()
 
-    def safe_point(self, next_index: int, *, last: bool = False) -> None:
-        """The end of an iteration: save if due; restart if planned (not after the last one)."""
-        self.safe_points += 1
-        self.save(next_index)
-        if last:
-            return
-        reason = restart.planned_reason(self.policy, self.safe_points)
-        if reason is None:
-            return
-        if self._saved_point != self.safe_points:  # not saved yet at this safe point (--every)
-            self.save(next_index, force=True)  # the state to resume from is this safe point's
-        raise RunStoppedError(self.leave(reason, planned=True))
-
     # -------------------------------------------------------------------------- leaving
+
+    def set_policy(self, policy: RestartPolicy) -> None:
+        """``%restart_after`` run inside the cell: from the next safe point on, for this run too."""
+        self.policy = self.journal.policy = policy
+        self.journal.save()
 
     def record_shrink(self, values: Mapping[str, object]) -> None:
         self.journal.shrink.update(_integers(values, values))
@@ -314,12 +378,15 @@ def _take_over(shell, journal: Journal, root: Path) -> bool:
     """A pending run found by a new execution of its cell: count a death without warning (or
     fail the run when the budget does not cover it). Returns whether a kernel restart came
     between (the set-up cells must be replayed)."""
-    requested, in_replay = journal.restart_requested, journal.phase == "replay"
+    in_replay = journal.phase == "replay"
     journal.restart_requested, journal.phase = False, None
     died = journal.kernel_pid != os.getpid()
-    if died and not requested:
-        why = ("the kernel died without warning while replaying the set-up cells" if in_replay
-               else "the kernel died without warning (killed by the OS, likely out of host memory)")
+    if died and journal.counted_pid != journal.kernel_pid:  # not yet counted (by it, or a driver)
+        now = memory.oom_kills()
+        oom_killed = now is not None and journal.oom_kills is not None and now > journal.oom_kills
+        how = ("killed by the OS out-of-memory killer" if oom_killed
+               else "killed or crashed; the OS recorded no out-of-memory kill")
+        why = f"the kernel died without warning {'while replaying the set-up cells ' if in_replay else ''}({how})"
         if journal.restarts_left == 0:
             report = restart.refuse(journal, why)
             restart.remove_startup_file_if_idle(shell, root)
@@ -334,45 +401,10 @@ def _integers(values: Mapping[str, object], names: Iterable[str]) -> dict[str, i
 
 
 # --------------------------------------------------------------------------------------------
-# resume_range and checkpoint(): the public safe points
+# the run that resume_range and checkpoint() report to
 
 _active: list[Run] = []
-_warned_outside = False
 
 
 def active_run() -> Run | None:
     return _active[-1] if _active else None
-
-
-def resume_range(*args: int):
-    """``range(*args)`` whose iterations are safe points of the enclosing ``%%resilient`` cell.
-
-    In a resumed (or retried) run, the declared state is restored when the loop starts and the
-    finished iterations are skipped. Outside a ``%%resilient`` cell it is a plain ``range``.
-    """
-    global _warned_outside
-    r = range(*args)
-    run = active_run()
-    if run is None:
-        if not _warned_outside:
-            _warned_outside = True
-            print("colab_resilience: resume_range outside a %%resilient cell: nothing is checkpointed here", file=sys.stderr)
-        yield from r
-        return
-    start = run.loop_start(r)
-    for index in range(start, len(r)):
-        run.iteration, run.next_index = r[index], index
-        yield r[index]
-        run.iteration, run.next_index = None, index + 1
-        run.safe_point(index + 1, last=index + 1 == len(r))
-
-
-def checkpoint() -> str | None:
-    """An explicit safe point: save the declared state now. Returns the checkpoint id."""
-    run = active_run()
-    if run is None:
-        print("colab_resilience: checkpoint() outside a %%resilient cell: nothing to save", file=sys.stderr)
-        return None
-    run.safe_points += 1
-    run.save(next_index=run.next_index, force=True)
-    return run.journal.last_checkpoint

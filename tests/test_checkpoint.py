@@ -762,7 +762,8 @@ def test_unsaveable_values_are_named_and_the_rest_is_saved(store, tmp_path):
     assert set(report.skipped) == set(ns) - {"ok"}
     assert report.skipped["it"] == (
         "colab_resilience: cannot save 'it': list_iterator objects cannot be checkpointed "
-        "(a live iterator has no stable state); recreate it in a %%replay cell or leave it out of --save"
+        "(a live iterator has no stable state); recreate it in a %%replay cell and save what it holds instead "
+        "(its arrays, its state_dict()), or leave it out of --save"
     )
     assert "generator objects" in report.skipped["gen"]
     assert "open file" in report.skipped["f"]

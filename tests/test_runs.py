@@ -73,20 +73,27 @@ def test_done_run_journal_and_status(ip, root, tmp_path, capsys):
     assert f"run {j['run_id']}: done; restarts 0/3 (last: none); saves model, opt, history; last checkpoint ckpt-" in out
 
 
-def test_explicit_checkpoint_is_a_safe_point(ip, root, capsys):
-    """checkpoint() in the cell is a safe point: a retry resumes from it."""
+def test_explicit_checkpoint_saves_at_the_end_of_its_iteration(ip, root, capsys):
+    """checkpoint() inside an iteration asks for a save that --every would skip; it is made at the
+    end of that iteration, where the state is whole: a retry of the next iteration resumes there,
+    and nothing is done twice. (It used to save on the spot, and the retry redid the iteration on
+    top of its own half-done update.)"""
     ip.user_ns.update(state={"step": 0}, tries=[0])
     cell = (
-        "%%resilient --save state\n"
-        "state['step'] += 1\n"
-        "if checkpoint() and tries[0] == 0:\n"
-        "    tries[0] += 1\n"
-        "    state['step'] += 100\n"
-        "    raise MemoryError()\n"
+        "%%resilient --save state --every 10\n"
+        "for i in resume_range(3):\n"
+        "    state['step'] += 1\n"
+        "    if i == 1:\n"
+        "        checkpoint()\n"
+        "        state['step'] += 10\n"
+        "    if i == 2 and tries[0] == 0:\n"
+        "        tries[0] += 1\n"
+        "        state['step'] += 100\n"
+        "        raise MemoryError()\n"
     )
     assert ip.run_cell(cell).success
-    # the retry restored the checkpoint taken after step 1, then the cell ran again (+1)
-    assert ip.user_ns["state"] == {"step": 2}
+    assert ip.user_ns["state"] == {"step": 13}  # as without the error
+    assert "rolled back to the last safe point; continuing at 2" in capsys.readouterr().out
 
 
 def test_resume_range_outside_a_resilient_cell_is_range(ip, capsys):
@@ -272,9 +279,10 @@ def test_an_ordinary_error_ends_the_run_with_a_hint_to_resume_it(ip, root, tmp_p
     assert epochs(tmp_path / "events.log") == [0, 1, 2, 3]
 
 
-def test_names_the_cell_assigns_later_and_unsaveable_values_are_said_once(ip, root, capsys):
-    """A name the cell assigns is not "missing" before it runs; an unsaveable value is named once
-    per run, not at every safe point; suggestions come from the user's names, not IPython's."""
+def test_names_the_cell_assigns_later_and_unsaveable_values_stop_the_cell(ip, root, capsys):
+    """A name the cell assigns is not "missing" before it runs; a value that cannot be saved stops
+    the cell at its first safe point, naming it once; suggestions come from the user's names, not
+    IPython's."""
     cell = (
         "%%resilient --save total,gen\n"
         "total = 0\n"
@@ -282,11 +290,12 @@ def test_names_the_cell_assigns_later_and_unsaveable_values_are_said_once(ip, ro
         "for step in resume_range(4):\n"
         "    total += step\n"
     )
-    assert ip.run_cell(cell).success
+    with pytest.raises(UsageError) as info:
+        ip.run_cell_magic("resilient", "--save total,gen", cell.split("\n", 1)[1])
     out = capsys.readouterr().out
     assert "no variable of that name" not in out
-    assert out.count("cannot save 'gen': generator objects cannot be checkpointed") == 1
-    assert ip.user_ns["total"] == 6
+    assert str(info.value).startswith("colab_resilience: cannot save 'gen': generator objects cannot be checkpointed")
+    assert ip.user_ns["total"] == 0  # stopped at the loop start: no step ran
     ip.user_ns["batch_size"] = 8
     with pytest.raises(UsageError) as info:
         ip.run_cell_magic("resilient", "--save opn", "x = 1\n")

@@ -116,12 +116,15 @@ class CheckpointStore:
     # -- saving --
 
     def save(
-        self, namespace: Mapping[str, Any], names: Sequence[str], *, meta: dict | None = None
+        self, namespace: Mapping[str, Any], names: Sequence[str], *, meta: dict | None = None,
+        strict: bool = False,
     ) -> SaveReport:
         """Checkpoint ``names`` from ``namespace`` (with the RNG states); see the package docstring.
 
         Raises :class:`MissingNameError` (nothing written) if a name is not defined, and
         :class:`CheckpointError` if the checkpoint could not be written (the previous one stays).
+        A value that cannot be saved is left out and listed in the report, or with ``strict``
+        raises its :class:`UnsaveableValueError` before anything is written.
         """
         start = time.perf_counter()
         if isinstance(names, str):
@@ -149,6 +152,8 @@ class CheckpointStore:
                 try:
                     prepared = values.prepare(name, namespace[name])
                 except UnsaveableValueError as e:
+                    if strict:
+                        raise
                     skipped[name] = str(e)
                     continue
                 jobs.append(self._start_hashing(prepared, pool))

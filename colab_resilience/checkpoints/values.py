@@ -135,7 +135,8 @@ def unsaveable(name: str, value: Any, reason: str) -> UnsaveableValueError:
     """The error for a value that cannot be saved (its message is what the save reports)."""
     message = (
         f"colab_resilience: cannot save {name!r}: {type(value).__name__} objects cannot be "
-        f"checkpointed ({reason}); recreate it in a %%replay cell or leave it out of --save"
+        f"checkpointed ({reason}); recreate it in a %%replay cell and save what it holds instead "
+        f"(its arrays, its state_dict()), or leave it out of --save"
     )
     return UnsaveableValueError(message, name, type_name(value), reason)
 

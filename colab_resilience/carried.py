@@ -1,0 +1,84 @@
+"""What a training step carries between safe points that a ``state_dict`` does not.
+
+A rollback or a restore must leave nothing behind that the last safe point did not have. Restoring
+a module's or optimizer's ``state_dict`` in place brings back their tensors, but not:
+
+- **gradients** (``param.grad``): a retry after an OOM in ``backward()``, or in the middle of a
+  gradient accumulation, would add its gradients to the failed attempt's (and hold their memory
+  through the retry). They are cleared (set to ``None``) for every parameter of a restored module
+  and of a restored optimizer's param groups: at a safe point, a loop that zeroes its gradients
+  has none that matter, and one that accumulates across safe points cannot resume exactly anyway;
+- **train/eval modes** (``module.training``) and **``requires_grad`` flags** of parameters: saved
+  beside the checkpoint (:func:`snapshot`) and put back (:func:`apply`);
+- **a GradScaler's per-step record** (whether ``unscale_``/``step`` were called since the last
+  ``update()``): reset, so a retried step may call them again.
+
+Only objects already restored are touched; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Mapping
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def snapshot(namespace: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+    """The modes and ``requires_grad`` flags of the modules among ``names`` (plain JSON)."""
+    torch = _torch()
+    facts: dict[str, Any] = {}
+    if torch is None:
+        return facts
+    for name in names:
+        value = namespace.get(name)
+        if isinstance(value, torch.nn.Module):
+            facts[name] = {
+                "training": [m.training for m in value.modules()],
+                "requires_grad": [p.requires_grad for p in value.parameters()],
+            }
+    return facts
+
+
+def apply(namespace: Mapping[str, Any], names: list[str], facts: Mapping[str, Any]) -> None:
+    """Put back what :func:`snapshot` recorded, and clear what a step left behind, for the objects
+    among ``names``."""
+    torch = _torch()
+    if torch is None:
+        return
+    for name in names:
+        value = namespace.get(name)
+        if isinstance(value, torch.nn.Module):
+            fact = facts.get(name) if isinstance(facts, Mapping) else None
+            if isinstance(fact, Mapping):
+                modules, params = list(value.modules()), list(value.parameters())
+                modes, flags = fact.get("training"), fact.get("requires_grad")
+                if isinstance(modes, list) and len(modes) == len(modules):
+                    for m, mode in zip(modules, modes):
+                        m.training = bool(mode)
+                if isinstance(flags, list) and len(flags) == len(params):
+                    for p, flag in zip(params, flags):
+                        p.requires_grad_(bool(flag))
+            for p in value.parameters():
+                p.grad = None
+        elif isinstance(value, torch.optim.Optimizer):
+            for group in value.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+        elif _is_grad_scaler(torch, value):
+            _reset_scaler(value)
+
+
+def _is_grad_scaler(torch, value: Any) -> bool:
+    scalers = tuple(c for c in (getattr(getattr(torch, "amp", None), "GradScaler", None),
+                                getattr(getattr(torch.cuda, "amp", None), "GradScaler", None)) if isinstance(c, type))
+    return bool(scalers) and isinstance(value, scalers)
+
+
+def _reset_scaler(scaler: Any) -> None:
+    # what update() does at the end of a step: forget which optimizers were unscaled or stepped
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if hasattr(states, "clear"):
+        states.clear()

@@ -1,0 +1,251 @@
+"""``colab-resilience check``: prove that a notebook resumes to the same result before a long run.
+
+The notebook runs once uninterrupted, then ``faults`` more times under supervision, each time with
+one fault injected at a random moment (:mod:`colab_resilience.faults`), chosen from the safe
+points the uninterrupted run went through:
+
+- a SIGKILL between two safe points (anywhere in an iteration), just before a save, or in the
+  middle of a save;
+- an out-of-memory error raised inside a ``%%resilient`` cell (recovered in process; a ``--shrink``
+  variable is left as it was, or the result could not be compared).
+
+Each faulted run must end as the uninterrupted one did: every variable of the notebook (not only
+the ``--save`` ones) the same bit for bit, by a digest of the bytes a checkpoint would hold
+(:func:`colab_resilience.kernelapi.state_digest`); a name missing after a resume (a loop
+variable, a plain cell's variable after a restart between cells) is no silent difference: reading
+it fails. Every cell's printed output must be the same
+(where a cell was interrupted, every part it printed between two recoveries must be a part of
+the uninterrupted output, and the last part its end). What differs is named, with the fault that
+exposed it. ``seed`` makes the choice of faults repeatable.
+
+What it cannot see: side effects outside the kernel (files the notebook writes, a remote
+service), and output that differs from run to run anyway (times, progress bars).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from . import faults as fault_env
+from .driver import EXIT_OK, RunResult, read_notebook, inject_parameters, run_notebook
+
+MARK = "colab-resilience-check"
+CHECK_CELL = f"print({MARK!r}, __import__('json').dumps(__import__('colab_resilience.kernelapi').kernelapi.state_digest()))"
+EXIT_IDENTICAL, EXIT_DIFFERS, EXIT_USAGE, EXIT_BROKEN = 0, 1, 2, 3
+KINDS = ("kill-between", "oom", "kill-during-save", "kill-before-save")
+
+
+@dataclass
+class Fault:
+    kind: str  # one of KINDS
+    safe_point: int
+    delay: float
+
+    def env(self, mark: Path) -> str:
+        phase = "before" if self.kind in ("kill-during-save", "kill-before-save") else "after"
+        return json.dumps({"kind": "oom" if self.kind == "oom" else "kill", "safe_point": self.safe_point,
+                           "phase": phase, "delay": self.delay, "mark": str(mark)})
+
+    def describe(self, total: int) -> str:
+        at = f"safe point {self.safe_point} of {total}"
+        return {
+            "kill-between": f"SIGKILL {self.delay:.2f} s after {at}",
+            "oom": f"an out-of-memory error {self.delay:.2f} s after {at}",
+            "kill-during-save": f"SIGKILL {self.delay:.3f} s into the save at {at}",
+            "kill-before-save": f"SIGKILL just before the save at {at}",
+        }[self.kind]
+
+
+@dataclass
+class Outcome:
+    """One run of the notebook: how it ended, its variables' digests, its cells' printed lines."""
+
+    result: RunResult
+    digests: dict[str, list]
+    outputs: dict[int, list[str]]
+
+
+@dataclass
+class FaultResult:
+    fault: Fault
+    fired: bool
+    differences: list[str] = field(default_factory=list)
+    restarts: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class CheckReport:
+    notebook: str
+    safe_points: int
+    seconds: float
+    results: list[FaultResult] = field(default_factory=list)
+    broken: str = ""  # why the uninterrupted run itself failed
+
+    @property
+    def status(self) -> int:
+        if self.broken:
+            return EXIT_BROKEN
+        return EXIT_DIFFERS if any(r.differences or not r.fired for r in self.results) else EXIT_IDENTICAL
+
+
+def choose_faults(timeline: list[tuple[int, str, float, str]], count: int, seed: int) -> list[Fault]:
+    """``count`` faults spread over the safe points of ``timeline`` (kinds in turn). An OOM
+    follows a safe point after which the cell runs more of the notebook's code (another
+    iteration); a kill between safe points may also land in what follows a loop."""
+    rng = random.Random(seed)
+    before = {n: t for n, phase, t, _ in timeline if phase == "before"}
+    after = {n: t for n, phase, t, _ in timeline if phase == "after"}
+    ends = {n for n, _, _, kind in timeline if kind == "end"}
+    points = sorted(set(before) & set(after))
+    followed = [n for n in points if n + 1 in before and n not in ends] or points
+    iterations = [n for n in followed if n + 1 not in ends] or followed
+    out = []
+    for i in range(count):
+        kind = KINDS[i % len(KINDS)]
+        n = rng.choice(iterations if kind == "oom" else followed if kind == "kill-between" else points)
+        if kind == "kill-during-save":
+            delay = rng.uniform(0.1, 0.9) * max(after[n] - before[n], 0.001)
+        elif kind == "kill-before-save":
+            delay = 0.0
+        else:  # somewhere in what follows the safe point, up to the next one
+            nxt = before.get(n + 1, after[n] + 0.5)
+            delay = rng.uniform(0.1, 0.9) * max(nxt - after[n], 0.01)
+        out.append(Fault(kind, n, delay))
+    return out
+
+
+def _lines(cell) -> list[str]:
+    text = []
+    for out in cell.get("outputs", []):
+        kind = out.get("output_type")
+        if kind == "stream":
+            text.append(out.get("text", ""))
+        elif kind in ("execute_result", "display_data"):
+            text.append(str(out.get("data", {}).get("text/plain", "")) + "\n")
+        elif kind == "error":
+            text.append(f"{out.get('ename')}: {out.get('evalue')}\n")
+    return "".join(text).splitlines()
+
+
+def _outcome(result: RunResult) -> Outcome:
+    cells = result.notebook.cells
+    digests: dict[str, list] = {}
+    for line in _lines(cells[-1]) if cells else []:
+        if line.startswith(MARK + " "):
+            digests = json.loads(line[len(MARK) + 1:])
+    outputs = {i: _lines(c) for i, c in enumerate(cells[:-1]) if c.get("cell_type") == "code"}
+    return Outcome(result, digests, outputs)
+
+
+def _same_output(reference: list[str], faulted: list[str]) -> bool:
+    """Whether a cell printed what it printed uninterrupted: exactly, or, where it was recovered
+    (its own lines of this package split it into parts), every part a run of the uninterrupted
+    lines and the last part their end."""
+    ours = [line.startswith("colab_resilience:") for line in faulted]
+    reference = [line for line in reference if not line.startswith("colab_resilience:")]
+    if not any(ours):
+        return faulted == reference
+    parts, part = [], []
+    for line, mine in zip(faulted, ours):
+        if mine:
+            parts.append(part)
+            part = []
+        else:
+            part.append(line)
+    parts.append(part)
+
+    def within(p: list[str]) -> bool:
+        return not p or any(reference[i:i + len(p)] == p for i in range(len(reference) - len(p) + 1))
+
+    last = parts[-1]
+    return all(within(p) for p in parts) and (not last or reference[len(reference) - len(last):] == last)
+
+
+def compare(reference: Outcome, faulted: Outcome) -> list[str]:
+    """What differs between two runs, one line each."""
+    if faulted.result.status != EXIT_OK:
+        return [f"the run did not finish ({faulted.result.message or 'status ' + str(faulted.result.status)})"]
+    found = []
+    for name in sorted(set(reference.digests) | set(faulted.digests)):
+        a, b = reference.digests.get(name), faulted.digests.get(name)
+        if b is None:
+            continue  # missing after a resume (a loop variable, a plain cell's name): reading it fails loudly
+        if a is None:
+            found.append(f"{name} exists only in the faulted run")
+        elif a[0] != b[0]:
+            values = f" (uninterrupted {a[1]}, faulted {b[1]})" if a[1] is not None and b[1] is not None else ""
+            found.append(f"{name} differs{values}")
+    for index, lines in reference.outputs.items():
+        if not _same_output(lines, faulted.outputs.get(index, [])):
+            found.append(f"the printed output of cell {index} differs")
+    return found
+
+
+def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | None = None, faults: int = 3,
+                   seed: int = 0, kernel_name: str | None = None, cell_timeout: int | None = None,
+                   keep: str | os.PathLike | None = None, standby: bool = True,
+                   log: Callable[[str], None] = print) -> CheckReport:
+    """Run ``notebook`` uninterrupted and with ``faults`` injected faults, and compare (see the
+    module documentation). Raises :class:`colab_resilience.errors.NotebookInputError` for an
+    unusable notebook."""
+    nb, folder = read_notebook(notebook)
+    import nbformat
+
+    inject_parameters(nb, parameters or {})
+    nb.cells.append(nbformat.v4.new_code_cell(CHECK_CELL))
+    work = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="colab-resilience-check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    cwd = str(folder or os.getcwd())
+
+    def run(name: str, env: dict) -> RunResult:
+        return run_notebook(nbformat.from_dict(json.loads(json.dumps(nb))), work / f"{name}.ipynb", cwd=cwd,
+                            run_dir=work / f"runs-{name}", kernel_name=kernel_name, cell_timeout=cell_timeout,
+                            env=env, standby=standby)
+
+    try:
+        timeline_file = work / "timeline"
+        started = time.perf_counter()
+        reference = _outcome(run("uninterrupted", {fault_env.TIMELINE_ENV: str(timeline_file)}))
+        seconds = time.perf_counter() - started
+        timeline = _read_timeline(timeline_file)
+        report = CheckReport(str(notebook), max((n for n, *_ in timeline), default=0), seconds)
+        if reference.result.status != EXIT_OK:
+            report.broken = reference.result.message or "the notebook failed"
+            return report
+        if not timeline:
+            report.broken = "the notebook has no %%resilient cell with a safe point: nothing to check"
+            return report
+        log(f"colab-resilience check: {notebook}: {report.safe_points} safe points, uninterrupted in {seconds:.1f} s")
+        for i, fault in enumerate(choose_faults(timeline, faults, seed), 1):
+            mark = work / f"fault-{i}.fired"
+            started = time.perf_counter()
+            outcome = _outcome(run(f"fault-{i}", {fault_env.FAULT_ENV: fault.env(mark)}))
+            result = FaultResult(fault, fault_env.fired(mark), compare(reference, outcome),
+                                 len(outcome.result.restarts), time.perf_counter() - started)
+            report.results.append(result)
+            verdict = ("identical" if not result.differences else "DIFFERS: " + "; ".join(result.differences))
+            if not result.fired:
+                verdict = "the fault never fired (the run went another way): " + verdict
+            log(f"  fault {i}/{faults}: {fault.describe(report.safe_points)}: {verdict} "
+                f"({result.restarts} kernel restart{'s' if result.restarts != 1 else ''}, {result.seconds:.1f} s)")
+        return report
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _read_timeline(path: Path) -> list[tuple[int, str, float, str]]:
+    try:
+        rows = [line.split() for line in path.read_text().splitlines()]
+    except OSError:
+        return []
+    return [(int(n), phase, float(t), kind) for n, phase, t, kind in rows if n.isdigit()]

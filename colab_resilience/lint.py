@@ -1,0 +1,276 @@
+"""What a ``%%resilient`` cell's code tells before it runs.
+
+:func:`check_options` refuses options that do not fit the notebook (:class:`OptionError`, shown
+as a usage error): a ``--save`` name that nothing defines, a ``--shrink`` variable that is not a
+positive integer, that the cell assigns itself, or that ``--save`` also restores (a rollback would
+undo the shrink).
+
+:func:`warnings` gives one line for each thing in the code that would make a resumed run differ
+from an uninterrupted one, said when the cell first runs in a kernel:
+
+- names the cell reads that neither ``--save`` nor a ``%%replay`` cell would bring back after a
+  restart;
+- names a ``resume_range`` loop carries from one iteration to the next (``running += loss``,
+  ``seen.append(x)``) without ``--save``: after a rollback they would not have the values of the
+  safe point;
+- gradients accumulated across ``resume_range`` iterations (``zero_grad`` called in only some of
+  them): a checkpoint does not hold gradients, and a rollback clears them.
+
+The analysis reads the code (the AST), not the values: it can miss what a helper function does.
+``colab-resilience check`` runs the notebook with faults and compares, for what reading cannot see.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import difflib
+import io
+import types
+
+from . import replay
+from .errors import OptionError
+
+_NOT_STATE = frozenset({"tqdm", "logging", "wandb", "tensorboard", "tensorboardX", "IPython", "ipywidgets"})
+_MUTATORS = frozenset({
+    "append", "extend", "insert", "update", "add", "pop", "popitem", "remove", "discard", "clear",
+    "setdefault", "sort", "reverse", "appendleft", "extendleft", "rotate",
+})
+
+
+def _parse(shell, source: str) -> ast.AST | None:
+    try:
+        return ast.parse(shell.transform_cell(source))
+    except SyntaxError:
+        return None
+
+
+def bound_names(tree: ast.AST | None, *, arguments: bool = False) -> set[str]:
+    """Names a piece of code binds anywhere: assignments, deletions, definitions, imports (and,
+    with ``arguments``, function parameters)."""
+    names: set[str] = set()
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            names.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                names.add((alias.asname or alias.name).split(".")[0])
+        elif arguments and isinstance(node, ast.arg):
+            names.add(node.arg)
+    return names
+
+
+def _user_variables(shell) -> list[str]:
+    """The user's own names (not IPython's ``open``/``In``/``Out``, not ours), for suggestions."""
+    hidden = shell.user_ns_hidden
+    return [k for k in shell.user_ns if not k.startswith("_") and k not in hidden]
+
+
+def _did_you_mean(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_options(shell, names: list[str], shrink, body: str) -> None:
+    """:class:`OptionError` for a ``--save`` name that nothing defines, or a ``--shrink`` variable
+    that is missing, not a positive integer, assigned by the cell itself, or also saved."""
+    ns = shell.user_ns
+    assigned = bound_names(_parse(shell, body))
+    for name in names:
+        if name not in ns and name not in assigned:
+            raise OptionError(
+                f"%%resilient: --save {name}: no variable {name!r} exists and the cell does not "
+                f"assign it{_did_you_mean(name, _user_variables(shell))}; create it in a %%replay cell or in this cell"
+            )
+    for s in shrink:
+        if s.name not in ns:
+            ints = [k for k in _user_variables(shell) if type(ns[k]) is int]
+            raise OptionError(
+                f"%%resilient: --shrink {s.name}: no variable {s.name!r} exists{_did_you_mean(s.name, ints)}; "
+                f"set it in an earlier cell, e.g. {s.name} = 256"
+            )
+        value = ns[s.name]
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise OptionError(
+                f"%%resilient: --shrink {s.name}: {s.name} is a {type(value).__name__} "
+                f"({value!r:.40}), but --shrink needs an integer such as a batch size"
+            )
+        if value < 1:
+            raise OptionError(f"%%resilient: --shrink {s.name}: {s.name} is {value}; it must be at least 1")
+        if s.name in assigned:
+            raise OptionError(
+                f"%%resilient: --shrink {s.name}: the cell assigns {s.name}, so every retry "
+                f"would undo the shrink; set {s.name} in an earlier cell instead"
+            )
+        if s.name in names:
+            raise OptionError(
+                f"%%resilient: --shrink {s.name}: --save {s.name} too would restore the value that ran out "
+                f"of memory at every rollback; leave {s.name} out of --save (the shrunk value is kept anyway)"
+            )
+
+
+def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> list[str]:
+    """One line for each thing in ``body`` that would make a resumed run differ (see above)."""
+    tree = _parse(shell, body)
+    if tree is None:
+        return []
+    lines = []
+    lost = names_lost_on_restart(shell, body, saved, replay_sources)
+    if lost:
+        lines.append(
+            f"colab_resilience: this cell reads {', '.join(lost)}, which neither --save nor a "
+            "%%replay cell would bring back after a restart; add them to --save or define them in a %%replay cell"
+        )
+    carried = carried_names(tree, saved, shell.user_ns)
+    if carried:
+        lines.append(
+            f"colab_resilience: the resume_range loop carries {', '.join(carried)} from one iteration to the "
+            "next without --save: after a rollback or a restart they would not have their values at the safe "
+            "point, and the result would differ; add them to --save"
+        )
+    after = read_after_loop(tree, saved)
+    if after:
+        lines.append(
+            f"colab_resilience: {', '.join(after)} {'is' if len(after) == 1 else 'are'} set inside a resume_range "
+            "loop and read after it without --save: a run resumed after the loop's last safe point would not have "
+            f"{'it' if len(after) == 1 else 'them'}; add {'it' if len(after) == 1 else 'them'} to --save"
+        )
+    if accumulates_gradients(tree):
+        lines.append(
+            "colab_resilience: gradients accumulate across resume_range iterations (zero_grad is called in "
+            "only some of them); a checkpoint does not hold gradients and a rollback clears them, so the "
+            "result would differ; make each iteration a whole optimizer step (the micro-batches in an inner "
+            "plain loop)"
+        )
+    return lines
+
+
+def _resume_loops(tree: ast.AST) -> list[ast.For]:
+    def is_resume_range(call) -> bool:
+        return isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "resume_range"
+
+    return [n for n in ast.walk(tree) if isinstance(n, ast.For) and is_resume_range(n.iter)]
+
+
+def _walk_body(loop: ast.For):
+    for stmt in loop.body:
+        yield from ast.walk(stmt)
+
+
+def _is_state(value) -> bool:
+    """Whether a value can be training state (not a module, a file, a progress bar or a logger)."""
+    if isinstance(value, (types.ModuleType, io.IOBase)):
+        return False
+    return not type(value).__module__.split(".")[0] in _NOT_STATE
+
+
+def carried_names(tree: ast.AST, saved: list[str], namespace=None) -> list[str]:
+    """Names a ``resume_range`` loop changes from one iteration to the next (augmented or
+    self-referencing assignments, in-place container methods, item and attribute assignments)
+    that its iterations do not bind afresh, and that ``--save`` does not save. With
+    ``namespace``, names bound to something that is not training state are left out."""
+    found: list[str] = []
+    for loop in _resume_loops(tree):
+        fresh = bound_names(loop.target)
+        changed: list[str] = []
+        for node in _walk_body(loop):
+            if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+                changed.append(node.target.id)
+            elif isinstance(node, ast.Assign):
+                reads = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        (changed.append if target.id in reads else fresh.add)(target.id)
+                    elif isinstance(target, (ast.Subscript, ast.Attribute)) and isinstance(target.value, ast.Name):
+                        changed.append(target.value.id)
+                    else:
+                        fresh |= bound_names(target)
+            elif isinstance(node, (ast.For, ast.With, ast.comprehension)) and node is not loop:
+                for t in ([node.target] if isinstance(node, (ast.For, ast.comprehension))
+                          else [i.optional_vars for i in node.items if i.optional_vars is not None]):
+                    fresh |= bound_names(t)
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in _MUTATORS and isinstance(node.func.value, ast.Name)):
+                changed.append(node.func.value.id)
+        for name in changed:
+            if name in fresh or name in saved or name in found:
+                continue
+            if namespace is not None and name in namespace and not _is_state(namespace[name]):
+                continue
+            found.append(name)
+    return found
+
+
+def read_after_loop(tree: ast.AST, saved: list[str]) -> list[str]:
+    """Names a ``resume_range`` loop's body binds that code after the loop (in the same block)
+    reads before binding them again, and that ``--save`` does not save."""
+    found: list[str] = []
+    for block in (getattr(n, f, None) for n in ast.walk(tree) for f in ("body", "orelse", "finalbody")):
+        if not isinstance(block, list):
+            continue
+        for i, stmt in enumerate(block):
+            if stmt not in _resume_loops(stmt) or not isinstance(stmt, ast.For):
+                continue
+            inside = bound_names(ast.Module(body=stmt.body, type_ignores=[])) - set(saved)
+            rebound: set[str] = set()
+            for later in block[i + 1:]:
+                for node in ast.walk(later):
+                    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+                        if node.id in inside and node.id not in rebound and node.id not in found:
+                            found.append(node.id)
+                rebound |= bound_names(later)
+    return found
+
+
+def _is_zero_grad(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "zero_grad"
+
+
+def accumulates_gradients(tree: ast.AST) -> bool:
+    """Whether a ``resume_range`` loop's iterations are micro-steps: ``zero_grad`` is called in
+    its body only under an ``if`` (or a ``try``). Calls in an inner loop (accumulation within an
+    iteration) or in an inner ``resume_range`` loop (that loop's business) do not count."""
+    loops = _resume_loops(tree)
+
+    def calls(stmts, conditional: bool):
+        for stmt in stmts:
+            if stmt in loops:
+                continue
+            if isinstance(stmt, (ast.If, ast.Try)):
+                bodies = [stmt.body, stmt.orelse, getattr(stmt, "finalbody", [])]
+                bodies += [h.body for h in getattr(stmt, "handlers", [])]
+                for body in bodies:
+                    yield from calls(body, True)
+                continue
+            if isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)):  # windows within the iteration
+                yield from (False for n in ast.walk(stmt) if _is_zero_grad(n))
+                continue
+            if isinstance(stmt, (ast.With, ast.AsyncWith)):
+                yield from calls(stmt.body, conditional)
+                continue
+            yield from (conditional for n in ast.walk(stmt) if _is_zero_grad(n))
+
+    for loop in loops:
+        found = list(calls(loop.body, False))
+        if found and all(found):
+            return True
+    return False
+
+
+def names_lost_on_restart(shell, body: str, saved: list[str], replay_sources: list[str]) -> list[str]:
+    """Names ``body`` reads from the namespace that nothing would bring back after a restart."""
+    tree = _parse(shell, body)
+    if tree is None:
+        return []
+    read = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in read:
+            read.append(node.id)
+    defined = bound_names(tree, arguments=True) | set(saved) | set(dir(builtins))
+    defined |= {"resume_range", "checkpoint", "get_ipython"}
+    for src in replay_sources:
+        defined |= bound_names(_parse(shell, replay.split(src)[1]), arguments=True)
+    ns = shell.user_ns
+    return [n for n in read if n not in defined and n in ns and not n.startswith("_")]

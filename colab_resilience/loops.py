@@ -1,0 +1,253 @@
+"""``resume_range`` and ``checkpoint()``: the safe points of a ``%%resilient`` cell, and resuming
+inside an iteration.
+
+The end of every ``resume_range`` iteration is a safe point. Where it was taken is a *position*:
+for every ``resume_range`` loop running at that moment, from the outermost in, its ordinal among
+the loops of its parent iteration (or of the cell) and an iteration: for the innermost loop the
+next one, for the others the one in progress. Beside the position a checkpoint keeps the random
+state each of those outer loops had when its iteration in progress began.
+
+A resumed (or retried) cell runs again from its first line. When its first loop starts, the
+declared state is restored; loops that had finished are skipped; a loop the position runs through
+starts at its iteration in progress with the random state that iteration began with, so the code
+above the inner loop (``perm = torch.randperm(n)``, ``iter(loader)``) draws what it drew the
+first time; the innermost loop of the position is the resume point: there the names the code
+above it rebound (``running_loss = 0.0``) get their saved values back, the random state becomes
+the checkpoint's, and the loop continues with its first unfinished iteration.
+
+``resume_range`` takes the arguments of ``range``, or one iterable (a ``DataLoader``, a list, a
+generator made by the cell): the finished items of an iterable are skipped by drawing them from a
+fresh iterator created at the same point with the same random state, so the order is the
+uninterrupted one.
+
+``checkpoint()`` inside an iteration saves at the end of that iteration, the next point where
+the state is consistent, whatever ``--every`` says. Anywhere else it is refused when called: a
+cell restarted from its first line cannot resume in the middle of its code.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+from .checkpoints import capture_rng, restore_rng
+from .errors import RunStoppedError, UnsafeCheckpointError
+
+LOOP_RNG = "loops:rng"  # the checkpoint entry holding the outer loops' random states
+
+
+@dataclass
+class Frame:
+    """A running ``resume_range`` loop."""
+
+    ordinal: int  # among the loops of its parent iteration (or of the cell)
+    items: Any
+    index: int = 0  # the iteration in progress
+    rng: dict | None = None  # the random state when it began (None: not captured)
+    children: int = 0  # loops started in the iteration in progress
+    had_children: bool = True  # in its last iteration: capture the random state at the next
+
+
+@dataclass
+class Plan:
+    """Where a resumed attempt goes: the saved position, followed loop by loop."""
+
+    position: list[tuple[int, int]]
+    rngs: list[dict]
+    checkpoint: Any
+    restored: dict[str, int] = field(default_factory=dict)  # name -> id() of what was restored
+    depth: int = 0  # the depth whose loop the plan waits for
+
+
+def position_of(meta: Any) -> list[tuple[int, int]]:
+    """The position a checkpoint was taken at (``next`` alone: a checkpoint of an older release)."""
+    if isinstance(meta, dict):
+        loops = meta.get("loops")
+        if isinstance(loops, list) and all(isinstance(p, list) and len(p) == 2 for p in loops):
+            return [(int(o), int(i)) for o, i in loops]
+        if "next" in meta:
+            return [(0, int(meta["next"]))]
+    return [(0, 0)]
+
+
+def _items(args: tuple) -> Any:
+    if len(args) == 1 and not hasattr(type(args[0]), "__index__"):
+        items = args[0]
+        if not hasattr(items, "__iter__"):
+            raise TypeError(f"resume_range takes the arguments of range, or one iterable; got a {type(items).__name__}")
+        return items
+    return range(*(operator.index(a) for a in args))
+
+
+def _describe(items: Any, index: int) -> str:
+    if isinstance(items, range):
+        return str(items[index]) if index < len(items) else "the end"
+    return f"item {index}"
+
+
+class Loops:
+    """The ``resume_range`` loops of one attempt of a run's cell."""
+
+    def __init__(self, run):
+        self.run = run
+        self.frames: list[Frame] = []
+        self.top = 0  # loops started at the top level of this attempt
+        self.plan: Plan | None = None
+        self.save_requested = False
+
+    def reset(self) -> None:
+        """Before each attempt of the cell."""
+        self.frames.clear()
+        self.top = 0
+        self.plan = None
+        self.save_requested = False
+
+    # ---------------------------------------------------------------------------- entering
+
+    def iterate(self, items: Any) -> Iterator[Any]:
+        run, depth = self.run, len(self.frames)
+        parent = self.frames[-1] if self.frames else None
+        if parent is None:
+            ordinal, self.top = self.top, self.top + 1
+        else:
+            ordinal, parent.children = parent.children, parent.children + 1
+        if depth == 0 and ordinal == 0 and run.resuming:
+            self.plan = run.restore_for_loops()
+        start, arrival = self._start(depth, ordinal, items)
+        if start is None:  # a loop that had finished before the checkpoint: skipped
+            return
+        frame = Frame(ordinal, items, start)
+        self.frames.append(frame)
+        try:
+            yield from self._run(frame, start, arrival)
+        finally:
+            self.frames.remove(frame)
+
+    def _start(self, depth: int, ordinal: int, items: Any) -> tuple[int | None, Plan | None]:
+        """Where this loop starts, and the plan if it is the resume point (arrived at once its
+        finished items are skipped: drawing them again consumes random numbers)."""
+        plan, run = self.plan, self.run
+        if plan is None or plan.depth != depth or depth >= len(plan.position):
+            if plan is None and depth == 0 and ordinal == 0 and not run.resuming:
+                run.save_position([(0, 0)], [], force=True)  # the loop start is the first safe point
+            return 0, None
+        want, at = plan.position[depth]
+        if ordinal < want:
+            return None, None
+        if ordinal > want:
+            raise RunStoppedError(
+                f"colab_resilience: run {run.run_id}: the checkpoint was taken in loop {want + 1} at this "
+                f"level, but this attempt of the cell started loop {ordinal + 1} first; the cell no longer "
+                "runs as it did. Run `%resilience reset` to start the run afresh"
+            )
+        if depth == len(plan.position) - 1:
+            self.plan = None
+            return at, plan
+        restore_rng(plan.rngs[depth])
+        plan.depth += 1
+        return at, None
+
+    def _where(self, items: Any, at: int) -> str:
+        """Where a resumed loop goes on, for people: the outer loops' iterations, then its own."""
+        outer = [_describe(f.items, f.index) for f in self.frames[:-1]]  # the last is its own
+        return ", ".join(outer + [_describe(items, at)])
+
+    # ---------------------------------------------------------------------------- iterating
+
+    def _run(self, frame: Frame, start: int, arrival: Plan | None) -> Iterator[Any]:
+        run = self.run
+        items = frame.items
+        if isinstance(items, range):
+            source: Iterable = (items[i] for i in range(start, len(items)))
+        else:
+            source = iter(items)
+            for _ in range(start):  # drawn again from a fresh iterator: the same order, the same data
+                if next(source, _END) is _END:
+                    break
+        if arrival is not None:
+            run.arrive(arrival, at_text=self._where(items, start))
+        length = len(items) if hasattr(items, "__len__") else None
+        index = start
+        for item in source:
+            frame.index, frame.children = index, 0
+            frame.rng = capture_rng() if (frame.had_children or len(self.frames) == 1) else None
+            run.iteration = ", ".join([_describe(f.items, f.index) for f in self.frames])  # for people
+            yield item
+            run.iteration = None
+            frame.had_children = frame.children > 0
+            if self.plan is not None and self.plan.depth > len(self.frames) - 1:
+                raise RunStoppedError(
+                    f"colab_resilience: run {run.run_id}: the resumed iteration ended without reaching the "
+                    "inner resume_range the checkpoint was taken in; the cell no longer runs as it did. "
+                    "Run `%resilience reset` to start the run afresh"
+                )
+            index += 1
+            self.safe_point(frame, index, last=length is not None and index == length)
+
+    def safe_point(self, frame: Frame, next_index: int, *, last: bool) -> None:
+        """The end of ``frame``'s iteration: save if due (or asked for), restart if planned."""
+        outer = self.frames[:-1]
+        position = [(f.ordinal, f.index) for f in outer] + [(frame.ordinal, next_index)]
+        rngs = [f.rng for f in outer]
+        force, self.save_requested = self.save_requested, False
+        if any(r is None for r in rngs):
+            return  # an outer iteration began without its random state: not resumable here
+        where = ", ".join([_describe(f.items, f.index) for f in outer] + [_describe(frame.items, next_index)])
+        self.run.safe_point(position, rngs, force=force, last=last, where=where)
+
+    def request_save(self) -> None:
+        if not self.frames:
+            raise UnsafeCheckpointError(
+                "colab_resilience: checkpoint() outside a resume_range iteration cannot resume exactly "
+                "(after a restart the cell runs again from its first line, on top of the state saved "
+                "here); call it inside a `for ... in resume_range(...)` loop, where it saves at the end "
+                "of the iteration, or split the cell"
+            )
+        self.save_requested = True
+
+
+_END = object()
+
+
+# --------------------------------------------------------------------------------------------
+# the public functions
+
+_warned_outside = False
+
+
+def resume_range(*args):
+    """``range(*args)`` (or one iterable) whose iterations are safe points of the enclosing
+    ``%%resilient`` cell.
+
+    In a resumed (or retried) run, the declared state is restored when the first loop starts,
+    finished iterations are skipped, and a nested loop resumes at its first unfinished inner
+    iteration (see the module documentation). Outside a ``%%resilient`` cell it is a plain
+    ``range`` (or the iterable itself).
+    """
+    global _warned_outside
+    from .run import active_run
+
+    items = _items(args)
+    run = active_run()
+    if run is None:
+        if not _warned_outside:
+            _warned_outside = True
+            print("colab_resilience: resume_range outside a %%resilient cell: nothing is checkpointed here", file=sys.stderr)
+        yield from items
+        return
+    yield from run.loops.iterate(items)
+
+
+def checkpoint() -> None:
+    """Save the declared state at the end of the current ``resume_range`` iteration, whatever
+    ``--every`` says. Refused (:class:`UnsafeCheckpointError`) outside an iteration."""
+    from .run import active_run
+
+    run = active_run()
+    if run is None:
+        print("colab_resilience: checkpoint() outside a %%resilient cell: nothing to save", file=sys.stderr)
+        return None
+    run.loops.request_save()
+    return None

@@ -1,0 +1,64 @@
+"""`colab-resilience check`: a notebook run uninterrupted and with injected faults, compared.
+
+Faults are real: SIGKILLs of the kernel between safe points, just before a save and in the middle
+of one, and out-of-memory errors raised in the main thread while it runs a %%resilient cell.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+import harness
+
+pytestmark = pytest.mark.kernel
+
+
+def check(*args: str, cwd=None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "colab_resilience", "check", *args], capture_output=True,
+                          text=True, cwd=cwd, env=harness.child_env(), timeout=timeout)
+
+
+def test_a_notebook_that_resumes_exactly_passes_every_kind_of_fault():
+    """The nested-loop notebook, a DataLoader in it: each of four faults (a kill between safe
+    points, an OOM, a kill during a save, a kill just before one) ends identical: exit status 0."""
+    r = check(str(harness.FILES / "resume_nested.ipynb"), "-p", "use_loader", "True", "--faults", "4", "--seed", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith(f"colab-resilience check: {harness.FILES / 'resume_nested.ipynb'}: 22 safe points")  # 3 × (6 + 1), and the cell's end
+    faults = [line for line in lines if line.startswith("  fault ")]
+    assert len(faults) == 4 and all(": identical (" in line for line in faults), r.stdout
+    assert ["SIGKILL", "an out-of-memory error", "into the save", "just before the save"] == [
+        next(k for k in ("into the save", "just before the save", "SIGKILL", "an out-of-memory error") if k in line)
+        for line in faults]
+    assert lines[-1].endswith("identical after each of 4 faults (seed 1)")
+
+
+def test_a_loop_that_mutates_an_unsaved_global_fails_naming_it():
+    """steps_done is counted by the loop and not saved: after a restart or a rollback it is wrong,
+    and check names it with both values: exit status 1."""
+    r = check(str(harness.FILES / "check_unsaved.ipynb"), "--faults", "2", "--seed", "0")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "DIFFERS: steps_done differs (uninterrupted 12, faulted " in r.stdout
+    assert r.stdout.splitlines()[-1].endswith("faulted runs differ (seed 0)")
+
+
+def test_the_shipped_tutorial_passes(tmp_path):
+    r = check(str(harness.REPO) + "/notebooks/tutorial.ipynb", "--faults", "2", "--kernel", harness.KERNEL_NAME)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_notebook_that_fails_without_faults_is_exit_3_and_usage_errors_exit_2(tmp_path):
+    nb = harness.load("resume_nested.ipynb")
+    harness.insert(nb, "train", "raise ValueError('broken set-up')", "broken")
+    nbformat.write(nb, tmp_path / "broken.ipynb")
+    r = check(str(tmp_path / "broken.ipynb"), "--faults", "1")
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "cannot check: colab-resilience: cell 4 failed: ValueError: broken set-up" in r.stderr
+    r = check(str(tmp_path / "missing.ipynb"))
+    assert r.returncode == 2 and "no such notebook" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = check(str(tmp_path / "broken.ipynb"), "--faults", "x")
+    assert r.returncode == 2 and "--faults: needs a whole number" in r.stderr

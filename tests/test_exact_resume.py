@@ -1,0 +1,331 @@
+"""The same result, or a loud refusal: exact resume the way people really train.
+
+Each interrupted run is compared bit for bit with its uninterrupted twin (the RESULT line: loss
+history and fingerprints of the weights and the optimizer state), supervised and interactively
+where both apply. Each case once ended "done" with another result and no warning.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from IPython.core.error import UsageError
+
+import harness
+
+pytestmark = pytest.mark.kernel
+
+_twins: dict = {}
+
+
+def twin(tmp_path_factory, name: str, **parameters) -> str:
+    """The RESULT of ``name`` run uninterrupted with ``parameters`` (computed once per session)."""
+    key = (name, tuple(sorted(parameters.items())))
+    if key not in _twins:
+        work = tmp_path_factory.mktemp("twin")
+        nb = harness.load(name, work, **parameters)
+        run = harness.run(nb, work, standby=False)
+        assert run.status == 0, run.message
+        _twins[key] = harness.result(nb)
+    return _twins[key]
+
+
+def cell_out(nb, cell_id: str) -> str:
+    return harness.cell_text(nb.cells[harness.index(nb, cell_id)])
+
+
+# -- resuming inside an iteration: nested resume_range, a DataLoader ---------------------------------
+
+
+@pytest.mark.parametrize("use_loader", [False, True], ids=["permutation", "dataloader"])
+def test_a_kill_inside_an_epoch_resumes_at_the_next_minibatch(tmp_path, tmp_path_factory, use_loader):
+    """Killed after minibatch 3 of epoch 1, supervised: the new kernel starts epoch 1 again with the
+    random state it began with (the same shuffle, the same DataLoader order), skips minibatches
+    0-3, gets the saved running loss back and ends bit-identical. (It used to resume the outer loop
+    at the inner index: epochs went missing, and a DataLoader could not be resumed at all.)"""
+    reference = twin(tmp_path_factory, "resume_nested.ipynb", use_loader=use_loader)
+    nb = harness.load("resume_nested.ipynb", tmp_path, use_loader=use_loader, fault="sigkill")
+    run = harness.run(nb, tmp_path, standby=False)
+    assert run.status == 0, run.message
+    assert [r.iteration for r in run.restarts] == ["1, item 3"]
+    text = cell_out(nb, "train")
+    assert "resumed at iteration 1, item 3" in text and "continuing at 1, item 3" in text
+    assert harness.result(nb) == reference
+
+
+@pytest.mark.parametrize("use_loader", [False, True], ids=["permutation", "dataloader"])
+def test_an_oom_inside_an_epoch_rolls_back_to_the_last_minibatch_interactively(kernel, tmp_path, tmp_path_factory,
+                                                                              use_loader):
+    """The same in a kernel driven as a front end drives it, with an in-process OOM retry."""
+    reference = twin(tmp_path_factory, "resume_nested.ipynb", use_loader=use_loader)
+    nb = harness.load("resume_nested.ipynb", tmp_path, use_loader=use_loader, fault="oom-error")
+    replies = harness.run_interactive(kernel, nb)
+    assert "rolled back to the last safe point; continuing at 1, item 3" in replies["train"].stdout
+    assert harness.result(replies["result"].stdout) == reference
+
+
+def test_a_kill_inside_an_epoch_resumes_exactly_interactively(kernel, tmp_path, tmp_path_factory):
+    """A kernel killed mid-epoch, brought back as a Jupyter server does; the user runs the cell
+    again: it replays the set-up, restores, and resumes at the next minibatch, bit-identical."""
+    reference = twin(tmp_path_factory, "resume_nested.ipynb")
+    nb = harness.load("resume_nested.ipynb", tmp_path, fault="sigkill")
+    harness.run_interactive(kernel, nb, stop="train")
+    _, code = kernel.execute_until_exit(harness.user_cell(nb, "train"))
+    assert code == -9
+    kernel.restart()
+    r = kernel.ok(harness.user_cell(nb, "train"))
+    assert "continuing at 1, item 3" in r.stdout, r.stdout
+    assert harness.result(kernel.ok(harness.user_cell(nb, "result")).stdout) == reference
+
+
+# -- a rollback leaves nothing behind: gradients, modes -----------------------------------------------
+
+
+def test_an_oom_inside_backward_while_accumulating_gradients_retries_exactly(tmp_path, tmp_path_factory):
+    """An OOM raised inside backward(), half-way through an accumulation window (some gradients
+    already added): the retry starts the epoch with no gradient left over, as the uninterrupted
+    run did, and ends bit-identical. (The retried epoch used to add its gradients to the failed
+    attempt's.)"""
+    reference = twin(tmp_path_factory, "resume_accumulation.ipynb")
+    nb = harness.load("resume_accumulation.ipynb", tmp_path, fault="oom-in-backward")
+    run = harness.run(nb, tmp_path, standby=False)
+    assert run.status == 0, run.message
+    assert "retry 1/2" in cell_out(nb, "train") and not run.restarts
+    assert harness.result(nb) == reference
+
+
+def test_a_rollback_clears_gradients_and_puts_modes_back(ip, tmp_path):
+    """In process: the safe point had the model in train mode, one layer frozen, no gradients;
+    the failed attempt switched to eval, unfroze the layer and left gradients: the retry starts
+    from the safe point's state of all three."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell("import torch\nmodel = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))\n"
+                "model[0].requires_grad_(False)\nseen = []\nfail = [True]")
+    r = ip.run_cell(
+        "%%resilient --save model\n"
+        "for epoch in resume_range(2):\n"
+        "    seen.append((epoch, model.training, model[0].weight.requires_grad, model[1].weight.grad is None))\n"
+        "    model.eval(); model[0].requires_grad_(True)\n"
+        "    model(torch.ones(1, 2)).sum().backward()\n"
+        "    if epoch == 1 and fail:\n"
+        "        fail.clear(); raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')\n"
+        "    model.train(); model[0].requires_grad_(False); model.zero_grad(set_to_none=True)\n")
+    assert r.success, r.error_in_exec
+    assert ip.user_ns["seen"] == [(0, True, False, True), (1, True, False, True), (1, True, False, True)]
+
+
+# -- checkpoint() ------------------------------------------------------------------------------------
+
+
+def test_checkpoint_in_the_middle_of_an_iteration_saves_at_its_end(tmp_path, tmp_path_factory):
+    """checkpoint() half-way through each epoch (with --every 3), killed after it: the run does
+    not redo the epoch on top of its own half-done update; it ends bit-identical. (The checkpoint
+    used to be taken there, recording the epoch in progress as the next one.)"""
+    reference = twin(tmp_path_factory, "resume_checkpoint.ipynb")
+    nb = harness.load("resume_checkpoint.ipynb", tmp_path, fault="sigkill")
+    run = harness.run(nb, tmp_path, standby=False)
+    assert run.status == 0, run.message
+    assert [r.iteration for r in run.restarts] == ["2"]  # the end of epoch 1, saved on request
+    assert harness.result(nb) == reference
+
+
+def test_checkpoint_where_no_exact_resume_is_possible_is_refused_when_called(ip, tmp_path):
+    """In a cell without resume_range (it would run again from its first line on top of the state
+    saved in its middle): refused at the call, in one line that says what to write instead, before
+    the code after it runs."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.user_ns.update(state={"step": 0})
+    with pytest.raises(UsageError) as info:
+        ip.run_cell_magic("resilient", "--save state", "state['step'] += 1\ncheckpoint()\nstate['step'] += 100\n")
+    message = str(info.value)
+    assert message.startswith("colab_resilience: checkpoint() outside a resume_range iteration cannot resume exactly")
+    assert "call it inside a `for ... in resume_range(...)` loop" in message and "\n" not in message
+    assert ip.user_ns["state"] == {"step": 1}
+    journal = json.loads(next((tmp_path / "runs").glob("run-*/journal.json")).read_text())
+    assert journal["status"] == "failed"
+
+
+# -- a value that cannot be saved stops the cell -------------------------------------------------------
+
+
+def test_a_save_name_that_cannot_be_saved_stops_the_cell_at_its_first_safe_point(ip, tmp_path):
+    """An object holding a lambda (as a flax TrainState holds optax's closures): the cell stops at
+    the loop start, before any epoch runs and before anything is written, naming the value, its
+    type and what to do. (It used to print a line and train on; after a restart resume_range
+    skipped the epochs although their state had never been saved.)"""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell("class TrainState:\n    def __init__(self):\n        self.step = 0\n        self.tx = lambda g: g\n"
+                "state = TrainState()\nepochs_run = []")
+    with pytest.raises(UsageError) as info:
+        ip.run_cell_magic("resilient", "--save state",
+                          "for epoch in resume_range(3):\n    epochs_run.append(epoch)\n    state.step += 1\n")
+    message = str(info.value)
+    assert message.startswith("colab_resilience: cannot save 'state': TrainState objects cannot be checkpointed (pickle failed")
+    assert "recreate it in a %%replay cell and save what it holds instead" in message and "\n" not in message
+    assert ip.user_ns["epochs_run"] == []
+    run_dir = next((tmp_path / "runs").glob("run-*"))
+    assert json.loads((run_dir / "journal.json").read_text())["status"] == "failed"
+    assert not list((run_dir / "checkpoints").glob("ckpt-*"))
+
+
+def test_a_save_name_that_cannot_be_saved_fails_a_supervised_run(tmp_path):
+    """Supervised, the same refusal fails the cell (exit status 1) instead of a run that ends
+    "done" with a different result."""
+    from colab_resilience import driver
+
+    nb = harness.load("resume_nested.ipynb", tmp_path)
+    harness.insert(nb, "train", (
+        "class Stepper:  # a training-state wrapper holding its schedule as a lambda\n"
+        "    def __init__(self, opt):\n        self.opt, self.schedule = opt, lambda step: 1.0\n"
+        "    def zero_grad(self):\n        self.opt.zero_grad()\n"
+        "    def step(self):\n        self.opt.step()\n"
+        "opt = Stepper(opt)"), "unsaveable")
+    run = harness.run(nb, tmp_path, standby=False)
+    assert run.status == driver.EXIT_CELL_FAILED
+    assert "cannot save 'opt': Stepper objects cannot be checkpointed (pickle failed" in run.message
+
+
+# -- --shrink, line magics, budgets ----------------------------------------------------------------------
+
+
+def test_a_shrink_is_kept_when_the_kernel_is_killed_before_the_next_safe_point(tmp_path, tmp_path_factory):
+    """In a cell without resume_range: an OOM halves the batch, then the kernel is killed. The new
+    kernel starts from the halved batch (the journal has it from the moment of the shrink), not
+    from the size that ran out of memory."""
+    nb = harness.load("resume_shrink.ipynb", tmp_path, fault="sigkill")
+    run = harness.run(nb, tmp_path, standby=False)
+    assert run.status == 0, run.message
+    text = cell_out(nb, "train")
+    after = text.split("colab_resilience: the kernel died", 1)[1]
+    assert "attempt with batch_size 32" in after and "attempt with batch_size 64" not in after
+    assert "OOM" not in after
+    assert harness.result(nb) == twin(tmp_path_factory, "resume_shrink.ipynb", batch_size=32)
+
+
+def test_restart_after_inside_the_cell_applies_to_its_run(tmp_path, tmp_path_factory):
+    """`%restart_after 2` on the first line of the training cell restarts that run after 2 safe
+    points (it used to print that it would, and never did); the result is that of no restart."""
+    reference = twin(tmp_path_factory, "resume_planned.ipynb")
+    nb = harness.load("resume_planned.ipynb", tmp_path, plan="2")
+    run = harness.run(nb, tmp_path, standby=False)
+    assert run.status == 0, run.message
+    assert [(r.planned, r.iteration) for r in run.restarts] == [(True, "2")]
+    assert harness.result(nb) == reference
+
+
+def test_the_planned_restart_is_reported_once_as_planned(tmp_path):
+    """One marker, saying planned (not "the kernel died"), with the iteration in the restart log."""
+    nb = harness.load("resume_planned.ipynb", tmp_path, plan="2")
+    run = harness.run(nb, tmp_path, standby=False)
+    text = cell_out(nb, "train")
+    assert text.count("planned restart after 2 safe points") == 1, text
+    assert "colab_resilience: planned restart after 2 safe points; restarted it, replayed 3 cells and resumed at iteration 2" in text
+    assert "the kernel died" not in text and "restarting the kernel" not in text
+    log = nb.metadata["colab_resilience"]["restarts"]
+    assert [(r["planned"], r["iteration"], r["reason"]) for r in log] == [(True, "2", "planned restart after 2 safe points")]
+    assert run.status == 0
+
+
+def test_a_cells_max_restarts_governs_its_run_under_the_driver(tmp_path, tmp_path_factory):
+    """Two kills in a run whose cell allows 2 restarts, under a driver allowing 1 for the notebook:
+    the cell's budget governs (it used to be the driver's), and the run ends bit-identical."""
+    from colab_resilience import driver
+
+    reference = twin(tmp_path_factory, "resume_nested.ipynb")
+    nb = harness.load("resume_nested.ipynb", tmp_path, fault="sigkill", fault_epoch=[0, 1], max_restarts=2)
+    run = harness.run(nb, tmp_path, standby=False, max_restarts=1)
+    assert run.status == driver.EXIT_OK, run.message
+    assert len(run.restarts) == 2
+    assert harness.result(nb) == reference
+
+
+def test_a_spent_run_budget_names_the_run_and_how_to_raise_it(tmp_path):
+    """The same two kills with --max-restarts 1: exit status 3, and the message is the run's
+    budget report (which restarts, and --max-restarts to raise it), written when the second death
+    is counted, before any new kernel is started for it."""
+    from colab_resilience import driver
+
+    nb = harness.load("resume_nested.ipynb", tmp_path, fault="sigkill", fault_epoch=[0, 1], max_restarts=1)
+    run = harness.run(nb, tmp_path, standby=False, max_restarts=5)
+    assert run.status == driver.EXIT_BUDGET
+    assert "failed: restart budget spent (1/1 restarts) and the kernel died again (killed by SIGKILL)" in run.message
+    assert "raise --max-restarts" in run.message
+    assert len(run.restarts) == 1
+
+
+def test_a_death_outside_any_run_spends_the_notebooks_budget_and_says_so(tmp_path):
+    """A kill in a plain cell after the training: the notebook's budget (0 here) applies, and the
+    message says that it was the notebook's, and how to raise it."""
+    from colab_resilience import driver
+
+    nb = harness.load("train.ipynb", tmp_path, fault="sigkill", fault_epoch="result")
+    run = harness.run(nb, tmp_path, standby=False, max_restarts=0)
+    assert run.status == driver.EXIT_BUDGET
+    assert run.message.startswith("colab-resilience: restart budget of the notebook spent (0/0 restarts of a kernel "
+                                  "outside any %%resilient run; raise it with --max-restarts)")
+
+
+def test_a_sigkill_is_not_blamed_on_the_oom_killer_without_evidence(tmp_path):
+    """The OS counted no out-of-memory kill: the marker says "killed by SIGKILL", nothing more."""
+    nb = harness.load("resume_nested.ipynb", tmp_path, fault="sigkill")
+    run = harness.run(nb, tmp_path, standby=False)
+    assert [r.reason for r in run.restarts] == ["killed by SIGKILL"]
+    assert "out-of-memory killer" not in cell_out(nb, "train")
+
+
+def test_the_oom_killer_is_named_only_with_the_oss_count():
+    from colab_resilience.deaths import death_reason
+
+    assert death_reason(-9) == "killed by SIGKILL"
+    assert death_reason(-9, oom_killed=True) == "killed by SIGKILL (the OS out-of-memory killer)"
+    assert death_reason(-15, oom_killed=True) == "killed by SIGTERM"
+    assert death_reason(75) == "it asked for a restart"
+
+
+# -- in a shell: line magics in the cell, ordinary errors, the lint ----------------------------------------
+
+
+def test_resilience_commands_that_would_pull_the_run_away_are_refused_inside_its_cell(ip, tmp_path):
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    for command in ("reset", "resume", f"dir {tmp_path / 'other'}"):
+        with pytest.raises(UsageError) as info:
+            ip.run_cell_magic("resilient", "", f"%resilience {command}\n")
+        assert "not while the %%resilient cell of run" in str(info.value), command
+    assert not (tmp_path / "other").exists()
+    assert list((tmp_path / "runs").glob("run-*/journal.json"))  # nothing was reset
+
+
+def test_an_ordinary_error_raised_while_handling_an_oom_is_not_retried(ip, tmp_path):
+    """`except OutOfMemoryError: raise ValueError(...)` is a ValueError: no retry, no shrink.
+    (It used to be retried with a shrunk batch.)"""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell("import torch\nbatch_size = 64\ntries = []")
+    r = ip.run_cell("%%resilient --shrink batch_size\ntries.append(batch_size)\ntry:\n"
+                    "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')\n"
+                    "except torch.OutOfMemoryError:\n    raise ValueError('batch_size must be a power of two')\n")
+    assert isinstance(r.error_in_exec, ValueError)
+    assert ip.user_ns["tries"] == [64] and ip.user_ns["batch_size"] == 64
+
+
+def test_the_first_run_of_a_cell_names_what_would_make_a_resume_differ(ip, tmp_path, capsys):
+    """One line each: a name the loop carries without --save, a name set in the loop and read after
+    it, gradients accumulated across iterations."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell("import torch\nmodel = torch.nn.Linear(2, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                "total = 0.0")
+    capsys.readouterr()
+    r = ip.run_cell(
+        "%%resilient --save model,opt\n"
+        "for step in resume_range(4):\n"
+        "    loss = model(torch.ones(1, 2)).sum()\n"
+        "    loss.backward()\n"
+        "    total += loss.item()\n"
+        "    if step % 2 == 1:\n"
+        "        opt.step(); opt.zero_grad()\n"
+        "print(loss)\n")
+    assert r.success, r.error_in_exec
+    out = capsys.readouterr().out
+    assert "the resume_range loop carries total from one iteration to the next without --save" in out
+    assert "loss is set inside a resume_range loop and read after it without --save" in out
+    assert "gradients accumulate across resume_range iterations" in out
