@@ -1,5 +1,4 @@
-"""The supervisor's kernels: nbclient's ``NotebookClient`` made to survive its kernel, and the
-standby kernel it keeps warm.
+"""The supervisor's notebook client: nbclient's ``NotebookClient``, made to survive its kernel.
 
 :class:`SupervisedClient` adds what a supervisor needs to the client papermill and nbclient use:
 it notices a dead kernel within :attr:`~SupervisedClient.kernel_poll_interval` instead of a
@@ -7,31 +6,21 @@ second, connects to a kernel without giving up for good when that kernel dies wh
 puts a new kernel (the standby, or a restarted one) in place of a dead one, and calls the
 kernel-side API (:mod:`colab_resilience.kernelapi`, spelled by :func:`api_call`) with replies
 that fail fast when the kernel dies under them.
-
-:class:`Standby` is a second kernel, started with the working kernel's arguments, environment and
-folder: after every cell the driver asks the working kernel which installed modules it imported
-since the last cell and has the standby import them too. When the working kernel dies, the
-standby is adopted: the kernel start and the imports (``import torch`` and what the set-up cells
-pull in) are already done, and only the replay and the restore remain. A standby that died (the
-OOM killer's first choice) is noticed when it is needed; that restart is a cold one. What the
-standby does to itself is :mod:`colab_resilience.standby`.
 """
 
 from __future__ import annotations
 
 import ast
 import asyncio
-import os
 import time
 from typing import Any
 
-from jupyter_client import AsyncKernelManager
 from jupyter_core.utils import ensure_async, run_sync
 from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
 from traitlets import Float
 
-from . import kernelapi, priority, standby
+from . import kernelapi
 
 
 def api_call(function: str, *args) -> str:
@@ -156,86 +145,6 @@ class SupervisedClient(NotebookClient):
                 self.kc.stop_channels()
             except Exception:
                 pass
-
-
-class Standby:
-    """The driver's standby kernel: started with the working kernel's arguments, environment and
-    folder; fed the working kernel's imports after every cell; handed over by :meth:`take`."""
-
-    def __init__(self, client, sockets: str, env: dict, cwd: str):
-        self.client, self.sockets, self.env, self.cwd = client, sockets, env, cwd
-        self.km = self.kc = None
-        self.started = 0
-        self.modules: dict[str, None] = {}  # every module a working kernel reported, in order
-
-    def spawn(self) -> None:
-        self.shutdown()
-        self.started += 1
-        km = AsyncKernelManager(kernel_name=self.client.kernel_name, transport="ipc",
-                                ip=os.path.join(self.sockets, f"standby-{self.started}"))
-        try:
-            run_sync(km.start_kernel)(extra_arguments=list(self.client.extra_arguments),
-                                      env={**self.env, standby.ENV: "1"}, cwd=self.cwd)
-        except Exception:  # no standby: the next restart is a cold one, as without it
-            return
-        self.km, self.kc = km, km.client()
-        whole = priority.may_raise_priority()
-        if whole:  # its start-up at low priority too, not only its later imports
-            try:
-                priority.lower(km.provisioner.process.pid)
-            except AttributeError:
-                pass
-        self.kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
-        self._send(api_call("become_standby", whole))
-        if self.modules:
-            self._send(api_call("preload", list(self.modules)))
-
-    def _send(self, code: str) -> None:
-        async def send() -> None:  # the client's sockets belong to the driver's event loop
-            self.kc.execute(code, silent=True, store_history=False, allow_stdin=False)
-
-        run_sync(send)()
-
-    def follow(self) -> None:
-        """After a cell: have the standby import what the working kernel imported since the last."""
-        if self.km is None:
-            return
-        try:
-            names = self.client.evaluate(api_call("new_modules"), timeout=30)
-        except (DeadKernelError, TimeoutError):  # the next cell finds out
-            return
-        fresh = [n for n in names.split() if n not in self.modules] if isinstance(names, str) else []
-        self.modules.update(dict.fromkeys(fresh))
-        if fresh:
-            self._send(api_call("preload", fresh))
-
-    def take(self):
-        """The standby's kernel manager, for the driver to adopt; None when none is alive."""
-        km, kc = self.km, self.kc
-        self.km = self.kc = None
-        if km is None:
-            return None
-        kc.stop_channels()
-        try:
-            alive = run_sync(km.is_alive)()
-        except Exception:
-            alive = False
-        if not alive:
-            discard(km)
-            return None
-        return km
-
-    def shutdown(self) -> None:
-        km, kc = self.km, self.kc
-        self.km = self.kc = None
-        if kc is not None:
-            kc.stop_channels()
-        if km is not None:
-            try:  # at once: jupyter_client's shutdown interrupts it first, and it would say so
-                km.provisioner.process.kill()
-            except (AttributeError, OSError):
-                pass
-            discard(km)
 
 
 def discard(km) -> None:

@@ -6,7 +6,7 @@ loaded into it and ``COLAB_RESILIENCE_SUPERVISED=1`` in its environment. When th
 (the OOM killer, a SIGKILL, or the kernel leaving on its own request after an OOM beyond its
 retries, exit code :data:`colab_resilience.restart.EXIT_RESTART`), the :class:`Supervisor`
 
-1. puts the standby kernel in the dead one's place (:class:`colab_resilience.client.Standby`),
+1. puts the standby kernel in the dead one's place (:class:`colab_resilience.standby_driver.Standby`),
    or, with none alive, restarts the kernel through jupyter_client (a plain manager, never an
    auto-restarting one, whose silent restarts would leave nbclient waiting until its timeout);
 2. replays the set-up cells executed so far (``%%replay`` cells and cells tagged ``replay``), in
@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import journal
-from .client import Standby, SupervisedClient, api_call
+from .client import SupervisedClient, api_call
 from .deaths import Budgets, Restart
+from .standby_driver import Standby
 from .errors import NotebookInputError
 from .replay import MAGIC, is_replay_cell
 from .restart import SUPERVISED_ENV

@@ -20,7 +20,6 @@ Safe points are counted across the kernel's ``%%resilient`` cells from 1.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -71,11 +70,12 @@ def safe_point(phase: str, *, end: bool = False) -> None:
     with open(mark, "w") as f:
         f.write(f"armed in {os.getpid()}\n")
     delay = float(fault.get("delay") or 0.0)
-    fire = _kill if fault.get("kind") == "kill" else _oom_in_main_thread
-    if delay <= 0:
-        fire(mark)
+    if fault.get("kind") != "kill":
+        _oom_after(delay, mark)
+    elif delay <= 0:
+        _kill(mark)
     else:
-        threading.Thread(target=_later, args=(delay, fire, mark), name="colab_resilience-fault", daemon=True).start()
+        threading.Thread(target=_kill_later, args=(delay, mark), name="colab_resilience-fault", daemon=True).start()
 
 
 def fired(mark: str | os.PathLike) -> bool:
@@ -92,9 +92,9 @@ def _fired(mark: str) -> None:
         f.write("fired\n")
 
 
-def _later(delay: float, fire, mark: str) -> None:
+def _kill_later(delay: float, mark: str) -> None:
     time.sleep(delay)
-    fire(mark)
+    _kill(mark)
 
 
 def _kill(mark: str) -> None:
@@ -102,31 +102,53 @@ def _kill(mark: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _in_notebook_code(frame) -> bool:
-    """Whether ``frame`` (innermost first) runs a ``%%resilient`` cell's code or what it called:
-    the body below :func:`colab_resilience.execution.run_body`, with no frame of this package
-    in between (a save, a restore)."""
+def _ours(frame) -> bool:
+    return os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE)
+
+
+def _in_resilient_cell(frame) -> bool:
+    """Whether ``frame`` runs a ``%%resilient`` cell's code or what it called: it lies below
+    :func:`colab_resilience.execution.run_body` with no frame of this package in between."""
     from .execution import run_body
 
     while frame is not None:
         if frame.f_code is run_body.__code__:
             return True
-        if os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        if _ours(frame):
             return False
         frame = frame.f_back
     return False
 
 
-def _oom_in_main_thread(mark: str) -> None:
-    """Raise an out-of-memory error in the main thread, as an allocation would: at once if it
-    runs the notebook's code (or a library it called), else as soon as it does."""
-    main = threading.main_thread().ident
+def _oom_after(delay: float, mark: str) -> None:
+    """Raise an out-of-memory error in this (the main) thread at the first line of a
+    ``%%resilient`` cell's code, or of a library it calls, that runs ``delay`` seconds from now,
+    as an allocation there would. A trace function watches the lines until then; lines of this
+    package, or outside such a cell, never fire it."""
+    deadline = time.monotonic() + delay
     torch = sys.modules.get("torch")
     error = getattr(torch, "OutOfMemoryError", None) or MemoryError
-    for _ in range(20000):  # about 10 s
-        if _in_notebook_code(sys._current_frames().get(main)):
+
+    def trace(frame, event, arg):
+        if _ours(frame):
+            return None
+        if event == "line" and time.monotonic() >= deadline and _in_resilient_cell(frame):
+            stop()
             _fired(mark)
             _injected.set()
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main), ctypes.py_object(error))
-            return
-        time.sleep(0.0005)
+            raise error("out of memory (injected by colab-resilience check)")
+        return trace
+
+    def stop():
+        sys.settrace(None)
+        frame = sys._getframe()
+        while frame is not None:
+            frame.f_trace = None
+            frame = frame.f_back
+
+    frame = sys._getframe(1)
+    while frame is not None:  # the notebook's frames already running: the cell, its functions
+        if not _ours(frame):
+            frame.f_trace = trace
+        frame = frame.f_back
+    sys.settrace(trace)

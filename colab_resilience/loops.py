@@ -131,7 +131,7 @@ class Loops:
         plan, run = self.plan, self.run
         if plan is None or plan.depth != depth or depth >= len(plan.position):
             if plan is None and depth == 0 and ordinal == 0 and not run.resuming:
-                run.save_position([(0, 0)], [], force=True)  # the loop start is the first safe point
+                run.first_safe_point()  # the loop start
             return 0, None
         want, at = plan.position[depth]
         if ordinal < want:
@@ -214,7 +214,13 @@ _END = object()
 # --------------------------------------------------------------------------------------------
 # the public functions
 
+ACTIVE: list = []  # the runs whose %%resilient cells are running, innermost last
 _warned_outside = False
+
+
+def active_run():
+    """The run of the ``%%resilient`` cell running now, or None."""
+    return ACTIVE[-1] if ACTIVE else None
 
 
 def resume_range(*args):
@@ -227,8 +233,6 @@ def resume_range(*args):
     ``range`` (or the iterable itself).
     """
     global _warned_outside
-    from .run import active_run
-
     items = _items(args)
     run = active_run()
     if run is None:
@@ -243,8 +247,6 @@ def resume_range(*args):
 def checkpoint() -> None:
     """Save the declared state at the end of the current ``resume_range`` iteration, whatever
     ``--every`` says. Refused (:class:`UnsafeCheckpointError`) outside an iteration."""
-    from .run import active_run
-
     run = active_run()
     if run is None:
         print("colab_resilience: checkpoint() outside a %%resilient cell: nothing to save", file=sys.stderr)

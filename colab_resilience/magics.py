@@ -20,7 +20,7 @@ from . import commands, options, replay, resilient
 from .errors import OptionError, RunLockedError, RunStoppedError, UnsafeCheckpointError, UnsaveableValueError
 from .journal import RestartPolicy
 from .recovery import Shrink
-from .run import active_run
+from .loops import active_run
 from .session import Session
 
 OPTIONS_HINT = {

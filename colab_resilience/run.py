@@ -26,7 +26,7 @@ from collections import ChainMap
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, MutableMapping
 
-from . import carried, faults, fsutil, memory, restart
+from . import carried, faults, fsutil, loops, memory, restart
 from .checkpoints import Checkpoint, CheckpointStore
 from .errors import CheckpointError, JournalError, NoCheckpointError, RunStoppedError, UnsaveableValueError
 from .journal import Journal, ReplayCell, RestartPolicy, merge_replay_cells
@@ -251,7 +251,7 @@ class Run:
             if note:
                 self.say(note + "; running the cell again")
         elif self.safe_points == 0:
-            self.save_position([(0, 0)], [], force=True)
+            self.first_safe_point()  # the cell start
 
     def safe_point(self, position: list[tuple[int, int]], rngs: list, *, force: bool = False,
                    last: bool = False, where: str | None = None) -> None:
@@ -269,6 +269,13 @@ class Run:
         if self._saved_point != self.safe_points:  # not saved yet at this safe point (--every)
             self.save_position(position, rngs, force=True, where=where)  # resume from this one
         raise RunStoppedError(self.leave(reason, planned=True))
+
+    def first_safe_point(self) -> None:
+        """The start of the first loop (or of a cell without one): where a rollback of the first
+        iteration goes."""
+        faults.safe_point("before")
+        self.save_position([(0, 0)], [], force=True)
+        faults.safe_point("after")
 
     def finish_save(self) -> None:
         """The end of the cell, a safe point: a resumed cell would skip every loop."""
@@ -366,12 +373,12 @@ class Run:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[Run]:
-        """Make this the run that :func:`resume_range` and :func:`checkpoint` report to."""
-        _active.append(self)
+        """Make this the run that ``resume_range`` and ``checkpoint()`` report to."""
+        loops.ACTIVE.append(self)
         try:
             yield self
         finally:
-            _active.remove(self)
+            loops.ACTIVE.remove(self)
 
 
 def _take_over(shell, journal: Journal, root: Path) -> bool:
@@ -398,13 +405,3 @@ def _take_over(shell, journal: Journal, root: Path) -> bool:
 def _integers(values: Mapping[str, object], names: Iterable[str]) -> dict[str, int]:
     return {n: values[n] for n in names
             if isinstance(values.get(n), int) and not isinstance(values.get(n), bool)}
-
-
-# --------------------------------------------------------------------------------------------
-# the run that resume_range and checkpoint() report to
-
-_active: list[Run] = []
-
-
-def active_run() -> Run | None:
-    return _active[-1] if _active else None

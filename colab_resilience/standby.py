@@ -1,6 +1,6 @@
 """The kernel side of the supervisor's standby kernel: a second kernel, started ahead of need and
 warmed with the working kernel's imports, that takes the working kernel's place when it dies
-(the driver side is :class:`colab_resilience.client.Standby`).
+(the driver side is :mod:`colab_resilience.standby_driver`).
 
 The driver calls these through :mod:`colab_resilience.kernelapi`: it asks the working kernel for
 the installed modules it imported since the last cell (:func:`new_modules`), has the standby

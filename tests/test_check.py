@@ -28,7 +28,7 @@ def test_a_notebook_that_resumes_exactly_passes_every_kind_of_fault():
     r = check(str(harness.FILES / "resume_nested.ipynb"), "-p", "use_loader", "True", "--faults", "4", "--seed", "1")
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].startswith(f"colab-resilience check: {harness.FILES / 'resume_nested.ipynb'}: 22 safe points")  # 3 × (6 + 1), and the cell's end
+    assert lines[0].startswith(f"colab-resilience check: {harness.FILES / 'resume_nested.ipynb'}: 23 safe points")  # the loop start, 3 × (6 + 1), the cell's end
     faults = [line for line in lines if line.startswith("  fault ")]
     assert len(faults) == 4 and all(": identical (" in line for line in faults), r.stdout
     assert ["SIGKILL", "an out-of-memory error", "into the save", "just before the save"] == [

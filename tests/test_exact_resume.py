@@ -35,6 +35,21 @@ def cell_out(nb, cell_id: str) -> str:
     return harness.cell_text(nb.cells[harness.index(nb, cell_id)])
 
 
+def killed_and_rerun(kernel, nb, expect_code: int = -9) -> str:
+    """As a user in Jupyter: run the cells up to the training cell, run it until the kernel dies
+    (or leaves for a planned restart), let the server's restarter bring a kernel back, run the
+    training cell again; returns what that last run printed. The result cell is run by the caller."""
+    harness.run_interactive(kernel, nb, stop="train")
+    _, code = kernel.execute_until_exit(harness.user_cell(nb, "train"))
+    assert code == expect_code
+    kernel.restart()
+    return kernel.ok(harness.user_cell(nb, "train")).stdout
+
+
+def interactive_result(kernel, nb) -> str:
+    return harness.result(kernel.ok(harness.user_cell(nb, "result")).stdout)
+
+
 # -- resuming inside an iteration: nested resume_range, a DataLoader ---------------------------------
 
 
@@ -70,13 +85,9 @@ def test_a_kill_inside_an_epoch_resumes_exactly_interactively(kernel, tmp_path, 
     again: it replays the set-up, restores, and resumes at the next minibatch, bit-identical."""
     reference = twin(tmp_path_factory, "resume_nested.ipynb")
     nb = harness.load("resume_nested.ipynb", tmp_path, fault="sigkill")
-    harness.run_interactive(kernel, nb, stop="train")
-    _, code = kernel.execute_until_exit(harness.user_cell(nb, "train"))
-    assert code == -9
-    kernel.restart()
-    r = kernel.ok(harness.user_cell(nb, "train"))
-    assert "continuing at 1, item 3" in r.stdout, r.stdout
-    assert harness.result(kernel.ok(harness.user_cell(nb, "result")).stdout) == reference
+    out = killed_and_rerun(kernel, nb)
+    assert "continuing at 1, item 3" in out, out
+    assert interactive_result(kernel, nb) == reference
 
 
 # -- a rollback leaves nothing behind: gradients, modes -----------------------------------------------
@@ -93,6 +104,15 @@ def test_an_oom_inside_backward_while_accumulating_gradients_retries_exactly(tmp
     assert run.status == 0, run.message
     assert "retry 1/2" in cell_out(nb, "train") and not run.restarts
     assert harness.result(nb) == reference
+
+
+def test_an_oom_inside_backward_while_accumulating_gradients_retries_exactly_interactively(kernel, tmp_path,
+                                                                                          tmp_path_factory):
+    reference = twin(tmp_path_factory, "resume_accumulation.ipynb")
+    nb = harness.load("resume_accumulation.ipynb", tmp_path, fault="oom-in-backward")
+    replies = harness.run_interactive(kernel, nb)
+    assert "retry 1/2" in replies["train"].stdout
+    assert harness.result(replies["result"].stdout) == reference
 
 
 def test_a_rollback_clears_gradients_and_puts_modes_back(ip, tmp_path):
@@ -128,6 +148,13 @@ def test_checkpoint_in_the_middle_of_an_iteration_saves_at_its_end(tmp_path, tmp
     assert run.status == 0, run.message
     assert [r.iteration for r in run.restarts] == ["2"]  # the end of epoch 1, saved on request
     assert harness.result(nb) == reference
+
+
+def test_checkpoint_in_the_middle_of_an_iteration_saves_at_its_end_interactively(kernel, tmp_path, tmp_path_factory):
+    reference = twin(tmp_path_factory, "resume_checkpoint.ipynb")
+    nb = harness.load("resume_checkpoint.ipynb", tmp_path, fault="sigkill")
+    assert "continuing at 2" in killed_and_rerun(kernel, nb)
+    assert interactive_result(kernel, nb) == reference
 
 
 def test_checkpoint_where_no_exact_resume_is_possible_is_refused_when_called(ip, tmp_path):
@@ -201,6 +228,22 @@ def test_a_shrink_is_kept_when_the_kernel_is_killed_before_the_next_safe_point(t
     assert "attempt with batch_size 32" in after and "attempt with batch_size 64" not in after
     assert "OOM" not in after
     assert harness.result(nb) == twin(tmp_path_factory, "resume_shrink.ipynb", batch_size=32)
+
+
+def test_a_shrink_is_kept_when_the_kernel_is_killed_before_the_next_safe_point_interactively(kernel, tmp_path,
+                                                                                              tmp_path_factory):
+    nb = harness.load("resume_shrink.ipynb", tmp_path, fault="sigkill")
+    out = killed_and_rerun(kernel, nb)
+    assert "attempt with batch_size 32" in out and "attempt with batch_size 64" not in out and "OOM" not in out
+    assert interactive_result(kernel, nb) == twin(tmp_path_factory, "resume_shrink.ipynb", batch_size=32)
+
+
+def test_restart_after_inside_the_cell_applies_to_its_run_interactively(kernel, tmp_path, tmp_path_factory):
+    """Interactively the planned restart leaves the kernel (exit 75); the cell run again goes on."""
+    reference = twin(tmp_path_factory, "resume_planned.ipynb")
+    nb = harness.load("resume_planned.ipynb", tmp_path, plan="2")
+    assert "continuing at 2" in killed_and_rerun(kernel, nb, expect_code=75)
+    assert interactive_result(kernel, nb) == reference
 
 
 def test_restart_after_inside_the_cell_applies_to_its_run(tmp_path, tmp_path_factory):

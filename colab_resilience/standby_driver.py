@@ -1,0 +1,102 @@
+"""The driver's standby kernel: a second kernel, started ahead of need and warmed with the working
+kernel's imports, that takes the working kernel's place when it dies.
+
+It is started with the working kernel's arguments, environment and folder; after every cell the
+driver asks the working kernel which installed modules it imported since the last cell and has the
+standby import them too. When the working kernel dies, the standby is adopted: the kernel start and
+the imports (``import torch`` and what the set-up cells pull in) are already done, and only the
+replay and the restore remain. A standby that died (the OOM killer's first choice) is noticed when
+it is needed; that restart is a cold one. What the standby does to itself (low priority, the
+imports, becoming an ordinary kernel) is :mod:`colab_resilience.standby`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from jupyter_client import AsyncKernelManager
+from jupyter_core.utils import run_sync
+from nbclient.exceptions import DeadKernelError
+
+from . import priority, standby
+from .client import api_call, discard
+
+
+class Standby:
+    """The driver's standby kernel: started with the working kernel's arguments, environment and
+    folder; fed the working kernel's imports after every cell; handed over by :meth:`take`."""
+
+    def __init__(self, client, sockets: str, env: dict, cwd: str):
+        self.client, self.sockets, self.env, self.cwd = client, sockets, env, cwd
+        self.km = self.kc = None
+        self.started = 0
+        self.modules: dict[str, None] = {}  # every module a working kernel reported, in order
+
+    def spawn(self) -> None:
+        self.shutdown()
+        self.started += 1
+        km = AsyncKernelManager(kernel_name=self.client.kernel_name, transport="ipc",
+                                ip=os.path.join(self.sockets, f"standby-{self.started}"))
+        try:
+            run_sync(km.start_kernel)(extra_arguments=list(self.client.extra_arguments),
+                                      env={**self.env, standby.ENV: "1"}, cwd=self.cwd)
+        except Exception:  # no standby: the next restart is a cold one, as without it
+            return
+        self.km, self.kc = km, km.client()
+        whole = priority.may_raise_priority()
+        if whole:  # its start-up at low priority too, not only its later imports
+            try:
+                priority.lower(km.provisioner.process.pid)
+            except AttributeError:
+                pass
+        self.kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        self._send(api_call("become_standby", whole))
+        if self.modules:
+            self._send(api_call("preload", list(self.modules)))
+
+    def _send(self, code: str) -> None:
+        async def send() -> None:  # the client's sockets belong to the driver's event loop
+            self.kc.execute(code, silent=True, store_history=False, allow_stdin=False)
+
+        run_sync(send)()
+
+    def follow(self) -> None:
+        """After a cell: have the standby import what the working kernel imported since the last."""
+        if self.km is None:
+            return
+        try:
+            names = self.client.evaluate(api_call("new_modules"), timeout=30)
+        except (DeadKernelError, TimeoutError):  # the next cell finds out
+            return
+        fresh = [n for n in names.split() if n not in self.modules] if isinstance(names, str) else []
+        self.modules.update(dict.fromkeys(fresh))
+        if fresh:
+            self._send(api_call("preload", fresh))
+
+    def take(self):
+        """The standby's kernel manager, for the driver to adopt; None when none is alive."""
+        km, kc = self.km, self.kc
+        self.km = self.kc = None
+        if km is None:
+            return None
+        kc.stop_channels()
+        try:
+            alive = run_sync(km.is_alive)()
+        except Exception:
+            alive = False
+        if not alive:
+            discard(km)
+            return None
+        return km
+
+    def shutdown(self) -> None:
+        km, kc = self.km, self.kc
+        self.km = self.kc = None
+        if kc is not None:
+            kc.stop_channels()
+        if km is not None:
+            try:  # at once: jupyter_client's shutdown interrupts it first, and it would say so
+                km.provisioner.process.kill()
+            except (AttributeError, OSError):
+                pass
+            discard(km)
