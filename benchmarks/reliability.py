@@ -1,7 +1,7 @@
 """Reliability trials: SIGKILL during checkpoint writes, chaos runs under the supervisor, crash loops.
 
     python benchmarks/reliability.py kill-writes [--trials 200] [--size-mb 300] [--dir DIR] [--seed S]
-    python benchmarks/reliability.py chaos       [--runs 1] [--kills 8] [--epochs 8] [--width 1024] [--seed S] [--no-standby]
+    python benchmarks/reliability.py chaos       [--runs 1] [--kills 8] [--epochs 8] [--width 1024] [--pause S] [--seed S] [--no-standby]
     python benchmarks/reliability.py crash-loops [--max-restarts 2]
 
 kill-writes
@@ -749,7 +749,15 @@ class Killer(threading.Thread):
     def run(self):
         try:
             after = 0.0
-            for phase in self.schedule:
+            schedule = list(self.schedule)
+            for i, phase in enumerate(schedule):
+                if phase in ("start-up", "set-up/replay") and self.kills and self.kills[-1]["standby"]:
+                    # a standby's death brings no restart, so no start-up or replay follows it:
+                    # the next training or checkpoint kill goes first
+                    later = [j for j in range(i + 1, len(schedule)) if schedule[j] in ("training", "checkpoint write")]
+                    if later:
+                        schedule[i], schedule[later[0]] = schedule[later[0]], schedule[i]
+                        phase = schedule[i]
                 event = self._wait_event(phase, after)
                 if event is None:
                     return
@@ -1131,6 +1139,8 @@ def main(argv=None) -> int:
     c.add_argument("--kills", type=int, default=8)
     c.add_argument("--epochs", type=int, default=8)
     c.add_argument("--width", type=int, default=1024, help="hidden width of the MLP (checkpoint size)")
+    c.add_argument("--pause", type=float, default=0.0,
+                   help="seconds of sleep after each minibatch (train.ipynb's pause): a slower run for the kills to land in")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--json", type=Path, default=None)
     c.add_argument("--no-standby", action="store_true", help="run the driver without its standby kernel")
@@ -1153,7 +1163,7 @@ def main(argv=None) -> int:
         def progress(i, run):
             print(f"  run {i}: status {run['status']}, {run['kills']} kills, identical: {run['identical']}", flush=True)
 
-        parameters = {"epochs": a.epochs, "width": a.width}
+        parameters = {"epochs": a.epochs, "width": a.width, "pause": a.pause}
         out = chaos_runs(a.runs, a.kills, parameters=parameters, seed=a.seed, progress=progress,
                          standby=not a.no_standby)
         print()
