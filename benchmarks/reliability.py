@@ -3,6 +3,7 @@
     python benchmarks/reliability.py kill-writes [--trials 200] [--size-mb 300] [--dir DIR] [--seed S]
     python benchmarks/reliability.py chaos       [--runs 1] [--kills 8] [--epochs 8] [--width 1024] [--pause S] [--seed S] [--no-standby]
     python benchmarks/reliability.py crash-loops [--max-restarts 2]
+    python benchmarks/reliability.py hostile     [--attacks 400] [--journals 200] [--seed S]
 
 kill-writes
     A writer process saves generation after generation of a namespace with ``CheckpointStore``
@@ -57,6 +58,10 @@ crash-loops
     the supervisor; from the interactive kernel an error reply naming the spent budget, after
     which the kernel stays up. (tests/test_driver.py already proves a crash in the first *cell*
     of every kernel; tests/test_restart.py an always-OOM interactive cell.)
+
+hostile
+    Another user's folders and links where a run writes, journals moved between runs or rolled
+    back: see ``benchmarks/hostile.py``.
 """
 
 from __future__ import annotations
@@ -1147,7 +1152,21 @@ def main(argv=None) -> int:
     l = sub.add_parser("crash-loops", help="kernels that die every time: the budget must stop them")
     l.add_argument("--max-restarts", type=int, default=2)
     l.add_argument("--json", type=Path, default=None)
+    h = sub.add_parser("hostile", help="another user's folders and links, moved and rolled-back journals")
+    h.add_argument("--attacks", type=int, default=400)
+    h.add_argument("--journals", type=int, default=200)
+    h.add_argument("--seed", type=int, default=0)
+    h.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
+    if a.command == "hostile":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import hostile
+
+        out = hostile.hostile(a.attacks, a.journals, a.seed)
+        hostile.print_hostile(out)
+        if a.json:
+            a.json.write_text(json.dumps(out, indent=1))
+        return 0 if not out["attacks"]["failures"] and not out["journals"]["failures"] else 1
     if a.command == "kill-writes":
         def progress(t: KillTrial):
             if t.outcome == "failure" or (t.index + 1) % 25 == 0:

@@ -1,4 +1,4 @@
-"""``%resilience status | resume | reset | dir``, and putting back the state of finished runs.
+"""``%resilience status | show | resume | reset | dir``, and putting back the state of finished runs.
 
 Plain functions of a :class:`colab_resilience.session.Session`; the magic only parses. User
 mistakes raise :class:`colab_resilience.errors.OptionError` (shown as a usage error).
@@ -11,9 +11,10 @@ import shutil
 from pathlib import Path
 
 from . import fsutil, replay, restart
-from .errors import JournalError, OptionError, ResilienceError, RunLockedError
+from .errors import JournalError, OptionError, ResilienceError, RunLockedError, UnsafeDirectoryError
 from .journal import Journal, find_runs
 from .lock import RunLock
+from .checkpoints import manifest as checkpoint_manifest
 from .run import open_store, restore_latest
 
 
@@ -23,6 +24,10 @@ def _plural(n: int, word: str) -> str:
 
 def pick_run(session, command: str, wanted: str | None) -> Path:
     """The run folder ``wanted`` names (``run-<id>`` or ``<id>``), or the most recent one."""
+    try:
+        fsutil.check_run_root(session.root())
+    except UnsafeDirectoryError as e:
+        raise OptionError(f"%resilience {command}: {str(e).removeprefix('colab_resilience: ')}") from None
     found = find_runs(session.root())
     if wanted:
         wanted = wanted.removeprefix("run-")
@@ -64,7 +69,9 @@ def set_dir(session, folder: str) -> None:
     path = Path(folder)
     try:
         path = path.expanduser()  # RuntimeError: ~user of no such user
-        fsutil.make_private_dir(path)  # ValueError: a NUL in the path
+        path = fsutil.check_run_root(path)  # ValueError: a NUL in the path
+    except UnsafeDirectoryError as e:
+        raise OptionError(f"%resilience dir: {str(e).removeprefix('colab_resilience: ')}") from None
     except (OSError, ValueError, RuntimeError) as e:
         why = getattr(e, "strerror", None) or e
         raise OptionError(f"%resilience dir: cannot use {path} ({why}); choose a writable folder") from None
@@ -93,10 +100,60 @@ def reset(session, run_dir: Path) -> None:
     session.say(f"colab_resilience: forgot {run_dir.name} (journal and checkpoints removed)")
 
 
+def unsigned_pickles(store) -> list[tuple[str, str, str]]:
+    """``(checkpoint, name, type)`` of every pickled value in the checkpoints of ``store`` that
+    this installation did not sign: what trusting the run would unpickle."""
+    found = []
+    for cid in store.checkpoint_ids():
+        try:
+            doc = checkpoint_manifest.read(store.run_dir / cid / checkpoint_manifest.MANIFEST)
+            if doc.verify(store.key):
+                continue
+            entries = checkpoint_manifest.Manifest.from_body(doc.body, cid).entries
+        except (ValueError, TypeError, RecursionError):  # CheckpointCorruptError: never loaded
+            continue
+        found += [(cid, e.name, e.type_name) for e in entries if e.format == "pickle"]
+    return found
+
+
+def review(j: Journal, store) -> list[str]:
+    """What ``%resilience resume --trust`` would run: every set-up cell in full, then every
+    pickled value of the checkpoints not signed here, by name and type."""
+    lines = [f"colab_resilience: run {j.run_id} replays {_plural(len(j.replay_cells), 'set-up cell')}:"]
+    for i, cell in enumerate(j.replay_cells, 1):
+        lines.append(f"---- set-up cell {i} of {len(j.replay_cells)} ----")
+        lines += cell.source.rstrip("\n").splitlines() or [""]
+    pickles = unsigned_pickles(store)
+    if j.replay_cells:
+        lines.append("---- end of the set-up cells ----")
+    if pickles:
+        lines.append(f"colab_resilience: and unpickles {_plural(len(pickles), 'value')} that this installation did not sign:")
+        lines += [f"  {name}: {type_name} (in {cid})" for cid, name, type_name in pickles]
+    else:
+        lines.append("colab_resilience: no pickled value to unpickle that this installation did not sign")
+    return lines
+
+
+def show(session, run_dir: Path) -> None:
+    """Print what resuming the run would execute and unpickle; run nothing."""
+    from .signing import load_or_create_key
+
+    key = load_or_create_key()
+    try:
+        j = Journal.load(run_dir, key=key, trust=True)  # read to be shown, not run
+    except JournalError as e:
+        raise OptionError(str(e)) from None
+    for line in review(j, open_store(run_dir, key)):
+        print(line)
+    print(f"colab_resilience: nothing was run; `%resilience resume --trust {j.run_id}` runs this, "
+          f"`%resilience reset {j.run_id}` forgets it")
+
+
 def resume(session, run_dir: Path, *, trust: bool = False) -> None:
     """Replay a run's set-up cells, restore its last checkpoint and mark it pending, so that the
     next ``%%resilient`` cell continues it. ``trust``: the run was written under another key (the
-    user vouches for it); it is signed with this installation's key from then on."""
+    user vouches for it): every set-up cell and every pickled value's name and type is printed
+    before anything runs, and the run is signed with this installation's key from then on."""
     from .signing import load_or_create_key
 
     lock = _locked("resume", run_dir)
@@ -108,13 +165,13 @@ def resume(session, run_dir: Path, *, trust: bool = False) -> None:
             raise OptionError(str(e)) from None
         store = open_store(run_dir, key)
         if trust:
+            for line in review(j, store):  # printed whatever the verbosity: the user vouches for this
+                print(line, flush=True)
             adopted = store.adopt()
             j.save()
-            firsts = "; ".join(c.source.strip().splitlines()[0][:60] for c in j.replay_cells if c.source.strip())
             session.say(
                 f"colab_resilience: run {j.run_id} trusted and signed with this installation's key "
-                f"(journal and {_plural(len(adopted), 'checkpoint')})"
-                + (f"; replaying: {firsts}" if firsts else "")
+                f"(journal and {_plural(len(adopted), 'checkpoint')}); running the cells above"
             )
         replayed = replay.replay(session.shell, j.replay_cells, session.replay_log, session.say)
         restored: list[str] = []

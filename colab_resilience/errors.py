@@ -101,6 +101,17 @@ class JournalUntrustedError(JournalError):
     new Colab VM, a lost key, or an edit): its replay cells are not executed unless trusted."""
 
 
+class UnsafeDirectoryError(ResilienceError, PermissionError):
+    """A run root or run folder another user could control: a symbolic link, a folder owned by
+    someone else or writable by others, or a pseudo-filesystem such as ``/proc``. Nothing is
+    written there."""
+
+
+class JournalRolledBackError(JournalError):
+    """A signed journal that is not its folder's (moved from another run) or older than the newest
+    this installation signed for that folder (an old copy put back): nothing in it runs."""
+
+
 class JournalNotFoundError(ResilienceError, FileNotFoundError):
     """The run directory has no journal."""
 

@@ -3,6 +3,12 @@
 The journal, the checkpoints and the installation key are written through these few functions, so
 that a kill or a power cut at any moment leaves either the old file or the new one, never half of
 one, and nothing a run writes is readable by other users whatever the umask.
+
+Folders another user could control are refused, never written into (:func:`make_private_dir`,
+:func:`check_run_root`): a symbolic link where a run folder should be, a folder owned by someone
+else or writable by others, a pseudo-filesystem such as ``/proc``. Files are created with
+``O_EXCL`` (which never follows a link) and opened with ``O_NOFOLLOW``, so a link planted where a
+run's file should be is an error, not a redirection of the write to the link's target.
 """
 
 from __future__ import annotations
@@ -11,17 +17,22 @@ import errno
 import json
 import os
 import secrets
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from .errors import UnsafeDirectoryError
+
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a folder's entries (a rename, a new file) durable; a no-op where unsupported."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        fd = os.open(path, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
     except OSError:
         return
     try:
@@ -44,7 +55,7 @@ def write_all(fd: int, data) -> None:
 def write_new(path: str | os.PathLike, data, mode: int = 0o600) -> None:
     """Create ``path`` (it must not exist) with exactly ``mode`` whatever the umask, write
     ``data`` and fsync it; the descriptor is closed on every path, errors included."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, mode)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode)
     try:
         os.fchmod(fd, mode)
         write_all(fd, data)
@@ -82,12 +93,157 @@ def atomic_write(path: str | os.PathLike, data: bytes, mode: int = 0o600) -> Non
     fsync_dir(path.parent)
 
 
+def open_private_file(path: str | os.PathLike, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
+    """``os.open`` that never follows a link at ``path`` and accepts only a regular file of this
+    user's (:class:`UnsafeDirectoryError` otherwise); the descriptor is the caller's to close."""
+    try:
+        fd = os.open(path, flags | O_NOFOLLOW | O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafeDirectoryError(
+                f"colab_resilience: {path} is a symbolic link, not a file of yours; it is not used "
+                "(nothing is written through it): remove it, or choose another run directory with "
+                "%resilience dir"
+            ) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise UnsafeDirectoryError(
+                f"colab_resilience: {path} is not a file of yours (owner uid {st.st_uid}); it is "
+                "not used: remove it, or choose another run directory with %resilience dir"
+            )
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _refuse(path: Path, why: str, fix: str) -> None:
+    raise UnsafeDirectoryError(
+        f"colab_resilience: {path} {why}, so nothing is written there; {fix}, "
+        "or choose another run directory with %resilience dir"
+    )
+
+
+def _check_owned(path: Path, st: os.stat_result) -> None:
+    if not stat.S_ISDIR(st.st_mode):
+        _refuse(path, "is not a folder", "remove it")
+    if st.st_uid != os.geteuid():
+        _refuse(path, f"belongs to another user (uid {st.st_uid}), who controls what is in it",
+                "remove it if it is not needed")
+    if st.st_mode & 0o022:
+        _refuse(path, f"is writable by other users (mode {stat.S_IMODE(st.st_mode):04o})",
+                f"fix it with: chmod go-w {path}")
+
+
 def make_private_dir(path: str | os.PathLike) -> Path:
-    """Create ``path`` (and parents) owner-only (0700); tighten it if it exists and is ours."""
+    """Create the folder ``path`` (and missing parents) owner-only (0700) and check it.
+
+    A ``path`` that exists must be a real folder (not a symbolic link) of this user's that no one
+    else can write; what group and others may read of it is taken away (it is a run's own). Anything else is refused with
+    :class:`UnsafeDirectoryError` and left as it is: nothing outside a run's folder is ever
+    written, truncated or chmod'ed on the strength of a link or a folder someone else prepared.
+    """
     path = Path(path)
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = path.stat()
-    if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+    created = False
+    try:
+        os.mkdir(path, 0o700)
+        created = True
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        os.makedirs(path.parent, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+            created = True
+        except FileExistsError:
+            pass
+    try:
+        fd = os.open(path, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            kind = "a symbolic link" if os.path.islink(path) else "not a folder"
+            _refuse(path, f"is {kind} where a folder of this run belongs", "remove it")
+        raise
+    try:
+        st = os.fstat(fd)
+        _check_owned(path, st)
+        mode = stat.S_IMODE(st.st_mode)
+        if created and mode != 0o700:  # a umask took owner bits away
+            os.fchmod(fd, 0o700)
+        elif mode & 0o077:  # readable by others: owner-only, and the owner's bits as they were
+            os.fchmod(fd, mode & 0o700)
+    finally:
+        os.close(fd)
+    return path
+
+
+# file systems that are views of the kernel, not storage: writing there changes the system
+PSEUDO_FILESYSTEMS = frozenset({
+    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs",
+    "configfs", "bpf", "pstore", "efivarfs", "hugetlbfs", "mqueue", "fusectl", "binfmt_misc",
+    "autofs", "rpc_pipefs", "nsfs", "selinuxfs",
+})
+
+
+def _unescape_mount(field: str) -> str:
+    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+
+def filesystem_type(path: str | os.PathLike) -> str | None:
+    """The type of the file system ``path`` is (or would be) on, from ``/proc/self/mountinfo``;
+    None where that cannot be told."""
+    real = os.path.realpath(path)
+    best, kind = -1, None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                parts, rest = left.split(), right.split()
+                if len(parts) < 5 or not rest:
+                    continue
+                mount = _unescape_mount(parts[4])
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= best:
+                    best, kind = len(mount), rest[0]
+    except OSError:
+        return None
+    return kind
+
+
+def check_run_root(path: str | os.PathLike) -> Path:
+    """Create (0700) or check the folder that holds the run folders, and return it.
+
+    Refused with :class:`UnsafeDirectoryError`: a pseudo-filesystem (``/proc``, ``/sys``, ...);
+    a folder (or the link naming it) that belongs to another user; a folder writable by others;
+    a folder inside one that anybody may rename things in (world-writable without the sticky bit
+    of ``/tmp``). An existing folder is not chmod'ed: it may be the user's own project folder.
+    """
+    path = Path(os.path.abspath(path))
+    fs = filesystem_type(path)
+    if fs in PSEUDO_FILESYSTEMS:
+        _refuse(path, f"is on a {fs} pseudo-filesystem (a view of the kernel, not storage)",
+                "use a folder on a disk")
+    created = False
+    if not os.path.lexists(path):
+        os.makedirs(path.parent, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+            created = True
+        except FileExistsError:
+            pass
+    lst = os.lstat(path)
+    if stat.S_ISLNK(lst.st_mode) and lst.st_uid not in (os.geteuid(), 0):
+        _refuse(path, f"is a symbolic link that belongs to another user (uid {lst.st_uid})", "remove it")
+    st = os.stat(path)
+    _check_owned(path, st)
+    parent = Path(os.path.realpath(path)).parent
+    pst = os.stat(parent)
+    if pst.st_mode & 0o002 and not pst.st_mode & stat.S_ISVTX:
+        _refuse(path, f"is in {parent}, which anybody may rename things in (mode {stat.S_IMODE(pst.st_mode):04o}, "
+                      "no sticky bit)", f"fix it with: chmod +t {parent}")
+    if created and stat.S_IMODE(st.st_mode) != 0o700:  # a umask took owner bits away
         os.chmod(path, 0o700)
     return path
 

@@ -12,6 +12,12 @@ installation key: the journal holds code a new kernel executes. :meth:`Journal.l
 anything that is not a journal this package wrote with :class:`JournalError` and one line saying
 what to do, never a raw ``KeyError``.
 
+The signature covers the run id and a generation that every write increases; the installation
+remembers the newest generation it wrote for each run folder (a few bytes under
+``$COLAB_RESILIENCE_HOME/journals``). With the key, a journal whose run id is not its folder's
+(moved from another run), or whose generation is older than that (an old copy put back), is
+refused with :class:`JournalRolledBackError`: nothing in it runs.
+
 The run directory's lock is :class:`colab_resilience.lock.RunLock`:
 
     with RunLock(run_dir):
@@ -21,6 +27,7 @@ The run directory's lock is :class:`colab_resilience.lock.RunLock`:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -30,7 +37,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import fsutil
-from .errors import JournalError, JournalNotFoundError, JournalUntrustedError
+from .errors import (
+    JournalError, JournalNotFoundError, JournalRolledBackError, JournalUntrustedError, UnsafeDirectoryError,
+)
 
 JOURNAL_NAME = "journal.json"
 FORMAT = "colab_resilience.journal"
@@ -93,9 +102,10 @@ _SCALARS: dict[str, tuple[type, ...]] = {
     "resume_at": (str, type(None)),
     "oom_kills": (int, type(None)),
     "counted_pid": (int, type(None)),
+    "generation": (int,),
 }
 # absent from the first journals of version 2
-_OPTIONAL = {"resume_at": None, "oom_kills": None, "counted_pid": None}
+_OPTIONAL = {"resume_at": None, "oom_kills": None, "counted_pid": None, "generation": 0}
 
 
 @dataclass
@@ -123,6 +133,7 @@ class Journal:
     resume_at: str | None = None  # where the last checkpoint resumes (iteration values, for people)
     oom_kills: int | None = None  # the OS's count of OOM kills when a live kernel last wrote this
     counted_pid: int | None = None  # the kernel whose end is accounted for (counted, or planned)
+    generation: int = 0  # how many times the journal of this run folder was written
 
     @property
     def path(self) -> Path:
@@ -159,12 +170,14 @@ class Journal:
         """
         path = Path(run_dir) / JOURNAL_NAME
         try:
-            with open(path, "rb") as f:
+            with os.fdopen(fsutil.open_private_file(path), "rb") as f:
                 raw = fsutil.read_limited(f, _MAX_JOURNAL_BYTES)
         except FileNotFoundError:
             raise JournalNotFoundError(
                 f"colab_resilience: no run journal in {run_dir}; nothing to resume"
             ) from None
+        except UnsafeDirectoryError as e:  # a link, or someone else's file
+            raise JournalError(str(e)) from None
         except OSError as e:
             raise JournalError(
                 f"colab_resilience: cannot read the run journal {path} ({e.strerror or e})"
@@ -181,13 +194,21 @@ class Journal:
         if key is not None and not trust and not _signed(key, data):
             from .signing import key_path
 
+            run_id = data["run_id"]
+            cells = [c["source"] for c in data["replay_cells"]]
+            firsts = "; ".join(filter(None, (_first_line(c) for c in cells)))
             raise JournalUntrustedError(
                 f"colab_resilience: {path} is not signed by this installation's key ({key_path()}), "
-                "or was edited since, so its set-up cells are not run; if you wrote it (another "
-                "machine, a new Colab VM, a lost key), `%resilience resume --trust` adopts it, "
-                "else `%resilience reset` starts the run afresh"
+                f"or was edited since, so its {len(cells)} set-up cell{'s' if len(cells) != 1 else ''} "
+                + (f"(beginning: {firsts}) " if firsts else "")
+                + f"did not run; review them with `%resilience show {run_id}`; if you wrote them (another "
+                f"machine, a new Colab VM, a lost key), `%resilience resume --trust {run_id}` runs them, "
+                f"else `%resilience reset {run_id}` starts the run afresh"
             )
-        return cls._from_dict(Path(run_dir), _upgrade(data))
+        data = _upgrade(data)
+        if key is not None:
+            _check_bound(Path(run_dir), path, data, rollback=not trust)
+        return cls._from_dict(Path(run_dir), data)
 
     @classmethod
     def _from_dict(cls, run_dir: Path, data: dict[str, Any]) -> Journal:
@@ -218,11 +239,13 @@ class Journal:
         from .signing import load_or_create_key, sign
 
         self.updated = time.time()
+        fsutil.make_private_dir(self.run_dir)
+        self.generation = max(self.generation, newest_generation(self.run_dir)) + 1
         data = self.to_dict()
         _validate(data, self.path)
         data["signature"] = sign(load_or_create_key(), fsutil.canonical_json(data))
-        fsutil.make_private_dir(self.run_dir)
         fsutil.atomic_write(self.path, (json.dumps(data, indent=1, allow_nan=False) + "\n").encode())
+        _remember_generation(self.run_dir, self.generation)  # after the journal: never ahead of it
 
     # helpers the glue calls at each event; each one saves.
 
@@ -287,6 +310,69 @@ def _signed(key: bytes, data: dict) -> bool:
         return False
 
 
+def _first_line(source: str) -> str:
+    """The first line of a set-up cell that says something: not blank, not its ``%%replay``."""
+    for line in source.splitlines():
+        line = line.strip()
+        if line and not line.startswith("%%replay"):
+            return repr(line[:50] + ("..." if len(line) > 50 else ""))
+    return ""
+
+
+# -- binding a journal to its folder -----------------------------------------------------------------
+
+
+def _generation_record(run_dir: Path) -> Path:
+    from .signing import home
+
+    where = os.path.realpath(run_dir).encode("utf-8", "surrogateescape")
+    return home() / "journals" / hashlib.sha256(where).hexdigest()[:32]
+
+
+def newest_generation(run_dir: str | os.PathLike) -> int:
+    """The newest journal generation this installation wrote for ``run_dir`` (0: none)."""
+    try:
+        with os.fdopen(fsutil.open_private_file(_generation_record(Path(run_dir))), "rb") as f:
+            text = f.read(32)
+        return int(text.decode("ascii"))
+    except (OSError, ValueError):
+        return 0
+
+
+def _remember_generation(run_dir: Path, generation: int) -> None:
+    # not fsynced: after a power cut the record can only be older than the journal, which the
+    # check accepts; what it must never be is newer, hence written after the journal
+    record = _generation_record(run_dir)
+    fsutil.make_private_dir(record.parent)
+    tmp = record.with_name(f"{fsutil.atomic_temp_prefix(record.name)}{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | fsutil.O_NOFOLLOW | fsutil.O_CLOEXEC, 0o600)
+    try:
+        fsutil.write_all(fd, str(generation).encode())
+    finally:
+        os.close(fd)
+    try:
+        os.replace(tmp, record)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _check_bound(run_dir: Path, path: Path, data: dict[str, Any], *, rollback: bool) -> None:
+    if run_dir.name != f"run-{data['run_id']}":
+        raise JournalRolledBackError(
+            f"colab_resilience: {path} is the journal of run {data['run_id']!r}, not of {run_dir.name} "
+            "(moved or copied from another run), so nothing in it runs; remove it, or "
+            f"`%resilience reset {run_dir.name.removeprefix('run-')}` to start this run afresh"
+        )
+    newest = newest_generation(run_dir) if rollback else 0
+    if data["generation"] < newest:
+        raise JournalRolledBackError(
+            f"colab_resilience: {path} is generation {data['generation']} of its run, older than "
+            f"generation {newest} this installation wrote (an old copy put back), so nothing in it "
+            f"runs; `%resilience reset {data['run_id']}` starts the run afresh"
+        )
+
+
 def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
     """A version 1 journal (free-form ``extra``) as version 2 fields."""
     data = {**_OPTIONAL, **data}
@@ -337,6 +423,8 @@ def _validate(data: Any, path: Path) -> None:
         _bad(path, f"status {data['status']!r} is not one of {', '.join(STATUSES)}")
     if data["max_restarts"] < 0 or data["restarts_used"] < 0:
         _bad(path, "negative restart counts")
+    if data.get("generation", 0) < 0:
+        _bad(path, "a negative generation")
     for cell in data["replay_cells"]:
         if not (isinstance(cell, dict) and _is(cell.get("key"), (str,)) and _is(cell.get("source"), (str,))):
             _bad(path, "a replay cell is not {key, source} strings")

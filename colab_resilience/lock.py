@@ -47,14 +47,15 @@ class RunLock:
     def acquire(self) -> RunLock:
         if self._key is not None:
             return self
-        fsutil.make_private_dir(self.run_dir)
+        fsutil.make_private_dir(self.run_dir)  # a real folder of this user's, or refused
         key = os.path.realpath(self.path)
         with _held_guard:
             if key in _held:
                 _held[key][1] += 1
                 self._key = key
                 return self
-            fd = os.open(key, os.O_RDWR | os.O_CREAT | fsutil.O_CLOEXEC, 0o600)
+            # never through a link planted as run_dir/lock, never someone else's file
+            fd = fsutil.open_private_file(self.path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:

@@ -17,7 +17,9 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from traitlets import Bool, Float, Integer, Unicode
 
 from . import commands, options, replay, resilient
-from .errors import OptionError, RunLockedError, RunStoppedError, UnsafeCheckpointError, UnsaveableValueError
+from .errors import (
+    OptionError, RunLockedError, RunStoppedError, UnsafeCheckpointError, UnsafeDirectoryError, UnsaveableValueError,
+)
 from .journal import RestartPolicy
 from .recovery import Shrink
 from .loops import active_run
@@ -26,7 +28,7 @@ from .session import Session
 OPTIONS_HINT = {
     "resilient": "--save NAMES, --retries N, --shrink NAME[=FACTOR], --max-restarts N and --every N|5min",
     "restart_after": "N, --memory PERCENT and off",
-    "resilience": "status, resume [--trust] [RUN], reset [RUN] and dir PATH",
+    "resilience": "status, show [RUN], resume [--trust] [RUN], reset [RUN] and dir PATH",
     "replay": "none",
 }
 
@@ -174,7 +176,8 @@ class ResilienceMagics(Magics):
         )
         try:
             resilient.execute(self.session, line, cell, options)
-        except (OptionError, RunLockedError, RunStoppedError, UnsafeCheckpointError, UnsaveableValueError) as e:
+        except (OptionError, RunLockedError, RunStoppedError, UnsafeCheckpointError, UnsafeDirectoryError,
+                UnsaveableValueError) as e:
             # refusals, each in one line that says what to do: no traceback through this package
             raise UsageError(str(e).splitlines()[0]) from None
 
@@ -237,7 +240,7 @@ class ResilienceMagics(Magics):
                          + (f" (run {run.run_id} included)" if run is not None else ""))
 
     @magic_arguments()
-    @argument("command", nargs="?", default="status", metavar="COMMAND", help="status, resume, reset or dir")
+    @argument("command", nargs="?", default="status", metavar="COMMAND", help="status, show, resume, reset or dir")
     @argument("target", nargs="*", metavar="RUN|PATH", help="the run to resume or reset, or the folder for dir")
     @argument("--trust", action="store_true", help="resume a run written under another installation's key")
     @line_magic
@@ -245,16 +248,20 @@ class ResilienceMagics(Magics):
         """What the runs are doing and what is on disk.
 
         ``%resilience status``: every run in the run directory (status, restarts, last checkpoint).
+        ``%resilience show [RUN]``: what resuming the run would execute (every set-up cell, in
+        full) and unpickle (every pickled value not signed here); nothing runs.
         ``%resilience resume [RUN]``: replay the recorded set-up cells, restore the last checkpoint
         into the namespace, and mark the run pending so its cell continues when run again.
         ``%resilience resume --trust [RUN]``: the same for a run written under another key (another
-        machine, a new Colab VM whose run directory is on Drive): you vouch for its set-up cells,
-        and its journal and checkpoints are signed with this installation's key from then on.
+        machine, a new Colab VM whose run directory is on Drive): every set-up cell and pickled
+        value is printed, then run; you vouch for them, and the run's journal and checkpoints are
+        signed with this installation's key from then on.
         ``%resilience reset [RUN]``: forget a run (journal and checkpoints).
         ``%resilience dir PATH``: choose the run directory (in Colab, a mounted Drive folder
         survives the loss of the VM).
         """
-        forms = {"status": "status", "resume": "resume [--trust] [RUN]", "reset": "reset [RUN]", "dir": "dir PATH"}
+        forms = {"status": "status", "show": "show [RUN]", "resume": "resume [--trust] [RUN]", "reset": "reset [RUN]",
+                 "dir": "dir PATH"}
         words = line.split()
         command = words[0] if words and words[0] in forms else None
 
@@ -263,6 +270,8 @@ class ResilienceMagics(Magics):
                 return f"%resilience: unknown option {bad}; the options are {OPTIONS_HINT['resilience']} (see %resilience? for help)"
             return f"%resilience {command}: unexpected {bad!r}; write %resilience {forms[command]}"
 
+        if command == "resume" and "--trust" in words:  # argparse takes no RUN after the flag
+            line = " ".join([w for w in words if w != "--trust"] + ["--trust"])
         args = _parse(self.resilience, line, "%", unknown)
         command, rest, session = args.command, list(args.target), self.session
         try:
@@ -274,7 +283,7 @@ class ResilienceMagics(Magics):
             if command not in forms:
                 raise OptionError(
                     f"%resilience: unknown command {command!r}; "
-                    "write %resilience status, resume [--trust] [RUN], reset [RUN] or dir PATH"
+                    "write %resilience status, show [RUN], resume [--trust] [RUN], reset [RUN] or dir PATH"
                 )
             if command == "dir" and len(rest) != 1:
                 raise OptionError("%resilience dir: give one folder, e.g. %resilience dir /content/drive/MyDrive/runs")
@@ -288,6 +297,8 @@ class ResilienceMagics(Magics):
             run_dir = commands.pick_run(session, command, rest[0] if rest else None)
             if command == "reset":
                 return commands.reset(session, run_dir)
+            if command == "show":
+                return commands.show(session, run_dir)
             return commands.resume(session, run_dir, trust=args.trust)
-        except OptionError as e:
+        except (OptionError, UnsafeDirectoryError) as e:
             raise UsageError(str(e)) from None

@@ -34,15 +34,22 @@ from .lock import RunLock
 from .loops import LOOP_RNG, Loops, Plan, position_of
 
 
-def run_id_for(cell_key: str) -> str:
-    import hashlib
+def run_id_for(cell_key: str, key: bytes | None = None) -> str:
+    """The run id of the cell ``cell_key``: the same in every kernel of this installation, and
+    not to be guessed by another user (an HMAC under the installation key, not a plain hash), so
+    nobody can prepare a cell's run folder before it exists."""
+    from .signing import load_or_create_key, sign
 
-    return hashlib.sha256(cell_key.encode()).hexdigest()[:8]
+    return sign(key or load_or_create_key(), b"run-id:" + cell_key.encode())[:8]
 
 
 def open_store(run_dir: Path, key: bytes) -> CheckpointStore:
-    """The checkpoints of the run in ``run_dir``."""
-    return CheckpointStore(run_dir / "checkpoints", key=key, run_id=run_dir.name.removeprefix("run-"))
+    """The checkpoints of the run in ``run_dir``: its folders are checked (real folders of this
+    user's, nobody else can write) before anything is read, cleared or written there."""
+    store = CheckpointStore(run_dir / "checkpoints", key=key, run_id=run_dir.name.removeprefix("run-"))
+    fsutil.make_private_dir(store.run_dir)
+    fsutil.make_private_dir(store.blob_dir)
+    return store
 
 
 def restore_latest(store: CheckpointStore, namespace: MutableMapping, names: Iterable[str],
@@ -112,8 +119,8 @@ class Run:
         unusable journal, or a death without warning that the budget does not cover)."""
         from .signing import load_or_create_key
 
-        run_dir = Path(root) / f"run-{run_id}"
-        fsutil.make_private_dir(root)
+        root = fsutil.check_run_root(root)
+        run_dir = root / f"run-{run_id}"
         lock = RunLock(run_dir).acquire()
         try:
             key = load_or_create_key()

@@ -181,9 +181,10 @@ def test_a_version_1_journal_is_read_as_typed_fields(tmp_path):
     from colab_resilience import fsutil, signing
     from colab_resilience.journal import RestartPolicy
 
-    j = Journal.create(tmp_path, "r1", save=False)
+    run = tmp_path / "run-r1"
+    j = Journal.create(run, "r1", save=False)
     data = {k: v for k, v in j.to_dict().items()
-            if k not in ("cell_key", "names", "shrink", "policy", "restart_requested", "phase")}
+            if k not in ("cell_key", "names", "shrink", "policy", "restart_requested", "phase", "generation")}
     data["format_version"] = 1
     data["restarts"] = [{"reason": "CUDA out of memory", "time": 1.0, "at": "3"}]
     data["extra"] = {"names": ["model", "opt", 7], "shrink": {"bs": 32, "bad": None},
@@ -191,14 +192,14 @@ def test_a_version_1_journal_is_read_as_typed_fields(tmp_path):
                      "restart_requested": True, "phase": "replay"}
     data["signature"] = signing.sign(signing.load_or_create_key(), fsutil.canonical_json(data))
     j.path.write_text(json.dumps(data))
-    back = Journal.load(tmp_path, key=signing.load_or_create_key())
+    back = Journal.load(run, key=signing.load_or_create_key())
     assert (back.names, back.shrink, back.cell_key) == (["model", "opt"], {"bs": 32}, "c9")
     assert back.policy == RestartPolicy(2, None)
     assert back.restart_requested is True and back.phase == "replay"
     assert back.restarts[0].reason == "CUDA out of memory" and back.restarts[0].at == "3"
     back.save()
     assert json.loads(j.path.read_text())["format_version"] == 2
-    assert Journal.load(tmp_path, key=signing.load_or_create_key()).names == ["model", "opt"]
+    assert Journal.load(run, key=signing.load_or_create_key()).names == ["model", "opt"]
 
 
 def test_the_driver_reads_restart_requests_through_the_journal(tmp_path):

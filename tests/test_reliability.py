@@ -187,3 +187,15 @@ def test_a_full_disk_at_a_safe_point_keeps_the_previous_checkpoint_and_the_run_g
         assert k.value("(back['step'], float(back['big'][0]))") == (3, 4.0)
     finally:
         k.shutdown()
+
+
+def test_hostile_trials_every_attack_refused_cleanly(ip):
+    """The shortened `reliability.py hostile`: each kind of folder or link another user prepares
+    (twice), and journals moved or rolled back (four of each): every cell refused in one line,
+    its body not run, the other side's files untouched, the newest journal accepted again."""
+    import hostile
+
+    out = hostile.hostile(2 * len(hostile.ATTACKS), 8, seed=1)
+    assert out["attacks"]["failures"] == [] and out["journals"]["failures"] == []
+    assert all(clean == trials == 2 for trials, clean in out["attacks"]["per"].values())
+    assert all(clean == trials == 4 for trials, clean in out["journals"]["per"].values())

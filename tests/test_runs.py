@@ -130,7 +130,9 @@ def test_damaged_journal_is_refused_with_one_line(ip, root, tmp_path):
     with pytest.raises(UsageError) as info:
         ip.run_cell_magic("resilient", line, body)
     assert "is not signed by this installation's key" in str(info.value)
-    assert "so its set-up cells are not run" in str(info.value) and "\n" not in str(info.value)
+    said = str(info.value)
+    assert "so its 1 set-up cell (beginning: \"import os; os.system('echo pwned')\") did not run" in said, said
+    assert "review them with `%resilience show" in said and "\n" not in said
 
 
 def test_a_run_written_under_another_key_resumes_only_when_trusted(ip, root, tmp_path, monkeypatch, capsys):
@@ -158,7 +160,7 @@ def test_a_run_written_under_another_key_resumes_only_when_trusted(ip, root, tmp
     ip.run_line_magic("resilience", f"dir {root}")
     with pytest.raises(UsageError) as info:
         ip.run_line_magic("resilience", "resume")
-    assert "`%resilience resume --trust` adopts it" in str(info.value)
+    assert f"`%resilience resume --trust {run_dir.name[4:]}` runs them" in str(info.value)
     assert setups() == 1  # the old set-up cell did not run
     with pytest.raises(UsageError) as info:
         ip.run_line_magic("resilience", "resume --trusted")
@@ -229,7 +231,7 @@ def test_restart_after_bad_input(ip, line, expected):
 def test_resilience_bad_input(ip, root, tmp_path):
     """Bad %resilience input is a UsageError that lists what is possible."""
     for line, expected in [
-        ("frobnicate", "%resilience: unknown command 'frobnicate'; write %resilience status, resume [--trust] [RUN], reset [RUN] or dir PATH"),
+        ("frobnicate", "%resilience: unknown command 'frobnicate'; write %resilience status, show [RUN], resume [--trust] [RUN], reset [RUN] or dir PATH"),
         ("resume", f"%resilience resume: no runs in {root}; a %%resilient cell creates one"),
         ("reset nope", f"%resilience reset: no run 'nope' in {root} (runs: none)"),
         ("dir a b", "%resilience dir: give one folder"),
