@@ -19,10 +19,12 @@ and the random-number states (:mod:`.rng`) into one more. Each blob is hashed in
 small thread pool while the next value is prepared (:mod:`.hashing`). **A blob whose hash is
 already in the store is not written again**, and a chunk whose fingerprint is what it was at
 this process's last save of that name is not hashed again: a save that changed nothing reads
-every byte once and writes only the manifest. New blobs are written to temporary files, flushed
-together and renamed to their hashes (:mod:`.blobs`); then the signed manifest is written into a
-temporary folder that is renamed to ``ckpt-NNNNNN/``, and ``LATEST`` is replaced. Each step is
-flushed to disk before the next, so a crash at any moment leaves the previous checkpoint whole.
+every byte once and writes only the manifest. New blobs are written to temporary files, each
+flushed and closed on the pool as soon as it is written (a save of many names does not hold a
+descriptor per blob), and renamed to their hashes together (:mod:`.blobs`); then the signed
+manifest is written into a temporary folder that is renamed to ``ckpt-NNNNNN/``, and ``LATEST``
+is replaced. Each step is flushed to disk before the next, so a crash at any moment leaves the
+previous checkpoint whole.
 The newest ``keep`` checkpoints (default 2) are kept; blobs no kept manifest names are removed
 (:mod:`.cleanup`).
 
@@ -38,7 +40,12 @@ The newest ``keep`` checkpoints (default 2) are kept; blobs no kept manifest nam
 - ``value``: plain values (``None``, bool, int, float incl. nan/inf, complex, str, bytes, and
   lists, tuples, dicts, sets, frozensets of them, NumPy scalars) as tagged JSON (:mod:`.codec`):
   tuples stay tuples, int keys stay ints; nothing is executed when read.
-- ``pickle``: anything else, pickled.
+- ``pickle``: anything else, pickled (nested tensors with their sizes, strides and offsets;
+  NumPy masked arrays with their mask exactly, ``nomask`` included).
+
+A value that cannot be saved is one line naming it, its type and why, whatever inspecting it
+raised; running out of memory while preparing a value is not one of those: it propagates as the
+out-of-memory error it is.
 
 **Trust.** The manifest (:mod:`.manifest`) lists each name with its kind, type, blob format, size
 and hash (``blake3-tree-8MiB``), and is signed with HMAC-SHA256 under the installation key

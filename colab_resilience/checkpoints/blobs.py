@@ -6,9 +6,11 @@ keep checkpoints, have none). One damaged shared blob therefore damages every ch
 it; a blob found damaged is set aside (``<hash>.damaged``) so the next save writes it afresh.
 
 Writing (:func:`write`): a blob goes to ``.tmp-*`` from its first chunk that differs from the last
-save, and stays there, in :class:`PendingBlobs`, until every blob of the save is written; then
-they are ``fsync``-ed together, in parallel (the disk writes one back while the next is written),
-and renamed to their hashes.
+save, and stays there, in :class:`PendingBlobs`, until every blob of the save is written. Each is
+``fsync``-ed and closed on the pool as soon as it is written (the disk writes one back while the
+next is written, and a save of many names does not keep a descriptor per blob); once all are
+flushed they are renamed to their hashes. Every error path closes every descriptor and removes
+every temporary file: a failed save (a full disk) holds no space afterwards.
 
 Reading (:func:`read`): every byte is hashed before a blob is used. Safetensors blobs of
 ``MAP_AT_LEAST`` bytes or more are mapped (private, copy-on-write) rather than read: the hash reads
@@ -24,7 +26,8 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Iterable
 
@@ -36,41 +39,122 @@ BLOBS = "blobs"  # the folder, inside the run directory
 TEMP = ".tmp-"
 TRASH = ".trash-"  # blobs no kept checkpoint names, renamed on the way to being unlinked
 MAP_AT_LEAST = 4 << 20  # smaller safetensors blobs are read: mapping costs more than it saves
+MAX_OPEN = 64  # written blobs whose flush (and descriptor) may be outstanding at once
+
+
+class _Pending:
+    """One temporary blob file: its path, its descriptor, and the worker flushing it."""
+
+    __slots__ = ("tmp", "fd", "final", "flushing")
+
+    def __init__(self, tmp: str):
+        self.tmp = tmp
+        self.fd = -1
+        self.final: Path | None = None
+        self.flushing: Future | None = None  # owns (and closes) ``fd`` once submitted
 
 
 class PendingBlobs:
-    """Blobs written to temporary files, to be flushed and renamed into place together.
+    """The temporary blob files of one save: each flushed and closed as soon as it is written,
+    renamed into place together at the commit.
 
-    :meth:`commit` fsyncs them all on the pool (in parallel), then renames each to its hash; until
-    then a blob is only a ``.tmp-*`` file. Leaving the ``with`` block without a commit (an error,
-    a full disk) closes and removes what is pending.
+    Every descriptor and temporary file is this object's from the moment the file is created
+    (:meth:`create`). A written blob (:meth:`written`) is fsync-ed and closed on the pool while
+    the next one is written, so at most ``MAX_OPEN`` blob files are open at once, however many
+    names a save holds (each kept until the commit, 34,000 small blobs ran out of descriptors).
+    :meth:`commit` waits for those flushes, then renames each blob to its hash. Leaving the
+    ``with`` block without a commit (an error, a full disk, Ctrl-C) closes every descriptor and
+    removes every temporary file that is left: a failed save holds no disk space afterwards.
     """
 
-    def __init__(self):
-        self._items: list[tuple[int, str, Path]] = []
+    def __init__(self, pool: ThreadPoolExecutor):
+        self._pool = pool
+        self._writing: _Pending | None = None  # created, being written
+        self._items: deque[_Pending] = deque()  # written: flushing or flushed, to be renamed
+        self._unflushed: deque[_Pending] = deque()  # those whose flush may still hold a descriptor
 
-    def add(self, fd: int, tmp: str, final: Path) -> None:
-        self._items.append((fd, tmp, final))
+    def create(self, folder: Path) -> int:
+        """A new temporary blob file in ``folder``, open for writing (the one being written)."""
+        if self._writing is not None:
+            self.discard()
+        item = self._writing = _Pending(str(folder / f"{TEMP}{secrets.token_hex(8)}"))
+        item.fd = os.open(item.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600)
+        return item.fd
 
-    def commit(self, pool: ThreadPoolExecutor) -> None:
-        for fut in [pool.submit(os.fsync, fd) for fd, _, _ in self._items]:
-            fut.result()
+    def discard(self) -> None:
+        """Close and remove the file being written (its blob is already in the folder, or
+        writing it failed)."""
+        item, self._writing = self._writing, None
+        if item is not None:
+            _release(item)
+
+    def written(self, final: Path) -> None:
+        """The file being written is complete, to be renamed to ``final``: flush and close it on
+        the pool; wait for the oldest flush while more than ``MAX_OPEN`` are under way."""
+        item = self._writing
+        assert item is not None
+        item.final = final
+        self._items.append(item)
+        self._writing = None
+        try:
+            item.flushing = self._pool.submit(_flush_and_close, item.fd)
+        except RuntimeError:  # no new work at interpreter shutdown: flush it here
+            fd, item.fd = item.fd, -1
+            _flush_and_close(fd)
+            return
+        self._unflushed.append(item)
+        while len(self._unflushed) > MAX_OPEN:
+            self._unflushed.popleft().flushing.result()  # an fsync error fails the save
+
+    def commit(self) -> None:
+        """Wait until every blob is on disk, then rename each to its hash."""
+        for item in self._unflushed:
+            item.flushing.result()
+        self._unflushed.clear()
         while self._items:
-            fd, tmp, final = self._items[0]
-            self._items[0] = (-1, tmp, final)
-            os.close(fd)
-            os.replace(tmp, final)
-            self._items.pop(0)
+            item = self._items[0]
+            os.replace(item.tmp, item.final)
+            self._items.popleft()
 
     def __enter__(self) -> PendingBlobs:
         return self
 
     def __exit__(self, *exc) -> None:
-        for fd, tmp, _ in self._items:
-            if fd >= 0:
-                os.close(fd)
-            _unlink(tmp)
+        items = list(self._items)
+        if self._writing is not None:
+            items.append(self._writing)
+        self._writing = None
         self._items.clear()
+        self._unflushed.clear()
+        for item in items:
+            _release(item, wait_for_flush=False)
+        # a flush already running closes its descriptor itself: wait, so that nothing of this
+        # save is open (or holds disk space) once the save has failed
+        wait([item.flushing for item in items if item.flushing is not None])
+
+
+def _flush_and_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _release(item: _Pending, wait_for_flush: bool = True) -> None:
+    """Close ``item``'s descriptor (unless its flush runs, which closes it) and remove its file."""
+    if item.flushing is None or item.flushing.cancel():
+        fd, item.fd = item.fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    elif wait_for_flush:
+        wait([item.flushing])
+    try:
+        os.unlink(item.tmp)
+    except OSError:  # never created (the open failed), or the folder is gone
+        pass
 
 
 def write(folder: Path, chunks: list[list[memoryview]], digests: Iterable[bytes], previous: list[bytes],
@@ -79,16 +163,14 @@ def write(folder: Path, chunks: list[list[memoryview]], digests: Iterable[bytes]
 
     ``digests`` yields each chunk's digest in order (as the pool computes them); ``previous`` are
     the digests of the same name's chunks at the last save: while they match, nothing is written
-    (the blob is most likely there already). A written blob is left in ``pending``.
+    (the blob is most likely there already). A written blob is left in ``pending``, which owns
+    the temporary file and its descriptor from the moment it is created, errors included.
     """
     seen: list[bytes] = []
     fd = -1
-    tmp: str | None = None
 
     def start_writing(upto: int) -> int:
-        nonlocal tmp
-        tmp = str(folder / f"{TEMP}{secrets.token_hex(8)}")
-        new_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600)
+        new_fd = pending.create(folder)
         for c in chunks[:upto]:
             for piece in c:
                 write_all(new_fd, piece)
@@ -105,17 +187,15 @@ def write(folder: Path, chunks: list[list[memoryview]], digests: Iterable[bytes]
         blob_hash = combine(seen)
         final = folder / blob_hash
         if present(final, size):
+            pending.discard()
             return blob_hash, False
         if fd < 0:
-            fd = start_writing(len(chunks))
-        pending.add(fd, tmp, final)  # it closes or removes them from now on
-        fd, tmp = -1, None
-        return blob_hash, True
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        if tmp is not None:
-            _unlink(tmp)
+            start_writing(len(chunks))
+    except BaseException:
+        pending.discard()
+        raise
+    pending.written(final)
+    return blob_hash, True
 
 
 def present(path: Path, size: int) -> bool:
@@ -247,10 +327,3 @@ def empty_trash(folder: Path) -> None:
             os.unlink(folder / n)
         except OSError:
             pass
-
-
-def _unlink(path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

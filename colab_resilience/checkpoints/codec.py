@@ -13,8 +13,8 @@ one-key object whose key starts with ``$``::
     {"$T": i} the i-th tensor or array of the blob (stored beside the JSON, see :mod:`.tensorfile`)
 
 A value that is not plain (an object, a container that holds itself or appears twice, a
-tensor subclass) makes :class:`Encoder` raise :class:`~colab_resilience.errors.NotPlainError`;
-the checkpoint then pickles that value instead.
+tensor subclass, a nested tensor) makes :class:`Encoder` raise
+:class:`~colab_resilience.errors.NotPlainError`; the checkpoint then pickles that value instead.
 """
 
 from __future__ import annotations
@@ -117,6 +117,8 @@ class Encoder:
         if torch is not None and isinstance(x, torch.Tensor):
             if type(x) not in (torch.Tensor, torch.nn.Parameter):
                 raise NotPlainError("a tensor subclass")  # FakeTensor, DTensor...: more than data
+            if x.is_nested:  # torch.nested (strided layout): its pickle keeps sizes, strides, offsets
+                raise NotPlainError("a nested tensor")
             if x.layout is not torch.strided or x.is_quantized or x.device.type == "meta":
                 raise NotPlainError("a tensor that is not plain strided data")
             if x.numel():  # the same view of the same storage is one tensor

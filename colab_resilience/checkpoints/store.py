@@ -182,7 +182,7 @@ class CheckpointStore:
             self._empty_trash()  # what a killed writer trashed but did not unlink yet, meanwhile
             checkpoint_id = self._next_id()
             entries = []
-            with blobs.PendingBlobs() as pending:
+            with blobs.PendingBlobs(pool) as pending:
                 for p, job in jobs:
                     blob_hash, was_written = blobs.write(
                         self.blob_dir, job.chunks, job.digests(), job.previous, p.payload.size, pending
@@ -190,7 +190,7 @@ class CheckpointStore:
                     written += p.payload.size if was_written else 0
                     reused += 0 if was_written else p.payload.size
                     entries.append(Entry(p.name, p.kind, p.type_name, p.format, blob_hash, p.payload.size))
-                pending.commit(pool)
+                pending.commit()
             fsync_dir(self.blob_dir)
             body = Manifest(checkpoint_id, entries[:-1], entries[-1], meta=meta_enc, skipped=skipped,
                             run_id=self.run_id).to_body()

@@ -11,13 +11,20 @@ Kinds, decided per value at save time (:func:`prepare`):
 
 A state dict is saved as tagged JSON or safetensors too when it is plain enough, and pickled
 otherwise (its kind stays ``state_dict``). Values that cannot be saved at all (generators, open
-files, sockets, locks, threads, modules, live iterators, values pickle refuses) raise
-:class:`~colab_resilience.errors.UnsaveableValueError`, whose message names the value and the
-reason; the save lists them and saves the rest.
+files, sockets, locks, threads, modules, live iterators, values pickle refuses, objects that raise
+whatever they raise when looked at) raise :class:`~colab_resilience.errors.UnsaveableValueError`,
+whose one-line message names the value and the reason; the save lists them and saves the rest.
+Running out of memory while a value is prepared is not "cannot save": MemoryError and the
+frameworks' out-of-memory errors (:func:`colab_resilience.oom.is_oom`) propagate as they are, for
+the package's OOM handling; so do KeyboardInterrupt and SystemExit.
+
+Pickles keep a NumPy masked array exactly (:func:`_reduce_masked_array`): NumPy's own pickling
+turns "no mask" into a full False mask and drops the hard-mask flag.
 """
 
 from __future__ import annotations
 
+import copyreg
 import difflib
 import io
 import mmap
@@ -30,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..errors import NotPlainError, UnsaveableValueError
+from ..oom import is_oom
 from . import codec, tensorfile
 from .tensorfile import Payload
 
@@ -53,18 +61,41 @@ def type_name(value: Any) -> str:
 
 
 def first_line(e: BaseException) -> str:
-    """``Type: first line of the message``: an error quoted inside a one-line message."""
-    text = str(e).strip().splitlines()
+    """``Type: first line of the message``: an error quoted inside a one-line message (just the
+    type when its message is empty, or cannot even be made)."""
+    try:
+        text = str(e).strip().splitlines()
+    except Exception:
+        text = []
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 def prepare(name: str, value: Any) -> Prepared:
-    """The blob for ``value``, saved under ``name``; raises UnsaveableValueError."""
-    sd_fn = getattr(value, "state_dict", None)
-    if callable(sd_fn) and callable(getattr(value, "load_state_dict", None)) and not isinstance(value, type):
+    """The blob for ``value``, saved under ``name``; raises UnsaveableValueError, whatever
+    inspecting or encoding the value raised, except an out-of-memory error (and KeyboardInterrupt
+    or SystemExit), which propagates as it is."""
+    try:
+        return _prepare(name, value)
+    except UnsaveableValueError:
+        raise
+    except Exception as e:
+        _unless_oom(e)
+        raise unsaveable(name, value, f"looking at it raised {first_line(e)}") from None
+
+
+def _prepare(name: str, value: Any) -> Prepared:
+    try:
+        sd_fn = getattr(value, "state_dict", None)
+        stateful = (callable(sd_fn) and callable(getattr(value, "load_state_dict", None))
+                    and not isinstance(value, type))
+    except Exception as e:  # a property, or a __getattr__, that raises something else than AttributeError
+        _unless_oom(e)
+        raise unsaveable(name, value, f"looking up its state_dict raised {first_line(e)}") from None
+    if stateful:
         try:
             sd = sd_fn()
         except Exception as e:
+            _unless_oom(e)
             raise unsaveable(name, value, f"its state_dict() failed: {first_line(e)}") from None
         return encode(name, "state_dict", type_name(value), sd, value)
     reason = unsaveable_reason(value)
@@ -80,24 +111,75 @@ def prepare(name: str, value: Any) -> Prepared:
     return encode(name, kind, type_name(value), value)
 
 
+def _unless_oom(e: Exception) -> None:
+    """Re-raise ``e`` if it is running out of memory (the OOM handling must see it as one)."""
+    if is_oom(e):
+        raise e
+
+
 def encode(name: str, kind: str, of_type: str, value: Any, owner: Any = None) -> Prepared:
     """``value`` as tagged JSON, as safetensors if it holds tensors or arrays, else pickled.
     ``of_type`` is what the manifest records as its type; ``owner`` the object the value was taken
-    from (the error names its type if pickling fails)."""
+    from (the error names its type if pickling fails). Whatever the tagged JSON or safetensors
+    encoding raises, the value is pickled instead; if pickling fails too, UnsaveableValueError."""
     enc = codec.Encoder(leaves=True)
     try:
         tree = enc.encode(value)
+        if enc.leaves:
+            return Prepared(name, "tree" if kind == "value" else kind, of_type, "st",
+                            tensorfile.payload(tree, enc.leaves))
+        return Prepared(name, kind, of_type, "json", Payload([codec.json_bytes(tree)]))
     except (NotPlainError, RecursionError):
-        try:
-            data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as e:
-            raise unsaveable(name, value if owner is None else owner, f"pickle failed: {first_line(e)}") from None
-        return Prepared(name, kind if kind == "state_dict" else "pickle", of_type, "pickle", Payload([data]))
-    if enc.leaves:
-        if kind == "value":
-            kind = "tree"
-        return Prepared(name, kind, of_type, "st", tensorfile.payload(tree, enc.leaves))
-    return Prepared(name, kind, of_type, "json", Payload([codec.json_bytes(tree)]))
+        pass
+    except Exception as e:  # a tensor or container that breaks the encoder: pickle gets a try
+        _unless_oom(e)
+    try:
+        data = dumps(value)
+    except Exception as e:
+        _unless_oom(e)
+        raise unsaveable(name, value if owner is None else owner, f"pickle failed: {first_line(e)}") from None
+    return Prepared(name, kind if kind == "state_dict" else "pickle", of_type, "pickle", Payload([data]))
+
+
+def dumps(value: Any) -> bytes:
+    """``pickle.dumps(value)``, with NumPy masked arrays kept exactly (:func:`_reduce_masked_array`)."""
+    ma = sys.modules.get("numpy.ma")  # a masked array exists only if numpy.ma was imported
+    if ma is None:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    f = io.BytesIO()
+    pickler = pickle.Pickler(f, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = {**copyreg.dispatch_table, ma.MaskedArray: _reduce_masked_array}
+    pickler.dump(value)
+    return f.getvalue()
+
+
+def _reduce_masked_array(a):
+    """Pickle a ``numpy.ma.MaskedArray`` (that exact type) as its parts: the data, the mask
+    (None for ``nomask``), the fill value as set (None if never set), the hard-mask and
+    shared-mask flags, the base class. NumPy's own ``__reduce__`` saves ``getmaskarray()``,
+    so "no mask" came back as a full False mask, and the hard-mask flag was lost."""
+    import numpy as np
+
+    mask = a._mask
+    return _masked_array, (
+        type(a), a.view(np.ndarray), None if mask is np.ma.nomask else mask, a._fill_value,
+        bool(a._hardmask), bool(a._sharedmask), a._baseclass, bool(a._isfield),
+    )
+
+
+def _masked_array(cls, data, mask, fill_value, hardmask, sharedmask, baseclass, isfield):
+    """The masked array :func:`_reduce_masked_array` took apart. Pickles name this function:
+    it is part of the checkpoint format, keep its name and arguments."""
+    import numpy as np
+
+    a = data.view(cls)
+    a._mask = np.ma.nomask if mask is None else mask
+    a._fill_value = fill_value
+    a._hardmask = hardmask
+    a._sharedmask = sharedmask
+    a._baseclass = baseclass
+    a._isfield = isfield
+    return a
 
 
 def unsaveable_reason(value: Any) -> str | None:
