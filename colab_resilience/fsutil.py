@@ -137,6 +137,22 @@ def _check_owned(path: Path, st: os.stat_result) -> None:
                 f"fix it with: chmod go-w {path}")
 
 
+def _mkdir_private(path: Path) -> bool:
+    """``mkdir path`` with mode 0700 (and its missing parents); whether this call created it."""
+    try:
+        os.mkdir(path, 0o700)
+        return True
+    except FileExistsError:
+        return False
+    except FileNotFoundError:
+        os.makedirs(path.parent, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+        return True
+    except FileExistsError:
+        return False
+
+
 def make_private_dir(path: str | os.PathLike) -> Path:
     """Create the folder ``path`` (and missing parents) owner-only (0700) and check it.
 
@@ -146,19 +162,7 @@ def make_private_dir(path: str | os.PathLike) -> Path:
     written, truncated or chmod'ed on the strength of a link or a folder someone else prepared.
     """
     path = Path(path)
-    created = False
-    try:
-        os.mkdir(path, 0o700)
-        created = True
-    except FileExistsError:
-        pass
-    except FileNotFoundError:
-        os.makedirs(path.parent, exist_ok=True)
-        try:
-            os.mkdir(path, 0o700)
-            created = True
-        except FileExistsError:
-            pass
+    created = _mkdir_private(path)
     try:
         fd = os.open(path, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
     except OSError as e:
@@ -225,14 +229,7 @@ def check_run_root(path: str | os.PathLike) -> Path:
     if fs in PSEUDO_FILESYSTEMS:
         _refuse(path, f"is on a {fs} pseudo-filesystem (a view of the kernel, not storage)",
                 "use a folder on a disk")
-    created = False
-    if not os.path.lexists(path):
-        os.makedirs(path.parent, exist_ok=True)
-        try:
-            os.mkdir(path, 0o700)
-            created = True
-        except FileExistsError:
-            pass
+    created = not os.path.lexists(path) and _mkdir_private(path)
     lst = os.lstat(path)
     if stat.S_ISLNK(lst.st_mode) and lst.st_uid not in (os.geteuid(), 0):
         _refuse(path, f"is a symbolic link that belongs to another user (uid {lst.st_uid})", "remove it")

@@ -46,7 +46,7 @@ from colab_resilience.errors import (
 )
 from colab_resilience.fsutil import canonical_json
 from harness import child_env
-from payloads import EvilPayload, Opaque
+from payloads import EvilPayload, Opaque, raw, roundtrip
 
 KEY = bytes(range(32))
 
@@ -54,17 +54,6 @@ KEY = bytes(range(32))
 @pytest.fixture
 def store(tmp_path):
     return CheckpointStore(tmp_path / "run", key=KEY)
-
-
-def raw(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
-def roundtrip(store, value, name="x"):
-    store.save({name: value}, [name])
-    ns: dict = {}
-    assert store.load().restore(ns, rng=False) == [name]
-    return ns[name]
 
 
 def manifest(store, cid=None):

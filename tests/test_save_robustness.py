@@ -20,6 +20,7 @@ import torch
 from colab_resilience.checkpoints import CheckpointStore, tree_hash
 from colab_resilience.errors import CheckpointError, UnsaveableValueError
 from harness import child_env
+from payloads import raw, roundtrip
 
 KEY = bytes(range(32))
 
@@ -38,17 +39,6 @@ def open_descriptors() -> dict[int, str]:
         except OSError:  # the descriptor listdir itself used, closed since
             pass
     return out
-
-
-def raw(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
-def roundtrip(store, value, name="x"):
-    store.save({name: value}, [name])
-    ns: dict = {}
-    assert store.load().restore(ns, rng=False) == [name]
-    return ns[name]
 
 
 # -- a full disk: every descriptor closed, the space given back -------------------------------------
