@@ -16,8 +16,21 @@ journals
     2..6 writes) is put back over the newest (rolled back). The run's cell must be refused in one
     line and the canary never created; the newest journal put back must be accepted again.
 
-Both run in this process's IPython shell (``InteractiveShell``), the extension loaded, under a
-throw-away ``COLAB_RESILIENCE_HOME``.
+full disk
+    A store on a tmpfs of ``--disk-mb`` MiB (mounted here; needs root) holds one checkpoint; then
+    ``--full-saves`` saves that do not fit (up to 6 small new blobs, then one of a random size from
+    just over the free space, which fails part way through its write, to 1.5 times the disk) each
+    must fail with one line, keep that checkpoint, and leave the descriptors of the
+    process and the free space of the file system exactly as before (no unlinked-but-open
+    temporary file holding space); a save that fits then succeeds and loads back bit for bit.
+
+many names
+    ``--names`` top-level names (small tensors, NumPy arrays and ints, a blob each) in one save,
+    under this process's own open-file limit: the first save, an unchanged one and a load are
+    timed, and the most descriptors open at once during the saves is sampled.
+
+The first two run in this process's IPython shell (``InteractiveShell``), the extension loaded,
+all four under a throw-away ``COLAB_RESILIENCE_HOME``.
 """
 
 from __future__ import annotations
@@ -207,13 +220,136 @@ def journal_trials(n: int, seed: int = 0) -> dict:
             "seconds": time.perf_counter() - start}
 
 
-def hostile(attacks: int, journals: int, seed: int = 0) -> dict:
-    """Both trials under a throw-away installation home."""
+def _open_fds() -> dict[int, str]:
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return out
+
+
+def _free(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bfree * st.f_frsize
+
+
+def full_disk_trials(saves: int, disk_mb: int) -> dict:
+    import torch
+
+    from colab_resilience.checkpoints import CheckpointStore
+    from colab_resilience.errors import CheckpointError
+    from colab_resilience.signing import load_or_create_key
+
+    mount = Path(tempfile.mkdtemp(prefix="cr-hostile-disk-"))
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={disk_mb}m,mode=0700", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        mount.rmdir()
+        return {"skipped": f"cannot mount a tmpfs: {proc.stderr.strip()}"}
+    start = time.perf_counter()
+    try:
+        store = CheckpointStore(mount / "run", key=load_or_create_key())
+        first = {"t": torch.arange(1000, dtype=torch.float32), "v": 1}
+        store.save(first, ["t", "v"])
+        store.wait()
+        free, fds = _free(mount), _open_fds()
+        ok, messages, failures = 0, set(), []
+        rng = random.Random(0)
+        for i in range(saves):
+            # up to 6 small new blobs, then one that does not fit: from just over the free space
+            # (it fails part way through its write) to 1.5 times the disk
+            ns = {f"s{k}": torch.full((rng.randint(1, 50_000),), float(i * 10 + k)) for k in range(rng.randint(0, 6))}
+            ns["big"] = torch.full((rng.randint(free // 4 + (1 << 16), (disk_mb << 18) * 3 // 2),), float(i))
+            try:
+                store.save(ns, list(ns))
+                failures.append(f"save {i} did not fail")
+                continue
+            except CheckpointError as e:
+                said = str(e)
+            store.wait()
+            clean = ("\n" not in said and "is intact" in said and _open_fds() == fds and _free(mount) == free
+                     and store.checkpoint_ids() == ["ckpt-000001"])
+            ok += clean
+            messages.add(said.split(" (")[0])
+            if not clean:
+                failures.append(f"save {i}: fds {len(_open_fds())} vs {len(fds)}, free {_free(mount)} vs {free}: {said}")
+        fits = {"t": torch.randn(disk_mb << 14, generator=torch.Generator().manual_seed(0)), "v": 2}
+        try:
+            store.save(fits, ["t", "v"])
+            back: dict = {}
+            CheckpointStore(store.run_dir, key=store.key).load().restore(back, rng=False)
+            loaded = back["v"] == 2 and torch.equal(back["t"], fits["t"])
+        except CheckpointError as e:  # the space the failed saves took is not back
+            loaded = False
+            failures.append(f"the save that fits failed: {e}")
+        return {"saves": saves, "disk_mb": disk_mb, "clean": ok, "failures": failures, "loaded_after": loaded,
+                "example": next(iter(messages), ""), "seconds": time.perf_counter() - start}
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+        shutil.rmtree(mount, ignore_errors=True)
+
+
+def many_names(n: int) -> dict:
+    import resource
+    import threading
+
+    import numpy as np
+    import torch
+
+    from colab_resilience.checkpoints import CheckpointStore
+    from colab_resilience.signing import load_or_create_key
+
+    ns: dict = {}
+    for i in range(n):
+        ns[f"v{i}"] = (torch.full((16,), float(i)) if i % 3 == 0 else np.full(16, i, dtype=np.int64)
+                       if i % 3 == 1 else i)
+    folder = Path(tempfile.mkdtemp(prefix="cr-hostile-names-", dir=os.environ.get("TMPDIR", "/var/tmp")))
+    peak, stop = [len(_open_fds())], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak.append(len(os.listdir("/proc/self/fd")))
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        store = CheckpointStore(folder / "run", key=load_or_create_key())
+        t0 = time.perf_counter()
+        store.save(ns, list(ns))
+        store.wait()
+        t1 = time.perf_counter()
+        store.save(ns, list(ns))
+        store.wait()
+        t2 = time.perf_counter()
+        back: dict = {}
+        CheckpointStore(store.run_dir, key=store.key).load().restore(back, rng=False)
+        t3 = time.perf_counter()
+        same = all((torch.equal(back[k], v) if isinstance(v, torch.Tensor) else
+                    np.array_equal(back[k], v) if isinstance(v, np.ndarray) else back[k] == v) for k, v in ns.items())
+    finally:
+        stop.set()
+        sampler.join()
+        shutil.rmtree(folder, ignore_errors=True)
+    return {"names": n, "limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0], "peak_fds": max(peak),
+            "first": t1 - t0, "unchanged": t2 - t1, "load": t3 - t2, "identical": same}
+
+
+def hostile(attacks: int, journals: int, seed: int = 0, *, full_saves: int = 0, disk_mb: int = 64,
+            names: int = 0) -> dict:
+    """The trials under a throw-away installation home (full disk and many names when asked)."""
     home = Path(tempfile.mkdtemp(prefix="cr-hostile-home-"))
     old = os.environ.get("COLAB_RESILIENCE_HOME")
     os.environ["COLAB_RESILIENCE_HOME"] = str(home / "key-home")
     try:
-        return {"attacks": attack_trials(attacks), "journals": journal_trials(journals, seed)}
+        out = {"attacks": attack_trials(attacks), "journals": journal_trials(journals, seed)}
+        if full_saves:
+            out["full_disk"] = full_disk_trials(full_saves, disk_mb)
+        if names:
+            out["many_names"] = many_names(names)
+        return out
     finally:
         if old is None:
             os.environ.pop("COLAB_RESILIENCE_HOME", None)
@@ -232,3 +368,18 @@ def print_hostile(out: dict) -> None:
             print(f"    {kind:<{width}}  {clean}/{trials} refused cleanly   e.g. {r['examples'].get(kind, '')[:150]}")
         for f in r["failures"][:10]:
             print(f"    FAILURE {f}")
+    d = out.get("full_disk")
+    if d and "skipped" in d:
+        print(f"\n  full disk: skipped ({d['skipped']})")
+    elif d:
+        print(f"\n  full disk: {d['saves']} saves too large for a {d['disk_mb']} MiB tmpfs in {d['seconds']:.1f} s: "
+              f"{d['clean']}/{d['saves']} failed in one line with the checkpoint kept, every descriptor closed "
+              f"and the free space back; then a save that fits loaded back exactly: {d['loaded_after']}")
+        print(f"    e.g. {d['example'][:160]}")
+        for f in d["failures"][:10]:
+            print(f"    FAILURE {f}")
+    m = out.get("many_names")
+    if m:
+        print(f"\n  many names: {m['names']} names in one save (open-file limit {m['limit']}): first save "
+              f"{m['first']:.1f} s, unchanged save {m['unchanged']:.1f} s, load {m['load']:.1f} s; at most "
+              f"{m['peak_fds']} descriptors open at once; loaded back identical: {m['identical']}")

@@ -3,7 +3,7 @@
     python benchmarks/reliability.py kill-writes [--trials 200] [--size-mb 300] [--dir DIR] [--seed S]
     python benchmarks/reliability.py chaos       [--runs 1] [--kills 8] [--epochs 8] [--width 1024] [--pause S] [--seed S] [--no-standby]
     python benchmarks/reliability.py crash-loops [--max-restarts 2]
-    python benchmarks/reliability.py hostile     [--attacks 400] [--journals 200] [--seed S]
+    python benchmarks/reliability.py hostile     [--attacks 400] [--journals 200] [--full-saves 200] [--disk-mb 8] [--names 34000] [--seed S]
 
 kill-writes
     A writer process saves generation after generation of a namespace with ``CheckpointStore``
@@ -61,7 +61,8 @@ crash-loops
 
 hostile
     Another user's folders and links where a run writes, journals moved between runs or rolled
-    back: see ``benchmarks/hostile.py``.
+    back, saves failing on a full file system, tens of thousands of names in one save: see
+    ``benchmarks/hostile.py``.
 """
 
 from __future__ import annotations
@@ -1155,6 +1156,9 @@ def main(argv=None) -> int:
     h = sub.add_parser("hostile", help="another user's folders and links, moved and rolled-back journals")
     h.add_argument("--attacks", type=int, default=400)
     h.add_argument("--journals", type=int, default=200)
+    h.add_argument("--full-saves", type=int, default=200, help="saves that do not fit on a small tmpfs (0: none)")
+    h.add_argument("--disk-mb", type=int, default=8, help="size of that tmpfs (blobs under the 8 MiB chunk took the path that leaked)")
+    h.add_argument("--names", type=int, default=34000, help="top-level names in one save (0: none)")
     h.add_argument("--seed", type=int, default=0)
     h.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
@@ -1162,11 +1166,15 @@ def main(argv=None) -> int:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import hostile
 
-        out = hostile.hostile(a.attacks, a.journals, a.seed)
+        out = hostile.hostile(a.attacks, a.journals, a.seed, full_saves=a.full_saves, disk_mb=a.disk_mb,
+                              names=a.names)
         hostile.print_hostile(out)
         if a.json:
             a.json.write_text(json.dumps(out, indent=1))
-        return 0 if not out["attacks"]["failures"] and not out["journals"]["failures"] else 1
+        disk, names = out.get("full_disk", {}), out.get("many_names", {})
+        ok = (not out["attacks"]["failures"] and not out["journals"]["failures"] and not disk.get("failures")
+              and disk.get("loaded_after", True) and names.get("identical", True))
+        return 0 if ok else 1
     if a.command == "kill-writes":
         def progress(t: KillTrial):
             if t.outcome == "failure" or (t.index + 1) % 25 == 0:
