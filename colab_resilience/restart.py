@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from . import fsutil
 from .journal import Journal, RestartPolicy, RestartRecord, pending_runs
 
 __all__ = ["EXIT_RESTART", "RestartPolicy", "SUPERVISED_ENV", "leave", "planned_reason", "refuse", "supervised"]
@@ -143,15 +144,9 @@ def install_startup_file(shell, root: Path) -> None:
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    # IPython executes this file: never writable by others, whatever the umask
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-    try:
-        os.fchmod(fd, 0o644)
-        os.write(fd, _STARTUP.format(root=str(root)).encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    # IPython executes this file: never writable by others whatever the umask, written through a
+    # new temporary file (O_EXCL: never through a link someone left) and renamed into place
+    fsutil.atomic_write(path, _STARTUP.format(root=str(root)).encode(), mode=0o644)
 
 
 def remove_startup_file_if_idle(shell, root: Path) -> None:

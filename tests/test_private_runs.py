@@ -292,3 +292,23 @@ def test_trust_prints_every_set_up_cell_and_pickle_before_anything_runs(ip, tmp_
     # a replayed cell's own output is kept back unless it fails; each says it ran, in order
     assert out.index("p: payloads.Opaque") < out.index("replayed import os") < out.index("replayed # the second cell")
     assert canary.exists() and ip.user_ns["p"].v == 7 and ip.user_ns["long_name_for_a_value"] == 42
+
+
+def test_the_startup_file_is_never_written_through_a_link(ip, base, mine):
+    """The IPython startup file that brings the extension into the next kernel is written through
+    a new temporary file: a link left where the temporary file used to be (`.tmp` beside it) is not
+    followed, and its target keeps its 15 bytes."""
+    from colab_resilience import restart
+
+    path = restart.startup_path(ip)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    planted = path.with_suffix(".tmp")
+    planted.symlink_to(mine / "notes.txt")
+    try:
+        ip.magics_manager.registry["ResilienceMagics"].run_dir = str(base / "runs")
+        ip.run_cell_magic("resilient", "", BODY)
+        assert (mine / "notes.txt").read_bytes() == b"fifteen bytes!\n"
+        assert planted.is_symlink()
+    finally:
+        planted.unlink()
+        restart.remove_startup_file_if_idle(ip, base / "runs")
