@@ -232,7 +232,9 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
             result = FaultResult(fault, fault_env.fired(mark), compare(reference, outcome),
                                  len(outcome.result.restarts), time.perf_counter() - started)
             report.results.append(result)
-            verdict = ("identical" if not result.differences else "DIFFERS: " + "; ".join(result.differences))
+            where = fault_env.fired_at(mark)
+            landed = f" (the error was raised at {where})" if where else ""
+            verdict = ("identical" if not result.differences else f"DIFFERS{landed}: " + "; ".join(result.differences))
             if not result.fired:
                 verdict = "the fault never fired (the run went another way): " + verdict
             log(f"  fault {i}/{faults}: {fault.describe(report.safe_points)}: {verdict} "

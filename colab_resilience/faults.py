@@ -80,16 +80,57 @@ def safe_point(phase: str, *, end: bool = False) -> None:
 
 def fired(mark: str | os.PathLike) -> bool:
     """Whether the fault armed with ``mark`` went off (the kernel may have ended first)."""
+    return fired_at(mark) is not None
+
+
+def fired_at(mark: str | os.PathLike) -> str | None:
+    """Where the fault armed with ``mark`` went off (``file:line`` for an out-of-memory error,
+    "" for a kill); None if it did not."""
     try:
         with open(mark) as f:
-            return "fired" in f.read()
+            lines = [ln.strip() for ln in f if ln.startswith("fired")]
     except OSError:
-        return False
+        return None
+    return lines[0].removeprefix("fired").strip() if lines else None
 
 
-def _fired(mark: str) -> None:
+def _fired(mark: str, where: str = "") -> None:
     with open(mark, "a") as f:
-        f.write("fired\n")
+        f.write(f"fired {where}".rstrip() + "\n")
+
+
+_cleanup: dict[str, frozenset[int]] = {}
+
+
+def cleanup_lines(filename: str) -> frozenset[int]:
+    """The lines of ``filename`` where an injected error would skip clean-up that no real
+    allocation failure can skip: a ``with`` statement's lines (Python reports the call of
+    ``__exit__`` at them; an error raised there by a trace function leaves the context, such as
+    ``torch.no_grad()``, unrestored), ``finally`` blocks, and ``__exit__`` methods."""
+    lines = _cleanup.get(filename)
+    if lines is not None:
+        return lines
+    import ast
+    import linecache
+
+    source = linecache.getlines(filename)
+    found: set[int] = set()
+    try:
+        # a cell's magics (%%resilient, %time, !cmd) are not Python: blank them, keep the numbering
+        tree = ast.parse("".join("\n" if ln.lstrip().startswith(("%", "!")) else ln for ln in source))
+    except (SyntaxError, ValueError):
+        tree = None
+        found = {i for i, ln in enumerate(source, 1) if ln.lstrip().startswith(("with ", "async with "))}
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, (ast.With, ast.AsyncWith)):
+            found.update(range(node.lineno, node.body[0].lineno))
+        elif isinstance(node, ast.Try) or type(node).__name__ == "TryStar":
+            for stmt in node.finalbody:
+                found.update(range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in ("__exit__", "__aexit__"):
+            found.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    lines = _cleanup[filename] = frozenset(found)
+    return lines
 
 
 def _kill_later(delay: float, mark: str) -> None:
@@ -106,15 +147,20 @@ def _ours(frame) -> bool:
     return os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE)
 
 
-def _in_resilient_cell(frame) -> bool:
-    """Whether ``frame`` runs a ``%%resilient`` cell's code or what it called: it lies below
-    :func:`colab_resilience.execution.run_body` with no frame of this package in between."""
+def _may_fail_here(frame) -> bool:
+    """Whether an allocation could fail at ``frame``'s line in its place: the frame runs a
+    ``%%resilient`` cell's code or what it called (it lies below
+    :func:`colab_resilience.execution.run_body` with no frame of this package in between), and
+    neither it nor any caller up to the cell is cleaning up (an ``__exit__``, a ``with``
+    statement's exit, a ``finally`` block: :func:`cleanup_lines`)."""
     from .execution import run_body
 
     while frame is not None:
-        if frame.f_code is run_body.__code__:
+        code = frame.f_code
+        if code is run_body.__code__:
             return True
-        if _ours(frame):
+        if _ours(frame) or code.co_name in ("__exit__", "__aexit__") \
+                or frame.f_lineno in cleanup_lines(code.co_filename):
             return False
         frame = frame.f_back
     return False
@@ -124,7 +170,9 @@ def _oom_after(delay: float, mark: str) -> None:
     """Raise an out-of-memory error in this (the main) thread at the first line of a
     ``%%resilient`` cell's code, or of a library it calls, that runs ``delay`` seconds from now,
     as an allocation there would. A trace function watches the lines until then; lines of this
-    package, or outside such a cell, never fire it."""
+    package, or outside such a cell, never fire it, nor lines run by clean-up, where a real
+    allocation failure would not skip the rest of the clean-up (:func:`_may_fail_here`). Where
+    it fired is written to ``mark``."""
     deadline = time.monotonic() + delay
     torch = sys.modules.get("torch")
     error = getattr(torch, "OutOfMemoryError", None) or MemoryError
@@ -132,9 +180,9 @@ def _oom_after(delay: float, mark: str) -> None:
     def trace(frame, event, arg):
         if _ours(frame):
             return None
-        if event == "line" and time.monotonic() >= deadline and _in_resilient_cell(frame):
+        if event == "line" and time.monotonic() >= deadline and _may_fail_here(frame):
             stop()
-            _fired(mark)
+            _fired(mark, f"{frame.f_code.co_filename}:{frame.f_lineno}")
             _injected.set()
             raise error("out of memory (injected by colab-resilience check)")
         return trace

@@ -62,3 +62,36 @@ def test_a_notebook_that_fails_without_faults_is_exit_3_and_usage_errors_exit_2(
     assert r.returncode == 2 and "no such notebook" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = check(str(tmp_path / "broken.ipynb"), "--faults", "x")
     assert r.returncode == 2 and "--faults: needs a whole number" in r.stderr
+
+
+def test_an_injected_oom_never_lands_where_only_clean_up_runs(ip, tmp_path):
+    """check's out-of-memory error fires at a line of the cell's code, but not at a `with`
+    statement's exit (Python reports the call of `__exit__` at the `with` line; an error raised
+    there by the trace function skipped `torch.no_grad()`'s exit and left gradients off for the
+    retry, so the tutorial's retry failed with "does not require grad"), nor in what `__exit__`
+    calls, nor in a `finally` block: it lands at the next line instead, after the clean-up ran."""
+    import torch
+
+    from colab_resilience import execution, faults
+
+    body = ("def evaluate():\n"
+            "    with torch.no_grad():\n"
+            "        time.sleep(0.3)\n"          # the deadline passes while this sleeps
+            "    return 1\n"
+            "evaluate()\n")
+    ip.user_ns.update(torch=torch, time=__import__("time"))
+    codes = execution.compile_body(ip, "%%resilient", body)
+    mark = tmp_path / "mark"
+    mark.write_text("armed\n")
+    faults._oom_after(0.1, str(mark))
+    try:
+        failure = execution.run_body(ip, codes)
+    finally:
+        grad_enabled = torch.is_grad_enabled()
+        torch.set_grad_enabled(True)
+    assert failure is not None and "injected by colab-resilience check" in str(failure.exc)
+    assert faults.take_injected()
+    assert grad_enabled, "the injected error skipped torch.no_grad()'s exit"
+    fired_at = mark.read_text().split("fired ", 1)[1].strip()
+    assert fired_at.endswith(":5"), fired_at  # `return 1` (the header is line 1)
+    assert faults.cleanup_lines(fired_at.rsplit(":", 1)[0]) == {3}
