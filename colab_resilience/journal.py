@@ -37,14 +37,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import fsutil
+from .journal_format import FORMAT, FORMAT_VERSION, SCALARS, STATUSES, bad, upgrade, validate
 from .errors import (
     JournalError, JournalNotFoundError, JournalRolledBackError, JournalUntrustedError, UnsafeDirectoryError,
 )
 
 JOURNAL_NAME = "journal.json"
-FORMAT = "colab_resilience.journal"
-FORMAT_VERSION = 2
-STATUSES = ("pending", "done", "failed")
 _MAX_JOURNAL_BYTES = 64 << 20
 
 
@@ -85,27 +83,6 @@ class ReplayCell:
     source: str
 
 
-# field -> (JSON types accepted, how to build the attribute from the JSON value)
-_SCALARS: dict[str, tuple[type, ...]] = {
-    "run_id": (str,),
-    "status": (str,),
-    "created": (float, int),
-    "updated": (float, int),
-    "last_checkpoint": (str, type(None)),
-    "interrupted_cell": (str, type(None)),
-    "cell_key": (str, type(None)),
-    "max_restarts": (int,),
-    "restarts_used": (int,),
-    "kernel_pid": (int, type(None)),
-    "restart_requested": (bool,),
-    "phase": (str, type(None)),
-    "resume_at": (str, type(None)),
-    "oom_kills": (int, type(None)),
-    "counted_pid": (int, type(None)),
-    "generation": (int,),
-}
-# absent from the first journals of version 2
-_OPTIONAL = {"resume_at": None, "oom_kills": None, "counted_pid": None, "generation": 0}
 
 
 @dataclass
@@ -155,7 +132,7 @@ class Journal:
         fsutil.make_private_dir(run_dir)
         values.setdefault("kernel_pid", os.getpid())
         journal = cls(run_dir=Path(run_dir), run_id=run_id or new_run_id(), **values)
-        _validate(journal.to_dict(), journal.path)
+        validate(journal.to_dict(), journal.path)
         if save:
             journal.save()
         return journal
@@ -183,14 +160,14 @@ class Journal:
                 f"colab_resilience: cannot read the run journal {path} ({e.strerror or e})"
             ) from None
         if len(raw) > _MAX_JOURNAL_BYTES:
-            _bad(path, "larger than any journal this package writes")
+            bad(path, "larger than any journal this package writes")
         try:
             data = fsutil.strict_json(raw)
         except ValueError as e:  # UnicodeDecodeError, JSONDecodeError, NaN/Infinity, huge ints
-            _bad(path, f"not valid JSON: {e}")
+            bad(path, f"not valid JSON: {e}")
         except RecursionError:
-            _bad(path, "not valid JSON: nested too deep")
-        _validate(data, path)
+            bad(path, "not valid JSON: nested too deep")
+        validate(data, path)
         if key is not None and not trust and not _signed(key, data):
             from .signing import key_path
 
@@ -205,14 +182,14 @@ class Journal:
                 f"machine, a new Colab VM, a lost key), `%resilience resume --trust {run_id}` runs them, "
                 f"else `%resilience reset {run_id}` starts the run afresh"
             )
-        data = _upgrade(data)
+        data = upgrade(data)
         if key is not None:
             _check_bound(Path(run_dir), path, data, rollback=not trust)
         return cls._from_dict(Path(run_dir), data)
 
     @classmethod
     def _from_dict(cls, run_dir: Path, data: dict[str, Any]) -> Journal:
-        values = {k: data[k] for k in _SCALARS}
+        values = {k: data[k] for k in SCALARS}
         values["created"], values["updated"] = float(values["created"]), float(values["updated"])
         return cls(
             run_dir=run_dir,
@@ -242,7 +219,7 @@ class Journal:
         fsutil.make_private_dir(self.run_dir)
         self.generation = max(self.generation, newest_generation(self.run_dir)) + 1
         data = self.to_dict()
-        _validate(data, self.path)
+        validate(data, self.path)
         data["signature"] = sign(load_or_create_key(), fsutil.canonical_json(data))
         fsutil.atomic_write(self.path, (json.dumps(data, indent=1, allow_nan=False) + "\n").encode())
         _remember_generation(self.run_dir, self.generation)  # after the journal: never ahead of it
@@ -291,13 +268,6 @@ def new_run_id() -> str:
 
 
 _RESTART_KEYS = tuple(f.name for f in fields(RestartRecord))
-
-
-def _bad(path: Path, why: str):
-    raise JournalError(
-        f"colab_resilience: {path} is not a usable run journal ({why}); "
-        "remove it (or `%resilience reset`) to start the run afresh"
-    )
 
 
 def _signed(key: bytes, data: dict) -> bool:
@@ -371,77 +341,6 @@ def _check_bound(run_dir: Path, path: Path, data: dict[str, Any], *, rollback: b
             f"generation {newest} this installation wrote (an old copy put back), so nothing in it "
             f"runs; `%resilience reset {data['run_id']}` starts the run afresh"
         )
-
-
-def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
-    """A version 1 journal (free-form ``extra``) as version 2 fields."""
-    data = {**_OPTIONAL, **data}
-    if data["format_version"] >= 2:
-        return data
-    extra = data.pop("extra")
-    policy = extra.get("policy") if isinstance(extra.get("policy"), dict) else {}
-    shrink = extra.get("shrink") if isinstance(extra.get("shrink"), dict) else {}
-    names = extra.get("names") if isinstance(extra.get("names"), list) else []
-    data.update(
-        cell_key=extra.get("cell_key") if _is(extra.get("cell_key"), (str,)) else None,
-        names=[n for n in names if _is(n, (str,))],
-        shrink={k: v for k, v in shrink.items() if _is(v, (int,))},
-        policy={"every": policy.get("every") if _is(policy.get("every"), (int,)) else None,
-                "memory_percent": policy.get("memory_percent")
-                if _is(policy.get("memory_percent"), (int, float)) else None},
-        restart_requested=extra.get("restart_requested") is True,
-        phase=extra.get("phase") if _is(extra.get("phase"), (str,)) else None,
-    )
-    return data
-
-
-def _is(value: Any, types: tuple[type, ...]) -> bool:
-    return isinstance(value, types) and (bool in types or not isinstance(value, bool))
-
-
-def _validate(data: Any, path: Path) -> None:
-    if not isinstance(data, dict):
-        _bad(path, "not a JSON object")
-    if data.get("format") != FORMAT:
-        _bad(path, f"format is {data.get('format')!r}, not {FORMAT!r}")
-    version = data.get("format_version")
-    if not _is(version, (int,)) or not 1 <= version <= FORMAT_VERSION:
-        _bad(path, f"format version {version!r}; this package reads {FORMAT_VERSION}")
-    scalars = {k: v for k, v in _SCALARS.items() if k not in _OPTIONAL or k in data}
-    lists = {"restarts": list, "replay_cells": list}
-    if version == 1:
-        scalars = {k: v for k, v in scalars.items() if k not in ("cell_key", "restart_requested", "phase")}
-        lists["extra"] = dict
-    else:
-        lists.update(names=list, shrink=dict, policy=dict)
-    for name, types in [*scalars.items(), *((k, (t,)) for k, t in lists.items())]:
-        if name not in data:
-            _bad(path, f"field {name!r} is missing")
-        if not _is(data[name], types):
-            _bad(path, f"field {name!r} is {type(data[name]).__name__}")
-    if data["status"] not in STATUSES:
-        _bad(path, f"status {data['status']!r} is not one of {', '.join(STATUSES)}")
-    if data["max_restarts"] < 0 or data["restarts_used"] < 0:
-        _bad(path, "negative restart counts")
-    if data.get("generation", 0) < 0:
-        _bad(path, "a negative generation")
-    for cell in data["replay_cells"]:
-        if not (isinstance(cell, dict) and _is(cell.get("key"), (str,)) and _is(cell.get("source"), (str,))):
-            _bad(path, "a replay cell is not {key, source} strings")
-    for r in data["restarts"]:
-        if not (isinstance(r, dict) and _is(r.get("reason"), (str,)) and _is(r.get("time"), (int, float))
-                and all(_is(r.get(k, False), (bool,)) for k in ("planned", "refused"))
-                and _is(r.get("at"), (str, type(None)))):
-            _bad(path, "a restart is not {reason, time, planned, refused, at}")
-    if version >= 2:
-        if not all(_is(n, (str,)) for n in data["names"]):
-            _bad(path, "a saved name is not a string")
-        if not all(_is(v, (int,)) for v in data["shrink"].values()):
-            _bad(path, "a shrunk value is not an integer")
-        policy = data["policy"]
-        if set(policy) != {"every", "memory_percent"} or not _is(policy["every"], (int, type(None))) \
-                or not _is(policy["memory_percent"], (int, float, type(None))):
-            _bad(path, "the restart policy is not {every, memory_percent}")
 
 
 # -- the runs under a root ---------------------------------------------------------------------------
