@@ -13,7 +13,9 @@ Each faulted run must end as the uninterrupted one did: every variable of the no
 the ``--save`` ones) the same bit for bit, by a digest of the bytes a checkpoint would hold
 (:func:`colab_resilience.kernelapi.state_digest`); a name missing after a resume (a loop
 variable, a plain cell's variable after a restart between cells) is no silent difference: reading
-it fails. Every cell's printed output must be the same
+it fails. A name that already differed between the two kernels before the first ``%%resilient``
+cell (a memory size, a time) and that the training did not change is not compared, and said so.
+Every cell's printed output must be the same
 (where a cell was interrupted, every part it printed between two recoveries must be a part of
 the uninterrupted output, and the last part its end). What differs is named, with the fault that
 exposed it. ``seed`` makes the choice of faults repeatable.
@@ -38,7 +40,10 @@ from . import faults as fault_env
 from .driver import EXIT_OK, RunResult, read_notebook, inject_parameters, run_notebook
 
 MARK = "colab-resilience-check"
-CHECK_CELL = f"print({MARK!r}, __import__('json').dumps(__import__('colab_resilience.kernelapi').kernelapi.state_digest()))"
+BEFORE = MARK + "-before-training"
+_DIGEST = "__import__('json').dumps(__import__('colab_resilience.kernelapi').kernelapi.state_digest())"
+CHECK_CELL = f"print({MARK!r}, {_DIGEST})"
+BEFORE_CELL = f"print({BEFORE!r}, {_DIGEST})"  # runs just before the first %%resilient cell
 EXIT_IDENTICAL, EXIT_DIFFERS, EXIT_USAGE, EXIT_BROKEN = 0, 1, 2, 3
 KINDS = ("kill-between", "oom", "kill-during-save", "kill-before-save")
 
@@ -71,6 +76,7 @@ class Outcome:
     result: RunResult
     digests: dict[str, list]
     outputs: dict[int, list[str]]
+    before: dict[str, list] = field(default_factory=dict)  # the digests just before the training
 
 
 @dataclass
@@ -136,14 +142,35 @@ def _lines(cell) -> list[str]:
     return "".join(text).splitlines()
 
 
+def _digests(cell, mark: str) -> dict[str, list]:
+    for line in _lines(cell):
+        if line.startswith(mark + " "):
+            return json.loads(line[len(mark) + 1:])
+    return {}
+
+
 def _outcome(result: RunResult) -> Outcome:
+    """The digests and the printed lines of a run; cells are numbered as in the user's notebook
+    (the two cells check adds are left out)."""
     cells = result.notebook.cells
-    digests: dict[str, list] = {}
-    for line in _lines(cells[-1]) if cells else []:
-        if line.startswith(MARK + " "):
-            digests = json.loads(line[len(MARK) + 1:])
-    outputs = {i: _lines(c) for i, c in enumerate(cells[:-1]) if c.get("cell_type") == "code"}
-    return Outcome(result, digests, outputs)
+    ours = [c for c in cells if c.get("metadata", {}).get(MARK)]
+    mine = [c for c in cells if not c.get("metadata", {}).get(MARK)]
+    by_role = {c["metadata"][MARK]: c for c in ours}
+    outputs = {i: _lines(c) for i, c in enumerate(mine) if c.get("cell_type") == "code"}
+    return Outcome(result, _digests(by_role.get("after", {}), MARK), outputs,
+                   _digests(by_role.get("before", {}), BEFORE))
+
+
+def _add_check_cells(nb) -> None:
+    """A cell that prints every variable's digest at the end, and one just before the first
+    ``%%resilient`` cell (what the training starts from)."""
+    import nbformat
+
+    first = next((i for i, c in enumerate(nb.cells) if c.get("cell_type") == "code"
+                  and "".join(c.get("source", "")).lstrip().startswith("%%resilient")), None)
+    if first is not None:
+        nb.cells.insert(first, nbformat.v4.new_code_cell(BEFORE_CELL, metadata={MARK: "before"}))
+    nb.cells.append(nbformat.v4.new_code_cell(CHECK_CELL, metadata={MARK: "after"}))
 
 
 def _same_output(reference: list[str], faulted: list[str]) -> bool:
@@ -181,13 +208,28 @@ def compare(reference: Outcome, faulted: Outcome) -> list[str]:
             continue  # missing after a resume (a loop variable, a plain cell's name): reading it fails loudly
         if a is None:
             found.append(f"{name} exists only in the faulted run")
-        elif a[0] != b[0]:
+        elif a[0] != b[0] and not _set_before_training(name, reference, faulted):
             values = f" (uninterrupted {a[1]}, faulted {b[1]})" if a[1] is not None and b[1] is not None else ""
             found.append(f"{name} differs{values}")
     for index, lines in reference.outputs.items():
         if not _same_output(lines, faulted.outputs.get(index, [])):
             found.append(f"the printed output of cell {index} differs")
     return found
+
+
+def _set_before_training(name: str, reference: Outcome, faulted: Outcome) -> bool:
+    """Whether ``name`` already differed between the two kernels before the training began (the
+    memory size or the time a set-up cell read) and the training left it as it was in both: no
+    fault can have caused that difference."""
+    a0, b0 = reference.before.get(name), faulted.before.get(name)
+    a, b = reference.digests.get(name), faulted.digests.get(name)
+    return a0 is not None and b0 is not None and a0[0] != b0[0] and a == a0 and b == b0
+
+
+def not_compared(reference: Outcome, faulted: Outcome) -> list[str]:
+    """The names :func:`compare` left out because they differed before the training."""
+    return sorted(n for n in set(reference.digests) & set(faulted.digests)
+                  if reference.digests[n][0] != faulted.digests[n][0] and _set_before_training(n, reference, faulted))
 
 
 def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | None = None, faults: int = 3,
@@ -201,7 +243,7 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
     import nbformat
 
     inject_parameters(nb, parameters or {})
-    nb.cells.append(nbformat.v4.new_code_cell(CHECK_CELL))
+    _add_check_cells(nb)
     work = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="colab-resilience-check-"))
     work.mkdir(parents=True, exist_ok=True)
     cwd = str(folder or os.getcwd())
@@ -239,6 +281,10 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
                 verdict = "the fault never fired (the run went another way): " + verdict
             log(f"  fault {i}/{faults}: {fault.describe(report.safe_points)}: {verdict} "
                 f"({result.restarts} kernel restart{'s' if result.restarts != 1 else ''}, {result.seconds:.1f} s)")
+            skipped = not_compared(reference, outcome)
+            if skipped:
+                log(f"    not compared: {', '.join(skipped)} (set before the training, different in each kernel "
+                    "before any fault, and not changed by the training)")
         return report
     finally:
         if not keep:

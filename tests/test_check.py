@@ -51,6 +51,17 @@ def test_the_shipped_tutorial_passes(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_the_shipped_quickstart_passes_and_says_what_it_did_not_compare():
+    """The quickstart reads its kernel's memory size (`vm`) in a plain cell before the training:
+    it differs from kernel to kernel whatever happens, and the training never changes it, so it is
+    not compared, and check says so; with an out-of-memory error injected (fault 2 of seed 0) it
+    used to report "vm differs"."""
+    r = check(str(harness.REPO) + "/notebooks/quickstart.ipynb", "--faults", "2", "--kernel", harness.KERNEL_NAME)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "an out-of-memory error" in r.stdout and "vm differs" not in r.stdout
+    assert "not compared: vm (set before the training" in r.stdout
+
+
 def test_a_notebook_that_fails_without_faults_is_exit_3_and_usage_errors_exit_2(tmp_path):
     nb = harness.load("resume_nested.ipynb")
     harness.insert(nb, "train", "raise ValueError('broken set-up')", "broken")
