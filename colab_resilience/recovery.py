@@ -85,8 +85,8 @@ class Recovery:
             outcome.shrink_history[s.name] = [ns[s.name]]
         while True:
             outcome.attempts += 1
-            if self.before_attempt is not None:
-                self.before_attempt(outcome)
+            if self.before_attempt is not None and self.before_attempt(outcome) is False:
+                return  # nothing is left to run (a resumed cell that had finished)
             failure = run_body(self.shell, codes)
             if failure is None:
                 return

@@ -104,5 +104,6 @@ def execute(session, line: str, body: str, options: Options) -> None:
                     session.say(f"colab_resilience: run {run.run_id} stopped by {type(e).__name__}; to go on anyway: {hint}")
                 run.finish("failed")
             raise
-        run.finish_save()
+        if not run.finished_before:
+            run.finish_save()
         run.finish("done")

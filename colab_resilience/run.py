@@ -100,6 +100,7 @@ class Run:
         self._last_save = 0.0
         self._replayed, self._replay_seconds = 0, 0.0
         self._resume_note: str | None = None  # said where the run goes on after a restart
+        self.finished_before = False  # resumed at its end-of-cell checkpoint: the cell is not run
 
     @property
     def run_id(self) -> str:
@@ -245,20 +246,28 @@ class Run:
 
     # ----------------------------------------------------------------------- safe points
 
-    def attempt_start(self) -> None:
-        """Before each attempt of the cell: without a loop, the cell start is the restore point."""
+    def attempt_start(self) -> bool:
+        """Before each attempt of the cell: without a loop, the cell start is the restore point.
+        False when the cell is not to run: its last checkpoint was taken at its end (the kernel
+        died after the final save, before the run could say it was done), and running it again
+        would train on top of its own result."""
         self.loops.reset()
         if self.uses_loop:
-            return
+            return True
         if self.resuming:
             got = self._restore("the cell")
             if got is not None:
                 got[0].restore(self.shell.user_ns, [], rng=True)
             note = self._take_note()
+            self.finished_before = got is not None and _meta(got[0]).get("end") is True
+            if self.finished_before:
+                self.say((note or f"colab_resilience: run {self.run_id}") + "; the cell had finished, it is not run again")
+                return False
             if note:
                 self.say(note + "; running the cell again")
         elif self.safe_points == 0:
             self.first_safe_point()  # the cell start
+        return True
 
     def safe_point(self, position: list[tuple[int, int]], rngs: list, *, force: bool = False,
                    last: bool = False, where: str | None = None) -> None:
@@ -287,11 +296,11 @@ class Run:
     def finish_save(self) -> None:
         """The end of the cell, a safe point: a resumed cell would skip every loop."""
         faults.safe_point("before", end=True)
-        self.save_position([(self.loops.top, 0)], [], force=True)
+        self.save_position([(self.loops.top, 0)], [], force=True, end=True)
         faults.safe_point("after", end=True)
 
     def save_position(self, position: list[tuple[int, int]], rngs: list, *, force: bool = False,
-                      where: str | None = None) -> None:
+                      where: str | None = None, end: bool = False) -> None:
         due = force or (
             (self.every_n is not None and self.safe_points % self.every_n == 0)
             or (self.every_seconds is not None and time.monotonic() - self._last_save >= self.every_seconds)
@@ -309,7 +318,7 @@ class Run:
                 f"colab_resilience: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not defined at "
                 "this safe point; the checkpoint holds the other names"
             )
-        meta = {"loops": [list(p) for p in position], "carried": carried.snapshot(ns, present)}
+        meta = {"loops": [list(p) for p in position], "carried": carried.snapshot(ns, present), "end": end}
         namespace: Mapping = ChainMap({LOOP_RNG: rngs}, ns) if rngs else ns
         try:
             # strict: a value that cannot be saved stops the cell here, before anything is written

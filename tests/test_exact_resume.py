@@ -230,6 +230,25 @@ def test_a_shrink_is_kept_when_the_kernel_is_killed_before_the_next_safe_point(t
     assert harness.result(nb) == twin(tmp_path_factory, "resume_shrink.ipynb", batch_size=32)
 
 
+def test_a_kill_after_the_final_save_of_a_cell_without_resume_range_does_not_train_again(tmp_path,
+                                                                                        tmp_path_factory):
+    """A cell without resume_range, killed just after its end-of-cell checkpoint was written and
+    before its run was marked done (as `colab-resilience check` found, a kill 0.015 s into that
+    save): the new kernel puts the final state back and does not run the cell again, which trained
+    a second time on top of its own result. Bit-identical to the uninterrupted twin."""
+    from colab_resilience import faults
+
+    nb = harness.load("resume_shrink.ipynb", tmp_path)
+    fault = json.dumps({"kind": "kill", "safe_point": 2, "phase": "after", "delay": 0, "mark": str(tmp_path / "m")})
+    run = harness.run(nb, tmp_path, standby=False, env={faults.FAULT_ENV: fault})
+    assert run.status == 0, run.message
+    assert faults.fired(tmp_path / "m") and len(run.restarts) == 1
+    text = cell_out(nb, "train")
+    after = text.split("colab_resilience: the kernel died", 1)[1]
+    assert "the cell had finished, it is not run again" in after and "attempt with batch_size" not in after
+    assert harness.result(nb) == twin(tmp_path_factory, "resume_shrink.ipynb", batch_size=32)
+
+
 def test_a_shrink_is_kept_when_the_kernel_is_killed_before_the_next_safe_point_interactively(kernel, tmp_path,
                                                                                               tmp_path_factory):
     nb = harness.load("resume_shrink.ipynb", tmp_path, fault="sigkill")
