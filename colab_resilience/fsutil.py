@@ -52,14 +52,15 @@ def write_all(fd: int, data) -> None:
         view = view[n:]
 
 
-def write_new(path: str | os.PathLike, data, mode: int = 0o600) -> None:
+def write_new(path: str | os.PathLike, data, mode: int = 0o600, *, durable: bool = True) -> None:
     """Create ``path`` (it must not exist) with exactly ``mode`` whatever the umask, write
-    ``data`` and fsync it; the descriptor is closed on every path, errors included."""
+    ``data`` and (``durable``) fsync it; the descriptor is closed on every path, errors included."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode)
     try:
         os.fchmod(fd, mode)
         write_all(fd, data)
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -77,12 +78,13 @@ def atomic_temp_prefix(name: str) -> str:
     return f".{name}.tmp-"
 
 
-def atomic_write(path: str | os.PathLike, data: bytes, mode: int = 0o600) -> None:
-    """Replace ``path`` by ``data`` atomically and durably (temp + fsync + replace + fsync dir)."""
+def atomic_write(path: str | os.PathLike, data: bytes, mode: int = 0o600, *, durable: bool = True) -> None:
+    """Replace ``path`` by ``data`` atomically (temp + replace) and, unless ``durable`` is
+    False, durably (the file and its folder fsync'ed)."""
     path = Path(path)
     tmp = path.with_name(f"{atomic_temp_prefix(path.name)}{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        write_new(tmp, data, mode)
+        write_new(tmp, data, mode, durable=durable)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -90,7 +92,8 @@ def atomic_write(path: str | os.PathLike, data: bytes, mode: int = 0o600) -> Non
         except FileNotFoundError:
             pass
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def open_private_file(path: str | os.PathLike, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:

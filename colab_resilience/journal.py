@@ -314,17 +314,7 @@ def _remember_generation(run_dir: Path, generation: int) -> None:
     # check accepts; what it must never be is newer, hence written after the journal
     record = _generation_record(run_dir)
     fsutil.make_private_dir(record.parent)
-    tmp = record.with_name(f"{fsutil.atomic_temp_prefix(record.name)}{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | fsutil.O_NOFOLLOW | fsutil.O_CLOEXEC, 0o600)
-    try:
-        fsutil.write_all(fd, str(generation).encode())
-    finally:
-        os.close(fd)
-    try:
-        os.replace(tmp, record)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    fsutil.atomic_write(record, str(generation).encode(), durable=False)
 
 
 def _check_bound(run_dir: Path, path: Path, data: dict[str, Any], *, rollback: bool) -> None:
