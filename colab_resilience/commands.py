@@ -11,10 +11,10 @@ import shutil
 from pathlib import Path
 
 from . import fsutil, replay, restart
+from .checkpoints import manifest as checkpoint_manifest
 from .errors import JournalError, OptionError, ResilienceError, RunLockedError, UnsafeDirectoryError
 from .journal import Journal, find_runs
 from .lock import RunLock
-from .checkpoints import manifest as checkpoint_manifest
 from .run import open_store, restore_latest
 
 
