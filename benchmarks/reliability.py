@@ -1,6 +1,6 @@
 """Reliability trials: SIGKILL during checkpoint writes, chaos runs under the supervisor, crash loops.
 
-    python benchmarks/reliability.py kill-writes [--trials 200] [--size-mb 300] [--dir DIR] [--seed S]
+    python benchmarks/reliability.py kill-writes [--trials 200] [--size-mb 300] [--dir DIR] [--seed S] [--background]
     python benchmarks/reliability.py chaos       [--runs 1] [--kills 8] [--epochs 8] [--width 1024] [--pause S] [--seed S] [--no-standby]
     python benchmarks/reliability.py crash-loops [--max-restarts 2]
     python benchmarks/reliability.py hostile     [--attacks 400] [--journals 200] [--full-saves 200] [--disk-mb 8] [--names 34000] [--seed S]
@@ -26,6 +26,10 @@ kill-writes
     the package once (no torch compute before the fork), to save ~3 s of imports per trial; each
     writer is a separate process with its own ``CheckpointStore``. The store lives in a temporary
     folder on disk (``--dir`` to choose; /dev/shm was not needed: a 300 MB save takes < 1 s here).
+    ``--background``: the writer saves as a run does by default, a snapshot into staging memory
+    and the persist on a thread of its own, while it makes the next generation in place (every
+    tensor and array written during the persist): a persist that read live memory would write a
+    mix of generations, which the check catches.
 
 chaos
     A supervised run (``colab_resilience.run_notebook``) of the tests' training notebook,
@@ -230,22 +234,35 @@ def check_namespace(ns: dict, size_bytes: int, gen: int) -> str | None:
 # kill-writes: the zygote and its writers
 
 
-def _writer(run_dir: str, size_bytes: int, start_gen: int, out_fd: int) -> None:
-    """In a forked child: save generation after generation until killed (or 1000 of them)."""
+def _writer(run_dir: str, size_bytes: int, start_gen: int, out_fd: int, background: bool = False) -> None:
+    """In a forked child: save generation after generation until killed (or 1000 of them). With
+    ``background``, as a run does: a snapshot into staging memory, the persist on a thread of its
+    own, and the next generation made in place (every tensor and array written) while it runs."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from colab_resilience.checkpoints import CheckpointStore
+    from colab_resilience.checkpoints.staging import Budget, Staging
 
     def say(line: str) -> None:
         os.write(out_fd, (line + "\n").encode())  # one write < PIPE_BUF: atomic
 
     store = CheckpointStore(run_dir, key=KEY)
     ns = make_namespace(size_bytes, start_gen)
+    staging, thread, in_flight = Staging(Budget(0.5)), ThreadPoolExecutor(1), None
     say(f"ready {os.getpid()}")
     for gen in range(start_gen, start_gen + 1000):
         if gen != start_gen:
             advance(ns, size_bytes, gen)
+        if in_flight is not None:
+            in_flight.result()
+            say(f"done {gen - 1}")
         say(f"begin {gen}")
-        store.save(ns, NAMES, meta={"gen": gen})
-        say(f"done {gen}")
+        if not background:
+            store.save(ns, NAMES, meta={"gen": gen})
+            say(f"done {gen}")
+            continue
+        snap = store.snapshot(ns, NAMES, meta={"gen": gen}, staging=staging)
+        in_flight = thread.submit(store.persist, snap)
     store.wait()
 
 
@@ -263,12 +280,12 @@ def _zygote() -> None:
         parts = line.split()
         if not parts or parts[0] != "spawn":
             break
-        run_dir, size_bytes, start_gen = parts[1], int(parts[2]), int(parts[3])
+        run_dir, size_bytes, start_gen, background = parts[1], int(parts[2]), int(parts[3]), parts[4] == "1"
         pid = os.fork()
         if pid == 0:
             code = 0
             try:
-                _writer(run_dir, size_bytes, start_gen, out)
+                _writer(run_dir, size_bytes, start_gen, out, background)
             except BaseException as e:  # noqa: BLE001 - reported to the parent, then exit
                 os.write(out, f"error {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n".encode())
                 code = 1
@@ -302,8 +319,8 @@ class Zygote:
         except queue.Empty:
             raise TimeoutError(f"no word from the writer in {timeout:.0f} s") from None
 
-    def spawn(self, run_dir: Path, size_bytes: int, start_gen: int) -> None:
-        self.proc.stdin.write(f"spawn {run_dir} {size_bytes} {start_gen}\n".encode())
+    def spawn(self, run_dir: Path, size_bytes: int, start_gen: int, background: bool = False) -> None:
+        self.proc.stdin.write(f"spawn {run_dir} {size_bytes} {start_gen} {int(background)}\n".encode())
         self.proc.stdin.flush()
 
     def close(self) -> None:
@@ -407,8 +424,9 @@ def _gen_of_checkpoints(run_dir: Path) -> dict:
 
 
 def kill_trials(trials: int, size_mb: float, *, run_dir: Path | None = None, seed: int = 0,
-                progress=None) -> tuple[list[KillTrial], dict]:
-    """Run ``trials`` kill-during-write trials; return them and a summary."""
+                progress=None, background: bool = False) -> tuple[list[KillTrial], dict]:
+    """Run ``trials`` kill-during-write trials; return them and a summary. ``background``: the
+    writer persists on a thread while it makes the next generation in place, as a run does."""
     import torch
 
     from colab_resilience.errors import NoCheckpointError
@@ -429,7 +447,7 @@ def kill_trials(trials: int, size_mb: float, *, run_dir: Path | None = None, see
     try:
         for index in range(trials):
             before = _listing(store_dir)
-            zygote.spawn(store_dir, size_bytes, next_gen)
+            zygote.spawn(store_dir, size_bytes, next_gen, background)
             pid = None
             begins: dict[int, float] = {}
             dones: dict[int, float] = {}
@@ -1140,6 +1158,7 @@ def main(argv=None) -> int:
     k.add_argument("--dir", type=Path, default=None, help="a folder for the store (default: a temporary one)")
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    k.add_argument("--background", action="store_true", help="snapshot, then persist on a thread (as runs do)")
     c = sub.add_parser("chaos", help="SIGKILL a supervised training run's kernel at random moments")
     c.add_argument("--runs", type=int, default=1)
     c.add_argument("--kills", type=int, default=8)
@@ -1180,7 +1199,8 @@ def main(argv=None) -> int:
             if t.outcome == "failure" or (t.index + 1) % 25 == 0:
                 print(f"  trial {t.index + 1}: {t.outcome} ({t.phase}) {t.detail}", flush=True)
 
-        _, summary = kill_trials(a.trials, a.size_mb, run_dir=a.dir, seed=a.seed, progress=progress)
+        _, summary = kill_trials(a.trials, a.size_mb, run_dir=a.dir, seed=a.seed, progress=progress,
+                                 background=a.background)
         print()
         print_kill_table(summary)
         if a.json:

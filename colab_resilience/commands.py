@@ -45,8 +45,11 @@ def status(session) -> None:
     """Every run in the run directory: status, restarts, what it saves, its last checkpoint."""
     found = find_runs(session.root())
     policy = (session.policy or restart.RestartPolicy()).describe()
+    budget, when_busy = session.saving()
+    saving = ("written while training waits (staging_memory off)" if budget.off else
+              f"written in the background (staging memory: {budget.describe()}; a busy safe point: {when_busy})")
     # every line begins as all of this package's lines do: a reader can tell them from the notebook's
-    print(f"colab_resilience: run directory {session.root()}; planned restarts {policy}")
+    print(f"colab_resilience: run directory {session.root()}; planned restarts {policy}; checkpoints {saving}")
     if not found:
         print("colab_resilience:   no runs yet")
     for path in found:
@@ -63,6 +66,9 @@ def status(session) -> None:
             f"{_plural(len(j.replay_cells), 'replay cell')}"
             + (f"; {shrink}" if shrink else "")
         )
+        stats = session.saves.get(j.run_id)
+        if stats is not None:  # its last execution in this kernel
+            print(f"colab_resilience:     checkpoints in this kernel: {stats.line()}")
 
 
 def set_dir(session, folder: str) -> None:

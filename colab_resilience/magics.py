@@ -14,12 +14,13 @@ from typing import Callable
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, Float, Integer, Unicode
+from traitlets import Bool, Enum, Float, Integer, TraitError, Unicode, validate
 
 from . import commands, options, replay, resilient
 from .errors import (
     OptionError, RunLockedError, RunStoppedError, UnsafeCheckpointError, UnsafeDirectoryError, UnsaveableValueError,
 )
+from .checkpoints.staging import parse_budget
 from .journal import RestartPolicy
 from .recovery import Shrink
 from .loops import active_run
@@ -120,6 +121,24 @@ class ResilienceMagics(Magics):
         "", help="Where runs keep their journal and checkpoints (default: a mounted Drive folder "
         "in Colab, else ./.colab_resilience; also $COLAB_RESILIENCE_RUN_DIR)."
     ).tag(config=True)
+
+    staging_memory = Unicode(
+        "25%", help="Memory a checkpoint's snapshot may be copied into, so that it is written while "
+        "training goes on: a share of the memory available at each safe point (25%), a size "
+        "(2GiB), or off (every save written while training waits)."
+    ).tag(config=True)
+    when_busy = Enum(
+        ["wait", "skip"], "wait", help="A safe point that comes while the previous checkpoint is "
+        "still being written: wait for it, or skip this save."
+    ).tag(config=True)
+
+    @validate("staging_memory")
+    def _valid_staging(self, proposal):
+        try:
+            parse_budget(proposal["value"])
+        except ValueError as e:
+            raise TraitError(f"ResilienceMagics.staging_memory needs {e}") from None
+        return proposal["value"]
 
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)

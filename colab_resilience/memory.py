@@ -69,6 +69,72 @@ def memory_in_use_percent(*, discount_standby: bool = False) -> tuple[float, str
     return best, where
 
 
+def available_bytes() -> int | None:
+    """Memory this process could still take without failing an allocation or waking the OOM
+    killer: the least of the machine's ``MemAvailable``, what its memory cgroup (v2) has left,
+    and what its address-space limit (``RLIMIT_AS``) has left; None where none is known."""
+    import resource
+
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/proc/self/cgroup") as f:
+            group = next((line.strip().split("::", 1)[1] for line in f if line.startswith("0::")), None)
+        if group is not None:
+            folder = "/sys/fs/cgroup" + group.rstrip("/")
+            with open(folder + "/memory.max") as f:
+                limit = f.read().strip()
+            if limit != "max":
+                with open(folder + "/memory.current") as f:
+                    found.append(max(0, int(limit) - int(f.read())))
+    except (OSError, ValueError, StopIteration):
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        try:
+            with open("/proc/self/statm", "rb") as f:
+                size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            found.append(max(0, soft - size))
+        except (OSError, ValueError, IndexError):
+            pass
+    return min(found) if found else None
+
+
+def transient_bytes() -> int:
+    """How much more memory this process took at its peak since the last call (the first time:
+    since it started) than it holds now: what an iteration of training needs on top of its state
+    (activations, a batch). The resident peak (``VmHWM``) is reset after reading, where the kernel
+    allows it (``/proc/self/clear_refs``); under an address-space limit, the rise of the address
+    space to its lifetime peak (``VmPeak``) counts too, which cannot be reset: so it only errs
+    towards a larger figure."""
+    import resource
+
+    fields: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("VmHWM", "VmRSS", "VmPeak", "VmSize"):
+                    fields[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    rise = fields.get("VmHWM", 0) - fields.get("VmRSS", 0)
+    if resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY:
+        rise = max(rise, fields.get("VmPeak", 0) - fields.get("VmSize", 0))
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return max(0, rise)
+
+
 def oom_kills() -> int | None:
     """How many processes the kernel's out-of-memory killer has killed since boot (``oom_kill``
     in ``/proc/vmstat``, Linux 4.13+; memory-cgroup kills included); None where unknown. A death

@@ -91,6 +91,20 @@ class OOMVerdict:
     def needs_restart(self) -> bool:
         return self.kind == RESTART
 
+    @property
+    def host(self) -> bool:
+        """Whether host memory ran out (not an accelerator's): see :func:`host_memory`."""
+        return host_memory(self.label)
+
+
+_DEVICE_WORDS = ("CUDA", "HIP", "MPS", "CUBLAS", "CUDNN", "cuDNN", "CUSOLVER", "CUFFT", "NCCL")
+
+
+def host_memory(label: str) -> bool:
+    """Whether the OOM labelled ``label`` may be host memory running out: anything but a GPU's
+    (an unspecific label, such as JAX's RESOURCE_EXHAUSTED, counts as host memory)."""
+    return not any(word in label for word in _DEVICE_WORDS)
+
 
 def _qualnames(exc: BaseException):
     for cls in type(exc).__mro__:

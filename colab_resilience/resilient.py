@@ -51,6 +51,7 @@ def execute(session, line: str, body: str, options: Options) -> None:
         shell, session.root(), session.adopt or run_id_for(key),
         cell_key=key, source=source, body=body, names=options.names, shrink=shrink_names,
         max_restarts=options.max_restarts, every=options.every, policy=session.policy, say=session.say,
+        saving=session.saving(),
     )
     session.adopt = None  # after %resilience resume: this cell continued that run
     replayed, seconds = 0, 0.0
@@ -87,10 +88,11 @@ def execute(session, line: str, body: str, options: Options) -> None:
     recovery = Recovery(
         shell, retries=options.retries, shrink=options.shrink, say=session.say,
         before_attempt=lambda outcome: run.attempt_start(),
-        before_retry=lambda outcome: run.rollback(),
+        before_retry=lambda outcome: run.rollback(host_memory=oom.host_memory(outcome.labels[-1])),
         give_up=give_up,
         on_shrink=run.record_shrink,
     )
+    session.saves[run.run_id] = run.saver.stats  # for %resilience status
     with run.active():
         try:
             recovery.run(header, body)

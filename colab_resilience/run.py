@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections import ChainMap
 from pathlib import Path
@@ -28,10 +29,12 @@ from typing import Callable, Iterable, Iterator, Mapping, MutableMapping
 
 from . import carried, faults, fsutil, loops, memory, restart
 from .checkpoints import Checkpoint, CheckpointStore
-from .errors import CheckpointError, JournalError, NoCheckpointError, RunStoppedError, UnsaveableValueError
+from .checkpoints.staging import Budget
+from .errors import JournalError, NoCheckpointError, RunStoppedError
 from .journal import Journal, ReplayCell, RestartPolicy, merge_replay_cells
 from .lock import RunLock
 from .loops import LOOP_RNG, Loops, Plan, position_of
+from .saving import Saver
 
 
 def run_id_for(cell_key: str, key: bytes | None = None) -> str:
@@ -84,8 +87,13 @@ class Run:
 
     def __init__(self, shell, journal: Journal, store: CheckpointStore, lock: RunLock, *, root: Path,
                  body: str, names: list[str], shrink: list[str], every: tuple[int | None, float | None],
-                 policy: RestartPolicy, resuming: bool, after_restart: bool, say: Callable[[str], None]):
+                 policy: RestartPolicy, resuming: bool, after_restart: bool, say: Callable[[str], None],
+                 saving: tuple[Budget, str] = (Budget(), "wait")):
         self.shell, self.journal, self.store, self.lock, self.root = shell, journal, store, lock, root
+        # the persisting thread records durable checkpoints in the journal: every write of it is
+        # made under this lock while a run is open
+        self.journal_lock = threading.Lock()
+        self.saver = Saver(store, budget=saving[0], when_busy=saving[1], on_durable=self._durable, say=say)
         self.names, self.shrink, self.policy, self.say = names, shrink, policy, say
         self.every_n, self.every_seconds = every
         self.uses_loop = "resume_range" in body
@@ -114,7 +122,7 @@ class Run:
     def open(cls, shell, root: Path, run_id: str, *, cell_key: str, source: str, body: str,
              names: list[str], shrink: list[str] = (), max_restarts: int = 3,
              every: tuple[int | None, float | None] = (1, None), policy: RestartPolicy | None = None,
-             say: Callable[[str], None] = print) -> Run:
+             say: Callable[[str], None] = print, saving: tuple[Budget, str] = (Budget(), "wait")) -> Run:
         """Take the run's lock and read its journal (a pending run resumes) or start a new one.
         Raises :class:`RunLockedError` (another kernel holds it) or :class:`RunStoppedError` (an
         unusable journal, or a death without warning that the budget does not cover)."""
@@ -154,7 +162,7 @@ class Run:
             restart.install_startup_file(shell, Path(root))
         return cls(shell, journal, store, lock, root=Path(root), body=body, names=list(names),
                    shrink=list(shrink), every=every, policy=policy, resuming=resuming,
-                   after_restart=after_restart, say=say)
+                   after_restart=after_restart, say=say, saving=saving)
 
     # -------------------------------------------------------------------------------- resume
 
@@ -320,23 +328,26 @@ class Run:
             )
         meta = {"loops": [list(p) for p in position], "carried": carried.snapshot(ns, present), "end": end}
         namespace: Mapping = ChainMap({LOOP_RNG: rngs}, ns) if rngs else ns
-        try:
-            # strict: a value that cannot be saved stops the cell here, before anything is written
-            report = self.store.save(namespace, present + ([LOOP_RNG] if rngs else []), meta=meta, strict=True)
-        except UnsaveableValueError:
-            raise
-        except CheckpointError as e:
-            # e.g. a full disk: the previous checkpoint is intact; try again at the next safe point
-            self.say(f"{str(e).splitlines()[0]} — the previous checkpoint is kept; the run goes on and tries again at the next safe point")
+        # the batch size that fits goes with the checkpoint: a new kernel starts from it
+        info = (where, _integers(ns, self.shrink))
+        # a value that cannot be saved stops the cell here (UnsaveableValueError), before anything
+        # is written; a checkpoint that cannot be written is said, and the run goes on
+        if not self.saver.save(namespace, present + ([LOOP_RNG] if rngs else []), meta=meta, info=info, durable=end):
             return
         self._last_save = time.monotonic()
         self._saved_point = self.safe_points
         self._names_at_checkpoint = set(ns)
-        self.journal.last_checkpoint, self.journal.resume_at = report.checkpoint_id, where
-        self.journal.oom_kills = memory.oom_kills()
-        # the batch size that fits goes with the checkpoint: a new kernel starts from it
-        self.journal.shrink.update(_integers(ns, self.shrink))
-        self.journal.save()
+
+    def _durable(self, report, info: tuple[str | None, dict[str, int]]) -> None:
+        """A checkpoint is on disk and ``LATEST`` names it: the journal says so (on the persisting
+        thread, when saves are in the background)."""
+        where, shrink = info
+        with self.journal_lock:
+            j = self.journal
+            j.last_checkpoint, j.resume_at = report.checkpoint_id, where
+            j.oom_kills = memory.oom_kills()
+            j.shrink.update(shrink)
+            j.save()
 
     def forget_new_names(self) -> list[str]:
         """Unbind the names created since the last checkpoint, the point a retry goes back to,
@@ -351,9 +362,14 @@ class Run:
             del ns[n]
         return new
 
-    def rollback(self) -> list[str]:
+    def rollback(self, host_memory: bool = True) -> list[str]:
         """Before an in-process retry: restore the last safe point at the next restore point, and
-        unbind what the failed attempt created (returned, to be reported)."""
+        unbind what the failed attempt created (returned, to be reported). The checkpoint being
+        written is waited for; after host memory ran out, the staging memory is given back."""
+        if host_memory:
+            self.saver.go_synchronous("host memory ran out")
+        else:
+            self.saver.settle()
         self.resuming = True
         return self.forget_new_names()
 
@@ -361,22 +377,26 @@ class Run:
 
     def set_policy(self, policy: RestartPolicy) -> None:
         """``%restart_after`` run inside the cell: from the next safe point on, for this run too."""
-        self.policy = self.journal.policy = policy
-        self.journal.save()
+        with self.journal_lock:
+            self.policy = self.journal.policy = policy
+            self.journal.save()
 
     def record_shrink(self, values: Mapping[str, object]) -> None:
-        self.journal.shrink.update(_integers(values, values))
-        self.journal.save()
+        with self.journal_lock:
+            self.journal.shrink.update(_integers(values, values))
+            self.journal.save()
 
     def leave(self, reason: str, *, planned: bool = False) -> str:
         """Restart the kernel (see :func:`colab_resilience.restart.leave`). Returns only when it
         cannot; the run has then failed, and the returned line says why."""
+        self.saver.close()  # the checkpoint being written goes to disk before the kernel goes
         report = restart.leave(self.shell, self.journal, reason, planned=planned, iteration=self.iteration,
                                say=self.say)
         self.close()
         return report
 
     def finish(self, status: str) -> None:
+        self.saver.close()
         self.journal.restart_requested = False
         self.journal.status = status
         self.journal.save()
@@ -384,6 +404,7 @@ class Run:
 
     def close(self) -> None:
         """Let go of the run: the lock, and the startup file once no run is pending."""
+        self.saver.close()
         restart.remove_startup_file_if_idle(self.shell, self.root)
         self.lock.release()
 

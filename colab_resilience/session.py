@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from .checkpoints.staging import Budget, parse_budget
 from .errors import NotLoadedError
 from .journal import RestartPolicy
 from .replay import ReplayLog
@@ -47,10 +48,15 @@ class Session:
         # a driver brings back the cell a dead kernel was running: if its run had finished, the
         # cell is done (its state was put back), not to be trained again on top of that state
         self.reexecuting = False
+        self.saves: dict = {}  # run id -> SaveStats of its last execution in this kernel
 
     def root(self) -> Path:
         run_dir = self.settings.run_dir
         return Path(run_dir).expanduser() if run_dir else default_root()
+
+    def saving(self) -> tuple[Budget, str]:
+        """How checkpoints are saved: the staging memory's budget, and what a busy safe point does."""
+        return parse_budget(self.settings.staging_memory), self.settings.when_busy
 
     def say(self, line: str) -> None:
         if self.settings.verbose:

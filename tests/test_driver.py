@@ -27,8 +27,10 @@ pytestmark = pytest.mark.kernel
 
 def test_sigkill_from_inside_resumes_exactly(tmp_path, reference):
     """A SIGKILL mid-epoch: the warm standby takes over, the parameters and set-up cells are
-    replayed, the run continues at the interrupted epoch and ends bit-identical."""
-    nb = load("train.ipynb", tmp_path, fault="sigkill", fault_epoch=2)
+    replayed, the run continues at the interrupted epoch and ends bit-identical. (Staging off: the
+    checkpoint of the epoch before is on disk when the kill comes; tests/test_background_saves.py
+    kills during its write.)"""
+    nb = load("train.ipynb", tmp_path, fault="sigkill", fault_epoch=2, staging="off")
     outcome = run(nb, tmp_path)
     assert outcome.status == 0, outcome.message
     assert [r.exit_code for r in outcome.restarts] == [-9]
@@ -262,7 +264,7 @@ def test_papermill_engine(tmp_path, reference):
 
     files = {"mark": str(tmp_path / "fault.mark"), "log": str(tmp_path / "events.log")}
     out = papermill.execute_notebook(str(FILES / "train.ipynb"), str(tmp_path / "out.ipynb"), engine_name="resilient",
-                                     kernel_name=KERNEL_NAME, parameters={"fault": "sigkill", "fault_epoch": 1, **files},
+                                     kernel_name=KERNEL_NAME, parameters={"fault": "sigkill", "fault_epoch": 1, "staging": "off", **files},
                                      progress_bar=False)
     assert result(out) == reference.result
     assert len(out.metadata["colab_resilience"]["restarts"]) == 1

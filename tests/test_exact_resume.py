@@ -60,7 +60,9 @@ def test_a_kill_inside_an_epoch_resumes_at_the_next_minibatch(tmp_path, tmp_path
     0-3, gets the saved running loss back and ends bit-identical. (It used to resume the outer loop
     at the inner index: epochs went missing, and a DataLoader could not be resumed at all.)"""
     reference = twin(tmp_path_factory, "resume_nested.ipynb", use_loader=use_loader)
-    nb = harness.load("resume_nested.ipynb", tmp_path, use_loader=use_loader, fault="sigkill")
+    # staging off: the checkpoint of the safe point just before the kill is on disk when it comes
+    # (in the background it may still be written: tests/test_background_saves.py)
+    nb = harness.load("resume_nested.ipynb", tmp_path, use_loader=use_loader, fault="sigkill", staging="off")
     run = harness.run(nb, tmp_path, standby=False)
     assert run.status == 0, run.message
     assert [r.iteration for r in run.restarts] == ["1, item 3"]
@@ -84,7 +86,7 @@ def test_a_kill_inside_an_epoch_resumes_exactly_interactively(kernel, tmp_path, 
     """A kernel killed mid-epoch, brought back as a Jupyter server does; the user runs the cell
     again: it replays the set-up, restores, and resumes at the next minibatch, bit-identical."""
     reference = twin(tmp_path_factory, "resume_nested.ipynb")
-    nb = harness.load("resume_nested.ipynb", tmp_path, fault="sigkill")
+    nb = harness.load("resume_nested.ipynb", tmp_path, fault="sigkill", staging="off")
     out = killed_and_rerun(kernel, nb)
     assert "continuing at 1, item 3" in out, out
     assert interactive_result(kernel, nb) == reference
@@ -143,7 +145,7 @@ def test_checkpoint_in_the_middle_of_an_iteration_saves_at_its_end(tmp_path, tmp
     not redo the epoch on top of its own half-done update; it ends bit-identical. (The checkpoint
     used to be taken there, recording the epoch in progress as the next one.)"""
     reference = twin(tmp_path_factory, "resume_checkpoint.ipynb")
-    nb = harness.load("resume_checkpoint.ipynb", tmp_path, fault="sigkill")
+    nb = harness.load("resume_checkpoint.ipynb", tmp_path, fault="sigkill", staging="off")
     run = harness.run(nb, tmp_path, standby=False)
     assert run.status == 0, run.message
     assert [r.iteration for r in run.restarts] == ["2"]  # the end of epoch 1, saved on request
@@ -152,7 +154,7 @@ def test_checkpoint_in_the_middle_of_an_iteration_saves_at_its_end(tmp_path, tmp
 
 def test_checkpoint_in_the_middle_of_an_iteration_saves_at_its_end_interactively(kernel, tmp_path, tmp_path_factory):
     reference = twin(tmp_path_factory, "resume_checkpoint.ipynb")
-    nb = harness.load("resume_checkpoint.ipynb", tmp_path, fault="sigkill")
+    nb = harness.load("resume_checkpoint.ipynb", tmp_path, fault="sigkill", staging="off")
     assert "continuing at 2" in killed_and_rerun(kernel, nb)
     assert interactive_result(kernel, nb) == reference
 

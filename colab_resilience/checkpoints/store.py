@@ -39,6 +39,7 @@ from .hashing import HashJob
 from .manifest import LATEST, MANIFEST, TEMP_PREFIX, Entry, Manifest, ManifestFile
 from .restore import Checkpoint, LoadedBlob
 from .rng import capture_rng
+from .staging import Staging
 
 RNG_NAME = "__rng__"
 
@@ -57,6 +58,9 @@ class SaveReport:
     bytes_read: int = 0
     meta: dict = field(default_factory=dict)
     kinds: dict[str, str] = field(default_factory=dict)
+    stall: float = 0.0  # seconds training waited for the snapshot (all of ``seconds`` when synchronous)
+    staged: int = 0  # bytes copied aside and written after training went on
+    written_through: int = 0  # bytes written from live memory while training waited
 
     def summary(self) -> str:
         mib = 1 << 20
@@ -68,6 +72,88 @@ class SaveReport:
         if self.skipped:
             line += f"; not saved: {', '.join(self.skipped)}"
         return line
+
+
+class Snapshot:
+    """A save between its two halves (:meth:`CheckpointStore.snapshot`, :meth:`CheckpointStore.persist`):
+    the prepared values (their live bytes staged), the hash jobs started, the blobs written
+    through during the stall."""
+
+    def __init__(self, store: CheckpointStore, prepared: list[values.Prepared], skipped: dict[str, str],
+                 meta: dict | None, meta_enc: Any, start: float):
+        self.store, self.prepared, self.skipped = store, prepared, skipped
+        self.meta, self.meta_enc, self.start = meta, meta_enc, start
+        self.commit: _Commit | None = None
+        self.later: list[tuple[int, values.Prepared, HashJob]] = []
+        self.stall = 0.0  # seconds the snapshot kept training waiting
+        self.staged = 0  # bytes of the payloads left to the persist
+        self.written_through = 0  # bytes written from live memory during the stall
+
+    @property
+    def bytes_read(self) -> int:
+        jobs = ([] if self.commit is None else self.commit.jobs) + [job for _, _, job in self.later]
+        return sum(job.bytes_read for job in jobs)
+
+    def abandon(self) -> None:
+        """After an error: nothing of this save left queued or running on the pool, no
+        descriptor or temporary file left open."""
+        jobs = ([] if self.commit is None else self.commit.jobs) + [job for _, _, job in self.later]
+        futures = [f for job in jobs for f in job.futures]
+        for f in futures:
+            f.cancel()
+        wait(futures)
+        if self.commit is not None:
+            self.commit.pending.__exit__(None, None, None)
+        self.release()
+
+    def release(self) -> None:
+        """Drop the payloads (the staged copies stay in the staging arena, for the next save)."""
+        self.later = []
+        for p in self.prepared:
+            p.payload.segments, p.payload.keep = [], []
+
+
+class _Commit:
+    """The blobs of one save being written, then the manifest and ``LATEST``."""
+
+    def __init__(self, store: CheckpointStore, previous: str | None, pool: ThreadPoolExecutor):
+        self.store, self.previous = store, previous
+        self.pending = blobs.PendingBlobs(pool)
+        self.entries: dict[int, Entry] = {}
+        self.jobs: list[HashJob] = []
+        self.written = self.reused = 0
+
+    def write(self, index: int, p: values.Prepared, job: HashJob) -> None:
+        self.jobs.append(job)
+        blob_hash, was_written = blobs.write(
+            self.store.blob_dir, job.chunks, job.digests(), job.previous, p.payload.size, self.pending
+        )
+        self.written += p.payload.size if was_written else 0
+        self.reused += 0 if was_written else p.payload.size
+        self.entries[index] = Entry(p.name, p.kind, p.type_name, p.format, blob_hash, p.payload.size)
+
+    def finish(self, snap: Snapshot) -> tuple[str, int, int]:
+        """Flush and rename the blobs, write the manifest, point ``LATEST`` at it: (id, bytes
+        written, bytes reused)."""
+        store = self.store
+        self.pending.commit()
+        fsync_dir(store.blob_dir)
+        entries = [self.entries[i] for i in sorted(self.entries)]
+        checkpoint_id = store._next_id()
+        body = Manifest(checkpoint_id, entries[:-1], entries[-1], meta=snap.meta_enc, skipped=snap.skipped,
+                        run_id=store.run_id).to_body()
+        data = ManifestFile.sign(body, store.key).to_bytes()
+        tmp_dir = private_temp_dir(store.run_dir, TEMP_PREFIX)
+        try:
+            write_new(tmp_dir / MANIFEST, data)
+            fsync_dir(tmp_dir)
+            os.rename(tmp_dir, store.run_dir / checkpoint_id)
+        except BaseException:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise
+        fsync_dir(store.run_dir)
+        manifest.write_latest(store.run_dir, checkpoint_id)
+        return checkpoint_id, self.written + len(data), self.reused
 
 
 class CheckpointStore:
@@ -126,6 +212,17 @@ class CheckpointStore:
         A value that cannot be saved is left out and listed in the report, or with ``strict``
         raises its :class:`UnsaveableValueError` before anything is written.
         """
+        return self.persist(self.snapshot(namespace, names, meta=meta, strict=strict))
+
+    def snapshot(
+        self, namespace: Mapping[str, Any], names: Sequence[str], *, meta: dict | None = None,
+        strict: bool = False, staging: Staging | None = None,
+    ) -> Snapshot:
+        """The first half of a save, taken while training waits: every value prepared, the RNG
+        states captured, the live bytes copied into ``staging`` where they fit, and the values
+        that do not fit written through (their files flushed later). What is left
+        (:meth:`persist`) reads nothing the training may write, and may run on another thread;
+        one persist at a time per store. Raises what :meth:`save` raises."""
         start = time.perf_counter()
         if isinstance(names, str):
             names = [names]
@@ -144,78 +241,63 @@ class CheckpointStore:
                     "lists, dicts); nothing was written"
                 ) from None
         skipped: dict[str, str] = {}
-        # the workers fingerprint and hash each value while the next one is being prepared
-        pool = hashing.pool()
-        jobs: list[tuple[values.Prepared, HashJob]] = []
+        prepared: list[values.Prepared] = []
+        device_copy = staging.device_copy if staging is not None else None
+        if staging is not None:
+            staging.begin()
         try:
             for name in names:
                 try:
-                    prepared = values.prepare(name, namespace[name])
+                    prepared.append(values.prepare(name, namespace[name], device_copy))
                 except UnsaveableValueError as e:
                     if strict:
                         raise
                     skipped[name] = str(e)
-                    continue
-                jobs.append(self._start_hashing(prepared, pool))
-            jobs.append(self._start_hashing(values.encode(RNG_NAME, "rng", "dict", rng), pool))
-            return self._commit(jobs, pool, skipped, meta, meta_enc, start)
-        finally:  # after an error: nothing of this save left queued or running on the pool
-            futures = [f for _, job in jobs for f in job.futures]
-            for f in futures:
-                f.cancel()
-            wait(futures)
-
-    def _start_hashing(self, p: values.Prepared, pool: ThreadPoolExecutor) -> tuple[values.Prepared, HashJob]:
-        """Have the pool fingerprint ``p``'s chunks, and hash those that changed since the last save."""
-        return p, HashJob(p.payload.segments, pool, self._chunk_memory, f"{p.name}\0{p.kind}\0{p.format}")
-
-    def _commit(self, jobs: list[tuple[values.Prepared, HashJob]], pool: ThreadPoolExecutor, skipped: dict[str, str],
-                meta: dict | None, meta_enc: Any, start: float) -> SaveReport:
-        """The writing half of :meth:`save`: blobs, manifest, ``LATEST``, old checkpoints."""
-        previous = self.latest_id()
-        tmp_dir: Path | None = None
-        written = reused = 0
+        finally:
+            if staging is not None:
+                staging.device_copies_done()
+        prepared.append(values.encode(RNG_NAME, "rng", "dict", rng))
+        pool = hashing.pool()
+        payloads = [p.payload for p in prepared]
+        staged = staging.stage(payloads, pool) if staging is not None else [not p.live_bytes for p in payloads]
+        snap = Snapshot(self, prepared, skipped, meta, meta_enc, start)
         try:
-            make_private_dir(self.run_dir)
-            make_private_dir(self.blob_dir)
-            cleanup.remove_leftovers(self.run_dir)
-            self._empty_trash()  # what a killed writer trashed but did not unlink yet, meanwhile
-            checkpoint_id = self._next_id()
-            entries = []
-            with blobs.PendingBlobs(pool) as pending:
-                for p, job in jobs:
-                    blob_hash, was_written = blobs.write(
-                        self.blob_dir, job.chunks, job.digests(), job.previous, p.payload.size, pending
-                    )
-                    written += p.payload.size if was_written else 0
-                    reused += 0 if was_written else p.payload.size
-                    entries.append(Entry(p.name, p.kind, p.type_name, p.format, blob_hash, p.payload.size))
-                pending.commit()
-            fsync_dir(self.blob_dir)
-            body = Manifest(checkpoint_id, entries[:-1], entries[-1], meta=meta_enc, skipped=skipped,
-                            run_id=self.run_id).to_body()
-            data = ManifestFile.sign(body, self.key).to_bytes()
-            tmp_dir = private_temp_dir(self.run_dir, TEMP_PREFIX)
-            write_new(tmp_dir / MANIFEST, data)
-            fsync_dir(tmp_dir)
-            os.rename(tmp_dir, self.run_dir / checkpoint_id)
-            tmp_dir = None
-            fsync_dir(self.run_dir)
-            manifest.write_latest(self.run_dir, checkpoint_id)
-            written += len(data)
+            # the values that did not fit are hashed and written from their own memory now
+            for i, p in enumerate(prepared):
+                if not staged[i]:
+                    if snap.commit is None:
+                        snap.commit = self._begin_commit(pool)
+                    snap.commit.write(i, *self._start_hashing(p, pool))
+                    snap.written_through += p.payload.size
+            # the pool hashes the rest while training goes on
+            snap.later = [(i, *self._start_hashing(p, pool)) for i, p in enumerate(prepared) if staged[i]]
+            snap.staged = sum(p.payload.size for i, p in enumerate(prepared) if staged[i])
         except OSError as e:
-            if tmp_dir is not None:
-                shutil.rmtree(tmp_dir, ignore_errors=True)
-            self._chunk_memory.clear()
-            try:
-                self._collect_garbage()
-            except OSError:
-                pass
-            kept = f"checkpoint {previous} is intact" if previous else "there is no earlier checkpoint"
-            where = e.filename or self.run_dir
-            raise CheckpointError(
-                f"colab_resilience: checkpoint not written to {where} ({e.strerror or e}); {kept}"
-            ) from e
+            snap.abandon()
+            raise self._failed(e, snap.commit.previous if snap.commit else None) from e
+        except BaseException:
+            snap.abandon()
+            raise
+        snap.stall = time.perf_counter() - start
+        return snap
+
+    def persist(self, snap: Snapshot) -> SaveReport:
+        """The second half of a save: hash and write what the snapshot holds, flush, commit
+        (``LATEST`` names the checkpoint once every file of it is on disk). Raises
+        :class:`CheckpointError` when it cannot be written (the previous checkpoint stays)."""
+        try:
+            if snap.commit is None:
+                snap.commit = self._begin_commit(hashing.pool())
+            for i, p, job in snap.later:
+                snap.commit.write(i, p, job)
+            checkpoint_id, written, reused = snap.commit.finish(snap)
+        except OSError as e:
+            snap.abandon()
+            raise self._failed(e, snap.commit.previous if snap.commit else self.latest_id()) from e
+        except BaseException:
+            snap.abandon()
+            raise
+        snap.release()
         try:
             self._collect_garbage()
         except OSError as e:
@@ -224,18 +306,47 @@ class CheckpointStore:
                 CheckpointWarning,
                 stacklevel=3,
             )
-        saved = [p for p, _ in jobs[:-1]]
+        saved = snap.prepared[:-1]
         return SaveReport(
             checkpoint_id=checkpoint_id,
             names=[p.name for p in saved],
-            skipped=skipped,
+            skipped=snap.skipped,
             bytes_written=written,
             bytes_reused=reused,
-            bytes_read=sum(job.bytes_read for _, job in jobs),
-            seconds=time.perf_counter() - start,
-            meta=dict(meta or {}),
+            bytes_read=snap.bytes_read,
+            seconds=time.perf_counter() - snap.start,
+            meta=dict(snap.meta or {}),
             kinds={p.name: p.kind for p in saved},
+            stall=snap.stall,
+            staged=snap.staged,
+            written_through=snap.written_through,
         )
+
+    def _start_hashing(self, p: values.Prepared, pool: ThreadPoolExecutor) -> tuple[values.Prepared, HashJob]:
+        """Have the pool fingerprint ``p``'s chunks, and hash those that changed since the last save."""
+        return p, HashJob(p.payload.segments, pool, self._chunk_memory, f"{p.name}\0{p.kind}\0{p.format}")
+
+    def _begin_commit(self, pool: ThreadPoolExecutor) -> _Commit:
+        previous = self.latest_id()
+        try:
+            make_private_dir(self.run_dir)
+            make_private_dir(self.blob_dir)
+            cleanup.remove_leftovers(self.run_dir)
+            self._empty_trash()  # what a killed writer trashed but did not unlink yet, meanwhile
+        except OSError as e:
+            raise self._failed(e, previous) from e
+        return _Commit(self, previous, pool)
+
+    def _failed(self, e: OSError, previous: str | None) -> CheckpointError:
+        """The one-line error of a save that could not be written; what it left is cleaned up."""
+        self._chunk_memory.clear()
+        try:
+            self._collect_garbage()
+        except OSError:
+            pass
+        kept = f"checkpoint {previous} is intact" if previous else "there is no earlier checkpoint"
+        where = e.filename or self.run_dir
+        return CheckpointError(f"colab_resilience: checkpoint not written to {where} ({e.strerror or e}); {kept}")
 
     # -- housekeeping --
 

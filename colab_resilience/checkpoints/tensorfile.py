@@ -52,12 +52,19 @@ _ST_SIZE = {
 
 
 class Payload:
-    """A blob as a list of memory segments, plus the objects that keep that memory alive."""
+    """A blob as a list of memory segments, plus the objects that keep that memory alive.
+    ``live[i]``: segment ``i`` is memory the training owns and may write again (a tensor's or an
+    array's own bytes), not a private copy: a snapshot copies it before training goes on."""
 
-    def __init__(self, segments: list, keep: list | None = None):
+    def __init__(self, segments: list, keep: list | None = None, live: list[bool] | None = None):
         self.segments = [memoryview(s).cast("B") for s in segments]
         self.size = sum(s.nbytes for s in self.segments)
         self.keep = keep or []
+        self.live = live or [False] * len(self.segments)
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(s.nbytes for s, live in zip(self.segments, self.live) if live)
 
 
 def _memory(t) -> memoryview:
@@ -68,10 +75,11 @@ def _memory(t) -> memoryview:
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
-def _cpu_contiguous(t):
+def _cpu_contiguous(t, device_copy=None):
     t = t.detach()
     if t.device.type != "cpu":
-        t = t.cpu()
+        staged = device_copy(t.contiguous()) if device_copy is not None else None
+        t = staged if staged is not None else t.cpu()
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
@@ -79,7 +87,16 @@ def _cpu_contiguous(t):
     return t.contiguous()
 
 
-def _shared_spans(torch, leaves: list, add, keep: list, descs: list) -> None:
+def _live(torch, c, x) -> bool:
+    """Whether ``c``, the tensor or array written for ``x``, is ``x``'s own memory."""
+    if torch is not None and isinstance(x, torch.Tensor):
+        return x.device.type == "cpu" and c.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    import numpy as np
+
+    return bool(np.may_share_memory(c, x))
+
+
+def _shared_spans(torch, leaves: list, add, keep: list, descs: list, device_copy=None) -> None:
     """Different views of one storage: the storage span once (``add``), a description per view."""
     groups: dict[tuple, list[int]] = {}
     for i, x in enumerate(leaves):
@@ -98,12 +115,13 @@ def _shared_spans(torch, leaves: list, add, keep: list, descs: list) -> None:
         base = ts[0]
         span = torch.empty(0, dtype=base.dtype, device=base.device)
         span.set_(base.untyped_storage(), lo, (hi - lo,), (1,))
-        span = _cpu_contiguous(span)
+        span = _cpu_contiguous(span, device_copy)
+        live = _live(torch, span, base)
         keep.append(span)
         dname = str(base.dtype).removeprefix("torch.")
         st = _TORCH_ST.get(dname)
         key = add(_memory(span), st or "U8", [hi - lo] if st else [span.numel() * span.element_size()],
-                  min(span.element_size(), 8))
+                  min(span.element_size(), 8), live)
         for i, t in zip(members, ts):
             descs[i] = {
                 "lib": "torch", "dtype": dname, "shape": list(t.shape), "span": key,
@@ -113,30 +131,33 @@ def _shared_spans(torch, leaves: list, add, keep: list, descs: list) -> None:
             }
 
 
-def payload(tree: Any, leaves: list) -> Payload:
-    """A safetensors file for ``leaves``; ``tree`` and each leaf's description go to metadata."""
+def payload(tree: Any, leaves: list, device_copy=None) -> Payload:
+    """A safetensors file for ``leaves``; ``tree`` and each leaf's description go to metadata.
+    ``device_copy(t)`` (a snapshot's :meth:`~.staging.Staging.device_copy`) copies a CUDA tensor
+    to the host without waiting, or returns None for a synchronous copy."""
     torch = sys.modules.get("torch")
-    entries: list[tuple] = []  # key, st dtype, shape, memory, alignment
+    entries: list[tuple] = []  # key, st dtype, shape, memory, alignment, live
     keep: list = []
     descs: list[dict | None] = [None] * len(leaves)
 
-    def add(mem, st_dtype, shape, align) -> str:
+    def add(mem, st_dtype, shape, align, live) -> str:
         key = str(len(entries))
-        entries.append((key, st_dtype, shape, mem, align))
+        entries.append((key, st_dtype, shape, mem, align, live))
         return key
 
     if torch is not None:
-        _shared_spans(torch, leaves, add, keep, descs)
+        _shared_spans(torch, leaves, add, keep, descs, device_copy)
     for i, x in enumerate(leaves):
         if descs[i] is not None:
             continue
         if torch is not None and isinstance(x, torch.Tensor):
-            c = _cpu_contiguous(x)
+            c = _cpu_contiguous(x, device_copy)
             keep.append(c)
             dname = str(x.dtype).removeprefix("torch.")
             st = _TORCH_ST.get(dname)
             nbytes = c.numel() * c.element_size()
-            key = add(_memory(c), st or "U8", list(c.shape) if st else [nbytes], min(c.element_size(), 8))
+            key = add(_memory(c), st or "U8", list(c.shape) if st else [nbytes], min(c.element_size(), 8),
+                      _live(torch, c, x))
             descs[i] = {
                 "lib": "torch", "dtype": dname, "shape": list(x.shape), "key": key,
                 "device": str(x.device), "requires_grad": bool(x.requires_grad),
@@ -150,20 +171,22 @@ def payload(tree: Any, leaves: list) -> Payload:
             keep.append(c)
             st = _NUMPY_ST.get(x.dtype.name) if x.dtype.isnative else None
             mem = memoryview(c.reshape(-1).view(np.uint8)) if c.nbytes else memoryview(b"")
-            key = add(mem, st or "U8", list(c.shape) if st else [c.nbytes], min(max(c.itemsize, 1), 8))
+            key = add(mem, st or "U8", list(c.shape) if st else [c.nbytes], min(max(c.itemsize, 1), 8),
+                      _live(None, c, x))
             descs[i] = {"lib": "numpy", "dtype": x.dtype.str, "shape": list(x.shape), "key": key, "order": order}
 
     entries.sort(key=lambda e: (-e[4], int(e[0])))  # aligned offsets: 8-byte items first
     structure = json.dumps({"tree": tree, "leaves": descs}, separators=(",", ":"), allow_nan=False)
     header: dict[str, Any] = {"__metadata__": {META_KEY: structure}}
     offset = 0
-    for key, st, shape, mem, _ in entries:
+    for key, st, shape, mem, _, _ in entries:
         header[key] = {"dtype": st, "shape": shape, "data_offsets": [offset, offset + mem.nbytes]}
         offset += mem.nbytes
     hbytes = json.dumps(header, separators=(",", ":")).encode()
     # safetensors allows trailing spaces in the header; smaller data starts 8-aligned, as it does
     hbytes += b" " * (-(8 + len(hbytes)) % (_HEADER_ALIGN if offset >= CHUNK else 8))
-    return Payload([struct.pack("<Q", len(hbytes)) + hbytes] + [e[3] for e in entries], keep)
+    return Payload([struct.pack("<Q", len(hbytes)) + hbytes] + [e[3] for e in entries], keep,
+                   [False] + [e[5] for e in entries])
 
 
 def parse(buf) -> tuple[Any, list[dict], dict[str, tuple[int, int]]]:

@@ -70,12 +70,13 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
-def prepare(name: str, value: Any) -> Prepared:
+def prepare(name: str, value: Any, device_copy=None) -> Prepared:
     """The blob for ``value``, saved under ``name``; raises UnsaveableValueError, whatever
     inspecting or encoding the value raised, except an out-of-memory error (and KeyboardInterrupt
-    or SystemExit), which propagates as it is."""
+    or SystemExit), which propagates as it is. ``device_copy``: how CUDA tensors are copied to
+    the host (see :func:`.tensorfile.payload`)."""
     try:
-        return _prepare(name, value)
+        return _prepare(name, value, device_copy)
     except UnsaveableValueError:
         raise
     except Exception as e:
@@ -83,7 +84,7 @@ def prepare(name: str, value: Any) -> Prepared:
         raise unsaveable(name, value, f"looking at it raised {first_line(e)}") from None
 
 
-def _prepare(name: str, value: Any) -> Prepared:
+def _prepare(name: str, value: Any, device_copy) -> Prepared:
     try:
         sd_fn = getattr(value, "state_dict", None)
         stateful = (callable(sd_fn) and callable(getattr(value, "load_state_dict", None))
@@ -97,7 +98,7 @@ def _prepare(name: str, value: Any) -> Prepared:
         except Exception as e:
             _unless_oom(e)
             raise unsaveable(name, value, f"its state_dict() failed: {first_line(e)}") from None
-        return encode(name, "state_dict", type_name(value), sd, value)
+        return encode(name, "state_dict", type_name(value), sd, value, device_copy)
     reason = unsaveable_reason(value)
     if reason:
         raise unsaveable(name, value, reason)
@@ -108,7 +109,7 @@ def _prepare(name: str, value: Any) -> Prepared:
         kind = "ndarray"
     else:
         kind = "value"
-    return encode(name, kind, type_name(value), value)
+    return encode(name, kind, type_name(value), value, device_copy=device_copy)
 
 
 def _unless_oom(e: Exception) -> None:
@@ -117,7 +118,7 @@ def _unless_oom(e: Exception) -> None:
         raise e
 
 
-def encode(name: str, kind: str, of_type: str, value: Any, owner: Any = None) -> Prepared:
+def encode(name: str, kind: str, of_type: str, value: Any, owner: Any = None, device_copy=None) -> Prepared:
     """``value`` as tagged JSON, as safetensors if it holds tensors or arrays, else pickled.
     ``of_type`` is what the manifest records as its type; ``owner`` the object the value was taken
     from (the error names its type if pickling fails). Whatever the tagged JSON or safetensors
@@ -127,7 +128,7 @@ def encode(name: str, kind: str, of_type: str, value: Any, owner: Any = None) ->
         tree = enc.encode(value)
         if enc.leaves:
             return Prepared(name, "tree" if kind == "value" else kind, of_type, "st",
-                            tensorfile.payload(tree, enc.leaves))
+                            tensorfile.payload(tree, enc.leaves, device_copy))
         return Prepared(name, kind, of_type, "json", Payload([codec.json_bytes(tree)]))
     except (NotPlainError, RecursionError):
         pass

@@ -1,0 +1,140 @@
+"""Checkpoints written while training goes on: a snapshot at the safe point, the persist on a
+thread of its own (issue 18).
+
+What must hold: what is written is the state at the safe point, though training writes its
+tensors meanwhile (also `tests/test_reliability.py`, the kill-writes trial in the background);
+the journal and `LATEST` name only checkpoints on disk, so a kill during a persist resumes from
+the one before, identically; whatever needs the checkpoint waits for it (an in-process retry,
+the end of the cell, a restart); the staging memory is bounded, and a state that does not fit is
+written while training waits, said once; a safe point that finds the previous persist still
+writing waits for it or, if asked, is not saved, and `%resilience status` says which.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import harness
+from colab_resilience.checkpoints import CheckpointStore
+from colab_resilience.checkpoints.staging import Budget, parse_budget
+from colab_resilience.run import restore_latest
+from colab_resilience.signing import load_or_create_key
+
+STATE = "import torch\nw = torch.zeros(1 << 24)  # 64 MiB, changed in place by every iteration\nhistory = []\n"
+
+
+def last_checkpoint(runs: Path) -> dict:
+    """The values of the newest checkpoint of the only run under ``runs``, loaded from disk."""
+    [run_dir] = runs.glob("run-*")
+    store = CheckpointStore(run_dir / "checkpoints", key=load_or_create_key(), run_id=run_dir.name[4:])
+    out: dict = {}
+    restore_latest(store, out, ["w", "history"], rng=False)
+    return out
+
+
+def status(ip, capsys) -> str:
+    capsys.readouterr()
+    ip.run_line_magic("resilience", "status")
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("error, saves", [
+    ('torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")', "in the background"),
+    ("MemoryError()", "synchronous (host memory ran out)"),
+], ids=["gpu-oom", "host-oom"])
+def test_an_oom_retry_rolls_back_to_the_checkpoint_being_written(ip, tmp_path, capsys, error, saves):
+    """An out-of-memory error right after a safe point, while its 64 MiB checkpoint is still
+    being written: the retry waits for it and goes on from that safe point, not the one before.
+    After host memory ran out the staging memory is given back and the run saves synchronously
+    (staging must not make a second OOM likelier); after a GPU's, the host staging stays."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell(STATE + "struck = []\n")
+    ip.run_cell_magic("resilient", "--save w,history", (
+        "for i in resume_range(4):\n"
+        "    if i == 2 and not struck:\n"
+        "        struck.append(i)\n"
+        f"        raise {error}\n"
+        "    w.add_(1.0)\n"
+        "    history.append(float(w[0]))\n"
+    ))
+    out = capsys.readouterr().out
+    assert "rolled back to the last safe point; continuing at 2" in out, out
+    assert ip.user_ns["history"] == [1.0, 2.0, 3.0, 4.0]
+    saved = last_checkpoint(tmp_path / "runs")
+    assert saved["history"] == [1.0, 2.0, 3.0, 4.0] and bool((saved["w"] == 4.0).all())
+    assert f"saves {saves}" in status(ip, capsys)
+
+
+def test_a_state_larger_than_the_staging_memory_is_written_while_training_waits(ip, tmp_path, capsys):
+    """staging_memory 1 MiB, a 64 MiB tensor: it is written during the stall (said once, with
+    what the stall cost), and every checkpoint holds the state of its safe point."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_line_magic("config", "ResilienceMagics.staging_memory = '1MiB'")
+    ip.run_cell(STATE)
+    ip.run_cell_magic("resilient", "--save w,history", (
+        "for i in resume_range(4):\n"
+        "    w.add_(1.0)\n"
+        "    history.append(float(w[0]))\n"
+    ))
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if "did not fit in the staging memory (1.0 MiB)" in line]
+    assert len(said) == 1, out
+    assert said[0].startswith("colab_resilience: 64.0 MiB of the state did not fit")
+    assert "raise ResilienceMagics.staging_memory" in said[0]
+    saved = last_checkpoint(tmp_path / "runs")
+    assert saved["history"] == [1.0, 2.0, 3.0, 4.0] and bool((saved["w"] == 4.0).all())
+
+
+def test_when_busy_skip_leaves_out_safe_points_and_says_so(ip, tmp_path, capsys):
+    """Iterations much shorter than the write of a 256 MiB checkpoint, when_busy='skip': safe
+    points that come while the previous checkpoint is being written are not saved (one line, and
+    a count in %resilience status); the end of the cell still saves, and waits for it."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_line_magic("config", "ResilienceMagics.when_busy = 'skip'")
+    ip.run_cell("import torch\nw = torch.zeros(1 << 26)\nhistory = []\n")
+    ip.run_cell_magic("resilient", "--save w,history", (
+        "for i in resume_range(6):\n"
+        "    w[i] = 1.0\n"
+        "    history.append(i)\n"
+    ))
+    out = capsys.readouterr().out
+    assert out.count("so it was not saved (when_busy='skip')") == 1, out
+    assert "safe points not saved (the previous write was still going)" in status(ip, capsys)
+    saved = last_checkpoint(tmp_path / "runs")
+    assert saved["history"] == list(range(6)) and int(saved["w"].sum()) == 6
+
+
+def test_a_kill_while_a_checkpoint_is_written_resumes_from_the_last_one_on_disk(tmp_path, tmp_path_factory):
+    """Supervised, a SIGKILL just after the first minibatch of epoch 2, while the checkpoint of
+    the end of epoch 1 (a model of width 1024 and its AdamW state, 13 MiB) may still be being
+    written: the run resumes from the last checkpoint on disk (epoch 2, or epoch 1 if the kill
+    came first), the driver's marker and the kernel agree on where, and the result is the
+    uninterrupted run's, bit for bit."""
+    work = tmp_path_factory.mktemp("twin")
+    nb = harness.load("train.ipynb", work, width=1024)
+    assert harness.run(nb, work, standby=False).status == 0
+    reference = harness.result(nb)
+    nb = harness.load("train.ipynb", tmp_path, width=1024, fault="sigkill", fault_epoch=2, fault_step=0)
+    run = harness.run(nb, tmp_path, standby=False)
+    assert run.status == 0, run.message
+    [restart] = run.restarts
+    assert restart.iteration in ("1", "2")
+    text = harness.cell_text(nb.cells[harness.index(nb, "train")])
+    assert f"resumed at iteration {restart.iteration} in" in text and f"continuing at {restart.iteration}" in text
+    assert harness.result(nb) == reference
+
+
+def test_the_staging_budget_is_checked_when_it_is_set(ip):
+    """A budget that is not a share, a size or off is refused in one line; the old one stays."""
+    with pytest.raises(ValueError, match=r"^a percentage \(25%\), a size \(2GiB, 512MB\) or off \(got 'lots'\)$"):
+        parse_budget("lots")
+    assert parse_budget("25%") == Budget(0.25, None)
+    assert parse_budget("2GiB") == Budget(None, 2 << 30)
+    assert parse_budget("off").off
+    ip.run_line_magic("config", "ResilienceMagics.staging_memory = '2GiB'")
+    ip.run_line_magic("config", "ResilienceMagics.staging_memory = 'lots'")
+    from colab_resilience.session import session_of
+
+    assert session_of(ip).saving() == (Budget(None, 2 << 30), "wait")
