@@ -4,7 +4,8 @@ Inert unless the kernel was started with one of these in its environment (``cola
 check`` sets them; nothing else does):
 
 - ``COLAB_RESILIENCE_TIMELINE=FILE``: every safe point appends ``<number> <phase> <time> <kind>``
-  to FILE, ``before`` and ``after`` its save (``kind``: ``iteration``, or ``end`` for the end of a
+  to FILE, ``before`` and ``after`` its save (its snapshot, when the checkpoint is then written in
+  the background: a kill soon after ``after`` lands in that write) (``kind``: ``iteration``, or ``end`` for the end of a
   cell): the uninterrupted run tells how many safe points the notebook has and how long its
   iterations and saves take;
 - ``COLAB_RESILIENCE_FAULT=JSON``: one fault, ``{"kind": "kill" | "oom", "safe_point": N,

@@ -185,3 +185,38 @@ def test_gpu_memory_in_use_triggers_a_planned_restart(tmp_path):
         assert re.search(r"planned restart: GPU memory in use at 9\d% \(threshold 80%\)", out), out
     finally:
         k.shutdown()
+
+
+def test_a_snapshot_of_cuda_tensors_holds_their_values_at_the_safe_point(tmp_path):
+    """A snapshot copies CUDA tensors (a module, AdamW state, a non-contiguous view) to pinned
+    memory on a side stream; training writes them on its own stream at once, before the persist
+    has run: the checkpoint holds the values of the safe point, byte for byte."""
+    from colab_resilience.checkpoints import CheckpointStore
+    from colab_resilience.checkpoints.staging import Budget, Staging
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 512, device="cuda")).sum().backward()
+    opt.step()
+    big = torch.randn(4096, 1024, device="cuda")
+    ns = {"model": model, "opt": opt, "view": big.t()[::2]}
+    expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    expected_view = ns["view"].cpu().clone()
+    expected_avg = opt.state[model.weight]["exp_avg"].cpu().clone()
+    store = CheckpointStore(tmp_path / "c", key=b"k" * 32)
+    snap = store.snapshot(ns, ["model", "opt", "view"], staging=Staging(Budget()))
+    with torch.no_grad():  # on the training's stream, right after the safe point
+        model.weight.add_(1.0)
+        big.mul_(3.0)
+        opt.state[model.weight]["exp_avg"].add_(1.0)
+    store.persist(snap)
+    out = {}
+    ckpt = store.load()
+    ckpt.restore(out, ["view"])
+    fresh = torch.nn.Linear(512, 512).cuda()
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    ckpt.restore({"model": fresh, "opt": fresh_opt}, ["model", "opt"])
+    assert all(torch.equal(fresh.state_dict()[k].cpu(), v) for k, v in expected.items())
+    assert torch.equal(out["view"].cpu(), expected_view)
+    assert torch.equal(fresh_opt.state[fresh.weight]["exp_avg"].cpu(), expected_avg)

@@ -135,6 +135,9 @@ class Staging:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             dst.copy_(t, non_blocking=True)
+        # t may be a temporary (a contiguous copy): its block is not handed out again before
+        # the side stream has read it
+        t.record_stream(stream)
         self._waiting.add(device)
         return dst
 

@@ -1,0 +1,262 @@
+"""What a checkpoint at every epoch costs training: the stall per safe point and the overhead, for
+this package's background saves against its synchronous ones, torch.save and
+torch.distributed.checkpoint.async_save, with the copy floor, in one run.
+
+    python benchmarks/background_save.py [--params 50e6 100e6] [--epochs 5] [--steps 3] [--batch 96]
+                                         [--slow-mbps 50] [--slow-epochs 3] [--dir DIR]
+
+Workload: a stack of nn.Linear(1024, 1024) layers (``--params`` parameters) trained with AdamW on
+random batches; an epoch is ``--steps`` optimizer steps, and every epoch ends in a safe point that
+saves the model and the optimizer (the state: 12 bytes per parameter, 577 MiB at 50M). Each row
+trains ``--epochs`` epochs after one untimed warm-up epoch, in this process, with torch's default
+threads, one row after the other, all writing to ``--dir`` (every write fsync'ed):
+
+- no checkpoint: the epoch alone (what the overhead is measured against);
+- copy floor: the state's bytes copied into a buffer allocated once (what a snapshot cannot beat);
+- colab_resilience, synchronous: ``staging_memory off``, a save while training waits (the code
+  path a run used before issue 18, and uses now under ``ulimit -v``);
+- colab_resilience, background: the default, a snapshot into staging memory, then the persist on
+  its own thread while training goes on (:class:`colab_resilience.saving.Saver`, what a run uses);
+- torch.save + fsync of ``{"model": ..., "opt": ...}`` state dicts;
+- torch.distributed.checkpoint.async_save in one process (it copies to CPU, then writes on a
+  thread; the next safe point waits for the previous write, as ours does).
+
+Stall: the time from the end of the epoch's training to the start of the next epoch's (the safe
+point as training sees it, waiting for a previous persist included). Overhead: the mean epoch with
+its safe point against the mean epoch without any. A slow disk (a Google Drive mount writes tens
+of MB/s) is stood in for by a rate-limited writer: ``--slow-mbps`` caps every blob write of the
+package at that rate (the writing thread sleeps, as it would wait on the device), for the
+synchronous and background rows at 50M, background with ``when_busy`` both ``wait`` and ``skip``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from colab_resilience.checkpoints import CheckpointStore, blobs  # noqa: E402
+from colab_resilience.checkpoints.staging import Budget, parse_budget  # noqa: E402
+from colab_resilience.saving import Saver  # noqa: E402
+
+MiB = 1 << 20
+WIDTH = 1024
+
+
+def build(params: float):
+    layers = max(1, round(params / (WIDTH * WIDTH + WIDTH)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, opt
+
+
+def train_epoch(model, opt, steps: int, batch: int) -> None:
+    for _ in range(steps):
+        x = torch.randn(batch, WIDTH)
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def state_bytes(model, opt) -> int:
+    n = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    for s in opt.state.values():
+        n += sum(v.numel() * v.element_size() for v in s.values() if isinstance(v, torch.Tensor))
+    return n
+
+
+def tensors(model, opt):
+    yield from model.state_dict().values()
+    for s in opt.state.values():
+        yield from (v for v in s.values() if isinstance(v, torch.Tensor))
+
+
+class CopyFloor:
+    """A snapshot's floor: every byte of the state copied into one buffer allocated once."""
+
+    def __init__(self, nbytes: int):
+        self.buf = np.ones(nbytes, dtype=np.uint8)
+
+    def __call__(self, model, opt) -> None:
+        pos = 0
+        for t in tensors(model, opt):
+            n = t.numel() * t.element_size()
+            src = np.frombuffer(memoryview(t.detach().numpy()).cast("B"), dtype=np.uint8)
+            np.copyto(self.buf[pos : pos + n], src)
+            pos += n
+
+
+class OurSaver:
+    def __init__(self, folder: Path, budget: Budget, when_busy: str = "wait"):
+        self.store = CheckpointStore(folder, key=b"k" * 32, run_id="bench")
+        self.saver = Saver(self.store, budget=budget, when_busy=when_busy, on_durable=lambda r, i: None,
+                           say=lambda line: print("   ", line, flush=True))
+        self.saved = 0
+
+    def __call__(self, model, opt) -> None:
+        if self.saver.save({"model": model, "opt": opt}, ["model", "opt"], meta={}, info=None):
+            self.saved += 1
+
+    def close(self) -> None:
+        self.saver.close()
+
+
+class TorchSave:
+    def __init__(self, folder: Path):
+        self.path = folder / "state.pt"
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, model, opt) -> None:
+        with open(self.path, "wb") as f:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+class DcpAsync:
+    def __init__(self, folder: Path):
+        import torch.distributed.checkpoint as dcp
+
+        self.dcp, self.folder, self.future, self.n = dcp, folder, None, 0
+
+    def __call__(self, model, opt) -> None:
+        if self.future is not None:
+            self.future.result()  # one in flight, as ours
+        self.n += 1
+        self.future = self.dcp.async_save({"model": model.state_dict(), "opt": opt.state_dict()},
+                                          checkpoint_id=str(self.folder / f"c{self.n % 2}"))
+
+    def close(self) -> None:
+        if self.future is not None:
+            self.future.result()
+
+
+def run_row(model, opt, save, epochs: int, steps: int, batch: int) -> dict:
+    """One warm-up epoch (with its save), then ``epochs`` timed ones."""
+    train_epoch(model, opt, steps, batch)
+    if save is not None:
+        save(model, opt)
+    epoch_times, stalls = [], []
+    for _ in range(epochs):
+        t0 = time.perf_counter()
+        train_epoch(model, opt, steps, batch)
+        t1 = time.perf_counter()
+        if save is not None:
+            save(model, opt)
+        t2 = time.perf_counter()
+        epoch_times.append(t2 - t0)
+        stalls.append(t2 - t1)
+    if hasattr(save, "close"):
+        save.close()
+    return {"epoch": statistics.mean(epoch_times), "stall": statistics.mean(stalls), "worst": max(stalls)}
+
+
+class RateLimit:
+    """Every blob write of the package capped at ``mbps`` MB/s (a slow device, waited on)."""
+
+    def __init__(self, mbps: float):
+        self.rate, self.lock, self.free_at = mbps * 1e6, threading.Lock(), 0.0
+        self.original = blobs.write_all
+
+    def write_all(self, fd, data) -> None:
+        self.original(fd, data)
+        n = memoryview(data).nbytes
+        with self.lock:
+            now = time.monotonic()
+            self.free_at = max(self.free_at, now) + n / self.rate
+            wait = self.free_at - now
+        time.sleep(wait)
+
+    def __enter__(self):
+        blobs.write_all = self.write_all
+        return self
+
+    def __exit__(self, *exc):
+        blobs.write_all = self.original
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=float, nargs="+", default=[50e6, 100e6])
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--batch", type=int, default=96)
+    p.add_argument("--slow-mbps", type=float, default=50.0)
+    p.add_argument("--slow-epochs", type=int, default=3)
+    p.add_argument("--dir", type=Path, default=None)
+    a = p.parse_args()
+    warnings.filterwarnings("ignore", module="torch.distributed")  # "assuming ... a single process"
+    root = Path(tempfile.mkdtemp(prefix="cr-bgsave-", dir=a.dir))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; writing to {root}")
+    tables = []
+    try:
+        for params in a.params:
+            model, opt = build(params)
+            train_epoch(model, opt, 1, a.batch)  # the optimizer's state exists
+            nbytes = state_bytes(model, opt)
+            print(f"\n{params / 1e6:.0f}M parameters: {nbytes / MiB:.0f} MiB of state", flush=True)
+            rows = [
+                ("no checkpoint", lambda: None),
+                ("copy floor (into a buffer allocated once)", lambda: CopyFloor(nbytes)),
+                ("colab_resilience, synchronous", lambda: OurSaver(root / "sync", parse_budget("off"))),
+                ("colab_resilience, background (default)", lambda: OurSaver(root / "bg", Budget())),
+                ("torch.save + fsync", lambda: TorchSave(root / "torch")),
+                ("torch.distributed.checkpoint.async_save", lambda: DcpAsync(root / "dcp")),
+            ]
+            results = []
+            for label, make in rows:
+                print(f"  {label} ...", flush=True)
+                results.append((label, run_row(model, opt, make(), a.epochs, a.steps, a.batch)))
+                for sub in ("sync", "bg", "torch", "dcp"):
+                    shutil.rmtree(root / sub, ignore_errors=True)
+            if params == a.params[0] and a.slow_mbps:
+                slow = f"{a.slow_mbps:g} MB/s disk"
+                for label, make in [
+                    (f"colab_resilience, synchronous, {slow}", lambda: OurSaver(root / "sync", parse_budget("off"))),
+                    (f"colab_resilience, background, {slow}", lambda: OurSaver(root / "bg", Budget())),
+                    (f"... when_busy='skip', {slow}", lambda: OurSaver(root / "bg", Budget(), "skip")),
+                ]:
+                    print(f"  {label} ...", flush=True)
+                    saver = make()
+                    with RateLimit(a.slow_mbps):
+                        r = run_row(model, opt, saver, a.slow_epochs, a.steps, a.batch)
+                    r["saved"] = f"{saver.saved - 1}/{a.slow_epochs}"  # less the warm-up's
+                    results.append((label, r))
+                    for sub in ("sync", "bg"):
+                        shutil.rmtree(root / sub, ignore_errors=True)
+            tables.append((params, nbytes, results))
+            del model, opt
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    for params, nbytes, results in tables:
+        base = results[0][1]["epoch"]
+        floor = results[1][1]["stall"]
+        print(f"\n{params / 1e6:.0f}M parameters + AdamW ({nbytes / MiB:.0f} MiB), a checkpoint every epoch "
+              f"(epoch without one: {base:.2f} s)\n")
+        print("| safe point | stall per safe point (s) | × copy floor | worst stall (s) | epoch (s) | overhead |")
+        print("|---|---|---|---|---|---|")
+        for label, r in results:
+            if label == "no checkpoint":
+                print(f"| {label} | – | – | – | {r['epoch']:.2f} | – |")
+                continue
+            saved = f" (saved {r['saved']})" if "saved" in r else ""
+            print(f"| {label}{saved} | {r['stall']:.3f} | {r['stall'] / floor:.1f} | {r['worst']:.3f} | "
+                  f"{r['epoch']:.2f} | {100 * (r['epoch'] - base) / base:+.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
