@@ -147,7 +147,8 @@ def test_a_supervised_gpu_run_resumes_bit_identical_and_the_standby_never_opened
     mid-epoch 2 of a training on the GPU (the CUDA random state drives the shuffles and dropout):
     the standby takes over and the run ends bit-identical; the working kernel had the GPU open,
     the warm standby (torch imported) never did."""
-    nb = load("train.ipynb", tmp_path, device="cuda", fault=fault, fault_epoch=2, fault_step=4, retries=1)
+    nb = load("train.ipynb", tmp_path, device="cuda", fault=fault, fault_epoch=2, fault_step=4, retries=1,
+              staging="off")  # the checkpoint of epoch 1 on disk when the kill comes: "continuing at 2"
     insert(nb, "train", SIBLINGS + GPU_OPEN + WAIT_WARM + "\nprint('GPU', gpu_open(os.getpid()), gpu_open(spare))",
            "gpu-probe")
     result = run(nb, tmp_path)

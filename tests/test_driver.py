@@ -53,7 +53,9 @@ def test_sigkill_from_outside_by_pid_resumes_exactly(tmp_path, reference):
     """A kill from outside the kernel, by PID, in epoch 1, without a standby: jupyter_client
     restarts the kernel, the loop goes on in the new one and ends bit-identical."""
     log = tmp_path / "events.log"
-    nb = load("train.ipynb", tmp_path, pause=0.05)  # epochs of 0.4 s: time for the killer to land in one
+    # epochs of 0.4 s: time for the killer to land in one; staging off: the checkpoint of epoch 0 is
+    # on disk when the kill at the start of epoch 1 comes (tests/test_background_saves.py: during it)
+    nb = load("train.ipynb", tmp_path, pause=0.05, staging="off")
     killed = []
 
     def killer():

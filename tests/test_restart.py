@@ -41,7 +41,8 @@ def test_interrupted_run_resumes_bit_identical(tmp_path, env, reference, fault):
     interrupted cell again in the restarted kernel, and nothing else; the startup file loaded the
     extension, the run replays the set-up cells, restores the last safe point and finishes
     bit-identical, each epoch once; then the startup file is gone."""
-    nb = load("train.ipynb", tmp_path, fault=fault, fault_epoch=2, retries=1, max_restarts=3)
+    # staging off: a kill soon after a safe point finds its checkpoint on disk ("continuing at 2")
+    nb = load("train.ipynb", tmp_path, fault=fault, fault_epoch=2, retries=1, max_restarts=3, staging="off")
     k = Kernel(env)
     try:
         run_interactive(k, nb, stop="train")

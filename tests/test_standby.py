@@ -74,7 +74,7 @@ def test_the_warm_standby_takes_over_and_the_run_resumes_exactly(tmp_path, refer
     priority it can get back from and oom_score_adj 1000; after a SIGKILL mid-epoch it becomes the
     working kernel at normal priority, its replay finds torch imported, and the run ends
     bit-identical."""
-    nb = load("train.ipynb", tmp_path, fault="sigkill", fault_epoch=2)
+    nb = load("train.ipynb", tmp_path, fault="sigkill", fault_epoch=2, staging="off")  # resumed at 2, below
     after = ("print('AFTER', os.getpid(), *nice_and_adj(os.getpid()), "
              "sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir('/proc/self/task')}))")
     insert(nb, "train", SIBLINGS + WAIT_WARM, "standby-probe")
