@@ -135,7 +135,7 @@ class Budgets:
             reason += " while replaying the set-up cells"
             self.replaying = False
         pending = self.run_of(getattr(process, "pid", None))
-        at = pending.resume_at if pending is not None else None
+        at = resume_point(pending) if pending is not None else None
         return Death(getattr(process, "pid", None), code, f"died while starting: {reason}" if starting else reason, at)
 
     def run_of(self, pid: int | None) -> journal.Journal | None:
@@ -178,4 +178,25 @@ class Budgets:
             j.counted_pid = j.kernel_pid  # the next kernel that opens the run must not count it again
             j.record_restart(death.reason, at=death.at)
         return None
+
+
+def resume_point(run: journal.Journal) -> str | None:
+    """Where a pending run goes on (the iteration, for people): its journal's ``resume_at``, or
+    that of a newer checkpoint on disk. A checkpoint written in the background is recorded in
+    the journal just after ``LATEST`` names it: a kill in between leaves the journal one behind,
+    while the new kernel resumes from ``LATEST``. Only read, for a message: nothing from the
+    manifest is run or trusted beyond that."""
+    from .checkpoints import codec, manifest
+
+    folder = run.run_dir / "checkpoints"
+    try:
+        cid = manifest.latest_id(folder)
+        if cid is None or cid == run.last_checkpoint:
+            return run.resume_at
+        m = manifest.Manifest.from_body(manifest.read(folder / cid / manifest.MANIFEST).body, cid)
+        meta = codec.decode(m.meta, [])
+    except Exception:  # unreadable: the journal's word
+        return run.resume_at
+    where = meta.get("where") if isinstance(meta, dict) else None
+    return where if isinstance(where, str) else run.resume_at
 

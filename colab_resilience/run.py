@@ -326,7 +326,8 @@ class Run:
                 f"colab_resilience: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not defined at "
                 "this safe point; the checkpoint holds the other names"
             )
-        meta = {"loops": [list(p) for p in position], "carried": carried.snapshot(ns, present), "end": end}
+        meta = {"loops": [list(p) for p in position], "carried": carried.snapshot(ns, present), "end": end,
+                "where": where}
         namespace: Mapping = ChainMap({LOOP_RNG: rngs}, ns) if rngs else ns
         # the batch size that fits goes with the checkpoint: a new kernel starts from it
         info = (where, _integers(ns, self.shrink))

@@ -170,6 +170,9 @@ def test_a_full_disk_at_a_safe_point_keeps_the_previous_checkpoint_and_the_run_g
     k = Kernel({"COLAB_RESILIENCE_RUN_DIR": str(tmp_path / "runs"), "IPYTHONDIR": str(tmp_path / "ipython")})
     try:
         k.ok("%load_ext colab_resilience")
+        # synchronous saves: the limit set in iteration 1 must hit that safe point's save, not a
+        # persist still running from the one before (the background case: tests/test_background_saves.py)
+        k.ok("%config ResilienceMagics.staging_memory = 'off'")
         k.ok("import resource, torch\nHARD = resource.getrlimit(resource.RLIMIT_FSIZE)[1]\nbig = torch.zeros(1 << 20)\nstep = -1")
         r = k.ok(
             "%%resilient --save big,step\n"
