@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from ..fsutil import fsync_dir, private_temp_dir, write_new
 from . import blobs, manifest, values
@@ -23,9 +23,9 @@ class Snapshot:
     the prepared values (their live bytes staged), the hash jobs started, the blobs written
     through during the stall."""
 
-    def __init__(self, store: CheckpointStore, prepared: list[values.Prepared], skipped: dict[str, str],
-                 meta: dict | None, meta_enc: Any, start: float):
-        self.store, self.prepared, self.skipped = store, prepared, skipped
+    def __init__(self, prepared: list[values.Prepared], skipped: dict[str, str], meta: dict | None,
+                 meta_enc: Any, start: float):
+        self.prepared, self.skipped = prepared, skipped
         self.meta, self.meta_enc, self.start = meta, meta_enc, start
         self.commit: Commit | None = None
         self.later: list[tuple[int, values.Prepared, HashJob]] = []
@@ -33,16 +33,17 @@ class Snapshot:
         self.staged = 0  # bytes of the payloads left to the persist
         self.written_through = 0  # bytes written from live memory during the stall
 
+    def _jobs(self) -> list[HashJob]:
+        return ([] if self.commit is None else self.commit.jobs) + [job for _, _, job in self.later]
+
     @property
     def bytes_read(self) -> int:
-        jobs = ([] if self.commit is None else self.commit.jobs) + [job for _, _, job in self.later]
-        return sum(job.bytes_read for job in jobs)
+        return sum(job.bytes_read for job in self._jobs())
 
-    def abandon(self) -> None:
-        """After an error: nothing of this save left queued or running on the pool, no
-        descriptor or temporary file left open."""
-        jobs = ([] if self.commit is None else self.commit.jobs) + [job for _, _, job in self.later]
-        futures = [f for job in jobs for f in job.futures]
+    def abandon(self, started: Iterable[HashJob] = ()) -> None:
+        """After an error: nothing of this save (nor the hash jobs ``started`` for it) left
+        queued or running on the pool, no descriptor or temporary file left open."""
+        futures = [f for job in [*self._jobs(), *started] for f in job.futures]
         for f in futures:
             f.cancel()
         wait(futures)

@@ -161,41 +161,48 @@ class CheckpointStore:
                 ) from None
         skipped: dict[str, str] = {}
         prepared: list[values.Prepared] = []
+        pool = hashing.pool()
+        snap = Snapshot(prepared, skipped, meta, meta_enc, start)
+        # without staging the pool hashes each value while the next one is prepared; with it,
+        # only once its bytes are copied
+        hashing_now: dict[int, HashJob] = {}
         device_copy = staging.device_copy if staging is not None else None
         if staging is not None:
             staging.begin()
         try:
-            for name in names:
-                try:
-                    prepared.append(values.prepare(name, namespace[name], device_copy))
-                except UnsaveableValueError as e:
-                    if strict:
-                        raise
-                    skipped[name] = str(e)
-        finally:
-            if staging is not None:
-                staging.device_copies_done()
-        prepared.append(values.encode(RNG_NAME, "rng", "dict", rng))
-        pool = hashing.pool()
-        payloads = [p.payload for p in prepared]
-        staged = staging.stage(payloads, pool) if staging is not None else [not p.live_bytes for p in payloads]
-        snap = Snapshot(self, prepared, skipped, meta, meta_enc, start)
-        try:
-            # the values that did not fit are hashed and written from their own memory now
+            try:
+                for name in names:
+                    try:
+                        prepared.append(values.prepare(name, namespace[name], device_copy))
+                    except UnsaveableValueError as e:
+                        if strict:
+                            raise
+                        skipped[name] = str(e)
+                        continue
+                    if staging is None:
+                        hashing_now[len(prepared) - 1] = self._hash_job(prepared[-1], pool)
+            finally:
+                if staging is not None:
+                    staging.device_copies_done()
+            prepared.append(values.encode(RNG_NAME, "rng", "dict", rng))
+            payloads = [p.payload for p in prepared]
+            staged = staging.stage(payloads, pool) if staging is not None else [not p.live_bytes for p in payloads]
+            jobs = [hashing_now.pop(i, None) or self._hash_job(p, pool) for i, p in enumerate(prepared)]
+            snap.later = [(i, p, jobs[i]) for i, p in enumerate(prepared) if staged[i]]
+            snap.staged = sum(p.payload.size for i, p in enumerate(prepared) if staged[i])
+            # the values that did not fit are written from their own memory now; the rest is
+            # hashed and written while training goes on
             for i, p in enumerate(prepared):
                 if not staged[i]:
                     if snap.commit is None:
                         snap.commit = self._begin_commit(pool)
-                    snap.commit.write(i, *self._start_hashing(p, pool))
+                    snap.commit.write(i, p, jobs[i])
                     snap.written_through += p.payload.size
-            # the pool hashes the rest while training goes on
-            snap.later = [(i, *self._start_hashing(p, pool)) for i, p in enumerate(prepared) if staged[i]]
-            snap.staged = sum(p.payload.size for i, p in enumerate(prepared) if staged[i])
         except OSError as e:
-            snap.abandon()
+            snap.abandon(hashing_now.values())
             raise self._failed(e, snap.commit.previous if snap.commit else None) from e
         except BaseException:
-            snap.abandon()
+            snap.abandon(hashing_now.values())
             raise
         snap.stall = time.perf_counter() - start
         return snap
@@ -241,9 +248,9 @@ class CheckpointStore:
             written_through=snap.written_through,
         )
 
-    def _start_hashing(self, p: values.Prepared, pool: ThreadPoolExecutor) -> tuple[values.Prepared, HashJob]:
+    def _hash_job(self, p: values.Prepared, pool: ThreadPoolExecutor) -> HashJob:
         """Have the pool fingerprint ``p``'s chunks, and hash those that changed since the last save."""
-        return p, HashJob(p.payload.segments, pool, self._chunk_memory, f"{p.name}\0{p.kind}\0{p.format}")
+        return HashJob(p.payload.segments, pool, self._chunk_memory, f"{p.name}\0{p.kind}\0{p.format}")
 
     def _begin_commit(self, pool: ThreadPoolExecutor) -> Commit:
         previous = self.latest_id()
