@@ -5,8 +5,12 @@
 State: a stack of nn.Linear layers (``--params`` parameters) with AdamW state after one step
 (about 12 bytes per parameter), plus a mixed namespace (NumPy arrays, a list of floats, a dict).
 Every row writes to the same folder and every write is followed by fsync (torch.save and dill
-do not fsync by themselves; the benchmark does it for them). Reads come straight after the
-writes, so they are warm-cache for every row alike (dropping the page cache needs root tricks).
+do not fsync by themselves; the benchmark does it for them). Every read starts cold: the page
+cache of the files it reads is dropped first (``posix_fadvise(DONTNEED)`` on each, which needs no
+root for clean pages), as after a restart on a machine that needed the memory, and as the package's
+own blobs are anyway (written with ``O_DIRECT``, they never enter the page cache). Write floors:
+the same bytes written to one file through the page cache, and with ``O_DIRECT``; the faster is
+the floor.
 The rows run in rounds, one warm-up round and then ``--repeat`` timed ones, each row once per
 round (see :func:`rounds`); times are the medians. Prints one table; ratios come from this run only.
 """
@@ -112,6 +116,36 @@ def raw_write(path: Path, data: memoryview) -> None:
         os.close(fd)
 
 
+def raw_write_direct(path: Path, data: memoryview) -> None:
+    """The same bytes with O_DIRECT, through one aligned buffer (the last block padded, then cut)."""
+    import mmap
+
+    buf = np.frombuffer(mmap.mmap(-1, CHUNK), dtype=np.uint8)
+    src = np.frombuffer(data, dtype=np.uint8)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    try:
+        for pos in range(0, data.nbytes, CHUNK):
+            n = min(CHUNK, data.nbytes - pos)
+            np.copyto(buf[:n], src[pos : pos + n])
+            os.write(fd, memoryview(buf)[: -(-n // 4096) * 4096])
+        os.ftruncate(fd, data.nbytes)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def drop_cache(*paths: Path) -> None:
+    """Drop the page cache of every file at or under ``paths`` (clean pages: they were fsync'ed)."""
+    for top in paths:
+        files = [top] if top.is_file() else [p for p in top.rglob("*") if p.is_file()]
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def fingerprint_all(data: memoryview) -> None:
     """Read every byte once, as a save that changed nothing must: the xxh3 fingerprint of each
     8 MiB chunk, on the package's own threads (the memory-bandwidth floor of such a save)."""
@@ -187,15 +221,16 @@ def main() -> None:
         ops = [
             ("save", lambda: save("first"), fresh),
             ("save2", lambda: save("unchanged"), None),
-            ("load", lambda: store.load(), None),
-            ("restore", lambda: store.load().restore(target_ns), None),
+            ("load", lambda: store.load(), lambda: drop_cache(run)),
+            ("restore", lambda: store.load().restore(target_ns), lambda: drop_cache(run)),
             ("wfloor", lambda: raw_write(floor_file, payload), None),
+            ("wdfloor", lambda: raw_write_direct(floor_file, payload), None),
             ("mfloor", lambda: fingerprint_all(payload), None),
-            ("rfloor", lambda: raw_read(floor_file), None),
+            ("rfloor", lambda: raw_read(floor_file), lambda: drop_cache(floor_file)),
             ("tsave", tsave, None),
-            ("tload", lambda: torch.load(tfile, weights_only=True), None),
-            ("tload_mmap", lambda: torch.load(tfile, weights_only=True, mmap=True), None),
-            ("trestore", trestore, None),
+            ("tload", lambda: torch.load(tfile, weights_only=True), lambda: drop_cache(tfile)),
+            ("tload_mmap", lambda: torch.load(tfile, weights_only=True, mmap=True), lambda: drop_cache(tfile)),
+            ("trestore", trestore, lambda: drop_cache(tfile)),
         ]
 
         # -- dill --
@@ -215,12 +250,15 @@ def main() -> None:
                 dill.dump_module(str(dfile), module=module, refimported=True)
                 fsync_path(dfile)
 
-            ops += [("dsave", dsave, None), ("dload", lambda: dill.load_module(str(dfile), module="bench_state"), None)]
+            ops += [("dsave", dsave, None),
+                    ("dload", lambda: dill.load_module(str(dfile), module="bench_state"), lambda: drop_cache(dfile))]
         t, failed = rounds(ops, args.repeat, total)
         del payload
         second = reports["unchanged"]
         t_save, t_save2, t_load, t_restore = t["save"], t["save2"], t["load"], t["restore"]
-        t_wfloor, t_rfloor, t_tsave, t_tload = t["wfloor"], t["rfloor"], t["tsave"], t["tload"]
+        t_wbuffered, t_wdirect = t["wfloor"], t["wdfloor"]
+        t_wfloor = min(t_wbuffered, t_wdirect)
+        t_rfloor, t_tsave, t_tload = t["rfloor"], t["tsave"], t["tload"]
         t_mfloor = t["mfloor"]
         t_tload_mmap, t_trestore = t["tload_mmap"], t["trestore"]
         t_dsave, t_dload = t.get("dsave"), t.get("dload")
@@ -242,13 +280,14 @@ def main() -> None:
             return
         print(f"{label:<46}{seconds:9.3f}{mib / seconds:9.0f}{seconds / floor:9.2f}")
 
-    row("raw write + fsync (floor)", t_wfloor, t_wfloor)
+    row("raw write + fsync" + (" (floor)" if t_wbuffered == t_wfloor else ""), t_wbuffered, t_wfloor)
+    row("raw write + fsync, O_DIRECT" + (" (floor)" if t_wdirect == t_wfloor else ""), t_wdirect, t_wfloor)
     row("colab_resilience save (first)", t_save, t_wfloor)
     row("colab_resilience save (nothing changed)", t_save2, t_wfloor)
     row("  fingerprint of every byte (its floor)", t_mfloor, t_wfloor)
     row("torch.save + fsync", t_tsave, t_wfloor)
     row("dill.dump_module + fsync" + (" (failed)" if dill_error else ""), t_dsave, t_wfloor)
-    row("raw read (floor)", t_rfloor, t_rfloor)
+    row("raw read, cold (floor)", t_rfloor, t_rfloor)
     row("colab_resilience load (verify every byte)", t_load, t_rfloor)
     row("colab_resilience load + restore in place", t_restore, t_rfloor)
     row("torch.load(weights_only=True)", t_tload, t_rfloor)
@@ -271,7 +310,7 @@ def main() -> None:
            f"{100 * t_save2 / t_save:.1f}% ({second.bytes_written} bytes written, "
            f"{second.bytes_reused / (1 << 20):.0f} MiB reused; {t_save2 / t_mfloor:.2f}x a fingerprint of every byte)")
     print()
-    print("Reads are warm-cache for every row (files were just written). Writes are fsync'ed for every row.")
+    print("Reads are cold for every row (the files' page cache dropped first). Writes are fsync'ed for every row.")
     print("colab_resilience load verifies the BLAKE3 tree hash of every byte (large blobs through a file mapping,")
     print("  so the restore copies each byte once: into the module's tensors, or into fresh memory for the rest);")
     print("  torch.load and dill verify nothing.")

@@ -12,6 +12,18 @@ next is written, and a save of many names does not keep a descriptor per blob); 
 flushed they are renamed to their hashes. Every error path closes every descriptor and removes
 every temporary file: a failed save (a full disk) holds no space afterwards.
 
+Blobs of ``DIRECT_AT_LEAST`` bytes or more are written with ``O_DIRECT`` where the folder's file
+system takes it (probed once per device, :func:`direct_io`), through a ``BOUNCE``-byte aligned
+buffer reused from save to save (:class:`BlobFile`); the last block is padded, then the file is
+truncated to the blob's size. Written through the page cache, every byte of a checkpoint is copied
+into page-cache pages the kernel must first find: on a VM that hands free memory back to its host
+(free page reporting, as on this project's test machines) that cost 1.2 s of kernel time per
+577 MiB written, on the core training needed (``benchmarks/background_save.py``); and the
+checkpoint evicts whatever the page cache held (the training's data). A direct write costs a copy
+into the bounce buffer and waits on the device instead. Writes made while training waits for
+them but does not wait for their flush (a background save's values that did not fit in staging
+memory) stay buffered: there the page cache lets training go on before the device has the bytes.
+
 Reading (:func:`read`): every byte is hashed before a blob is used. Safetensors blobs of
 ``MAP_AT_LEAST`` bytes or more are mapped (private, copy-on-write) rather than read: the hash reads
 the page cache in place, and the restore copies each byte once. Pickles and small blobs are read,
@@ -26,6 +38,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -40,16 +53,123 @@ TEMP = ".tmp-"
 TRASH = ".trash-"  # blobs no kept checkpoint names, renamed on the way to being unlinked
 MAP_AT_LEAST = 4 << 20  # smaller safetensors blobs are read: mapping costs more than it saves
 MAX_OPEN = 64  # written blobs whose flush (and descriptor) may be outstanding at once
+DIRECT_IO = True  # write large blobs with O_DIRECT where the file system takes it (off: benchmarks)
+DIRECT_AT_LEAST = 1 << 20  # smaller blobs are written through the page cache
+BOUNCE = 4 << 20  # the aligned buffer a direct write copies through
+ALIGN = 4096  # offset, length and address alignment O_DIRECT may require (the page size covers all)
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+_direct_lock = threading.Lock()
+_direct_ok: dict[int, bool] = {}  # st_dev -> whether O_DIRECT writes work there
+_bounces: list = []  # free bounce buffers (NumPy views of anonymous mappings), kept for the next save
+
+
+def direct_io(folder: Path) -> bool:
+    """Whether blobs in ``folder`` can be written with ``O_DIRECT``: probed once per device by
+    writing one aligned block to a temporary file there (tmpfs, some FUSE mounts, and file systems
+    that refuse the flag answer no)."""
+    if not (DIRECT_IO and O_DIRECT):
+        return False
+    dev = os.stat(folder).st_dev
+    with _direct_lock:
+        known = _direct_ok.get(dev)
+    if known is not None:
+        return known
+    tmp = str(folder / f"{TEMP}{secrets.token_hex(8)}")
+    ok = False
+    block = mmap.mmap(-1, ALIGN)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC | O_DIRECT, 0o600)
+        try:
+            ok = os.write(fd, block) == ALIGN
+            os.ftruncate(fd, 1)
+        finally:
+            os.close(fd)
+    except OSError:
+        ok = False
+    finally:
+        block.close()
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+    with _direct_lock:
+        _direct_ok[dev] = ok
+    return ok
+
+
+def _take_bounce():
+    import numpy as np
+
+    with _direct_lock:
+        if _bounces:
+            return _bounces.pop()
+    return np.frombuffer(mmap.mmap(-1, BOUNCE), dtype=np.uint8)  # page-aligned
+
+
+def _give_back_bounce(buf) -> None:
+    with _direct_lock:
+        _bounces.append(buf)
+
+
+class BlobFile:
+    """One blob file being written: straight to its descriptor, or (``direct``, an ``O_DIRECT``
+    descriptor) through an aligned bounce buffer, whole blocks at a time; :meth:`finish` writes
+    the padded last block and truncates the file to the bytes written."""
+
+    __slots__ = ("fd", "bounce", "fill", "size")
+
+    def __init__(self, fd: int, direct: bool):
+        self.fd, self.fill, self.size = fd, 0, 0
+        self.bounce = _take_bounce() if direct else None
+
+    def write(self, data) -> None:
+        if self.bounce is None:
+            write_all(self.fd, data)
+            return
+        import numpy as np
+
+        src = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        pos, room = 0, BOUNCE
+        while pos < src.size:
+            take = min(room - self.fill, src.size - pos)
+            np.copyto(self.bounce[self.fill : self.fill + take], src[pos : pos + take])  # releases the GIL
+            self.fill += take
+            pos += take
+            if self.fill == room:
+                write_all(self.fd, memoryview(self.bounce))
+                self.size += self.fill
+                self.fill = 0
+
+    def finish(self) -> None:
+        """Write what the bounce buffer holds (padded to a whole block), then cut the padding."""
+        if self.bounce is None:
+            return
+        if self.fill:
+            padded = -(-self.fill // ALIGN) * ALIGN
+            self.bounce[self.fill : padded] = 0
+            write_all(self.fd, memoryview(self.bounce)[:padded])
+            self.size += self.fill
+            self.fill = 0
+            os.ftruncate(self.fd, self.size)
+        self.release()
+
+    def release(self) -> None:
+        """Give the bounce buffer back (for the next blob), whatever became of this one."""
+        bounce, self.bounce = self.bounce, None
+        if bounce is not None:
+            _give_back_bounce(bounce)
 
 
 class _Pending:
     """One temporary blob file: its path, its descriptor, and the worker flushing it."""
 
-    __slots__ = ("tmp", "fd", "final", "flushing")
+    __slots__ = ("tmp", "fd", "file", "final", "flushing")
 
     def __init__(self, tmp: str):
         self.tmp = tmp
         self.fd = -1
+        self.file: BlobFile | None = None
         self.final: Path | None = None
         self.flushing: Future | None = None  # owns (and closes) ``fd`` once submitted
 
@@ -73,13 +193,16 @@ class PendingBlobs:
         self._items: deque[_Pending] = deque()  # written: flushing or flushed, to be renamed
         self._unflushed: deque[_Pending] = deque()  # those whose flush may still hold a descriptor
 
-    def create(self, folder: Path) -> int:
-        """A new temporary blob file in ``folder``, open for writing (the one being written)."""
+    def create(self, folder: Path, direct: bool = False) -> BlobFile:
+        """A new temporary blob file in ``folder``, open for writing (the one being written);
+        ``direct``: with ``O_DIRECT`` (the caller checked :func:`direct_io`)."""
         if self._writing is not None:
             self.discard()
         item = self._writing = _Pending(str(folder / f"{TEMP}{secrets.token_hex(8)}"))
-        item.fd = os.open(item.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600)
-        return item.fd
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC | (O_DIRECT if direct else 0)
+        item.fd = os.open(item.tmp, flags, 0o600)
+        item.file = BlobFile(item.fd, direct)
+        return item.file
 
     def discard(self) -> None:
         """Close and remove the file being written (its blob is already in the folder, or
@@ -94,6 +217,8 @@ class PendingBlobs:
         item = self._writing
         assert item is not None
         item.final = final
+        if item.file is not None:
+            item.file.finish()
         self._items.append(item)
         self._writing = None
         try:
@@ -142,6 +267,8 @@ def _flush_and_close(fd: int) -> None:
 
 def _release(item: _Pending, wait_for_flush: bool = True) -> None:
     """Close ``item``'s descriptor (unless its flush runs, which closes it) and remove its file."""
+    if item.file is not None:
+        item.file.release()
     if item.flushing is None or item.flushing.cancel():
         fd, item.fd = item.fd, -1
         if fd >= 0:
@@ -158,38 +285,40 @@ def _release(item: _Pending, wait_for_flush: bool = True) -> None:
 
 
 def write(folder: Path, chunks: list[list[memoryview]], digests: Iterable[bytes], previous: list[bytes],
-          size: int, pending: PendingBlobs) -> tuple[str, bool]:
+          size: int, pending: PendingBlobs, *, direct: bool = False) -> tuple[str, bool]:
     """Write the blob made of ``chunks`` unless ``folder`` holds it: (hash, written?).
 
     ``digests`` yields each chunk's digest in order (as the pool computes them); ``previous`` are
     the digests of the same name's chunks at the last save: while they match, nothing is written
     (the blob is most likely there already). A written blob is left in ``pending``, which owns
     the temporary file and its descriptor from the moment it is created, errors included.
+    ``direct``: write it with ``O_DIRECT`` if it is large enough and the folder takes it.
     """
     seen: list[bytes] = []
-    fd = -1
+    out: BlobFile | None = None
+    direct = direct and size >= DIRECT_AT_LEAST and direct_io(folder)
 
-    def start_writing(upto: int) -> int:
-        new_fd = pending.create(folder)
+    def start_writing(upto: int) -> BlobFile:
+        new = pending.create(folder, direct)
         for c in chunks[:upto]:
             for piece in c:
-                write_all(new_fd, piece)
-        return new_fd
+                new.write(piece)
+        return new
 
     try:
         for i, d in enumerate(digests):
             seen.append(d)
-            if fd >= 0:
+            if out is not None:
                 for piece in chunks[i]:
-                    write_all(fd, piece)
+                    out.write(piece)
             elif i >= len(previous) or previous[i] != d:
-                fd = start_writing(i + 1)  # this chunk changed: write from the start
+                out = start_writing(i + 1)  # this chunk changed: write from the start
         blob_hash = combine(seen)
         final = folder / blob_hash
         if present(final, size):
             pending.discard()
             return blob_hash, False
-        if fd < 0:
+        if out is None:
             start_writing(len(chunks))
     except BaseException:
         pending.discard()

@@ -68,10 +68,12 @@ class Commit:
         self.jobs: list[HashJob] = []
         self.written = self.reused = 0
 
-    def write(self, index: int, p: values.Prepared, job: HashJob) -> None:
+    def write(self, index: int, p: values.Prepared, job: HashJob, *, direct: bool = True) -> None:
+        """Write ``p``'s blob (``direct``: with ``O_DIRECT`` where it can be, see :mod:`.blobs`)."""
         self.jobs.append(job)
         blob_hash, was_written = blobs.write(
-            self.store.blob_dir, job.chunks, job.digests(), job.previous, p.payload.size, self.pending
+            self.store.blob_dir, job.chunks, job.digests(), job.previous, p.payload.size, self.pending,
+            direct=direct,
         )
         self.written += p.payload.size if was_written else 0
         self.reused += 0 if was_written else p.payload.size

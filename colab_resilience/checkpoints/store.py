@@ -191,12 +191,14 @@ class CheckpointStore:
             snap.later = [(i, p, jobs[i]) for i, p in enumerate(prepared) if staged[i]]
             snap.staged = sum(p.payload.size for i, p in enumerate(prepared) if staged[i])
             # the values that did not fit are written from their own memory now; the rest is
-            # hashed and written while training goes on
+            # hashed and written while training goes on. A synchronous save writes directly (it
+            # waits for the flush anyway); one in the background writes these through the page
+            # cache, so training goes on before the device has them
             for i, p in enumerate(prepared):
                 if not staged[i]:
                     if snap.commit is None:
                         snap.commit = self._begin_commit(pool)
-                    snap.commit.write(i, p, jobs[i])
+                    snap.commit.write(i, p, jobs[i], direct=staging is None)
                     snap.written_through += p.payload.size
         except OSError as e:
             snap.abandon(hashing_now.values())
