@@ -5,7 +5,8 @@ one fault injected at a random moment (:mod:`colab_resilience.faults`), chosen f
 points the uninterrupted run went through:
 
 - a SIGKILL between two safe points (anywhere in an iteration), just before a save, or in the
-  middle of a save;
+  middle of a save: of its background write where the checkpoint is written while training goes
+  on (the timeline says when it was on disk), of the save itself where it is synchronous;
 - an out-of-memory error raised inside a ``%%resilient`` cell (recovered in process; a ``--shrink``
   variable is left as it was, or the result could not be compared).
 
@@ -46,6 +47,7 @@ CHECK_CELL = f"print({MARK!r}, {_DIGEST})"
 BEFORE_CELL = f"print({BEFORE!r}, {_DIGEST})"  # runs just before the first %%resilient cell
 EXIT_IDENTICAL, EXIT_DIFFERS, EXIT_USAGE, EXIT_BROKEN = 0, 1, 2, 3
 KINDS = ("kill-between", "oom", "kill-during-save", "kill-before-save")
+REAIM = 2  # a fault that never fired is aimed at another moment this many times
 
 
 @dataclass
@@ -53,9 +55,11 @@ class Fault:
     kind: str  # one of KINDS
     safe_point: int
     delay: float
+    in_write: bool = False  # a kill during a save, aimed into its background write
 
     def env(self, mark: Path) -> str:
-        phase = "before" if self.kind in ("kill-during-save", "kill-before-save") else "after"
+        before = self.kind == "kill-before-save" or (self.kind == "kill-during-save" and not self.in_write)
+        phase = "before" if before else "after"
         return json.dumps({"kind": "oom" if self.kind == "oom" else "kill", "safe_point": self.safe_point,
                            "phase": phase, "delay": self.delay, "mark": str(mark)})
 
@@ -64,7 +68,8 @@ class Fault:
         return {
             "kill-between": f"SIGKILL {self.delay:.2f} s after {at}",
             "oom": f"an out-of-memory error {self.delay:.2f} s after {at}",
-            "kill-during-save": f"SIGKILL {self.delay:.3f} s into the save at {at}",
+            "kill-during-save": (f"SIGKILL {self.delay:.3f} s into the background write of the checkpoint "
+                                 f"of {at}" if self.in_write else f"SIGKILL {self.delay:.3f} s into the save at {at}"),
             "kill-before-save": f"SIGKILL just before the save at {at}",
         }[self.kind]
 
@@ -98,18 +103,34 @@ class CheckReport:
 
     @property
     def status(self) -> int:
+        """Identical only if every fault fired and its run ended identical: a fault that never
+        fired tested nothing (exit 1, said as such, not as a difference)."""
         if self.broken:
             return EXIT_BROKEN
         return EXIT_DIFFERS if any(r.differences or not r.fired for r in self.results) else EXIT_IDENTICAL
+
+    def summary(self, seed: int) -> str:
+        n = len(self.results)
+        differ = sum(1 for r in self.results if r.differences)
+        unfired = sum(1 for r in self.results if not r.fired and not r.differences)
+        if not differ and not unfired:
+            return f"identical after each of {n} faults (seed {seed})"
+        parts = [f"{differ} of {n} faulted runs differ"] if differ else []
+        if unfired:
+            parts.append(f"{unfired} of {n} faults never fired, even aimed again (try another --seed)")
+        return "; ".join(parts) + f" (seed {seed})"
 
 
 def choose_faults(timeline: list[tuple[int, str, float, str]], count: int, seed: int) -> list[Fault]:
     """``count`` faults spread over the safe points of ``timeline`` (kinds in turn). An OOM
     follows a safe point after which the cell runs more of the notebook's code (another
-    iteration); a kill between safe points may also land in what follows a loop."""
+    iteration); a kill between safe points may also land in what follows a loop; a kill during a
+    save lands in its background write where the checkpoint was on disk only after training went
+    on (``durable`` after ``after``), else between the save's start and end."""
     rng = random.Random(seed)
     before = {n: t for n, phase, t, _ in timeline if phase == "before"}
     after = {n: t for n, phase, t, _ in timeline if phase == "after"}
+    durable = {n: t for n, phase, t, _ in timeline if phase == "durable"}
     ends = {n for n, _, _, kind in timeline if kind == "end"}
     points = sorted(set(before) & set(after))
     followed = [n for n in points if n + 1 in before and n not in ends] or points
@@ -118,6 +139,9 @@ def choose_faults(timeline: list[tuple[int, str, float, str]], count: int, seed:
     for i in range(count):
         kind = KINDS[i % len(KINDS)]
         n = rng.choice(iterations if kind == "oom" else followed if kind == "kill-between" else points)
+        if kind == "kill-during-save" and durable.get(n, 0.0) > after[n]:
+            out.append(Fault(kind, n, rng.uniform(0.1, 0.9) * (durable[n] - after[n]), in_write=True))
+            continue
         if kind == "kill-during-save":
             delay = rng.uniform(0.1, 0.9) * max(after[n] - before[n], 0.001)
         elif kind == "kill-before-save":
@@ -268,17 +292,24 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
             return report
         log(f"colab-resilience check: {notebook}: {report.safe_points} safe points, uninterrupted in {seconds:.1f} s")
         for i, fault in enumerate(choose_faults(timeline, faults, seed), 1):
-            mark = work / f"fault-{i}.fired"
-            started = time.perf_counter()
-            outcome = _outcome(run(f"fault-{i}", {fault_env.FAULT_ENV: fault.env(mark)}))
-            result = FaultResult(fault, fault_env.fired(mark), compare(reference, outcome),
-                                 len(outcome.result.restarts), time.perf_counter() - started)
+            for attempt in range(1 + REAIM):
+                if attempt:  # the same kind at another moment
+                    fault = choose_faults(timeline, i, seed + 7919 * attempt)[i - 1]
+                mark = work / f"fault-{i}-{attempt}.fired"
+                started = time.perf_counter()
+                outcome = _outcome(run(f"fault-{i}", {fault_env.FAULT_ENV: fault.env(mark)}))
+                result = FaultResult(fault, fault_env.fired(mark), compare(reference, outcome),
+                                     len(outcome.result.restarts), time.perf_counter() - started)
+                if result.fired or attempt == REAIM:
+                    break
+                log(f"  fault {i}/{faults}: {fault.describe(report.safe_points)}: never fired (the run went "
+                    "another way, e.g. a planned restart at that safe point); aimed at another moment")
             report.results.append(result)
             where = fault_env.fired_at(mark)
             landed = f" (the error was raised at {where})" if where else ""
             verdict = ("identical" if not result.differences else f"DIFFERS{landed}: " + "; ".join(result.differences))
             if not result.fired:
-                verdict = "the fault never fired (the run went another way): " + verdict
+                verdict = "the fault never fired (the run went another way), so this run proves nothing: " + verdict
             log(f"  fault {i}/{faults}: {fault.describe(report.safe_points)}: {verdict} "
                 f"({result.restarts} kernel restart{'s' if result.restarts != 1 else ''}, {result.seconds:.1f} s)")
             skipped = not_compared(reference, outcome)

@@ -76,10 +76,7 @@ def check(args) -> int:
     if report.broken:
         print(f"colab-resilience check: {args.notebook}: cannot check: {report.broken}", file=sys.stderr)
     else:
-        bad = sum(1 for r in report.results if r.differences or not r.fired)
-        print(f"colab-resilience check: {args.notebook}: "
-              + (f"identical after each of {len(report.results)} faults (seed {args.seed})" if not bad
-                 else f"{bad} of {len(report.results)} faulted runs differ (seed {args.seed})"))
+        print(f"colab-resilience check: {args.notebook}: {report.summary(args.seed)}")
     return report.status
 
 

@@ -5,9 +5,11 @@ check`` sets them; nothing else does):
 
 - ``COLAB_RESILIENCE_TIMELINE=FILE``: every safe point appends ``<number> <phase> <time> <kind>``
   to FILE, ``before`` and ``after`` its save (its snapshot, when the checkpoint is then written in
-  the background: a kill soon after ``after`` lands in that write) (``kind``: ``iteration``, or ``end`` for the end of a
-  cell): the uninterrupted run tells how many safe points the notebook has and how long its
-  iterations and saves take;
+  the background) (``kind``: ``iteration``, or ``end`` for the end of a cell), and ``durable``
+  (kind ``write``) once its checkpoint is on disk and the journal names it, which for a
+  background save is later, on the persisting thread: the uninterrupted run tells how many safe
+  points the notebook has, how long its iterations take, and when its checkpoints are written,
+  so that a kill can be aimed into a background write;
 - ``COLAB_RESILIENCE_FAULT=JSON``: one fault, ``{"kind": "kill" | "oom", "safe_point": N,
   "phase": "before" | "after", "delay": SECONDS, "mark": FILE}``: when safe point N reaches the
   phase (before or after its save), after ``delay`` seconds (on a timer thread, so training goes
@@ -51,6 +53,19 @@ def take_injected() -> bool:
 
 def active() -> bool:
     return bool(_timeline or _fault)
+
+
+def count() -> int:
+    """The number of the safe point reached last (from 1; 0 before the first)."""
+    return _count
+
+
+def persisted(number: int) -> None:
+    """Called once safe point ``number``'s checkpoint is on disk and recorded (on the persisting
+    thread for a background save): the timeline's ``durable`` line."""
+    if _timeline:
+        with open(_timeline, "a") as f:
+            f.write(f"{number} durable {time.monotonic():.6f} write\n")
 
 
 def safe_point(phase: str, *, end: bool = False) -> None:

@@ -330,7 +330,7 @@ class Run:
                 "where": where}
         namespace: Mapping = ChainMap({LOOP_RNG: rngs}, ns) if rngs else ns
         # the batch size that fits goes with the checkpoint: a new kernel starts from it
-        info = (where, _integers(ns, self.shrink))
+        info = (where, _integers(ns, self.shrink), faults.count())
         # a value that cannot be saved stops the cell here (UnsaveableValueError), before anything
         # is written; a checkpoint that cannot be written is said, and the run goes on
         if not self.saver.save(namespace, present + ([LOOP_RNG] if rngs else []), meta=meta, info=info, durable=end):
@@ -339,16 +339,17 @@ class Run:
         self._saved_point = self.safe_points
         self._names_at_checkpoint = set(ns)
 
-    def _durable(self, report, info: tuple[str | None, dict[str, int]]) -> None:
+    def _durable(self, report, info: tuple[str | None, dict[str, int], int]) -> None:
         """A checkpoint is on disk and ``LATEST`` names it: the journal says so (on the persisting
         thread, when saves are in the background)."""
-        where, shrink = info
+        where, shrink, number = info
         with self.journal_lock:
             j = self.journal
             j.last_checkpoint, j.resume_at = report.checkpoint_id, where
             j.oom_kills = memory.oom_kills()
             j.shrink.update(shrink)
             j.save()
+        faults.persisted(number)
 
     def forget_new_names(self) -> list[str]:
         """Unbind the names created since the last checkpoint, the point a retry goes back to,
