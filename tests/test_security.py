@@ -27,7 +27,6 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
-import colab_resilience
 from colab_resilience import fsutil, lock, restart, signing
 from colab_resilience import journal as jmod
 from colab_resilience.run import run_id_for
