@@ -44,7 +44,7 @@ def pick_run(session, command: str, wanted: str | None) -> Path:
 def status(session) -> None:
     """Every run in the run directory: status, restarts, what it saves, its last checkpoint."""
     found = find_runs(session.root())
-    policy = (session.policy or restart.RestartPolicy()).describe()
+    policy = session.policy.describe() if session.policy else "not set in this kernel"
     budget, when_busy = session.saving()
     saving = ("written while training waits (staging_memory off)" if budget.off else
               f"written in the background (staging memory: {budget.describe()}; a busy safe point: {when_busy})")
@@ -60,15 +60,50 @@ def status(session) -> None:
             continue
         shrink = ", ".join(f"{k}={v}" for k, v in j.shrink.items())
         last = j.restarts[-1].reason if j.restarts else "none"
+        planned = j.policy.describe()
         print(
             f"colab_resilience:   run {j.run_id}: {j.status}; restarts {j.restarts_used}/{j.max_restarts} (last: {last}); "
             f"saves {', '.join(j.names) or 'nothing'}; last checkpoint {j.last_checkpoint or 'none'}; "
             f"{_plural(len(j.replay_cells), 'replay cell')}"
+            + (f"; planned restarts {planned}" if planned != "off" else "")
             + (f"; {shrink}" if shrink else "")
         )
+        if j.status == "pending":
+            print(f"colab_resilience:     {_pending_line(j)}")
         stats = session.saves.get(j.run_id)
         if stats is not None:  # its last execution in this kernel
             print(f"colab_resilience:     checkpoints in this kernel: {stats.line()}")
+
+
+def _pending_line(j: Journal) -> str:
+    """What became of a pending run's kernel, and what the user does next."""
+    from .run import uncounted_death
+
+    cell = "run its cell again (or Run all) to continue"
+    where = f"from checkpoint {j.last_checkpoint}" if j.last_checkpoint else "from the start (no checkpoint yet)"
+    how = uncounted_death(j)
+    if how is not None and _alive(j.kernel_pid):
+        return f"held by kernel PID {j.kernel_pid}, which is still running"
+    if how is not None:
+        return (f"its kernel (PID {j.kernel_pid}) died without warning ({how}); not counted yet: "
+                f"{cell} {where}; that restart will count against the budget")
+    if j.kernel_pid == os.getpid():
+        return f"left pending in this kernel: {cell} {where}"
+    last = j.restarts[-1] if j.restarts else None
+    why = f" ({last.reason})" if last is not None else ""
+    return f"its kernel restarted{why}: {cell} {where}"
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process holds that PID now
+        return True
+    return True
 
 
 def set_dir(session, folder: str) -> None:

@@ -100,7 +100,8 @@ def leave(shell, journal: Journal, reason: str, *, planned: bool = False, iterat
         where = f" in iteration {iteration}" if iteration is not None else ""
         count = "" if planned else f"; restart {journal.restarts_used}/{journal.max_restarts}"
         say(f"colab_resilience: {reason}{where}: restarting the kernel{count}. When it is back, run this "
-            "cell again (or Run all) to continue from the last safe point.")
+            "cell again (or Run all) to continue from the last safe point; JupyterLab drops the cells queued "
+            "after this one (Run all): run them again too.")
     exit_kernel(EXIT_RESTART)
     return ""  # not reached
 

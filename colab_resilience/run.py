@@ -420,6 +420,17 @@ class Run:
             loops.ACTIVE.remove(self)
 
 
+def uncounted_death(journal: Journal) -> str | None:
+    """How the kernel that last held ``journal``'s run ended, if it died without warning and no
+    one has counted that death yet (not this kernel, not a driver): a few words, or None."""
+    if journal.kernel_pid == os.getpid() or journal.counted_pid == journal.kernel_pid:
+        return None
+    now = memory.oom_kills()
+    oom_killed = now is not None and journal.oom_kills is not None and now > journal.oom_kills
+    return ("killed by the OS out-of-memory killer" if oom_killed
+            else "killed or crashed; the OS recorded no out-of-memory kill")
+
+
 def _take_over(shell, journal: Journal, root: Path) -> bool:
     """A pending run found by a new execution of its cell: count a death without warning (or
     fail the run when the budget does not cover it). Returns whether a kernel restart came
@@ -427,11 +438,8 @@ def _take_over(shell, journal: Journal, root: Path) -> bool:
     in_replay = journal.phase == "replay"
     journal.restart_requested, journal.phase = False, None
     died = journal.kernel_pid != os.getpid()
-    if died and journal.counted_pid != journal.kernel_pid:  # not yet counted (by it, or a driver)
-        now = memory.oom_kills()
-        oom_killed = now is not None and journal.oom_kills is not None and now > journal.oom_kills
-        how = ("killed by the OS out-of-memory killer" if oom_killed
-               else "killed or crashed; the OS recorded no out-of-memory kill")
+    how = uncounted_death(journal)
+    if how is not None:
         why = f"the kernel died without warning {'while replaying the set-up cells ' if in_replay else ''}({how})"
         if journal.restarts_left == 0:
             report = restart.refuse(journal, why)

@@ -53,10 +53,21 @@ def test_interrupted_run_resumes_bit_identical(tmp_path, env, reference, fault):
             assert code == 75
             assert "retry 1/1" in out
             assert "restarting the kernel; restart 1/3" in out
+            assert "JupyterLab drops the cells queued after this one (Run all): run them again too." in out
         else:
             assert code == -9
         k.restart()
         assert k.pid != first_pid
+        # before the cell runs again, status already tells what became of the run's kernel
+        status = k.ok("%resilience status").stdout
+        assert "planned restarts not set in this kernel" in status
+        if fault == "oom":
+            assert "    its kernel restarted (" in status, status
+        else:
+            assert (f"    its kernel (PID {first_pid}) died without warning (killed or crashed; the OS recorded "
+                    "no out-of-memory kill); not counted yet: run its cell again (or Run all) to continue from "
+                    "checkpoint ") in status, status
+            assert "restarts 0/3" in status
         # As a user would: run the interrupted cell again, nothing else. The startup file
         # loaded the extension; the run replays the set-up cells and restores the state.
         r = k.ok(source)
@@ -89,6 +100,11 @@ def test_planned_restarts_do_not_spend_the_budget(tmp_path, env, reference):
         assert "planned restart after 2 safe points in" not in out  # at a safe point, not mid-epoch
         assert "planned restart after 2 safe points: restarting the kernel." in out
         k.restart()
+        # the new kernel has no policy of its own yet; the pending run keeps its planned restarts
+        status = k.ok("%resilience status").stdout
+        assert "planned restarts not set in this kernel" in status
+        assert "; planned restarts every 2 safe points" in status, status
+        assert "    its kernel restarted (planned restart after 2 safe points): run its cell again" in status, status
         # "Run all": the set-up cells run again by themselves, so the run does not replay them twice
         replies = run_interactive(k, nb)
         r = replies["train"]  # epochs 2 and 3; no restart after the last epoch
