@@ -139,17 +139,17 @@ def choose_faults(timeline: list[tuple[int, str, float, str]], count: int, seed:
     for i in range(count):
         kind = KINDS[i % len(KINDS)]
         n = rng.choice(iterations if kind == "oom" else followed if kind == "kill-between" else points)
-        if kind == "kill-during-save" and durable.get(n, 0.0) > after[n]:
-            out.append(Fault(kind, n, rng.uniform(0.1, 0.9) * (durable[n] - after[n]), in_write=True))
-            continue
-        if kind == "kill-during-save":
+        in_write = kind == "kill-during-save" and durable.get(n, 0.0) > after[n]
+        if in_write:
+            delay = rng.uniform(0.1, 0.9) * (durable[n] - after[n])
+        elif kind == "kill-during-save":
             delay = rng.uniform(0.1, 0.9) * max(after[n] - before[n], 0.001)
         elif kind == "kill-before-save":
             delay = 0.0
         else:  # somewhere in what follows the safe point, up to the next one
             nxt = before.get(n + 1, after[n] + 0.5)
             delay = rng.uniform(0.1, 0.9) * max(nxt - after[n], 0.01)
-        out.append(Fault(kind, n, delay))
+        out.append(Fault(kind, n, delay, in_write))
     return out
 
 

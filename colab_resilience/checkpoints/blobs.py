@@ -66,8 +66,8 @@ _bounces: list = []  # free bounce buffers (NumPy views of anonymous mappings), 
 
 def direct_io(folder: Path) -> bool:
     """Whether blobs in ``folder`` can be written with ``O_DIRECT``: probed once per device by
-    writing one aligned block to a temporary file there (tmpfs, some FUSE mounts, and file systems
-    that refuse the flag answer no)."""
+    writing one aligned block to a temporary file there (file systems that refuse the flag, such
+    as tmpfs before Linux 6.6 and some FUSE mounts, answer no)."""
     if not (DIRECT_IO and O_DIRECT):
         return False
     dev = os.stat(folder).st_dev
@@ -130,13 +130,13 @@ class BlobFile:
         import numpy as np
 
         src = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-        pos, room = 0, BOUNCE
+        pos = 0
         while pos < src.size:
-            take = min(room - self.fill, src.size - pos)
+            take = min(BOUNCE - self.fill, src.size - pos)
             np.copyto(self.bounce[self.fill : self.fill + take], src[pos : pos + take])  # releases the GIL
             self.fill += take
             pos += take
-            if self.fill == room:
+            if self.fill == BOUNCE:
                 write_all(self.fd, memoryview(self.bounce))
                 self.size += self.fill
                 self.fill = 0
