@@ -959,7 +959,7 @@ def kill_in_a_later_cell(root: Path, expected: str, parameters: dict | None = No
     return {"status": res.status, "restarts": len(res.restarts), "seen_after_restart": seen, "epochs": trained,
             "trained": trained == list(range(parameters.get("epochs", 4))),  # each epoch once: not trained again
             "identical": seen == expected,
-            "marker": "restored model, opt, history from the finished training" in cell_text(nb.cells[index(nb, "result")])}
+            "marker": "restored model, opt, history, epoch, step from the finished training" in cell_text(nb.cells[index(nb, "result")])}
 
 
 # ==================================================================================================

@@ -15,7 +15,7 @@ from .checkpoints import manifest as checkpoint_manifest
 from .errors import JournalError, OptionError, ResilienceError, RunLockedError, UnsafeDirectoryError
 from .journal import Journal, find_runs
 from .lock import RunLock
-from .run import open_store, restore_latest
+from .run import open_store, put_back_left, restore_latest
 
 
 def _plural(n: int, word: str) -> str:
@@ -233,9 +233,12 @@ def resume(session, run_dir: Path, *, trust: bool = False) -> None:
     )
 
 
-def restore_finished_runs(session) -> list[str]:
+def restore_finished_runs(session, dead_pid: int | None = None,
+                          rerun_source: str | None = None) -> tuple[list[str], list[str]]:
     """Put back the final state of every run that finished in the run directory, oldest first (a
-    later run's values win); return the names restored."""
+    later run's values win). Returns the names restored, and the runs that finished in the
+    kernel ``dead_pid`` but save nothing (no ``--save``), so that nothing of what they computed is
+    back: not the run of the cell ``rerun_source`` that is run again now (it starts afresh)."""
     from .signing import load_or_create_key
 
     key = load_or_create_key()
@@ -248,13 +251,20 @@ def restore_finished_runs(session) -> list[str]:
         if j.status == "done":
             done.append((run_dir, j))
     restored: list[str] = []
+    unsaved = [j.run_id for _, j in done if not j.names and dead_pid is not None and j.kernel_pid == dead_pid
+               and (rerun_source is None or _words(j.interrupted_cell) != _words(rerun_source))]
     for run_dir, j in done:
         try:
-            _, got = restore_latest(open_store(run_dir, key), session.shell.user_ns, j.names)
+            ckpt, got = restore_latest(open_store(run_dir, key), session.shell.user_ns, j.names)
+            got += put_back_left(ckpt, session.shell.user_ns)
         except ResilienceError as e:
             session.say(str(e).splitlines()[0])
             continue
         session.shell.user_ns.update(j.shrink)  # the batch sizes the run settled on
         got += [n for n in j.shrink if n not in got]
         restored += [n for n in got if n not in restored]
-    return restored
+    return restored, unsaved
+
+
+def _words(source: str | None) -> list[str]:
+    return (source or "").split()

@@ -33,6 +33,7 @@ class Restart:
     seconds: float
     time: float = field(default_factory=time.time)
     restored: list = field(default_factory=list)  # names put back from runs finished earlier
+    unsaved: list = field(default_factory=list)  # runs finished in the dead kernel that saved nothing
     recovered: bool = True  # False: the new kernel died too (while starting or replaying)
     standby: bool = False  # True: the standby kernel took over; False: a kernel was (re)started
     requested: bool = False  # the kernel left on its own request (an OOM past its retries, a plan)
@@ -50,16 +51,23 @@ class Restart:
         state = f", restored {', '.join(self.restored)} from the finished training" if self.restored else ""
         how = "switched to the standby kernel" if self.standby else "restarted it"
         at = _where(self.iteration)
+        lost = ""
+        if self.unsaved:
+            one = len(self.unsaved) == 1
+            lost = (f"colab_resilience: run{'' if one else 's'} {', '.join(self.unsaved)} finished in the kernel that "
+                    f"died but save{'s' if one else ''} nothing (no --save), so what {'it' if one else 'they'} "
+                    "computed is not back and the cells after it may give another result than an uninterrupted "
+                    "run; --save the model and optimizer\n")
         return (
             f"{what}; {how}, replayed {self.replayed} cell{'s' if self.replayed != 1 else ''}{state} "
-            f"and resumed{at} in {self.seconds:.1f} s\n"
+            f"and resumed{at} in {self.seconds:.1f} s\n{lost}"
         )
 
     def to_metadata(self) -> dict:
         return {"cell": self.cell, "reason": self.reason, "exit_code": self.exit_code, "iteration": self.iteration,
                 "replayed": self.replayed, "recovery_seconds": round(self.seconds, 3), "time": self.time,
                 "kernel": "standby" if self.standby else "restarted", "planned": self.planned,
-                "requested": self.requested}
+                "requested": self.requested, "unsaved": self.unsaved}
 
 
 def _where(iteration: str | None) -> str:
@@ -87,9 +95,11 @@ class Death:
     requested: bool = False
 
     def restart(self, cell: int, seconds: float, *, replayed: int = 0, recovered: bool = True,
-                standby: bool = False, restored: list | None = None, then: str = "") -> Restart:
+                standby: bool = False, restored: list | None = None, unsaved: list | None = None,
+                then: str = "") -> Restart:
         return Restart(cell, f"{self.reason}; then {then}" if then else self.reason, self.exit_code, self.at,
-                       replayed, seconds, restored=restored or [], recovered=recovered, standby=standby,
+                       replayed, seconds, restored=restored or [], unsaved=unsaved or [], recovered=recovered,
+                       standby=standby,
                        requested=self.requested, planned=self.planned)
 
 

@@ -297,6 +297,7 @@ class Supervisor:
         t0 = time.perf_counter()
         client = self.client
         death = self.budgets.death(client, starting=starting)
+        dead_pid = death.pid  # the kernel whose finished runs may have left nothing to put back
         while True:
             refusal = self.budgets.charge(index, death, self.result.restarts)
             if refusal is not None:
@@ -318,7 +319,8 @@ class Supervisor:
                 client.execute_cell(copy.deepcopy(self.nb.cells[j]), j)  # outputs discarded
                 replayed += 1
                 self.declare_replay(self.nb.cells[j])
-            restored = client.evaluate(api_call("restore_finished_runs"), timeout=600)
+            finished = client.evaluate(api_call("restore_finished_runs", dead_pid, self.nb.cells[index].source),
+                                       timeout=600)
             client.call(api_call("expect_reexecution"))
         except DeadKernelError:  # the caller's next execution finds the kernel dead and restarts again
             self.result.restarts.append(death.restart(index, time.perf_counter() - t0, replayed=replayed,
@@ -330,7 +332,7 @@ class Supervisor:
             self.spare.spawn()
         self.result.restarts.append(death.restart(
             index, time.perf_counter() - t0, replayed=replayed, standby=adopted is not None,
-            restored=list(restored) if isinstance(restored, (list, tuple)) else []))
+            restored=_strings(finished, "restored"), unsaved=_strings(finished, "unsaved")))
         return True
 
     def declare_replay(self, cell) -> None:
@@ -355,3 +357,9 @@ def log_cell(index: int, cell) -> None:
                 print(f"[cell {index}] {line}", file=stream)
         elif out.get("output_type") == "error":
             print(f"[cell {index}] {out.get('ename')}: {out.get('evalue')}", file=sys.stderr)
+
+
+def _strings(answer: Any, key: str) -> list[str]:
+    """``answer[key]`` as a list of strings, from what a kernel evaluated (anything else: empty)."""
+    got = answer.get(key) if isinstance(answer, dict) else None
+    return [x for x in got if isinstance(x, str)] if isinstance(got, (list, tuple)) else []

@@ -224,6 +224,32 @@ def read_after_loop(tree: ast.AST, saved: list[str]) -> list[str]:
     return found
 
 
+def cell_sets(shell, body: str, *, definitions: bool = True) -> list[str]:
+    """Names a cell sets in its own scope (not in a function, class or comprehension) and does not
+    delete again: what it leaves in the namespace for the cells after it. Without
+    ``definitions``, the names it imports or defines (``def``, ``class``) are left out."""
+    tree = _parse(shell, body)
+    stored: list[str] = []
+    deleted: set[str] = set()
+    todo = list(ast.iter_child_nodes(tree)) if tree is not None else []
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if definitions:
+                stored.append(node.name)
+            continue
+        if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            stored.append(node.id)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Del):
+            deleted.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)) and definitions:
+            stored += [(a.asname or a.name).split(".")[0] for a in node.names]
+        todo.extend(ast.iter_child_nodes(node))
+    return [n for i, n in enumerate(stored) if n not in deleted and not n.startswith("_") and n not in stored[:i]]
+
+
 def _is_zero_grad(node: ast.AST) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "zero_grad"
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from . import lint, oom, replay
 from .errors import OptionError, ResilienceError
 from .recovery import Recovery, Shrink
-from .run import Run, finished_run, run_id_for
+from .run import Run, finished_run, run_id_for, unset_note
 
 
 @dataclass(frozen=True)
@@ -41,17 +41,17 @@ def execute(session, line: str, body: str, options: Options) -> None:
     key = replay.current_cell_key(shell) or replay.source_key(source)
     shrink_names = [s.name for s in options.shrink]
     reexecuting, session.reexecuting = session.reexecuting, False
-    if reexecuting:
-        done = finished_run(session.root(), session.adopt or run_id_for(key))
-        if done is not None:  # the kernel died after the run finished, before the cell returned
-            session.say(f"colab_resilience: run {done.run_id} had finished before the kernel died; its final "
-                        f"state ({', '.join(done.names) or 'nothing'}) is back, and the cell is not run again")
-            return
+    done = finished_run(session.root(), session.adopt or run_id_for(key)) if reexecuting else None
+    if done is not None and done.names:  # the kernel died after the run finished, before the cell returned
+        session.say(f"colab_resilience: run {done.run_id} had finished before the kernel died; its final "
+                    f"state ({', '.join(done.names)}) is back, and the cell is not run again"
+                    + unset_note(shell, body, done.names))
+        return
     run = Run.open(
         shell, session.root(), session.adopt or run_id_for(key),
         cell_key=key, source=source, body=body, names=options.names, shrink=shrink_names,
         max_restarts=options.max_restarts, every=options.every, policy=session.policy, say=session.say,
-        saving=session.saving(),
+        saving=session.saving(), reopen=done is not None,  # saves nothing: it goes back to its start
     )
     session.adopt = None  # after %resilience resume: this cell continued that run
     replayed, seconds = 0, 0.0

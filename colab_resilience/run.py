@@ -46,22 +46,23 @@ def run_id_for(cell_key: str, key: bytes | None = None) -> str:
     return sign(key or load_or_create_key(), b"run-id:" + cell_key.encode())[:8]
 
 
-def open_store(run_dir: Path, key: bytes) -> CheckpointStore:
+def open_store(run_dir: Path, key: bytes, *, keep_first: bool = False) -> CheckpointStore:
     """The checkpoints of the run in ``run_dir``: its folders are checked (real folders of this
     user's, nobody else can write) before anything is read, cleared or written there."""
-    store = CheckpointStore(run_dir / "checkpoints", key=key, run_id=run_dir.name.removeprefix("run-"))
+    store = CheckpointStore(run_dir / "checkpoints", key=key, keep_first=keep_first,
+                            run_id=run_dir.name.removeprefix("run-"))
     fsutil.make_private_dir(store.run_dir)
     fsutil.make_private_dir(store.blob_dir)
     return store
 
 
 def restore_latest(store: CheckpointStore, namespace: MutableMapping, names: Iterable[str],
-                   *, trust: bool = False, rng: bool = True) -> tuple[Checkpoint, list[str]]:
+                   *, trust: bool = False, rng: bool = True, oldest: bool = False) -> tuple[Checkpoint, list[str]]:
     """Restore ``names`` from the newest loadable checkpoint of ``store`` into ``namespace``
     (in place where they were saved by ``state_dict``; with ``rng``, the random-number states
-    too). Returns the checkpoint and the names restored; :class:`NoCheckpointError` when there is
-    none."""
-    ckpt = store.load(trust=trust)
+    too; with ``oldest``, from the run's first checkpoint). Returns the checkpoint and the names
+    restored; :class:`NoCheckpointError` when there is none."""
+    ckpt = store.load(trust=trust, oldest=oldest)
     wanted = set(names)
     return ckpt, ckpt.restore(namespace, [n for n in ckpt.names if n in wanted], rng=rng, strict=False)
 
@@ -76,6 +77,60 @@ def finished_run(root: Path, run_id: str) -> Journal | None:
     except (JournalError, OSError):
         return None
     return journal if journal.status == "done" else None
+
+
+LEFT_BUDGET = 1 << 20  # bytes of tagged JSON: the plain values a finished cell leaves, kept with its end
+
+
+def left_values(shell, body: str, names: list[str]) -> dict:
+    """The values a finished cell leaves behind that ``--save`` does not name, where they are plain
+    data (numbers, strings, lists and dicts of them: a step counter, a loss history) and small:
+    the checkpoint at the end of the cell keeps them, so a cell not run again after a restart
+    leaves them as an uninterrupted run would."""
+    from .checkpoints.codec import Encoder, json_bytes
+    from .errors import NotPlainError
+    from .lint import cell_sets
+
+    ns, kept, size = shell.user_ns, {}, 0
+    for name in cell_sets(shell, body, definitions=False):
+        if name in names or name not in ns:
+            continue
+        try:
+            more = len(json_bytes(Encoder(leaves=False).encode(ns[name])))
+        except (NotPlainError, RecursionError, ValueError):
+            continue
+        if size + more <= LEFT_BUDGET:
+            size += more
+            kept[name] = ns[name]
+    return kept
+
+
+def put_back_left(ckpt: Checkpoint, namespace: MutableMapping) -> list[str]:
+    """Bind again what :func:`left_values` kept with an end-of-cell checkpoint; the names."""
+    left = _meta(ckpt).get("left")
+    if not isinstance(left, dict):
+        return []
+    namespace.update(left)
+    return list(left)
+
+
+def unset_note(shell, body: str, names: list[str]) -> str:
+    """For a cell that is not run again after a restart: what it sets that nothing brought back."""
+    from .lint import cell_sets
+
+    ns = shell.user_ns
+    values = [n for n in cell_sets(shell, body, definitions=False) if n not in names and n not in ns]
+    defined = [n for n in cell_sets(shell, body) if n not in values and n not in names and n not in ns]
+    note = ""
+    if values:
+        one = len(values) == 1
+        note += (f"; {', '.join(values)}, which the cell sets without --save, {'is' if one else 'are'} not back: "
+                 f"add {'it' if one else 'them'} to --save")
+    if defined:
+        one = len(defined) == 1
+        note += (f"; {', '.join(defined)}, which the cell imports or defines, {'is' if one else 'are'} not back: "
+                 "do that in a %%replay cell")
+    return note
 
 
 def _meta(ckpt: Checkpoint) -> dict:
@@ -97,6 +152,7 @@ class Run:
         self.names, self.shrink, self.policy, self.say = names, shrink, policy, say
         self.every_n, self.every_seconds = every
         self.uses_loop = "resume_range" in body
+        self.body = body
         self.resuming = resuming  # restore the last safe point at the next restore point
         self.after_restart = after_restart  # this kernel replaced the one that wrote the journal
         self.safe_points = 0
@@ -105,6 +161,7 @@ class Run:
         self._saved_point = -1  # the safe point the last successful save was made at
         self._names_at_checkpoint: set[str] | None = None  # the namespace's names then
         self._said: set = set()  # names already reported as missing
+        self._said_retry_unsaved = False  # said that a retry without --save may not be exact
         self._last_save = 0.0
         self._replayed, self._replay_seconds = 0, 0.0
         self._resume_note: str | None = None  # said where the run goes on after a restart
@@ -122,10 +179,13 @@ class Run:
     def open(cls, shell, root: Path, run_id: str, *, cell_key: str, source: str, body: str,
              names: list[str], shrink: list[str] = (), max_restarts: int = 3,
              every: tuple[int | None, float | None] = (1, None), policy: RestartPolicy | None = None,
-             say: Callable[[str], None] = print, saving: tuple[Budget, str] = (Budget(), "wait")) -> Run:
+             say: Callable[[str], None] = print, saving: tuple[Budget, str] = (Budget(), "wait"),
+             reopen: bool = False) -> Run:
         """Take the run's lock and read its journal (a pending run resumes) or start a new one.
-        Raises :class:`RunLockedError` (another kernel holds it) or :class:`RunStoppedError` (an
-        unusable journal, or a death without warning that the budget does not cover)."""
+        ``reopen``: a run that ended ``done`` resumes too (its kernel died before the cell
+        returned, and the run saves nothing that could stand for its result). Raises
+        :class:`RunLockedError` (another kernel holds it) or :class:`RunStoppedError` (an unusable
+        journal, or a death without warning that the budget does not cover)."""
         from .signing import load_or_create_key
 
         root = fsutil.check_run_root(root)
@@ -133,14 +193,15 @@ class Run:
         lock = RunLock(run_dir).acquire()
         try:
             key = load_or_create_key()
-            store = open_store(run_dir, key)
+            # a run that saves no values resumes from its start after a restart: that checkpoint stays
+            store = open_store(run_dir, key, keep_first=not names)
             journal = None
             if Journal.exists(run_dir):
                 try:
                     journal = Journal.load(run_dir, key=key)
                 except JournalError as e:
                     raise RunStoppedError(str(e)) from None
-            if journal is not None and journal.status == "pending":
+            if journal is not None and (journal.status == "pending" or reopen and journal.status == "done"):
                 after_restart = _take_over(shell, journal, root)
                 resuming = True
                 policy = policy or journal.policy
@@ -193,8 +254,11 @@ class Run:
         step carries (:mod:`colab_resilience.carried`); None when there is no checkpoint."""
         start = time.perf_counter()
         ns = self.shell.user_ns
+        # after a restart, a run that saves no values has nothing of its progress back: it goes
+        # back to its start (the random state of then), never on from a later safe point
+        from_start = self.after_restart and not self.names
         try:
-            ckpt, restored = restore_latest(self.store, ns, self.names, rng=False)
+            ckpt, restored = restore_latest(self.store, ns, self.names, rng=False, oldest=from_start)
         except NoCheckpointError:
             self.say(f"colab_resilience: run {self.run_id}: no checkpoint yet, {where} starts from the beginning")
             self.resuming = False
@@ -213,7 +277,8 @@ class Run:
             self._resume_note = (
                 f"colab_resilience: resumed run {self.run_id}{why}: "
                 + (f"replayed {replayed} cell{'s' if replayed != 1 else ''}, " if replayed else "")
-                + f"restored {', '.join(restored) or 'nothing'} in {seconds:.1f} s"
+                + (f"restored {', '.join(restored)} in {seconds:.1f} s" if not from_start else
+                   "nothing to restore (no --save), so the cell starts again from its beginning")
             )
         return ckpt, restored
 
@@ -269,10 +334,12 @@ class Run:
             note = self._take_note()
             self.finished_before = got is not None and _meta(got[0]).get("end") is True
             if self.finished_before:
-                self.say((note or f"colab_resilience: run {self.run_id}") + "; the cell had finished, it is not run again")
+                put_back_left(got[0], self.shell.user_ns)
+                self.say((note or f"colab_resilience: run {self.run_id}") + "; the cell had finished, it is not run again"
+                         + unset_note(self.shell, self.body, self.names))
                 return False
             if note:
-                self.say(note + "; running the cell again")
+                self.say(note if not self.names else note + "; running the cell again")
         elif self.safe_points == 0:
             self.first_safe_point()  # the cell start
         return True
@@ -328,6 +395,8 @@ class Run:
             )
         meta = {"loops": [list(p) for p in position], "carried": carried.snapshot(ns, present), "end": end,
                 "where": where}
+        if end:
+            meta["left"] = left_values(self.shell, self.body, self.names)
         namespace: Mapping = ChainMap({LOOP_RNG: rngs}, ns) if rngs else ns
         # the batch size that fits goes with the checkpoint: a new kernel starts from it
         info = (where, _integers(ns, self.shrink), faults.count())
@@ -368,6 +437,11 @@ class Run:
         """Before an in-process retry: restore the last safe point at the next restore point, and
         unbind what the failed attempt created (returned, to be reported). The checkpoint being
         written is waited for; after host memory ran out, the staging memory is given back."""
+        if not self.names and not self._said_retry_unsaved:
+            self._said_retry_unsaved = True
+            self.say(f"colab_resilience: run {self.run_id} saves nothing (no --save), so the retry goes on from the "
+                     "values in memory, which the failed attempt may have changed; --save the model and "
+                     "optimizer for a retry that is exact")
         if host_memory:
             self.saver.go_synchronous("host memory ran out")
         else:

@@ -130,6 +130,20 @@ def test_keeps_the_last_two_and_collects_unreferenced_blobs(store):
     assert store.load().checkpoint_id == "ckpt-000005"
 
 
+def test_keep_first_keeps_the_oldest_checkpoint_too_and_loads_it(tmp_path):
+    """A run that saves no values goes back to its first checkpoint after a restart: that one is
+    kept beside the last two, with its blobs, and ``load(oldest=True)`` gives it (not the latest)."""
+    store = CheckpointStore(tmp_path / "run", key=KEY, keep_first=True)
+    for i in range(5):
+        store.save({"i": i}, ["i"], meta={"n": i})
+    assert store.checkpoint_ids() == ["ckpt-000005", "ckpt-000004", "ckpt-000001"]
+    store.wait()
+    first, ns = store.load(oldest=True), {}
+    first.restore(ns, ["i"])
+    assert (first.checkpoint_id, first.meta, ns) == ("ckpt-000001", {"n": 0}, {"i": 0})
+    assert store.load().checkpoint_id == "ckpt-000005"
+
+
 def test_a_checkpoint_removal_cut_short_by_a_kill_is_finished_by_the_next_save(store):
     """A kill inside the removal of an old checkpoint can leave its folder without a manifest
     (invisible to checkpoint_ids); the next save removes it, and removal now starts with a rename."""

@@ -78,7 +78,7 @@ def test_a_retry_unbinds_what_the_failed_attempt_bound_since_the_last_safe_point
         "    total = float(y[0].sum()) + int(lookup.sum())\n"
         "    del x, y\n"
     )
-    lines = [l for l in r.stdout.splitlines() if "retry" in l]
+    lines = [l for l in r.stdout.splitlines() if "; retry " in l]
     assert len(lines) == 1, r.stdout
     assert re.fullmatch(
         r"colab_resilience: OOM \(DefaultCPUAllocator: can't allocate memory\) — unbound x \(new since the last "
@@ -101,7 +101,8 @@ def test_spent_retries_and_budget_reraise_the_oom_and_still_free_its_memory(kern
     )
     assert r.status == "error" and r.ename == "RuntimeError"
     assert "DefaultCPUAllocator: can't allocate memory" in r.evalue
-    out = [l for l in r.stdout.splitlines() if "this cell reads" not in l]
+    # the lint line, and the one that says a retry without --save may not be exact
+    out = [l for l in r.stdout.splitlines() if "this cell reads" not in l and "(no --save)" not in l]
     assert out[0].endswith("retry 1/1")
     assert "failed: restart budget spent (0/0 restarts) and OOM (DefaultCPUAllocator" in out[1]
     assert out[2].startswith("colab_resilience: still out of memory after 2 attempts; memory was freed")

@@ -38,11 +38,12 @@ def remove_leftovers(run_dir: Path) -> None:
                 pass
 
 
-def collect_garbage(run_dir: Path, keep: int) -> None:
-    """Keep the newest ``keep`` checkpoints (and what LATEST names); trash unreferenced blobs.
-    The trash is for the caller to empty (:func:`.blobs.empty_trash`)."""
+def collect_garbage(run_dir: Path, keep: int, keep_first: bool = False) -> None:
+    """Keep the newest ``keep`` checkpoints (and what LATEST names, and with ``keep_first`` the
+    oldest); trash unreferenced blobs. The trash is for the caller to empty
+    (:func:`.blobs.empty_trash`)."""
     ids = manifest.checkpoint_ids(run_dir)
-    kept = set(ids[:keep])
+    kept = set(ids[:keep]) | ({ids[-1]} if keep_first and ids else set())
     latest = manifest.latest_id(run_dir)
     if latest:
         kept.add(latest)

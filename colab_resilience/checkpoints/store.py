@@ -84,6 +84,7 @@ class CheckpointStore:
         *,
         key: bytes | None = None,
         keep: int = 2,
+        keep_first: bool = False,
         run_id: str | None = None,
     ):
         if keep < 1:
@@ -92,6 +93,8 @@ class CheckpointStore:
         # signed into every manifest; a manifest of another run (copied in) is not loaded
         self.run_id = run_id
         self.keep = keep
+        # the oldest checkpoint is kept too (a run that saves no values goes back to its start)
+        self.keep_first = keep_first
         self._key = key
         self._trash: Future | None = None
         # per saved blob: (fingerprint, digest) of each chunk as this process last saved it
@@ -279,7 +282,7 @@ class CheckpointStore:
     # -- housekeeping --
 
     def _collect_garbage(self) -> None:
-        cleanup.collect_garbage(self.run_dir, self.keep)
+        cleanup.collect_garbage(self.run_dir, self.keep, self.keep_first)
         self._empty_trash()
 
     def wait(self) -> None:
@@ -327,8 +330,9 @@ class CheckpointStore:
 
     # -- loading --
 
-    def load(self, *, trust: bool = False) -> Checkpoint:
-        """The newest checkpoint that verifies; older ones are tried after a warning.
+    def load(self, *, trust: bool = False, oldest: bool = False) -> Checkpoint:
+        """The newest checkpoint that verifies; older ones are tried after a warning. With
+        ``oldest``, only the oldest one (kept with ``keep_first``).
 
         Raises :class:`NoCheckpointError` when none is loadable, or
         :class:`UntrustedCheckpointError` when the only loadable ones are not signed by this
@@ -336,7 +340,9 @@ class CheckpointStore:
         """
         ids = self.checkpoint_ids()
         latest = self.latest_id()
-        if latest in ids:
+        if oldest:
+            ids = ids[-1:]
+        elif latest in ids:
             ids.remove(latest)
             ids.insert(0, latest)
         if not ids:
