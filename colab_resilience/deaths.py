@@ -99,8 +99,7 @@ class Death:
                 then: str = "") -> Restart:
         return Restart(cell, f"{self.reason}; then {then}" if then else self.reason, self.exit_code, self.at,
                        replayed, seconds, restored=restored or [], unsaved=unsaved or [], recovered=recovered,
-                       standby=standby,
-                       requested=self.requested, planned=self.planned)
+                       standby=standby, requested=self.requested, planned=self.planned)
 
 
 def death_reason(code: int | None, *, oom_killed: bool = False) -> str:

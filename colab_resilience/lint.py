@@ -247,7 +247,7 @@ def cell_sets(shell, body: str, *, definitions: bool = True) -> list[str]:
         elif isinstance(node, (ast.Import, ast.ImportFrom)) and definitions:
             stored += [(a.asname or a.name).split(".")[0] for a in node.names]
         todo.extend(ast.iter_child_nodes(node))
-    return [n for i, n in enumerate(stored) if n not in deleted and not n.startswith("_") and n not in stored[:i]]
+    return [n for n in dict.fromkeys(stored) if n not in deleted and not n.startswith("_")]
 
 
 def _is_zero_grad(node: ast.AST) -> bool:
