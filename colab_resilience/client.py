@@ -85,12 +85,7 @@ class SupervisedClient(NotebookClient):
         return self.connect()
 
     def exit_code(self) -> int | None:
-        """How the kernel process ended: its exit code, ``-N`` for signal N, None if unknown."""
-        process = getattr(getattr(self.km, "provisioner", None), "process", None)
-        try:
-            return process.poll() if process is not None else None
-        except Exception:
-            return None
+        return process_exit_code(self.km)
 
     def call(self, code: str = "", *, user_expressions: dict | None = None, timeout: float = 60.0) -> dict:
         """Run ``code`` silently in the kernel and return its ``execute_reply``.
@@ -145,6 +140,16 @@ class SupervisedClient(NotebookClient):
                 self.kc.stop_channels()
             except Exception:
                 pass
+
+
+def process_exit_code(km) -> int | None:
+    """How the kernel process of ``km`` ended: its exit code, ``-N`` for signal N, None if unknown
+    (or still running)."""
+    process = getattr(getattr(km, "provisioner", None), "process", None)
+    try:
+        return process.poll() if process is not None else None
+    except Exception:
+        return None
 
 
 def discard(km) -> None:

@@ -12,6 +12,7 @@ from . import standby
 __all__ = [
     "adopt_standby",
     "become_standby",
+    "become_worker",
     "declare_replay_cell",
     "expect_reexecution",
     "new_modules",
@@ -58,6 +59,13 @@ def new_modules() -> str:
 
 def become_standby(whole: bool = False) -> None:
     standby.become(whole)
+
+
+def become_worker(oom_score_adj: int) -> None:
+    """(In an isolation worker.) Volunteer for the OOM killer before the notebook's kernel."""
+    from . import priority
+
+    priority.set_oom_score_adj(oom_score_adj)
 
 
 def preload(names: list[str]) -> None:

@@ -29,7 +29,7 @@ from .session import Session
 OPTIONS_HINT = {
     "resilient": "--save NAMES, --retries N, --shrink NAME[=FACTOR], --max-restarts N and --every N|5min",
     "restart_after": "N, --memory PERCENT and off",
-    "resilience": "status, show [RUN], resume [--trust] [RUN], reset [RUN] and dir PATH",
+    "resilience": "status, show [RUN], resume [--trust] [RUN], reset [RUN], dir PATH and isolate [off]",
     "replay": "none",
 }
 
@@ -259,8 +259,10 @@ class ResilienceMagics(Magics):
                          + (f" (run {run.run_id} included)" if run is not None else ""))
 
     @magic_arguments()
-    @argument("command", nargs="?", default="status", metavar="COMMAND", help="status, show, resume, reset or dir")
-    @argument("target", nargs="*", metavar="RUN|PATH", help="the run to resume or reset, or the folder for dir")
+    @argument("command", nargs="?", default="status", metavar="COMMAND",
+              help="status, show, resume, reset, dir or isolate")
+    @argument("target", nargs="*", metavar="RUN|PATH|off",
+              help="the run to resume or reset, the folder for dir, off for isolate")
     @argument("--trust", action="store_true", help="resume a run written under another installation's key")
     @line_magic
     def resilience(self, line: str):
@@ -278,9 +280,13 @@ class ResilienceMagics(Magics):
         ``%resilience reset [RUN]``: forget a run (journal and checkpoints).
         ``%resilience dir PATH``: choose the run directory (in Colab, a mounted Drive folder
         survives the loss of the VM).
+        ``%resilience isolate``: from now on run every cell in a worker kernel that this kernel
+        starts and owns; when the worker dies (OOM, SIGKILL, a planned restart) the cell goes on
+        in a new worker within the same execution, with no re-run. ``%resilience isolate off``
+        shuts the worker down.
         """
         forms = {"status": "status", "show": "show [RUN]", "resume": "resume [--trust] [RUN]", "reset": "reset [RUN]",
-                 "dir": "dir PATH"}
+                 "dir": "dir PATH", "isolate": "isolate [off]"}
         words = line.split()
         command = words[0] if words and words[0] in forms else None
 
@@ -302,8 +308,10 @@ class ResilienceMagics(Magics):
             if command not in forms:
                 raise OptionError(
                     f"%resilience: unknown command {command!r}; "
-                    "write %resilience status, show [RUN], resume [--trust] [RUN], reset [RUN] or dir PATH"
+                    "write %resilience status, show [RUN], resume [--trust] [RUN], reset [RUN], dir PATH or isolate [off]"
                 )
+            if command == "isolate":
+                return self._isolate(rest, args.trust)
             if command == "dir" and len(rest) != 1:
                 raise OptionError("%resilience dir: give one folder, e.g. %resilience dir /content/drive/MyDrive/runs")
             extra = rest[{"status": 0, "dir": 1}.get(command, 1):] + (["--trust"] if args.trust and command != "resume" else [])
@@ -321,3 +329,13 @@ class ResilienceMagics(Magics):
             return commands.resume(session, run_dir, trust=args.trust)
         except (OptionError, UnsafeDirectoryError) as e:
             raise UsageError(str(e)) from None
+
+    def _isolate(self, rest: list[str], trust: bool) -> None:
+        from . import isolate
+
+        if trust or rest not in ([], ["off"], ["on"]):
+            extra = " ".join(rest + (["--trust"] if trust else []))
+            raise OptionError(f"%resilience isolate: unexpected {extra!r}; write %resilience isolate or %resilience isolate off")
+        if rest == ["off"]:
+            return isolate.stop(self.session)
+        return isolate.isolate(self.session)

@@ -1,0 +1,496 @@
+"""Isolation: ``%resilience isolate``. The notebook's own kernel only relays; every cell runs in a
+worker kernel that it starts and owns through jupyter_client, and when the worker dies the cell
+goes on in a new one within the same execution: no re-run, no "kernel died" dialog.
+
+The notebook's kernel (the *relay*) rewrites each cell, through an input transformer, into a call
+of the private cell magic ``%%_relay``, which sends the cell to the worker and forwards what comes
+back as it comes: streams, ``display_data``/``update_display_data``/``clear_output``, the
+``execute_result`` (shown under the notebook's own execution count), errors with the worker's
+traceback (the execute reply is an error, so queued cells stop as they would), ``input()``, and
+the stop button (SIGINT to the relay is passed on to the worker). Tab completion and Shift-Tab
+inspection are answered by the worker. Widgets (comm messages) do not cross: one line says so.
+
+When the worker dies (the OOM killer, a SIGKILL, an OOM past its retries, a planned restart) the
+relay does what the headless supervisor does, with the same code
+(:meth:`colab_resilience.driver.Supervisor.recover`): it counts the death against its budget,
+starts a new worker, replays the ``%%replay`` cells run so far, puts back the state of finished
+runs and runs the interrupted cell again, which resumes from its last safe point. A one-line
+marker in the cell's output says what happened.
+
+The relay imports neither torch nor any framework and holds no GPU memory; the worker is started
+with ``oom_score_adj`` :data:`WORKER_OOM_SCORE_ADJ`, so that when host RAM runs out the OOM killer
+takes the worker, never the notebook's kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from queue import Empty
+from typing import Any
+
+from .client import api_call, process_exit_code
+from .driver import LOAD_EXTENSION, Supervisor
+from .replay import is_replay_cell
+from .restart import SUPERVISED_ENV
+from .session import RUN_DIR_ENV
+
+WORKER_ENV = "COLAB_RESILIENCE_WORKER"
+WORKER_OOM_SCORE_ADJ = 500  # before the notebook's kernel (0); after a standby (1000)
+POLL = 0.05  # seconds between checks that the worker is alive while it runs a cell
+MAGIC_NAME = "_relay"
+# cells the relay runs itself: turning isolation on or off
+LOCAL = re.compile(r"\s*%resilience\s+isolate\b")
+STATUS = re.compile(r"\s*%resilience(\s+status)?\s*$")
+
+
+class WorkerDied(Exception):
+    """The worker died while running a cell (nbclient's ``DeadKernelError`` for the supervisor)."""
+
+
+def _dead_kernel_error():
+    from nbclient.exceptions import DeadKernelError
+
+    return DeadKernelError
+
+
+class WorkerClient:
+    """The relay's side of its worker kernel: the calls :class:`~colab_resilience.driver.Supervisor`
+    makes of a client (``replace_kernel``, ``exit_code``, ``call``, ``evaluate``,
+    ``execute_cell``), and :meth:`run`, which executes a cell and hands every message to a
+    callback as it arrives."""
+
+    kernel_name = "colab-resilience-worker"
+
+    def __init__(self, sockets: str, env: dict, cwd: str):
+        self.sockets, self.env, self.cwd = sockets, env, cwd
+        self.extra_arguments = [f"--IPKernelApp.exec_lines={LOAD_EXTENSION}"]
+        self.km = self._manager()
+        self.kc = None
+        self.nb = None  # the notebook of relayed cells, set by the relay
+
+    def _manager(self):
+        from jupyter_client import KernelManager
+        from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+
+        class ThisPython(KernelSpecManager):
+            """The worker runs the relay's own interpreter, whatever kernelspecs are installed."""
+
+            def get_kernel_spec(self, kernel_name):
+                return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                                  display_name="colab_resilience worker", language="python")
+
+        return KernelManager(kernel_name=self.kernel_name, kernel_spec_manager=ThisPython(), transport="ipc",
+                             ip=os.path.join(self.sockets, "worker"))
+
+    def start(self) -> bool:
+        self.km.start_kernel(extra_arguments=list(self.extra_arguments), env=self.env, cwd=self.cwd)
+        return self.connect()
+
+    def connect(self) -> bool:
+        """Connect to the worker just started and make it the OOM killer's choice; False if it
+        died first."""
+        kc = self.km.blocking_client()
+        kc.start_channels()
+        try:
+            kc.wait_for_ready(timeout=60)
+        except RuntimeError:
+            kc.stop_channels()
+            return False
+        self.kc = kc
+        try:
+            self.call(api_call("become_worker", WORKER_OOM_SCORE_ADJ))
+        except (WorkerDied, _dead_kernel_error(), TimeoutError):
+            return False
+        return True
+
+    def replace_kernel(self, adopted=None) -> bool:
+        """The worker restarted with its first arguments and environment (no standby here)."""
+        if self.kc is not None:
+            self.kc.stop_channels()
+            self.kc = None
+        self.km.restart_kernel(now=True)
+        return self.connect()
+
+    @property
+    def pid(self) -> int | None:
+        return getattr(getattr(self.km, "provisioner", None), "process", None) and self.km.provisioner.process.pid
+
+    def alive(self) -> bool:
+        try:
+            return bool(self.km.is_alive())
+        except Exception:
+            return False
+
+    def exit_code(self) -> int | None:
+        return process_exit_code(self.km)
+
+    def _wait_reply(self, msg_id: str, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                msg = self.kc.get_shell_msg(timeout=POLL)
+            except Empty:
+                if not self.alive():
+                    raise _dead_kernel_error()("Kernel died") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the worker kernel did not answer within {timeout:.0f} s") from None
+                continue
+            if msg.get("parent_header", {}).get("msg_id") == msg_id:
+                return msg
+
+    def call(self, code: str = "", *, user_expressions: dict | None = None, timeout: float = 60.0) -> dict:
+        """Run ``code`` silently in the worker; its ``execute_reply``."""
+        msg_id = self.kc.execute(code, silent=True, store_history=False, user_expressions=user_expressions or {},
+                                 allow_stdin=False, stop_on_error=False)
+        return self._wait_reply(msg_id, timeout)
+
+    def evaluate(self, expr: str, *, timeout: float = 60.0) -> Any:
+        import ast
+
+        reply = self.call(user_expressions={"v": expr}, timeout=timeout)
+        value = reply.get("content", {}).get("user_expressions", {}).get("v", {})
+        if value.get("status") != "ok":
+            return None
+        try:
+            return ast.literal_eval(value["data"]["text/plain"])
+        except (KeyError, ValueError, SyntaxError, TypeError):
+            return None
+
+    def execute_cell(self, cell, index: int) -> None:
+        """Replay a set-up cell, its outputs discarded (the supervisor's replay)."""
+        from nbclient.exceptions import CellExecutionError
+
+        reply = self.run(cell.source, lambda msg: None, store_history=False)
+        if reply["content"].get("status") == "error":
+            c = reply["content"]
+            raise CellExecutionError("\n".join(c.get("traceback", [])), c.get("ename", ""), c.get("evalue", ""))
+
+    def run(self, code: str, forward, *, store_history: bool = True, allow_stdin: bool = False,
+            on_input=None) -> dict:
+        """Execute ``code``; ``forward(msg)`` for each of its iopub messages as it arrives;
+        ``on_input(prompt, password)`` answers ``input()``. The ``execute_reply`` once the worker
+        is idle again; ``DeadKernelError`` when it died; a KeyboardInterrupt while waiting
+        interrupts the worker and waits on."""
+        kc = self.kc
+        msg_id = kc.execute(code, store_history=store_history, allow_stdin=allow_stdin, stop_on_error=False)
+        reply, idle, last_check = None, False, time.monotonic()
+        while reply is None or not idle:
+            try:
+                busy = False
+                if not idle:  # outputs first; wait here while the cell runs
+                    msg = _get(kc.get_iopub_msg, POLL)
+                    if msg is not None and msg.get("parent_header", {}).get("msg_id") == msg_id:
+                        busy = True
+                        if msg["msg_type"] == "status":
+                            idle = msg["content"].get("execution_state") == "idle"
+                        else:
+                            forward(msg)
+                if allow_stdin and on_input is not None:
+                    request = _get(kc.get_stdin_msg, 0)
+                    if request is not None and request.get("msg_type") == "input_request":
+                        busy = True
+                        c = request["content"]
+                        kc.input(on_input(c.get("prompt", ""), bool(c.get("password"))))
+                if reply is None:
+                    got = _get(kc.get_shell_msg, POLL if idle else 0)
+                    if got is not None and got.get("parent_header", {}).get("msg_id") == msg_id:
+                        reply = got
+                now = time.monotonic()
+                if not busy and now - last_check > POLL:
+                    last_check = now
+                    if not self.alive():
+                        raise _dead_kernel_error()("Kernel died")
+            except KeyboardInterrupt:  # the stop button: for the worker
+                try:
+                    self.km.interrupt_kernel()
+                except Exception:
+                    pass
+        return reply
+
+    def complete(self, code: str, cursor_pos: int) -> dict:
+        return self._wait_reply(self.kc.complete(code, cursor_pos), 10)["content"]
+
+    def inspect(self, code: str, cursor_pos: int, detail_level: int = 0) -> dict:
+        return self._wait_reply(self.kc.inspect(code, cursor_pos, detail_level), 10)["content"]
+
+    def shutdown(self) -> None:
+        if self.kc is not None:
+            try:
+                self.kc.stop_channels()
+            except Exception:
+                pass
+            self.kc = None
+        try:
+            if self.km.has_kernel:
+                self.km.shutdown_kernel(now=True)
+        except Exception:
+            pass
+
+
+def _get(receive, timeout: float) -> dict | None:
+    try:
+        return receive(timeout=timeout)
+    except Empty:
+        return None
+
+
+class RelayedError(Exception):
+    """An error the worker raised, shown with the worker's traceback; its class takes the name
+    of the worker's exception, so the execute reply names it too."""
+
+    def __init__(self, evalue: str, stb: list[str]):
+        super().__init__(evalue)
+        self.stb = stb
+
+    def _render_traceback_(self) -> list[str]:
+        return self.stb
+
+
+def relayed_error(content: dict) -> RelayedError:
+    ename = content.get("ename") or "Error"
+    kind = type(ename if ename.isidentifier() else "Error", (RelayedError,), {"__module__": "builtins"})
+    return kind(content.get("evalue", ""), list(content.get("traceback", [])))
+
+
+class Result:
+    """The worker's ``execute_result``, displayed by the notebook's kernel as its own."""
+
+    def __init__(self, data: dict, metadata: dict):
+        self.data, self.metadata = data, metadata
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        return self.data, self.metadata
+
+    def __repr__(self) -> str:
+        return str(self.data.get("text/plain", ""))
+
+
+class Relay:
+    """Isolation in one notebook kernel: the worker, the cells relayed so far, the restarts."""
+
+    def __init__(self, session):
+        import nbformat
+
+        self.session, self.shell = session, session.shell
+        self.sockets = tempfile.mkdtemp(prefix="colab-resilience-worker-")  # 0700: ours alone
+        env = {**os.environ, SUPERVISED_ENV: "1", WORKER_ENV: "1", RUN_DIR_ENV: str(session.root())}
+        self.client = WorkerClient(self.sockets, env, os.getcwd())
+        self.client.nb = nbformat.v4.new_notebook()
+        self.supervisor = Supervisor(self.client, session.root(), session.settings.max_restarts)
+        self.said_widgets = False
+        self.worker_count: int | None = None  # the worker's next execution count, as far as known
+
+    @property
+    def restarts(self):
+        return self.supervisor.result.restarts
+
+    def start(self) -> None:
+        started = time.perf_counter()
+        if not self.client.start():
+            self.close()
+            from .errors import OptionError
+
+            raise OptionError("%resilience isolate: the worker kernel died while starting; see the log of this kernel")
+        self.session.say(f"colab_resilience: isolation on: cells run in worker kernel PID {self.client.pid} "
+                         f"(started in {time.perf_counter() - started:.1f} s); this kernel only relays, "
+                         "and when the worker dies the cell goes on in a new one; %resilience isolate off ends it")
+
+    def close(self) -> None:
+        self.client.shutdown()
+        shutil.rmtree(self.sockets, ignore_errors=True)
+
+    def status_line(self) -> str:
+        pid = self.client.pid
+        memory = "?"
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                memory = f"{int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2**20:.0f} MiB"
+        except (OSError, ValueError, IndexError, TypeError):
+            pass
+        state = "running" if self.client.alive() else "dead (the next cell starts a new one)"
+        last = f" (last: {self.restarts[-1].reason})" if self.restarts else ""
+        return (f"colab_resilience: isolation on: worker kernel PID {pid}, {state}, resident memory {memory}, "
+                f"{len(self.restarts)} restart{'s' if len(self.restarts) != 1 else ''}{last}; "
+                f"{len(self.supervisor.replay_done)} set-up cell{'s' if len(self.supervisor.replay_done) != 1 else ''} to replay")
+
+    # --- one cell -------------------------------------------------------------------------------
+
+    def run_cell(self, source: str):
+        import nbformat
+
+        DeadKernelError = _dead_kernel_error()
+        supervisor, nb = self.supervisor, self.client.nb
+        if STATUS.match(source):
+            print(self.status_line(), flush=True)
+        index = len(nb.cells)
+        cell = nbformat.v4.new_code_cell(source)
+        nb.cells.append(cell)
+        seen = len(self.restarts)
+        if not self.client.alive():  # it died between cells
+            self._recover(index, seen)
+            seen = len(self.restarts)
+        while True:
+            try:
+                self._sync_count()
+                reply = self.client.run(source, self.forward, allow_stdin=self._allow_stdin(),
+                                        on_input=self._input)
+                break
+            except DeadKernelError:
+                self.worker_count = None
+                sys.stdout.flush()
+                self._recover(index, seen)
+                seen = len(self.restarts)
+        supervisor.budgets.recovering = None
+        content = reply["content"]
+        if isinstance(content.get("execution_count"), int):
+            self.worker_count = content["execution_count"] + 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if content.get("status") == "error":
+            raise relayed_error(content)
+        if is_replay_cell(cell):
+            supervisor.replay_done.append(index)
+        return self._result
+
+    def _recover(self, index: int, seen: int) -> None:
+        ok = self.supervisor.recover(index)
+        for r in self.restarts[seen:]:
+            print(r.marker(), end="", file=sys.stderr, flush=True)
+        if not ok:
+            raise relayed_error({"ename": "RestartBudgetSpent", "evalue": self.supervisor.result.message,
+                                 "traceback": [self.supervisor.result.message]})
+
+    def _sync_count(self) -> None:
+        """The worker numbers the cell as the notebook shows it (tracebacks say "Cell In[7]")."""
+        want = self.shell.execution_count
+        if self.worker_count != want:
+            self.client.call(f"get_ipython().execution_count = {int(want)}")
+            self.worker_count = want
+
+    def _allow_stdin(self) -> bool:
+        kernel = getattr(self.shell, "kernel", None)
+        return bool(getattr(kernel, "_allow_stdin", False))
+
+    def _input(self, prompt: str, password: bool) -> str:
+        if password:
+            import getpass
+
+            return getpass.getpass(prompt)
+        return input(prompt)
+
+    def forward(self, msg: dict) -> None:
+        """One iopub message of the worker, published by the notebook's kernel as its own."""
+        kind, c = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            stream = sys.stderr if c.get("name") == "stderr" else sys.stdout
+            stream.write(c.get("text", ""))
+            stream.flush()
+        elif kind in ("display_data", "update_display_data"):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            self.shell.display_pub.publish(data=c.get("data", {}), metadata=c.get("metadata", {}),
+                                           transient=c.get("transient") or {}, update=kind == "update_display_data")
+        elif kind == "clear_output":
+            self.shell.display_pub.clear_output(wait=bool(c.get("wait")))
+        elif kind == "execute_result":
+            self._result = Result(c.get("data", {}), c.get("metadata", {}))
+        elif kind.startswith("comm_") and not self.said_widgets:
+            self.said_widgets = True
+            print("colab_resilience: widgets (ipywidgets, tqdm.auto's notebook bars) do not cross the isolation relay "
+                  "and are not shown; use text progress bars (tqdm.tqdm) in isolated cells", file=sys.stderr, flush=True)
+        # error: the reply carries it (raised by run_cell); execute_input and status: the relay's own
+
+    _result: Result | None = None
+
+    def relay_magic(self, line: str, cell: str):
+        self._result = None
+        result = self.run_cell(cell)
+        self._result = None
+        return result
+
+
+# --- turning it on and off ----------------------------------------------------------------------
+
+_relays: dict[int, Relay] = {}
+
+
+def relay_of(shell) -> Relay | None:
+    return _relays.get(id(shell))
+
+
+def _route(lines: list[str]) -> list[str]:
+    source = "".join(lines)
+    if not source.strip() or LOCAL.match(source):
+        return lines
+    return [f"get_ipython().run_cell_magic({MAGIC_NAME!r}, '', {source!r})\n"]
+
+
+def isolate(session) -> None:
+    """``%resilience isolate``: start the worker and relay every cell from now on."""
+    shell = session.shell
+    if relay_of(shell) is not None:
+        print(relay_of(shell).status_line())
+        return
+    if os.environ.get(WORKER_ENV) or os.environ.get(SUPERVISED_ENV):
+        from .errors import OptionError
+
+        raise OptionError("%resilience isolate: this kernel is already supervised (a worker or `colab-resilience "
+                          "run`); isolation is for the notebook's own kernel")
+    relay = Relay(session)
+    relay.start()
+    _relays[id(shell)] = relay
+    shell.register_magic_function(relay.relay_magic, "cell", MAGIC_NAME)
+    shell.input_transformers_cleanup.append(_route)
+    kernel = getattr(shell, "kernel", None)
+    if kernel is not None:
+        _wrap_kernel(kernel, relay)
+    user = [n for n in shell.user_ns if not n.startswith("_") and n not in shell.user_ns_hidden
+            and n not in ("In", "Out", "exit", "quit", "get_ipython")]
+    if user:
+        session.say(f"colab_resilience: {', '.join(sorted(user)[:8])}{'...' if len(user) > 8 else ''} "
+                    "were set in this kernel before isolation and are not in the worker; run those cells again")
+
+
+def stop(session) -> None:
+    """``%resilience isolate off``: shut the worker down; cells run in this kernel again."""
+    shell = session.shell
+    relay = _relays.pop(id(shell), None)
+    if relay is None:
+        session.say("colab_resilience: isolation is off")
+        return
+    try:
+        shell.input_transformers_cleanup.remove(_route)
+    except ValueError:
+        pass
+    shell.magics_manager.magics["cell"].pop(MAGIC_NAME, None)
+    kernel = getattr(shell, "kernel", None)
+    if kernel is not None:
+        for name in ("do_complete", "do_inspect"):
+            kernel.__dict__.pop(name, None)
+    relay.close()
+    session.say("colab_resilience: isolation off: the worker kernel was shut down; cells run in this kernel again "
+                "(what the worker computed is gone)")
+
+
+def _wrap_kernel(kernel, relay: Relay) -> None:
+    """Tab and Shift-Tab answered by the worker (the names live there)."""
+    own_complete, own_inspect = kernel.do_complete, kernel.do_inspect
+
+    def do_complete(code, cursor_pos):
+        try:
+            return relay.client.complete(code, cursor_pos)
+        except Exception:
+            return own_complete(code, cursor_pos)
+
+    def do_inspect(code, cursor_pos, detail_level=0, omit_sections=()):
+        try:
+            return relay.client.inspect(code, cursor_pos, detail_level)
+        except Exception:
+            return own_inspect(code, cursor_pos, detail_level)
+
+    kernel.do_complete, kernel.do_inspect = do_complete, do_inspect
