@@ -24,6 +24,7 @@ takes the worker, never the notebook's kernel.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import shutil
@@ -42,6 +43,7 @@ from .session import RUN_DIR_ENV
 WORKER_ENV = "COLAB_RESILIENCE_WORKER"
 WORKER_OOM_SCORE_ADJ = 500  # before the notebook's kernel (0); after a standby (1000)
 POLL = 0.05  # seconds between checks that the worker is alive while it runs a cell
+IDLE_AFTER_REPLY = 2.0  # seconds to wait for the worker's last outputs once it replied
 MAGIC_NAME = "_relay"
 # cells the relay runs itself: turning isolation on or off
 LOCAL = re.compile(r"\s*%resilience\s+isolate\b")
@@ -178,8 +180,10 @@ class WorkerClient:
         interrupts the worker and waits on."""
         kc = self.kc
         msg_id = kc.execute(code, store_history=store_history, allow_stdin=allow_stdin, stop_on_error=False)
-        reply, idle, last_check = None, False, time.monotonic()
-        while reply is None or not idle:
+        reply, idle, last_check, replied = None, False, time.monotonic(), 0.0
+        # after the reply, the worker's 'idle' comes at once; a message lost to an interrupted
+        # receive must not hold the cell forever
+        while reply is None or not (idle or time.monotonic() - replied > IDLE_AFTER_REPLY):
             try:
                 busy = False
                 if not idle:  # outputs first; wait here while the cell runs
@@ -199,7 +203,7 @@ class WorkerClient:
                 if reply is None:
                     got = _get(kc.get_shell_msg, POLL if idle else 0)
                     if got is not None and got.get("parent_header", {}).get("msg_id") == msg_id:
-                        reply = got
+                        reply, replied = got, time.monotonic()
                 now = time.monotonic()
                 if not busy and now - last_check > POLL:
                     last_check = now
@@ -367,7 +371,10 @@ class Relay:
 
     def _sync_count(self) -> None:
         """The worker numbers the cell as the notebook shows it (tracebacks say "Cell In[7]")."""
-        want = self.shell.execution_count
+        running = getattr(self.shell.displayhook, "exec_result", None)  # this cell's, in IPython 7 to 9
+        want = getattr(running, "execution_count", None)
+        if not isinstance(want, int):
+            return
         if self.worker_count != want:
             self.client.call(f"get_ipython().execution_count = {int(want)}")
             self.worker_count = want
@@ -444,6 +451,7 @@ def isolate(session) -> None:
     relay = Relay(session)
     relay.start()
     _relays[id(shell)] = relay
+    atexit.register(relay.close)  # a kernel shut down or restarted by its frontend takes its worker along
     shell.register_magic_function(relay.relay_magic, "cell", MAGIC_NAME)
     shell.input_transformers_cleanup.append(_route)
     kernel = getattr(shell, "kernel", None)
@@ -473,6 +481,7 @@ def stop(session) -> None:
         for name in ("do_complete", "do_inspect"):
             kernel.__dict__.pop(name, None)
     relay.close()
+    atexit.unregister(relay.close)
     session.say("colab_resilience: isolation off: the worker kernel was shut down; cells run in this kernel again "
                 "(what the worker computed is gone)")
 

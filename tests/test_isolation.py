@@ -1,0 +1,183 @@
+"""``%resilience isolate``: the notebook's kernel relays every cell to a worker kernel it owns.
+
+Each test starts the notebook's kernel through jupyter_client, as a frontend does, and talks to
+it only through the messaging protocol. The worker is a real kernel; its deaths are real (a
+SIGKILL, a real allocator failure past the retries); results are compared bit for bit with the
+uninterrupted reference run of tests/files/train.ipynb.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from harness import Kernel, epochs, load, result, run_interactive, strip_ansi
+
+
+@pytest.fixture
+def relay(tmp_path, monkeypatch):
+    """A notebook kernel with isolation on, working in ``tmp_path``."""
+    monkeypatch.chdir(tmp_path)
+    k = Kernel()
+    try:
+        k.ok("%load_ext colab_resilience")
+        r = k.ok("%resilience isolate")
+        assert "isolation on: cells run in worker kernel PID" in r.stdout
+        yield k
+    finally:
+        k.shutdown()
+
+
+def worker_pid(k: Kernel) -> int:
+    pid = int(k.ok("import os; print(os.getpid())").stdout.split()[-1])
+    assert pid != k.pid
+    return pid
+
+
+def relay_has(k: Kernel, expr: str):
+    """``expr`` evaluated in the notebook's own kernel (user_expressions are not relayed)."""
+    import ast
+
+    msg = k.kc.session.msg("execute_request", dict(code="", silent=True, store_history=False,
+                                                   user_expressions={"v": expr}, allow_stdin=False))
+    k.kc.shell_channel.send(msg)
+    while True:
+        reply = k.kc.get_shell_msg(timeout=30)
+        if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+            return ast.literal_eval(reply["content"]["user_expressions"]["v"]["data"]["text/plain"])
+
+
+@pytest.mark.parametrize("fault, code", [("sigkill", -9), ("oom", 75)])
+def test_a_worker_death_mid_training_is_recovered_within_the_same_execution(relay, tmp_path, reference, fault, code):
+    """A SIGKILL, or a real OOM past the retries (the worker asks for its restart), in epoch 2:
+    the training cell's one execution replies ok, its output says what happened, the finished
+    epochs are not trained again and the result is the uninterrupted one, bit for bit."""
+    nb = load("train.ipynb", tmp_path, fault=fault, fault_epoch=2, staging="off", retries=0)
+    first = worker_pid(relay)
+    replies = run_interactive(relay, nb, start="parameters")
+    train = replies["train"]
+    assert train.status == "ok"
+    why = "killed by SIGKILL" if fault == "sigkill" else "the kernel restarted itself (OOM"
+    assert why in train.stderr and "restarted it, replayed 3 cells and resumed at iteration 2" in train.stderr
+    assert train.stderr.count("colab_resilience: the kernel") == 1
+    assert "continuing at 2" in train.stdout
+    assert result(replies["result"].stdout) == reference.result
+    assert epochs(tmp_path / "events.log") == [0, 1, 2, 3]
+    second = worker_pid(relay)
+    assert second != first
+    status = relay.ok("%resilience status").stdout
+    assert f"worker kernel PID {second}, running" in status and "1 restart (last: " in status
+    assert relay_has(relay, "__import__('os').getpid()") == relay.pid  # the notebook's kernel lived on
+    assert relay_has(relay, "'torch' in __import__('sys').modules") is False
+    if fault == "oom":
+        assert f"exit code {code}" not in train.stderr  # it asked: said as such, not as a crash
+
+
+def test_the_worker_is_the_oom_killers_choice_and_a_death_between_cells_is_recovered(relay):
+    pid = worker_pid(relay)
+    with open(f"/proc/{pid}/oom_score_adj") as f:
+        assert int(f.read()) == 500
+    with open(f"/proc/{relay.pid}/oom_score_adj") as f:
+        assert int(f.read()) <= 0
+    relay.ok("%%replay\nbase = 41")
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    r = relay.ok("print(base + 1)")
+    assert "colab_resilience: the kernel died (killed by SIGKILL); restarted it, replayed 1 cell" in r.stderr
+    assert r.stdout == "42\n"
+    assert worker_pid(relay) != pid
+
+
+def test_outputs_errors_and_counts_look_as_in_one_kernel(relay):
+    r = relay.ok("import sys\nprint('out'); print('err', file=sys.stderr)\n6 * 7")
+    assert (r.stdout, r.stderr) == ("out\n", "err\n")
+    results = [o for o in r.outputs if o["type"] == "execute_result"]
+    assert [o["data"]["text/plain"] for o in results] == ["42"]
+    count = results[0]["execution_count"]
+    r = relay.ok("from IPython.display import HTML, display, clear_output\n"
+                 "display(HTML('<b>bold</b>'))\n"
+                 "h = display('first', display_id=True)\nh.update('second')\n"
+                 "6 * 7;")
+    html = [o for o in r.outputs if o["type"] == "display_data" and "text/html" in o["data"]]
+    assert html and html[0]["data"]["text/html"] == "<b>bold</b>"
+    assert not [o for o in r.outputs if o["type"] == "execute_result"]  # the ';' is honoured
+    # errors: the worker's traceback, under the notebook's own cell number; the reply is an error
+    bad = relay.execute("def f():\n    return 1 / 0\nf()")
+    assert bad.status == "error" and bad.ename == "ZeroDivisionError" and bad.evalue == "division by zero"
+    text = bad.traceback_text
+    assert "return 1 / 0" in text and "colab_resilience" not in text and "_relay" not in text
+    assert f"In[{count + 2}]" in text or "<cell line:" in text  # IPython 7 names no cell number
+    relay.ok("%%replay\nx = 1")
+    assert relay.ok("x + 1").outputs[-1]["execution_count"] == count + 4
+
+
+def test_a_queued_cell_is_aborted_after_an_error_as_in_one_kernel(relay):
+    first = relay.submit("raise ValueError('stop here')")
+    second = relay.submit("print('must not run')")
+    assert relay.collect(first).ename == "ValueError"
+    assert relay.collect(second).status == "aborted"
+
+
+def test_input_reaches_the_frontend_and_the_answer_the_worker(relay):
+    kc = relay.kc
+    msg = kc.session.msg("execute_request", dict(code="name = input('who? ')\nprint('hello', name)", silent=False,
+                                                 store_history=True, user_expressions={}, allow_stdin=True,
+                                                 stop_on_error=True))
+    kc.shell_channel.send(msg)
+    request = kc.get_stdin_msg(timeout=30)
+    assert request["msg_type"] == "input_request" and request["content"]["prompt"] == "who? "
+    kc.input("Ada")
+    r = relay.collect(msg["header"]["msg_id"])
+    assert r.status == "ok" and r.stdout == "hello Ada\n"
+
+
+def test_the_stop_button_interrupts_the_worker_which_keeps_its_state(relay):
+    relay.ok("kept = [1, 2, 3]")
+    msg_id = relay.submit("import time\nprint('sleeping', flush=True)\ntime.sleep(60)")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # wait until the worker is asleep
+        msg = relay.kc.get_iopub_msg(timeout=30)
+        if msg["msg_type"] == "stream" and "sleeping" in msg["content"]["text"]:
+            break
+    started = time.monotonic()
+    relay.km.interrupt_kernel()  # what the stop button does: SIGINT to the notebook's kernel
+    r = relay.collect(msg_id)
+    assert r.status == "error" and r.ename == "KeyboardInterrupt"
+    assert time.monotonic() - started < 10
+    assert relay.ok("print(sum(kept))").stdout == "6\n"
+
+
+def test_completion_and_inspection_come_from_the_worker(relay):
+    relay.ok("isolated_value_xyz = 3")
+    kc = relay.kc
+    reply = kc.complete("isolated_val", 12, reply=True, timeout=30)
+    assert "isolated_value_xyz" in reply["content"]["matches"]
+    reply = kc.inspect("isolated_value_xyz", 18, reply=True, timeout=30)
+    assert reply["content"]["found"] and "int" in strip_ansi(reply["content"]["data"]["text/plain"])
+
+
+def test_isolate_off_ends_the_worker_and_bad_input_is_one_line(relay):
+    pid = worker_pid(relay)
+    bad = relay.execute("%resilience isolate sideways")
+    assert bad.status == "error" or "unexpected 'sideways'" in bad.stderr
+    assert "write %resilience isolate or %resilience isolate off" in bad.stderr + (bad.evalue or "")
+    assert relay.ok("%resilience isolate").stdout.startswith("colab_resilience: isolation on: worker kernel PID")
+    r = relay.ok("%resilience isolate off")
+    assert "isolation off" in r.stdout
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}")
+    assert relay.value("__import__('os').getpid()") == relay.pid
+
+
+def test_a_worker_refuses_to_isolate_itself(relay):
+    r = relay.execute("%resilience isolate")  # routed to the relay: it reports its worker
+    assert r.status == "ok" and "worker kernel PID" in r.stdout
+    r = relay.execute("get_ipython().run_line_magic('resilience', 'isolate')")  # in the worker
+    assert "already supervised" in r.stderr + (r.evalue or "")
