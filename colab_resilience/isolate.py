@@ -178,34 +178,42 @@ class WorkerClient:
         ``on_input(prompt, password)`` answers ``input()``. The ``execute_reply`` once the worker
         is idle again; ``DeadKernelError`` when it died; a KeyboardInterrupt while waiting
         interrupts the worker and waits on."""
+        import zmq
+
         kc = self.kc
+        # the channels' own receive goes through an event loop per message (jupyter_client 7 and
+        # 8 alike): while a cell runs, the relay waits on the three sockets at once, directly
+        iopub, shell, stdin = (zmq.Socket.shadow(c.socket.underlying)
+                               for c in (kc.iopub_channel, kc.shell_channel, kc.stdin_channel))
+        poller = zmq.Poller()
+        for sock in (iopub, shell, stdin):
+            poller.register(sock, zmq.POLLIN)
         msg_id = kc.execute(code, store_history=store_history, allow_stdin=allow_stdin, stop_on_error=False)
         reply, idle, last_check, replied = None, False, time.monotonic(), 0.0
-        # after the reply, the worker's 'idle' comes at once; a message lost to an interrupted
-        # receive must not hold the cell forever
+        # after the reply, the worker's 'idle' comes at once; one lost to an interrupted receive
+        # must not hold the cell forever
         while reply is None or not (idle or time.monotonic() - replied > IDLE_AFTER_REPLY):
             try:
-                busy = False
-                if not idle:  # outputs first; wait here while the cell runs
-                    msg = _get(kc.get_iopub_msg, POLL)
+                ready = dict(poller.poll(POLL * 1000))
+                if iopub in ready:
+                    msg = _receive(kc.session, iopub)
                     if msg is not None and msg.get("parent_header", {}).get("msg_id") == msg_id:
-                        busy = True
                         if msg["msg_type"] == "status":
-                            idle = msg["content"].get("execution_state") == "idle"
+                            idle = idle or msg["content"].get("execution_state") == "idle"
                         else:
                             forward(msg)
-                if allow_stdin and on_input is not None:
-                    request = _get(kc.get_stdin_msg, 0)
+                if stdin in ready:
+                    request = _receive(kc.session, stdin)
                     if request is not None and request.get("msg_type") == "input_request":
-                        busy = True
                         c = request["content"]
-                        kc.input(on_input(c.get("prompt", ""), bool(c.get("password"))))
-                if reply is None:
-                    got = _get(kc.get_shell_msg, POLL if idle else 0)
+                        answer = on_input(c.get("prompt", ""), bool(c.get("password"))) if on_input else ""
+                        kc.input(answer)
+                if shell in ready:
+                    got = _receive(kc.session, shell)
                     if got is not None and got.get("parent_header", {}).get("msg_id") == msg_id:
                         reply, replied = got, time.monotonic()
                 now = time.monotonic()
-                if not busy and now - last_check > POLL:
+                if not ready and now - last_check > POLL:
                     last_check = now
                     if not self.alive():
                         raise _dead_kernel_error()("Kernel died")
@@ -236,11 +244,15 @@ class WorkerClient:
             pass
 
 
-def _get(receive, timeout: float) -> dict | None:
+def _receive(session, sock) -> dict | None:
+    """One message from a socket that has one (None: not a message of ours, or none after all)."""
+    import zmq
+
     try:
-        return receive(timeout=timeout)
-    except Empty:
+        _, msg = session.recv(sock, mode=zmq.NOBLOCK)
+    except (zmq.ZMQError, ValueError):
         return None
+    return msg
 
 
 class RelayedError(Exception):
@@ -395,11 +407,8 @@ class Relay:
         kind, c = msg["msg_type"], msg["content"]
         if kind == "stream":
             stream = sys.stderr if c.get("name") == "stderr" else sys.stdout
-            stream.write(c.get("text", ""))
-            stream.flush()
-        elif kind in ("display_data", "update_display_data"):
-            sys.stdout.flush()
-            sys.stderr.flush()
+            stream.write(c.get("text", ""))  # ipykernel sends it on as it does a print's
+        elif kind in ("display_data", "update_display_data"):  # publish() flushes the streams first
             self.shell.display_pub.publish(data=c.get("data", {}), metadata=c.get("metadata", {}),
                                            transient=c.get("transient") or {}, update=kind == "update_display_data")
         elif kind == "clear_output":
