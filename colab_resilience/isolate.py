@@ -452,11 +452,10 @@ def isolate(session) -> None:
     if relay_of(shell) is not None:
         print(relay_of(shell).status_line())
         return
-    if os.environ.get(WORKER_ENV) or os.environ.get(SUPERVISED_ENV):
-        from .errors import OptionError
-
-        raise OptionError("%resilience isolate: this kernel is already supervised (a worker or `colab-resilience "
-                          "run`); isolation is for the notebook's own kernel")
+    if os.environ.get(WORKER_ENV) or os.environ.get(SUPERVISED_ENV):  # the same notebook, run headless
+        session.say("colab_resilience: isolation not needed: this kernel is supervised already (an isolation worker "
+                    "or `colab-resilience run`), which brings it back with no click")
+        return
     relay = Relay(session)
     relay.start()
     _relays[id(shell)] = relay
