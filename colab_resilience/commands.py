@@ -233,12 +233,14 @@ def resume(session, run_dir: Path, *, trust: bool = False) -> None:
     )
 
 
-def restore_finished_runs(session, dead_pid: int | None = None,
-                          rerun_source: str | None = None) -> tuple[list[str], list[str]]:
+def restore_finished_runs(session, dead_pid: int | None = None, rerun_source: str | None = None,
+                          kernels: list[int] | None = None) -> tuple[list[str], list[str]]:
     """Put back the final state of every run that finished in the run directory, oldest first (a
-    later run's values win). Returns the names restored, and the runs that finished in the
-    kernel ``dead_pid`` but save nothing (no ``--save``), so that nothing of what they computed is
-    back: not the run of the cell ``rerun_source`` that is run again now (it starts afresh)."""
+    later run's values win); with ``kernels``, only of the runs last held by one of those kernel
+    PIDs (a run directory shared with other notebooks holds their runs too). Returns the names
+    restored, and the runs that finished in the kernel ``dead_pid`` but save nothing (no
+    ``--save``), so that nothing of what they computed is back: not the run of the cell
+    ``rerun_source`` that is run again now (it starts afresh)."""
     from .signing import load_or_create_key
 
     key = load_or_create_key()
@@ -248,7 +250,7 @@ def restore_finished_runs(session, dead_pid: int | None = None,
             j = Journal.load(run_dir, key=key)
         except JournalError:
             continue
-        if j.status == "done":
+        if j.status == "done" and (kernels is None or j.kernel_pid in kernels):
             done.append((run_dir, j))
     restored: list[str] = []
     unsaved = [j.run_id for _, j in done if not j.names and dead_pid is not None and j.kernel_pid == dead_pid

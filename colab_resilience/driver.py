@@ -197,6 +197,9 @@ class Supervisor:
         self.replay_done: list[int] = []  # set-up cells executed so far, in order
         self.budgets = Budgets(run_root, max_restarts)
         self.code_cells = [i for i, c in enumerate(self.nb.cells) if c.cell_type == "code"]
+        # the kernel PIDs whose finished runs are put back after a restart (None: every run in
+        # run_root, which is the driver's own)
+        self.kernels: list[int] | None = None
 
     def run(self, kernel_env: dict) -> None:
         client = self.client
@@ -319,8 +322,8 @@ class Supervisor:
                 client.execute_cell(copy.deepcopy(self.nb.cells[j]), j)  # outputs discarded
                 replayed += 1
                 self.declare_replay(self.nb.cells[j])
-            finished = client.evaluate(api_call("restore_finished_runs", dead_pid, self.nb.cells[index].source),
-                                       timeout=600)
+            finished = client.evaluate(api_call("restore_finished_runs", dead_pid, self.nb.cells[index].source,
+                                                *([self.kernels] if self.kernels is not None else [])), timeout=600)
             client.call(api_call("expect_reexecution"))
         except DeadKernelError:  # the caller's next execution finds the kernel dead and restarts again
             self.result.restarts.append(death.restart(index, time.perf_counter() - t0, replayed=replayed,

@@ -74,6 +74,7 @@ class WorkerClient:
         self.km = self._manager()
         self.kc = None
         self.nb = None  # the notebook of relayed cells, set by the relay
+        self.pids: list[int] = []  # every worker started, in order
 
     def _manager(self):
         from jupyter_client import KernelManager
@@ -104,6 +105,8 @@ class WorkerClient:
             kc.stop_channels()
             return False
         self.kc = kc
+        if self.pid is not None:
+            self.pids.append(self.pid)
         try:
             self.call(api_call("become_worker", WORKER_OOM_SCORE_ADJ))
         except (WorkerDied, _dead_kernel_error(), TimeoutError):
@@ -298,6 +301,8 @@ class Relay:
         self.client = WorkerClient(self.sockets, env, os.getcwd())
         self.client.nb = nbformat.v4.new_notebook()
         self.supervisor = Supervisor(self.client, session.root(), session.settings.max_restarts)
+        # the run directory may be shared with other notebooks: only this relay's runs come back
+        self.supervisor.kernels = self.client.pids
         self.said_widgets = False
         self.worker_count: int | None = None  # the worker's next execution count, as far as known
 

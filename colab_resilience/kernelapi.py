@@ -22,16 +22,17 @@ __all__ = [
 ]
 
 
-def restore_finished_runs(dead_pid: int | None = None, rerun_source: str | None = None) -> dict:
+def restore_finished_runs(dead_pid: int | None = None, rerun_source: str | None = None,
+                          kernels: list[int] | None = None) -> dict:
     """Put back the final state of every run that finished, oldest first. After a restart in a
     cell that follows a finished ``%%resilient`` cell, replaying the set-up cells alone would hand
     that cell an untrained model. Returns ``{"restored": names, "unsaved": run ids}``: the runs
     that finished in the kernel ``dead_pid`` but saved nothing to put back (not the one of the
-    cell ``rerun_source``, which is run again)."""
+    cell ``rerun_source``, which is run again); ``kernels``: only runs last held by those PIDs."""
     from .commands import restore_finished_runs as restore
     from .session import session_of
 
-    restored, unsaved = restore(session_of(), dead_pid, rerun_source)
+    restored, unsaved = restore(session_of(), dead_pid, rerun_source, kernels)
     return {"restored": restored, "unsaved": unsaved}
 
 

@@ -184,3 +184,23 @@ def test_isolate_in_a_supervised_kernel_says_it_is_not_needed(relay, tmp_path):
     r = relay.ok("get_ipython().run_line_magic('resilience', 'isolate')")  # in the worker
     assert "isolation not needed: this kernel is supervised already" in r.stdout
     assert relay.value("__import__('os').getpid()") == worker_pid(relay)
+
+
+def test_only_this_notebooks_finished_runs_come_back_after_a_restart(relay):
+    """The run directory is shared (./.colab_resilience, or a Drive folder): a run another notebook
+    finished there is not put into the new worker's namespace."""
+    other = Kernel()
+    try:
+        other.ok("%load_ext colab_resilience")
+        other.ok("%%resilient --save foreign\nforeign = 7")
+    finally:
+        other.shutdown()
+    relay.ok("%%resilient --save mine\nmine = 5")
+    pid = worker_pid(relay)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    r = relay.ok("print('foreign' in dir(), mine)")
+    assert "restored mine from the finished training" in r.stderr
+    assert r.stdout == "False 5\n"

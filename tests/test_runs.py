@@ -231,7 +231,7 @@ def test_restart_after_bad_input(ip, line, expected):
 def test_resilience_bad_input(ip, root, tmp_path):
     """Bad %resilience input is a UsageError that lists what is possible."""
     for line, expected in [
-        ("frobnicate", "%resilience: unknown command 'frobnicate'; write %resilience status, show [RUN], resume [--trust] [RUN], reset [RUN] or dir PATH"),
+        ("frobnicate", "%resilience: unknown command 'frobnicate'; write %resilience status, show [RUN], resume [--trust] [RUN], reset [RUN], dir PATH or isolate [off]"),
         ("resume", f"%resilience resume: no runs in {root}; a %%resilient cell creates one"),
         ("reset nope", f"%resilience reset: no run 'nope' in {root} (runs: none)"),
         ("dir a b", "%resilience dir: give one folder"),
