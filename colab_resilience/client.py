@@ -119,14 +119,7 @@ class SupervisedClient(NotebookClient):
         """The value of ``expr`` evaluated silently in the kernel (a literal: its repr is parsed
         back), or None when it failed or is not a literal. ``DeadKernelError`` and
         ``TimeoutError`` go to the caller."""
-        reply = self.call(user_expressions={"v": expr}, timeout=timeout)
-        value = reply.get("content", {}).get("user_expressions", {}).get("v", {})
-        if value.get("status") != "ok":
-            return None
-        try:
-            return ast.literal_eval(value["data"]["text/plain"])
-        except (KeyError, ValueError, SyntaxError, TypeError):
-            return None
+        return expression_value(self.call(user_expressions={"v": expr}, timeout=timeout))
 
     def shutdown(self) -> None:
         """Stop the kernel (whichever took over) and the channels; nothing here may fail."""
@@ -140,6 +133,18 @@ class SupervisedClient(NotebookClient):
                 self.kc.stop_channels()
             except Exception:
                 pass
+
+
+def expression_value(reply: dict, name: str = "v") -> Any:
+    """The literal value of user expression ``name`` in an ``execute_reply``; None when it failed
+    or is not a literal."""
+    value = reply.get("content", {}).get("user_expressions", {}).get(name, {})
+    if value.get("status") != "ok":
+        return None
+    try:
+        return ast.literal_eval(value["data"]["text/plain"])
+    except (KeyError, ValueError, SyntaxError, TypeError):
+        return None
 
 
 def process_exit_code(km) -> int | None:

@@ -34,7 +34,7 @@ import time
 from queue import Empty
 from typing import Any
 
-from .client import api_call, process_exit_code
+from .client import api_call, expression_value, process_exit_code
 from .driver import LOAD_EXTENSION, Supervisor
 from .replay import is_replay_cell
 from .restart import SUPERVISED_ENV
@@ -155,16 +155,7 @@ class WorkerClient:
         return self._wait_reply(msg_id, timeout)
 
     def evaluate(self, expr: str, *, timeout: float = 60.0) -> Any:
-        import ast
-
-        reply = self.call(user_expressions={"v": expr}, timeout=timeout)
-        value = reply.get("content", {}).get("user_expressions", {}).get("v", {})
-        if value.get("status") != "ok":
-            return None
-        try:
-            return ast.literal_eval(value["data"]["text/plain"])
-        except (KeyError, ValueError, SyntaxError, TypeError):
-            return None
+        return expression_value(self.call(user_expressions={"v": expr}, timeout=timeout))
 
     def execute_cell(self, cell, index: int) -> None:
         """Replay a set-up cell, its outputs discarded (the supervisor's replay)."""
@@ -358,11 +349,11 @@ class Relay:
         while True:
             try:
                 self._sync_count()
+                self._result = None  # an attempt the worker died in shows no result
                 reply = self.client.run(source, self.forward, allow_stdin=self._allow_stdin(),
                                         on_input=self._input)
                 break
             except DeadKernelError:
-                self.worker_count = None
                 sys.stdout.flush()
                 self._recover(index, seen)
                 seen = len(self.restarts)
@@ -379,6 +370,7 @@ class Relay:
         return self._result
 
     def _recover(self, index: int, seen: int) -> None:
+        self.worker_count = None  # a new worker counts from 1
         ok = self.supervisor.recover(index)
         for r in self.restarts[seen:]:
             print(r.marker(), end="", file=sys.stderr, flush=True)
