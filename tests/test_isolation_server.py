@@ -1,0 +1,139 @@
+"""``%resilience isolate`` behind a real Jupyter server, as JupyterLab uses it: the kernel started
+through the server's REST API, every cell sent over the server's websocket, all of them at once
+(what Run All does), and a worker SIGKILLed mid-training.
+
+What a JupyterLab user would see is read off the same messages the page receives: every cell's
+reply, the kernel's status messages (a kernel that dies or restarts shows up as
+``execution_state`` "dead", "restarting" or "autorestarting", which is where JupyterLab's "The
+kernel appears to have died" dialog comes from) and the kernel model the server reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+
+import pytest
+
+from harness import KERNEL_NAME, epochs, load, result, user_cells
+
+pytest.importorskip("jupyter_server")
+websocket = pytest.importorskip("tornado.websocket")
+
+TOKEN = uuid.uuid4().hex
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(tmp_path):
+    port = free_port()
+    log = open(tmp_path / "server.log", "wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jupyter_server", f"--port={port}", "--ip=127.0.0.1", "--no-browser",
+         f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={tmp_path}", "--allow-root"],
+        cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+        # the server's runtime files and configuration in the test's folder, not the user's
+        env=dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), JUPYTER_CONFIG_DIR=str(tmp_path / "config")))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            api(url, "GET", "/api/status")
+            break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError((tmp_path / "server.log").read_text()[-3000:]) from None
+            time.sleep(0.2)
+    try:
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def api(url: str, method: str, path: str, body: dict | None = None) -> dict:
+    request = urllib.request.Request(url + path, method=method, data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Authorization": f"token {TOKEN}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read() or b"{}")
+
+
+def message(session: str, code: str) -> dict:
+    return {"header": {"msg_id": uuid.uuid4().hex, "msg_type": "execute_request", "session": session,
+                       "username": "test", "date": "", "version": "5.3"},
+            "parent_header": {}, "metadata": {}, "channel": "shell",
+            "content": {"code": code, "silent": False, "store_history": True, "user_expressions": {},
+                        "allow_stdin": False, "stop_on_error": True}}
+
+
+async def run_all(url: str, kernel_id: str, sources: list[str], timeout: float = 300) -> tuple[list[dict], list[str]]:
+    """Send every cell at once over the kernel's websocket, as Run All does; each cell's reply and
+    text (streams, results, errors), and every execution state the kernel reported."""
+    ws = await websocket.websocket_connect(
+        f"{url.replace('http', 'ws')}/api/kernels/{kernel_id}/channels?token={TOKEN}")
+    session = uuid.uuid4().hex
+    requests = [message(session, s) for s in sources]
+    for m in requests:
+        ws.write_message(json.dumps(m))
+    ids = {m["header"]["msg_id"]: i for i, m in enumerate(requests)}
+    cells = [{"reply": None, "text": ""} for _ in sources]
+    states: list[str] = []
+    deadline = time.monotonic() + timeout
+    while any(c["reply"] is None for c in cells):
+        raw = await asyncio.wait_for(ws.read_message(), max(1.0, deadline - time.monotonic()))
+        assert raw is not None, "the server closed the websocket"
+        msg = json.loads(raw)
+        kind, content = msg.get("msg_type") or msg["header"]["msg_type"], msg.get("content", {})
+        if kind == "status":
+            states.append(content.get("execution_state"))
+        i = ids.get(msg.get("parent_header", {}).get("msg_id"))
+        if i is None:
+            continue
+        if kind == "execute_reply":
+            cells[i]["reply"] = content
+        elif kind == "stream":
+            cells[i]["text"] += content["text"]
+        elif kind in ("execute_result", "display_data"):
+            cells[i]["text"] += content["data"].get("text/plain", "")
+        elif kind == "error":
+            cells[i]["text"] += "\n".join(content.get("traceback", []))
+    ws.close()
+    return cells, states
+
+
+def test_run_all_in_jupyter_survives_a_worker_kill_with_no_click(server, tmp_path, reference):
+    """Run All on train.ipynb with isolation on, its worker SIGKILLed in epoch 2: every cell
+    replies ok in order, the kernel the page talks to never dies or restarts (no dialog), the
+    server counts no restart, and the result is the uninterrupted one, bit for bit."""
+    nb = load("train.ipynb", tmp_path, fault="sigkill", fault_epoch=2, staging="off")
+    cells = [s for _, s in user_cells(nb)]
+    assert cells[0] == "%load_ext colab_resilience"
+    sources = [cells[0], "%resilience isolate", *cells[1:]]
+    kernel = api(server, "POST", "/api/kernels", {"name": KERNEL_NAME, "path": str(tmp_path)})
+    replies, states = asyncio.run(run_all(server, kernel["id"], sources))
+    assert [c["reply"]["status"] for c in replies] == ["ok"] * len(sources), [c["text"][-2000:] for c in replies]
+    train = next(c["text"] for c, s in zip(replies, sources) if s.startswith("%%resilient"))
+    assert "colab_resilience: the kernel died (killed by SIGKILL); restarted it, replayed 3 cells" in train
+    assert result(replies[-1]["text"]) == reference.result
+    assert epochs(tmp_path / "events.log") == [0, 1, 2, 3]
+    assert not set(states) & {"dead", "restarting", "autorestarting", "starting"}, states
+    model = api(server, "GET", f"/api/kernels/{kernel['id']}")
+    assert model["execution_state"] == "idle" and model["id"] == kernel["id"]
+    assert [k["id"] for k in api(server, "GET", "/api/kernels")] == [kernel["id"]]
+    api(server, "DELETE", f"/api/kernels/{kernel['id']}")
