@@ -1,0 +1,125 @@
+"""``%resilience isolate`` as a JupyterLab user sees it: JupyterLab in headless Chromium (Debian's
+``chromium`` and ``chromium-driver``, driven by selenium), Run All on a training notebook whose
+worker is SIGKILLed mid-training, no click after that.
+
+Screenshots (after the page loaded, after the kill's marker appeared, at the end) are kept in
+``$TEST_ARTIFACTS`` (``.ci/artifacts`` under CI), else in the test's temporary folder. CI installs
+the browser and JupyterLab on the newest stack; elsewhere the test is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from harness import KERNEL_NAME, epochs, load, result, user_cells
+from test_isolation_server import TOKEN, api, free_port
+
+pytest.importorskip("jupyterlab")
+webdriver = pytest.importorskip("selenium.webdriver")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER),
+                                reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+
+
+@pytest.fixture
+def lab(tmp_path):
+    port = free_port()
+    log = open(tmp_path / "lab.log", "wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", f"--port={port}", "--ip=127.0.0.1", "--no-browser", "--allow-root",
+         f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={tmp_path}"],
+        cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+        env=dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), JUPYTER_CONFIG_DIR=str(tmp_path / "config")))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            api(url, "GET", "/api/status")
+            break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError((tmp_path / "lab.log").read_text()[-3000:]) from None
+            time.sleep(0.3)
+    try:
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+@pytest.fixture
+def browser(tmp_path):
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    options = Options()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000",
+                 f"--user-data-dir={tmp_path / 'chromium'}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def outputs_text(driver) -> str:
+    return driver.execute_script(
+        "return Array.from(document.querySelectorAll('.jp-OutputArea-output')).map(e => e.innerText).join('\\n');")
+
+
+def test_run_all_in_jupyterlab_finishes_after_a_worker_kill_with_no_click(lab, browser, tmp_path, reference):
+    from selenium.webdriver.common.by import By
+
+    shots = Path(os.environ.get("TEST_ARTIFACTS") or tmp_path) / "isolation-browser"
+    shots.mkdir(parents=True, exist_ok=True)
+    nb = load("train.ipynb", tmp_path, fault="sigkill", fault_epoch=2, staging="off", pause=0.05)
+    sources = [s for _, s in user_cells(nb)]
+    page = nbformat.v4.new_notebook()
+    page.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "tests", "language": "python"}
+    page.cells = [nbformat.v4.new_code_cell(s) for s in [sources[0], "%resilience isolate", *sources[1:]]]
+    nbformat.write(page, tmp_path / "train.ipynb")
+
+    browser.get(f"{lab}/lab/tree/train.ipynb?token={TOKEN}")
+    deadline = time.monotonic() + 120
+    # the page shows the notebook, and its kernel (started by the page through the server) is idle
+    while not (browser.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell")
+               and [k["execution_state"] for k in api(lab, "GET", "/api/kernels")] == ["idle"]):
+        if time.monotonic() > deadline:
+            browser.save_screenshot(str(shots / "0-not-loaded.png"))
+            raise AssertionError("JupyterLab did not show the notebook with an idle kernel within 120 s")
+        time.sleep(0.5)
+    browser.save_screenshot(str(shots / "1-loaded.png"))
+    browser.find_element(By.XPATH, "//li[contains(@class,'lm-MenuBar-item')][.//div[text()='Run']]").click()
+    browser.find_element(By.XPATH, "//li[contains(@class,'lm-Menu-item')][.//div[text()='Run All Cells']]").click()
+
+    dialogs, marker_shot = [], False
+    deadline = time.monotonic() + 300
+    while "RESULT " not in (text := outputs_text(browser)):
+        assert time.monotonic() < deadline, f"Run All did not finish within 300 s:\n{text[-3000:]}"
+        dialogs += [d.text for d in browser.find_elements(By.CSS_SELECTOR, ".jp-Dialog")]
+        if not marker_shot and "colab_resilience: the kernel died" in text:
+            browser.save_screenshot(str(shots / "2-worker-killed.png"))
+            marker_shot = True
+        time.sleep(0.5)
+    browser.save_screenshot(str(shots / "3-done.png"))
+    assert not dialogs, dialogs  # no "The kernel appears to have died"
+    assert "colab_resilience: the kernel died (killed by SIGKILL); restarted it, replayed 3 cells" in text
+    assert result(text) == reference.result
+    assert epochs(tmp_path / "events.log") == [0, 1, 2, 3]
+    kernels = api(lab, "GET", "/api/kernels")
+    assert len(kernels) == 1 and kernels[0]["execution_state"] == "idle"
