@@ -34,6 +34,8 @@ import time
 from queue import Empty
 from typing import Any
 
+from nbclient.exceptions import DeadKernelError
+
 from .client import api_call, expression_value, process_exit_code
 from .driver import LOAD_EXTENSION, Supervisor
 from .replay import is_replay_cell
@@ -48,16 +50,6 @@ MAGIC_NAME = "_relay"
 # cells the relay runs itself: turning isolation on or off
 LOCAL = re.compile(r"\s*%resilience\s+isolate\b")
 STATUS = re.compile(r"\s*%resilience(\s+status)?\s*$")
-
-
-class WorkerDied(Exception):
-    """The worker died while running a cell (nbclient's ``DeadKernelError`` for the supervisor)."""
-
-
-def _dead_kernel_error():
-    from nbclient.exceptions import DeadKernelError
-
-    return DeadKernelError
 
 
 class WorkerClient:
@@ -109,7 +101,7 @@ class WorkerClient:
             self.pids.append(self.pid)
         try:
             self.call(api_call("become_worker", WORKER_OOM_SCORE_ADJ))
-        except (WorkerDied, _dead_kernel_error(), TimeoutError):
+        except (DeadKernelError, TimeoutError):
             return False
         return True
 
@@ -141,7 +133,7 @@ class WorkerClient:
                 msg = self.kc.get_shell_msg(timeout=POLL)
             except Empty:
                 if not self.alive():
-                    raise _dead_kernel_error()("Kernel died") from None
+                    raise DeadKernelError("Kernel died") from None
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the worker kernel did not answer within {timeout:.0f} s") from None
                 continue
@@ -210,7 +202,7 @@ class WorkerClient:
                 if not ready and now - last_check > POLL:
                     last_check = now
                     if not self.alive():
-                        raise _dead_kernel_error()("Kernel died")
+                        raise DeadKernelError("Kernel died")
             except KeyboardInterrupt:  # the stop button: for the worker
                 try:
                     self.km.interrupt_kernel()
@@ -335,7 +327,6 @@ class Relay:
     def run_cell(self, source: str):
         import nbformat
 
-        DeadKernelError = _dead_kernel_error()
         supervisor, nb = self.supervisor, self.client.nb
         if STATUS.match(source):
             print(self.status_line(), flush=True)
