@@ -323,7 +323,7 @@ class Supervisor:
                 replayed += 1
                 self.declare_replay(self.nb.cells[j])
             finished = client.evaluate(api_call("restore_finished_runs", dead_pid, self.nb.cells[index].source,
-                                                *([self.kernels] if self.kernels is not None else [])), timeout=600)
+                                                self.kernels), timeout=600)
             client.call(api_call("expect_reexecution"))
         except DeadKernelError:  # the caller's next execution finds the kernel dead and restarts again
             self.result.restarts.append(death.restart(index, time.perf_counter() - t0, replayed=replayed,

@@ -412,7 +412,6 @@ class Relay:
     _result: Result | None = None
 
     def relay_magic(self, line: str, cell: str):
-        self._result = None
         result = self.run_cell(cell)
         self._result = None
         return result

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import nbformat
 import pytest
 
 from harness import KERNEL_NAME, epochs, load, result, user_cells
-from test_isolation_server import TOKEN, api, free_port
+from test_isolation_server import TOKEN, api, jupyter
 
 pytest.importorskip("jupyterlab")
 webdriver = pytest.importorskip("selenium.webdriver")
@@ -32,32 +30,8 @@ pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER),
 
 @pytest.fixture
 def lab(tmp_path):
-    port = free_port()
-    log = open(tmp_path / "lab.log", "wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", f"--port={port}", "--ip=127.0.0.1", "--no-browser", "--allow-root",
-         f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={tmp_path}"],
-        cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-        env=dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), JUPYTER_CONFIG_DIR=str(tmp_path / "config")))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            api(url, "GET", "/api/status")
-            break
-        except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError((tmp_path / "lab.log").read_text()[-3000:]) from None
-            time.sleep(0.3)
-    try:
+    with jupyter("jupyterlab", tmp_path, wait=90) as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ kernel appears to have died" dialog comes from) and the kernel model the server 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -36,35 +37,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def jupyter(module: str, folder, wait: float = 60):
+    """``python -m MODULE`` (jupyter_server, jupyterlab) serving ``folder`` on a free port with
+    the test's token, its runtime files and configuration in ``folder``; yields its URL."""
+    port = free_port()
+    log_path = folder / f"{module}.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", module, f"--port={port}", "--ip=127.0.0.1", "--no-browser", "--allow-root",
+             f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={folder}"],
+            cwd=folder, stdout=log, stderr=subprocess.STDOUT,
+            env=dict(os.environ, JUPYTER_RUNTIME_DIR=str(folder / "runtime"), JUPYTER_CONFIG_DIR=str(folder / "config")))
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                api(url, "GET", "/api/status")
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    process.kill()
+                    raise AssertionError(log_path.read_text()[-3000:]) from None
+                time.sleep(0.2)
+        try:
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
 @pytest.fixture
 def server(tmp_path):
-    port = free_port()
-    log = open(tmp_path / "server.log", "wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "jupyter_server", f"--port={port}", "--ip=127.0.0.1", "--no-browser",
-         f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={tmp_path}", "--allow-root"],
-        cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-        # the server's runtime files and configuration in the test's folder, not the user's
-        env=dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), JUPYTER_CONFIG_DIR=str(tmp_path / "config")))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            api(url, "GET", "/api/status")
-            break
-        except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError((tmp_path / "server.log").read_text()[-3000:]) from None
-            time.sleep(0.2)
-    try:
+    with jupyter("jupyter_server", tmp_path) as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
 
 
 def api(url: str, method: str, path: str, body: dict | None = None) -> dict:
