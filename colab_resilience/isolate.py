@@ -8,7 +8,9 @@ back as it comes: streams, ``display_data``/``update_display_data``/``clear_outp
 ``execute_result`` (shown under the notebook's own execution count), errors with the worker's
 traceback (the execute reply is an error, so queued cells stop as they would), ``input()``, and
 the stop button (SIGINT to the relay is passed on to the worker). Tab completion and Shift-Tab
-inspection are answered by the worker. Widgets (comm messages) do not cross: one line says so.
+inspection are answered by the worker. Widgets cross both ways: the worker's comm messages are
+published as the notebook kernel's, and the frontend's (a slider moved, a button clicked) are
+sent on to the worker, under their own ids.
 
 When the worker dies (the OOM killer, a SIGKILL, an OOM past its retries, a planned restart) the
 relay does what the headless supervisor does, with the same code
@@ -49,6 +51,8 @@ IDLE_AFTER_REPLY = 2.0  # seconds to wait for the worker's last outputs once it 
 MAGIC_NAME = "_relay"
 # cells the relay runs itself: turning isolation on or off
 LOCAL = re.compile(r"\s*%resilience\s+isolate\b")
+# the frontend's widget messages, answered by the worker
+COMM_MESSAGES = ("comm_open", "comm_msg", "comm_close", "comm_info_request")
 STATUS = re.compile(r"\s*%resilience(\s+status)?\s*$")
 
 
@@ -67,6 +71,7 @@ class WorkerClient:
         self.kc = None
         self.nb = None  # the notebook of relayed cells, set by the relay
         self.pids: list[int] = []  # every worker started, in order
+        self._shadow: tuple | None = None
 
     def _manager(self):
         from jupyter_client import KernelManager
@@ -158,36 +163,59 @@ class WorkerClient:
             c = reply["content"]
             raise CellExecutionError("\n".join(c.get("traceback", [])), c.get("ename", ""), c.get("evalue", ""))
 
-    def run(self, code: str, forward, *, store_history: bool = True, allow_stdin: bool = False,
-            on_input=None) -> dict:
-        """Execute ``code``; ``forward(msg)`` for each of its iopub messages as it arrives;
-        ``on_input(prompt, password)`` answers ``input()``. The ``execute_reply`` once the worker
-        is idle again; ``DeadKernelError`` when it died; a KeyboardInterrupt while waiting
-        interrupts the worker and waits on."""
+    def _sockets(self):
+        """The worker's iopub, shell and stdin sockets, for waiting on all three at once (the
+        channels' own receive goes through an event loop per message in jupyter_client 7 and 8)."""
+        import zmq
+
+        if self._shadow is None or self._shadow[0] is not self.kc:
+            self._shadow = (self.kc, *(zmq.Socket.shadow(c.socket.underlying) for c in
+                                       (self.kc.iopub_channel, self.kc.shell_channel, self.kc.stdin_channel)))
+        return self._shadow[1:]
+
+    def run(self, code: str, forward, *, msg_id: str | None = None, store_history: bool = True,
+            allow_stdin: bool = False, on_input=None) -> dict:
+        """Execute ``code`` (under the frontend's own ``msg_id`` where given, so that what keys on
+        it, an Output widget's capture, finds the outputs); ``forward(msg)`` for each of its iopub
+        messages as it arrives; ``on_input(prompt, password)`` answers ``input()``. The
+        ``execute_reply`` once the worker is idle again; ``DeadKernelError`` when it died; a
+        KeyboardInterrupt while waiting interrupts the worker and waits on."""
+        msg = self.kc.session.msg("execute_request", {
+            "code": code, "silent": False, "store_history": store_history, "user_expressions": {},
+            "allow_stdin": allow_stdin, "stop_on_error": False})
+        if msg_id:
+            msg["header"]["msg_id"] = msg["msg_id"] = msg_id
+        return self.send(msg, forward, on_input=on_input)
+
+    def send(self, msg: dict, forward, *, on_input=None) -> dict | None:
+        """Send ``msg`` to the worker's shell as it is (its id kept), forward what the worker
+        publishes in answer, and return its reply once the worker is idle again (None for the
+        messages that have none: ``comm_open``, ``comm_msg``, ``comm_close``)."""
         import zmq
 
         kc = self.kc
-        # the channels' own receive goes through an event loop per message (jupyter_client 7 and
-        # 8 alike): while a cell runs, the relay waits on the three sockets at once, directly
-        iopub, shell, stdin = (zmq.Socket.shadow(c.socket.underlying)
-                               for c in (kc.iopub_channel, kc.shell_channel, kc.stdin_channel))
+        iopub, shell, stdin = self._sockets()
         poller = zmq.Poller()
         for sock in (iopub, shell, stdin):
             poller.register(sock, zmq.POLLIN)
-        msg_id = kc.execute(code, store_history=store_history, allow_stdin=allow_stdin, stop_on_error=False)
+        kc.session.send(shell, {k: msg.get(k) or {} for k in ("header", "parent_header", "metadata", "content")},
+                        buffers=msg.get("buffers") or None)
+        msg_id = msg["header"]["msg_id"]
+        wants_reply = msg["header"]["msg_type"].endswith("_request")
         reply, idle, last_check, replied = None, False, time.monotonic(), 0.0
         # after the reply, the worker's 'idle' comes at once; one lost to an interrupted receive
         # must not hold the cell forever
-        while reply is None or not (idle or time.monotonic() - replied > IDLE_AFTER_REPLY):
+        while not (idle and (reply is not None or not wants_reply)) and \
+                not (reply is not None and time.monotonic() - replied > IDLE_AFTER_REPLY):
             try:
                 ready = dict(poller.poll(POLL * 1000))
                 if iopub in ready:
-                    msg = _receive(kc.session, iopub)
-                    if msg is not None and msg.get("parent_header", {}).get("msg_id") == msg_id:
-                        if msg["msg_type"] == "status":
-                            idle = idle or msg["content"].get("execution_state") == "idle"
+                    got = _receive(kc.session, iopub)
+                    if got is not None and got.get("parent_header", {}).get("msg_id") == msg_id:
+                        if got["msg_type"] == "status":
+                            idle = idle or got["content"].get("execution_state") == "idle"
                         else:
-                            forward(msg)
+                            forward(got)
                 if stdin in ready:
                     request = _receive(kc.session, stdin)
                     if request is not None and request.get("msg_type") == "input_request":
@@ -286,7 +314,8 @@ class Relay:
         self.supervisor = Supervisor(self.client, session.root(), session.settings.max_restarts)
         # the run directory may be shared with other notebooks: only this relay's runs come back
         self.supervisor.kernels = self.client.pids
-        self.said_widgets = False
+        self.comms: set[str] = set()  # the widgets' comms open with the worker
+        self.own_handlers: dict = {}  # this kernel's handlers of COMM_MESSAGES, while it relays
         self.worker_count: int | None = None  # the worker's next execution count, as far as known
 
     @property
@@ -341,7 +370,7 @@ class Relay:
             try:
                 self._sync_count()
                 self._result = None  # an attempt the worker died in shows no result
-                reply = self.client.run(source, self.forward, allow_stdin=self._allow_stdin(),
+                reply = self.client.run(source, self.forward, msg_id=self._parent_id(), allow_stdin=self._allow_stdin(),
                                         on_input=self._input)
                 break
             except DeadKernelError:
@@ -362,6 +391,7 @@ class Relay:
 
     def _recover(self, index: int, seen: int) -> None:
         self.worker_count = None  # a new worker counts from 1
+        self._widgets_lost()
         ok = self.supervisor.recover(index)
         for r in self.restarts[seen:]:
             print(r.marker(), end="", file=sys.stderr, flush=True)
@@ -378,6 +408,14 @@ class Relay:
         if self.worker_count != want:
             self.client.call(f"get_ipython().execution_count = {int(want)}")
             self.worker_count = want
+
+    def _parent_id(self) -> str | None:
+        """The id of the frontend's request this kernel is answering (its execute_request)."""
+        kernel = getattr(self.shell, "kernel", None)
+        try:
+            return kernel.get_parent("shell")["header"]["msg_id"] or None
+        except (AttributeError, KeyError, TypeError):
+            return None
 
     def _allow_stdin(self) -> bool:
         kernel = getattr(self.shell, "kernel", None)
@@ -403,13 +441,48 @@ class Relay:
             self.shell.display_pub.clear_output(wait=bool(c.get("wait")))
         elif kind == "execute_result":
             self._result = Result(c.get("data", {}), c.get("metadata", {}))
-        elif kind.startswith("comm_") and not self.said_widgets:
-            self.said_widgets = True
-            print("colab_resilience: widgets (ipywidgets, tqdm.auto's notebook bars) do not cross the isolation relay "
-                  "and are not shown; use text progress bars (tqdm.tqdm) in isolated cells", file=sys.stderr, flush=True)
+        elif kind in ("comm_open", "comm_msg", "comm_close"):  # widgets: the worker's, shown by the frontend
+            self._track(kind, c)
+            kernel = self.shell.kernel
+            sys.stdout.flush()
+            sys.stderr.flush()
+            kernel.session.send(kernel.iopub_socket, kind, c, parent=kernel.get_parent("shell"),
+                                ident=f"comm-{c.get('comm_id', '')}".encode("ascii", "replace"),
+                                metadata=msg.get("metadata") or {}, buffers=msg.get("buffers") or None)
         # error: the reply carries it (raised by run_cell); execute_input and status: the relay's own
 
     _result: Result | None = None
+
+    def pass_on(self, msg: dict) -> dict | None:
+        """A frontend's widget message (``comm_*``, ``comm_info_request``), for the worker, whose
+        widgets they are; what it publishes in answer is forwarded. Its reply, if it has one;
+        None when the worker is not there to answer."""
+        kind, comm_id = msg["header"]["msg_type"], msg["content"].get("comm_id")
+        if kind in ("comm_msg", "comm_close") and comm_id not in self.comms:
+            return None  # a widget of a worker that died: nobody owns it now
+        if not self.client.alive():
+            self._widgets_lost()
+            return None
+        self._track(kind, msg["content"])
+        try:
+            return self.client.send(msg, self.forward, on_input=self._input)
+        except DeadKernelError:
+            self._widgets_lost()
+            return None
+
+    def _track(self, kind: str, content: dict) -> None:
+        """The comms (widgets) open between the frontend and this worker."""
+        if kind == "comm_open":
+            self.comms.add(content.get("comm_id"))
+        elif kind == "comm_close":
+            self.comms.discard(content.get("comm_id"))
+
+    def _widgets_lost(self) -> None:
+        """The worker died: its widgets, still drawn in the notebook, answer nobody now. Said once."""
+        if self.comms:
+            self.comms.clear()
+            print("colab_resilience: the widgets shown before the worker kernel died are inert now (their state "
+                  "was in it); run their cells again for live ones", file=sys.stderr, flush=True)
 
     def relay_magic(self, line: str, cell: str):
         result = self.run_cell(cell)
@@ -475,6 +548,11 @@ def stop(session) -> None:
     if kernel is not None:
         for name in ("do_complete", "do_inspect"):
             kernel.__dict__.pop(name, None)
+        for kind, handler in relay.own_handlers.items():
+            if handler is None:
+                kernel.shell_handlers.pop(kind, None)
+            else:
+                kernel.shell_handlers[kind] = handler
     relay.close()
     atexit.unregister(relay.close)
     session.say("colab_resilience: isolation off: the worker kernel was shut down; cells run in this kernel again "
@@ -498,3 +576,22 @@ def _wrap_kernel(kernel, relay: Relay) -> None:
             return own_inspect(code, cursor_pos, detail_level)
 
     kernel.do_complete, kernel.do_inspect = do_complete, do_inspect
+    relay.own_handlers = {kind: kernel.shell_handlers.get(kind) for kind in COMM_MESSAGES}
+    for kind in COMM_MESSAGES:
+        kernel.shell_handlers[kind] = _comm_handler(kernel, relay, kind)
+
+
+def _comm_handler(kernel, relay: Relay, kind: str):
+    """The frontend's widget messages go to the worker, which owns the widgets; a reply
+    (``comm_info_reply``) comes back as this kernel's."""
+    own = relay.own_handlers.get(kind)
+
+    def handler(stream, ident, msg):
+        reply = relay.pass_on(msg)
+        if reply is not None:
+            kernel.session.send(stream, reply["msg_type"], reply["content"], parent=msg, ident=ident,
+                                metadata=reply.get("metadata") or {})
+        elif kind == "comm_info_request" and own is not None:  # no worker to ask: this kernel has none
+            return own(stream, ident, msg)
+
+    return handler

@@ -123,6 +123,7 @@ class Reply:
     stdout: str = ""
     stderr: str = ""
     outputs: list[dict] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)  # every iopub message of the request but its status
 
     @property
     def traceback_text(self) -> str:
@@ -175,6 +176,8 @@ class Kernel:
             kind, c = msg["msg_type"], msg["content"]
             if kind == "status" and c["execution_state"] == "idle":
                 break
+            if kind != "status":
+                result.messages.append(msg)
             if kind == "stream":
                 if c["name"] == "stdout":
                     result.stdout += c["text"]

@@ -174,6 +174,77 @@ def test_completion_and_inspection_come_from_the_worker(relay):
     assert reply["content"]["found"] and "int" in strip_ansi(reply["content"]["data"]["text/plain"])
 
 
+def frontend_sends(k: Kernel, kind: str, content: dict) -> tuple[dict | None, list[dict]]:
+    """What a frontend's widget manager does: ``kind`` (``comm_msg``, ``comm_info_request``) on the
+    shell channel. The reply, if the message has one, and the iopub messages sent under its id."""
+    msg = k.kc.session.msg(kind, content)
+    k.kc.shell_channel.send(msg)
+    msg_id, reply, seen = msg["header"]["msg_id"], None, []
+    deadline = time.monotonic() + 30
+    if kind.endswith("_request"):
+        while reply is None:
+            got = k.kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+            reply = got if got["parent_header"].get("msg_id") == msg_id else None
+    while True:
+        got = k.kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if got["parent_header"].get("msg_id") != msg_id:
+            continue
+        if got["msg_type"] == "status" and got["content"]["execution_state"] == "idle":
+            return reply, seen
+        if got["msg_type"] != "status":
+            seen.append(got)
+
+
+def opened(reply, model: str) -> list[dict]:
+    """The contents of the comm_open messages of ``reply`` for widgets of the model ``model``."""
+    return [m["content"] for m in reply.messages if m["msg_type"] == "comm_open"
+            and m["content"]["data"]["state"].get("_model_name") == model]
+
+
+def test_widgets_cross_the_relay_both_ways(relay):
+    """The worker's widgets are drawn by the frontend, a moved slider reaches the worker (its
+    callback's output comes back), Output widgets capture, tqdm.auto's notebook bar works; after
+    the worker dies, one line says the widgets shown are inert."""
+    r = relay.ok("import ipywidgets as w\nslider = w.IntSlider(value=3)\n"
+                 "slider.observe(lambda change: print('slider at', change['new']), 'value')\nslider")
+    [model] = opened(r, "IntSliderModel")
+    assert model["target_name"] == "jupyter.widget" and model["data"]["state"]["value"] == 3
+    comm_id = model["comm_id"]
+    [view] = [o for o in r.outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert view["data"]["application/vnd.jupyter.widget-view+json"]["model_id"] == comm_id
+    # the user moves the slider: the frontend's comm_msg reaches the worker's widget
+    _, seen = frontend_sends(relay, "comm_msg", {"comm_id": comm_id, "data": {
+        "method": "update", "state": {"value": 7}, "buffer_paths": []}})
+    assert [m["content"]["text"] for m in seen if m["msg_type"] == "stream"] == ["slider at 7\n"]
+    assert relay.value("slider.value") == 7
+    reply, _ = frontend_sends(relay, "comm_info_request", {"target_name": "jupyter.widget"})
+    assert comm_id in reply["content"]["comms"]
+    # an Output widget: what is printed in it is sent under the id the widget captures
+    r = relay.ok("out = w.Output()\nout")
+    [output] = opened(r, "OutputModel")
+    msg_id = relay.submit("with out:\n    print('inside')")
+    r = relay.collect(msg_id)
+    captures = [m["content"]["data"]["state"]["msg_id"] for m in r.messages if m["msg_type"] == "comm_msg"
+                and m["content"]["comm_id"] == output["comm_id"] and "msg_id" in m["content"]["data"].get("state", {})]
+    assert captures[0] == msg_id and [m["parent_header"]["msg_id"] for m in r.messages
+                                      if m["msg_type"] == "stream"] == [msg_id]
+    # tqdm.auto picks its notebook bar, whose updates arrive
+    r = relay.ok("from tqdm.auto import tqdm\nfor _ in tqdm(range(5)):\n    pass")
+    bars = opened(r, "FloatProgressModel") + opened(r, "IntProgressModel")
+    assert len(bars) == 1 and bars[0]["data"]["state"]["max"] == 5
+    values = [m["content"]["data"]["state"]["value"] for m in r.messages if m["msg_type"] == "comm_msg"
+              and m["content"]["comm_id"] == bars[0]["comm_id"] and "value" in m["content"]["data"].get("state", {})]
+    assert values[-1] == 5 and "IProgress not found" not in r.stderr
+    # the worker dies: the widgets drawn answer nobody now, said once; the relay ignores them
+    kill(worker_pid(relay))
+    r = relay.ok("1")
+    assert r.stderr.count("the widgets shown before the worker kernel died are inert") == 1
+    _, seen = frontend_sends(relay, "comm_msg", {"comm_id": comm_id, "data": {
+        "method": "update", "state": {"value": 9}, "buffer_paths": []}})
+    assert seen == []
+    assert "inert" not in relay.ok("2").stderr
+
+
 def test_isolate_off_ends_the_worker_and_bad_input_is_one_line(relay):
     pid = worker_pid(relay)
     bad = relay.execute("%resilience isolate sideways")
