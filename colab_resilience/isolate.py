@@ -7,10 +7,10 @@ of the private cell magic ``%%_relay``, which sends the cell to the worker and f
 back as it comes: streams, ``display_data``/``update_display_data``/``clear_output``, the
 ``execute_result`` (shown under the notebook's own execution count), errors with the worker's
 traceback (the execute reply is an error, so queued cells stop as they would), ``input()``, and
-the stop button (SIGINT to the relay is passed on to the worker). Tab completion and Shift-Tab
-inspection are answered by the worker. Widgets cross both ways: the worker's comm messages are
-published as the notebook kernel's, and the frontend's (a slider moved, a button clicked) are
-sent on to the worker, under their own ids.
+the stop button (SIGINT to the relay is passed on to the worker). Tab completion, Shift-Tab
+inspection and a request's ``user_expressions`` are answered by the worker. Widgets cross both
+ways: the worker's comm messages are published as the notebook kernel's, and the frontend's (a
+slider moved, a button clicked) are sent on to the worker, under their own ids.
 
 When the worker dies (the OOM killer, a SIGKILL, an OOM past its retries, a planned restart) the
 relay does what the headless supervisor does, with the same code
@@ -453,6 +453,20 @@ class Relay:
 
     _result: Result | None = None
 
+    def user_expressions(self, expressions: dict) -> dict:
+        """An execute request's ``user_expressions`` (a variable inspector's), evaluated in the
+        worker, where the names are."""
+        if not expressions:
+            return {}
+        try:
+            if self.client.alive():
+                return self.client.call(user_expressions=expressions)["content"].get("user_expressions", {})
+        except (DeadKernelError, TimeoutError):
+            pass
+        gone = {"status": "error", "ename": "WorkerGone", "traceback": [],
+                "evalue": "the isolation worker kernel is dead; the next cell starts a new one"}
+        return {name: dict(gone) for name in expressions}
+
     def pass_on(self, msg: dict) -> dict | None:
         """A frontend's widget message (``comm_*``, ``comm_info_request``), for the worker, whose
         widgets they are; what it publishes in answer is forwarded. Its reply, if it has one;
@@ -522,6 +536,7 @@ def isolate(session) -> None:
     atexit.register(relay.close)  # a kernel shut down or restarted by its frontend takes its worker along
     shell.register_magic_function(relay.relay_magic, "cell", MAGIC_NAME)
     shell.input_transformers_cleanup.append(_route)
+    shell.user_expressions = relay.user_expressions
     kernel = getattr(shell, "kernel", None)
     if kernel is not None:
         _wrap_kernel(kernel, relay)
@@ -544,6 +559,7 @@ def stop(session) -> None:
     except ValueError:
         pass
     shell.magics_manager.magics["cell"].pop(MAGIC_NAME, None)
+    shell.__dict__.pop("user_expressions", None)
     kernel = getattr(shell, "kernel", None)
     if kernel is not None:
         for name in ("do_complete", "do_inspect"):
