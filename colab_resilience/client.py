@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import inspect
 import time
 from typing import Any
 
@@ -157,9 +158,21 @@ def process_exit_code(km) -> int | None:
         return None
 
 
+def blocking(method, *args, **kwargs):
+    """Call a kernel manager's ``method`` and return its result, awaited where it is a coroutine
+    (an ``AsyncKernelManager``'s; a ``KernelManager``'s returns it at once)."""
+    result = method(*args, **kwargs)
+    if inspect.isawaitable(result):
+        async def wait():
+            return await result
+
+        return run_sync(wait)()
+    return result
+
+
 def discard(km) -> None:
     """Shut down (a dead kernel: clean up) ``km``; nothing it raises matters any more."""
     try:
-        run_sync(km.shutdown_kernel)(now=True)
+        blocking(km.shutdown_kernel, now=True)
     except Exception:
         pass

@@ -38,17 +38,19 @@ from typing import Any
 
 from nbclient.exceptions import DeadKernelError
 
-from .client import api_call, expression_value, process_exit_code
+from .client import api_call, discard, expression_value, process_exit_code
 from .driver import LOAD_EXTENSION, Supervisor
 from .replay import is_replay_cell
 from .restart import SUPERVISED_ENV
 from .session import RUN_DIR_ENV
+from .standby_driver import NEW_MODULES, Standby
 
 WORKER_ENV = "COLAB_RESILIENCE_WORKER"
 WORKER_OOM_SCORE_ADJ = 500  # before the notebook's kernel (0); after a standby (1000)
 POLL = 0.05  # seconds between checks that the worker is alive while it runs a cell
 IDLE_AFTER_REPLY = 2.0  # seconds to wait for the worker's last outputs once it replied
 MAGIC_NAME = "_relay"
+MODULES = "colab_resilience_modules"  # the user expression asking for the worker's new imports
 # cells the relay runs itself: turning isolation on or off
 LOCAL = re.compile(r"\s*%resilience\s+isolate\b")
 # the frontend's widget messages, answered by the worker
@@ -67,13 +69,14 @@ class WorkerClient:
     def __init__(self, sockets: str, env: dict, cwd: str):
         self.sockets, self.env, self.cwd = sockets, env, cwd
         self.extra_arguments = [f"--IPKernelApp.exec_lines={LOAD_EXTENSION}"]
-        self.km = self._manager()
+        self.km = self.new_manager(os.path.join(self.sockets, "worker"))
         self.kc = None
         self.nb = None  # the notebook of relayed cells, set by the relay
         self.pids: list[int] = []  # every worker started, in order
         self._shadow: tuple | None = None
 
-    def _manager(self):
+    def new_manager(self, ip: str):
+        """A kernel manager for a worker (or its standby) whose sockets are under ``ip``."""
         from jupyter_client import KernelManager
         from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 
@@ -84,8 +87,7 @@ class WorkerClient:
                 return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
                                   display_name="colab_resilience worker", language="python")
 
-        return KernelManager(kernel_name=self.kernel_name, kernel_spec_manager=ThisPython(), transport="ipc",
-                             ip=os.path.join(self.sockets, "worker"))
+        return KernelManager(kernel_name=self.kernel_name, kernel_spec_manager=ThisPython(), transport="ipc", ip=ip)
 
     def start(self) -> bool:
         self.km.start_kernel(extra_arguments=list(self.extra_arguments), env=self.env, cwd=self.cwd)
@@ -111,11 +113,16 @@ class WorkerClient:
         return True
 
     def replace_kernel(self, adopted=None) -> bool:
-        """The worker restarted with its first arguments and environment (no standby here)."""
+        """A worker in place of the dead one: ``adopted`` (the standby's kernel manager) or the
+        same worker restarted with its first arguments and environment."""
         if self.kc is not None:
             self.kc.stop_channels()
             self.kc = None
-        self.km.restart_kernel(now=True)
+        if adopted is not None:
+            dead, self.km = self.km, adopted
+            discard(dead)
+        else:
+            self.km.restart_kernel(now=True)
         return self.connect()
 
     @property
@@ -174,14 +181,14 @@ class WorkerClient:
         return self._shadow[1:]
 
     def run(self, code: str, forward, *, msg_id: str | None = None, store_history: bool = True,
-            allow_stdin: bool = False, on_input=None) -> dict:
+            allow_stdin: bool = False, on_input=None, user_expressions: dict | None = None) -> dict:
         """Execute ``code`` (under the frontend's own ``msg_id`` where given, so that what keys on
         it, an Output widget's capture, finds the outputs); ``forward(msg)`` for each of its iopub
         messages as it arrives; ``on_input(prompt, password)`` answers ``input()``. The
         ``execute_reply`` once the worker is idle again; ``DeadKernelError`` when it died; a
         KeyboardInterrupt while waiting interrupts the worker and waits on."""
         msg = self.kc.session.msg("execute_request", {
-            "code": code, "silent": False, "store_history": store_history, "user_expressions": {},
+            "code": code, "silent": False, "store_history": store_history, "user_expressions": user_expressions or {},
             "allow_stdin": allow_stdin, "stop_on_error": False})
         if msg_id:
             msg["header"]["msg_id"] = msg["msg_id"] = msg_id
@@ -311,7 +318,10 @@ class Relay:
         env = {**os.environ, SUPERVISED_ENV: "1", WORKER_ENV: "1", RUN_DIR_ENV: str(session.root())}
         self.client = WorkerClient(self.sockets, env, os.getcwd())
         self.client.nb = nbformat.v4.new_notebook()
-        self.supervisor = Supervisor(self.client, session.root(), session.settings.max_restarts)
+        # a second worker, started ahead of need and warmed with the worker's imports: a restart
+        # skips the kernel start and the imports (the driver's standby, the same code)
+        spare = Standby(self.client, self.sockets, env, os.getcwd()) if session.settings.standby else None
+        self.supervisor = Supervisor(self.client, session.root(), session.settings.max_restarts, spare=spare)
         # the run directory may be shared with other notebooks: only this relay's runs come back
         self.supervisor.kernels = self.client.pids
         self.comms: set[str] = set()  # the widgets' comms open with the worker
@@ -329,11 +339,15 @@ class Relay:
             from .errors import OptionError
 
             raise OptionError("%resilience isolate: the worker kernel died while starting; see the log of this kernel")
+        if self.supervisor.spare is not None:
+            self.supervisor.spare.spawn()
         self.session.say(f"colab_resilience: isolation on: cells run in worker kernel PID {self.client.pid} "
                          f"(started in {time.perf_counter() - started:.1f} s); this kernel only relays, "
                          "and when the worker dies the cell goes on in a new one; %resilience isolate off ends it")
 
     def close(self) -> None:
+        if self.supervisor.spare is not None:
+            self.supervisor.spare.shutdown()
         self.client.shutdown()
         shutil.rmtree(self.sockets, ignore_errors=True)
 
@@ -346,8 +360,11 @@ class Relay:
         except (OSError, ValueError, IndexError, TypeError):
             pass
         state = "running" if self.client.alive() else "dead (the next cell starts a new one)"
+        spare = self.supervisor.spare
+        standby = getattr(getattr(getattr(spare, "km", None), "provisioner", None), "process", None)
+        standby = f"standby PID {standby.pid}" if standby is not None else "no standby"
         last = f" (last: {self.restarts[-1].reason})" if self.restarts else ""
-        return (f"colab_resilience: isolation on: worker kernel PID {pid}, {state}, resident memory {memory}, "
+        return (f"colab_resilience: isolation on: worker kernel PID {pid}, {state}, resident memory {memory}, {standby}, "
                 f"{len(self.restarts)} restart{'s' if len(self.restarts) != 1 else ''}{last}; "
                 f"{len(self.supervisor.replay_done)} set-up cell{'s' if len(self.supervisor.replay_done) != 1 else ''} to replay")
 
@@ -371,7 +388,7 @@ class Relay:
                 self._sync_count()
                 self._result = None  # an attempt the worker died in shows no result
                 reply = self.client.run(source, self.forward, msg_id=self._parent_id(), allow_stdin=self._allow_stdin(),
-                                        on_input=self._input)
+                                        on_input=self._input, user_expressions=self._asks())
                 break
             except DeadKernelError:
                 sys.stdout.flush()
@@ -379,6 +396,8 @@ class Relay:
                 seen = len(self.restarts)
         supervisor.budgets.recovering = None
         content = reply["content"]
+        if supervisor.spare is not None:  # the standby imports what the cell imported
+            supervisor.spare.learned(expression_value(reply, MODULES))
         if isinstance(content.get("execution_count"), int):
             self.worker_count = content["execution_count"] + 1
         sys.stdout.flush()
@@ -408,6 +427,10 @@ class Relay:
         if self.worker_count != want:
             self.client.call(f"get_ipython().execution_count = {int(want)}")
             self.worker_count = want
+
+    def _asks(self) -> dict:
+        """What the relay asks the worker with each cell, so that it costs no round trip more."""
+        return {MODULES: NEW_MODULES} if self.supervisor.spare is not None else {}
 
     def _parent_id(self) -> str | None:
         """The id of the frontend's request this kernel is answering (its execute_request)."""

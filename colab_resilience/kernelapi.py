@@ -63,10 +63,12 @@ def become_standby(whole: bool = False) -> None:
 
 
 def become_worker(oom_score_adj: int) -> None:
-    """(In an isolation worker.) Volunteer for the OOM killer before the notebook's kernel."""
+    """(In an isolation worker.) Volunteer for the OOM killer before the notebook's kernel; a
+    standby about to be adopted takes that score when it is (it keeps the standby's till then)."""
     from . import priority
 
-    priority.set_oom_score_adj(oom_score_adj)
+    if not standby.keep_for_adoption(oom_score_adj):
+        priority.set_oom_score_adj(oom_score_adj)
 
 
 def preload(names: list[str]) -> None:

@@ -127,6 +127,10 @@ class ResilienceMagics(Magics):
         "training goes on: a share of the memory available at each safe point (25%), a size "
         "(2GiB), or off (every save written while training waits)."
     ).tag(config=True)
+    standby = Bool(
+        True, help="Under %resilience isolate: keep a second worker kernel started and warmed with the "
+        "worker's imports, so that a restart skips the kernel start and the imports (one more process)."
+    ).tag(config=True)
     when_busy = Enum(
         ["wait", "skip"], "wait", help="A safe point that comes while the previous checkpoint is "
         "still being written: wait for it, or skip this save."

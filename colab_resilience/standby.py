@@ -125,6 +125,16 @@ def _import_forever(q: queue.SimpleQueue) -> None:
                 pass
 
 
+def keep_for_adoption(oom_score_adj: int) -> bool:
+    """(In a standby.) The OOM score to take when adopted, instead of the one it had before; False
+    when this kernel is no standby (any more)."""
+    global _saved_adj
+    if _worker is None or _stop.is_set():
+        return False
+    _saved_adj = oom_score_adj
+    return True
+
+
 def adopt(nice: int | None = None) -> None:
     """(In the standby that replaces a dead kernel.) Be an ordinary kernel again: the OOM score
     it had, the priority ``nice`` where allowed, the scheduling group's nice value 0 (what the

@@ -19,7 +19,10 @@ from jupyter_core.utils import run_sync
 from nbclient.exceptions import DeadKernelError
 
 from . import priority, standby
-from .client import api_call, discard
+from .client import api_call, blocking, discard
+
+# what a working kernel is asked after each cell: the modules it imported since the last time
+NEW_MODULES = api_call("new_modules")
 
 
 class Standby:
@@ -35,11 +38,13 @@ class Standby:
     def spawn(self) -> None:
         self.shutdown()
         self.started += 1
-        km = AsyncKernelManager(kernel_name=self.client.kernel_name, transport="ipc",
-                                ip=os.path.join(self.sockets, f"standby-{self.started}"))
+        ip = os.path.join(self.sockets, f"standby-{self.started}")
+        new_manager = getattr(self.client, "new_manager", None)  # the isolation worker's: its own kernelspec
+        km = new_manager(ip) if new_manager else AsyncKernelManager(
+            kernel_name=self.client.kernel_name, transport="ipc", ip=ip)
         try:
-            run_sync(km.start_kernel)(extra_arguments=list(self.client.extra_arguments),
-                                      env={**self.env, standby.ENV: "1"}, cwd=self.cwd)
+            blocking(km.start_kernel, extra_arguments=list(self.client.extra_arguments),
+                     env={**self.env, standby.ENV: "1"}, cwd=self.cwd)
         except Exception:  # no standby: the next restart is a cold one, as without it
             return
         self.km, self.kc = km, km.client()
@@ -55,6 +60,10 @@ class Standby:
             self._send(api_call("preload", list(self.modules)))
 
     def _send(self, code: str) -> None:
+        if not isinstance(self.km, AsyncKernelManager):  # the isolation relay's blocking client
+            self.kc.execute(code, silent=True, store_history=False, allow_stdin=False)
+            return
+
         async def send() -> None:  # the client's sockets belong to the driver's event loop
             self.kc.execute(code, silent=True, store_history=False, allow_stdin=False)
 
@@ -65,8 +74,15 @@ class Standby:
         if self.km is None:
             return
         try:
-            names = self.client.evaluate(api_call("new_modules"), timeout=30)
+            names = self.client.evaluate(NEW_MODULES, timeout=30)
         except (DeadKernelError, TimeoutError):  # the next cell finds out
+            return
+        self.learned(names)
+
+    def learned(self, names) -> None:
+        """The working kernel's answer to :data:`NEW_MODULES` (asked with a cell, by the relay):
+        the standby imports those it has not yet."""
+        if self.km is None:
             return
         fresh = [n for n in names.split() if n not in self.modules] if isinstance(names, str) else []
         self.modules.update(dict.fromkeys(fresh))
@@ -81,7 +97,7 @@ class Standby:
             return None
         kc.stop_channels()
         try:
-            alive = run_sync(km.is_alive)()
+            alive = blocking(km.is_alive)
         except Exception:
             alive = False
         if not alive:

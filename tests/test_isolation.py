@@ -81,18 +81,44 @@ def running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("fault, code", [("sigkill", -9), ("oom", 75)])
-def test_a_worker_death_mid_training_is_recovered_within_the_same_execution(relay, tmp_path, reference, fault, code):
-    """A SIGKILL, or a real OOM past the retries (the worker asks for its restart), in epoch 2:
-    the training cell's one execution replies ok, its output says what happened, the finished
-    epochs are not trained again and the result is the uninterrupted one, bit for bit."""
+def standby_pid(k: Kernel) -> int | None:
+    """The standby worker's PID, from ``%resilience status``."""
+    line = k.ok("%resilience status").stdout
+    return int(line.split("standby PID ")[1].split(",")[0]) if "standby PID " in line else None
+
+
+def oom_score_adj(pid: int, want: int | None = None) -> int:
+    """Process ``pid``'s OOM score adjustment; with ``want``, once it is that or after 30 s (a
+    standby sets its own once it has started)."""
+    deadline = time.monotonic() + 30
+    while True:
+        with open(f"/proc/{pid}/oom_score_adj") as f:
+            got = int(f.read())
+        if want is None or got == want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("fault, code, standby", [("sigkill", -9, True), ("oom", 75, False)])
+def test_a_worker_death_mid_training_is_recovered_within_the_same_execution(relay, tmp_path, reference, fault,
+                                                                            code, standby):
+    """A SIGKILL (the standby takes over), or a real OOM past the retries (the worker asks for
+    its restart; no standby: a cold one), in epoch 2: the training cell's one execution replies
+    ok, its output says what happened, the finished epochs are not trained again and the result
+    is the uninterrupted one, bit for bit."""
     nb = load("train.ipynb", tmp_path, fault=fault, fault_epoch=2, staging="off", retries=0)
-    first = worker_pid(relay)
+    if not standby:
+        relay.ok("%resilience isolate off")
+        relay.ok("%config ResilienceMagics.standby = False")
+        relay.ok("%resilience isolate")
+    first, spare = worker_pid(relay), standby_pid(relay)
+    assert (spare is not None) == standby
     replies = run_interactive(relay, nb, start="parameters")
     train = replies["train"]
     assert train.status == "ok"
     why = "killed by SIGKILL" if fault == "sigkill" else "the kernel restarted itself (OOM"
-    assert why in train.stderr and "restarted it, replayed 3 cells and resumed at iteration 2" in train.stderr
+    how = "switched to the standby kernel" if standby else "restarted it"
+    assert why in train.stderr and f"{how}, replayed 3 cells and resumed at iteration 2" in train.stderr
     assert train.stderr.count("colab_resilience: the kernel") == 1
     assert "continuing at 2" in train.stdout
     assert result(replies["result"].stdout) == reference.result
@@ -103,20 +129,22 @@ def test_a_worker_death_mid_training_is_recovered_within_the_same_execution(rela
     assert f"worker kernel PID {second}, running" in status and "1 restart (last: " in status
     assert running(relay.pid) and not holds_torch(relay.pid)  # the notebook's kernel lived on, torch-free
     assert holds_torch(second)
+    if standby:  # the standby became the worker, with a worker's OOM score; a new standby warms up
+        assert second == spare and oom_score_adj(second) == 500
+        new_spare = standby_pid(relay)
+        assert new_spare not in (None, first, second) and oom_score_adj(new_spare, 1000) == 1000
     if fault == "oom":
         assert f"exit code {code}" not in train.stderr  # it asked: said as such, not as a crash
 
 
 def test_the_worker_is_the_oom_killers_choice_and_a_death_between_cells_is_recovered(relay):
-    pid = worker_pid(relay)
-    with open(f"/proc/{pid}/oom_score_adj") as f:
-        assert int(f.read()) == 500
-    with open(f"/proc/{relay.pid}/oom_score_adj") as f:
-        assert int(f.read()) <= 0
+    """The OOM killer's order: the standby (1000), the worker (500), never the notebook's kernel."""
+    pid, spare = worker_pid(relay), standby_pid(relay)
+    assert (oom_score_adj(spare, 1000), oom_score_adj(pid)) == (1000, 500) and oom_score_adj(relay.pid) <= 0
     relay.ok("%%replay\nbase = 41")
     kill(pid)
     r = relay.ok("print(base + 1)\nget_ipython().execution_count")
-    assert "colab_resilience: the kernel died (killed by SIGKILL); restarted it, replayed 1 cell" in r.stderr
+    assert "colab_resilience: the kernel died (killed by SIGKILL); switched to the standby kernel, replayed 1 cell" in r.stderr
     assert r.stdout == "42\n"
     count = r.outputs[-1]["execution_count"]  # the new worker numbers the cell as the notebook does
     assert int(r.outputs[-1]["data"]["text/plain"]) in (count, count + 1)  # IPython 9 counts on first
