@@ -15,9 +15,10 @@ slider moved, a button clicked) are sent on to the worker, under their own ids.
 When the worker dies (the OOM killer, a SIGKILL, an OOM past its retries, a planned restart) the
 relay does what the headless supervisor does, with the same code
 (:meth:`colab_resilience.driver.Supervisor.recover`): it counts the death against its budget,
-starts a new worker, replays the ``%%replay`` cells run so far, puts back the state of finished
-runs and runs the interrupted cell again, which resumes from its last safe point. A one-line
-marker in the cell's output says what happened.
+brings in the standby worker (the driver's :class:`~colab_resilience.standby_driver.Standby`,
+warmed with the worker's imports) or starts a new worker, replays the ``%%replay`` cells run so
+far, puts back the state of finished runs and runs the interrupted cell again, which resumes from
+its last safe point. A one-line marker in the cell's output says what happened.
 
 The relay imports neither torch nor any framework and holds no GPU memory; the worker is started
 with ``oom_score_adj`` :data:`WORKER_OOM_SCORE_ADJ`, so that when host RAM runs out the OOM killer

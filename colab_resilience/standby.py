@@ -64,9 +64,16 @@ def _roots() -> tuple[str, ...]:
     return tuple(roots)
 
 
+_seen_count = -1  # len(sys.modules) at the last new_modules()
+
+
 def new_modules() -> list[str]:
     """(In the working kernel.) The installed modules imported since the last call, in the order
     they were imported; the first call lists every one."""
+    global _seen_count
+    if len(sys.modules) == _seen_count:  # nothing imported since (asked after every cell: be quick)
+        return []
+    _seen_count = len(sys.modules)
     roots = _roots()
     out = []
     for name, module in list(sys.modules.items()):
