@@ -53,6 +53,12 @@ class SupervisedClient(NotebookClient):
                     self.task_poll_for_reply.cancel()
                 return
 
+    def new_manager(self, ip: str):
+        """A kernel manager for another kernel of this notebook (the standby), sockets under ``ip``."""
+        from jupyter_client import AsyncKernelManager
+
+        return AsyncKernelManager(kernel_name=self.kernel_name, transport="ipc", ip=ip)
+
     def connect(self) -> bool:
         """Connect to the kernel the manager just started; False if it died first.
 

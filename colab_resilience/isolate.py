@@ -347,9 +347,7 @@ class Relay:
                          "and when the worker dies the cell goes on in a new one; %resilience isolate off ends it")
 
     def close(self) -> None:
-        if self.supervisor.spare is not None:
-            self.supervisor.spare.shutdown()
-        self.client.shutdown()
+        self.supervisor.close()  # the standby, then the worker
         shutil.rmtree(self.sockets, ignore_errors=True)
 
     def status_line(self) -> str:
@@ -361,9 +359,8 @@ class Relay:
         except (OSError, ValueError, IndexError, TypeError):
             pass
         state = "running" if self.client.alive() else "dead (the next cell starts a new one)"
-        spare = self.supervisor.spare
-        standby = getattr(getattr(getattr(spare, "km", None), "provisioner", None), "process", None)
-        standby = f"standby PID {standby.pid}" if standby is not None else "no standby"
+        spare = self.supervisor.spare.pid if self.supervisor.spare is not None else None
+        standby = f"standby PID {spare}" if spare is not None else "no standby"
         last = f" (last: {self.restarts[-1].reason})" if self.restarts else ""
         return (f"colab_resilience: isolation on: worker kernel PID {pid}, {state}, resident memory {memory}, {standby}, "
                 f"{len(self.restarts)} restart{'s' if len(self.restarts) != 1 else ''}{last}; "

@@ -38,10 +38,7 @@ class Standby:
     def spawn(self) -> None:
         self.shutdown()
         self.started += 1
-        ip = os.path.join(self.sockets, f"standby-{self.started}")
-        new_manager = getattr(self.client, "new_manager", None)  # the isolation worker's: its own kernelspec
-        km = new_manager(ip) if new_manager else AsyncKernelManager(
-            kernel_name=self.client.kernel_name, transport="ipc", ip=ip)
+        km = self.client.new_manager(os.path.join(self.sockets, f"standby-{self.started}"))
         try:
             blocking(km.start_kernel, extra_arguments=list(self.client.extra_arguments),
                      env={**self.env, standby.ENV: "1"}, cwd=self.cwd)
@@ -88,6 +85,12 @@ class Standby:
         self.modules.update(dict.fromkeys(fresh))
         if fresh:
             self._send(api_call("preload", fresh))
+
+    @property
+    def pid(self) -> int | None:
+        """The standby's process, if one was started."""
+        process = getattr(getattr(self.km, "provisioner", None), "process", None)
+        return process.pid if process is not None else None
 
     def take(self):
         """The standby's kernel manager, for the driver to adopt; None when none is alive."""
