@@ -265,6 +265,12 @@ class Run:
             return None
         carried.apply(ns, restored, _meta(ckpt).get("carried", {}))
         self.resuming = False
+        if self._names_at_checkpoint is None:
+            # a kernel that resumed has taken no checkpoint of its own yet: the names bound now are
+            # those of the safe point a retry goes back to, so that a failed attempt's batch is
+            # unbound before the retry here too (else it holds its memory, and the retry, with
+            # less room than in the kernel before, shrinks further)
+            self._names_at_checkpoint = set(ns)
         if self.after_restart:
             self.after_restart = False
             j = self.journal

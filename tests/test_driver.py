@@ -123,6 +123,46 @@ def test_real_oom_beyond_retries_restarts_and_resumes(tmp_path, reference):
     assert result(nb) == reference.result
 
 
+def test_a_kernel_that_resumed_unbinds_the_failed_attempts_batch_before_its_retry(tmp_path):
+    """After a SIGKILL, the new kernel resumes at epoch 1 and runs really out of memory there
+    before it took a checkpoint of its own. Its retry must go back with the failed attempt's
+    512 MiB batch unbound, as the first kernel's would: the retry at half the batch then fits in
+    one go. It used to keep it bound (the names of the safe point were known only to the kernel
+    that saved it): the retry failed too, with less room than the first kernel would have had,
+    and the run went on with a batch the uninterrupted run never shrank to."""
+    marker = tmp_path / "killed-once"
+    nb = notebook(
+        "%%replay\nimport os, resource, signal, torch\n"
+        "with open('/proc/self/status') as f:  # a real OOM: at most 768 MiB more may be allocated\n"
+        "    data = next(int(l.split()[1]) * 1024 for l in f if l.startswith('VmData:'))\n"
+        "resource.setrlimit(resource.RLIMIT_DATA, (data + (768 << 20), resource.getrlimit(resource.RLIMIT_DATA)[1]))",
+        "batch_size = 4096\n%config ResilienceMagics.staging_memory = 'off'",
+        "%%resilient --retries 1 --shrink batch_size --save seen\n"
+        "seen = []\n"
+        "for epoch in resume_range(2):\n"
+        f"    if epoch == 1 and not os.path.exists({str(marker)!r}):\n"
+        f"        open({str(marker)!r}, 'w').close()\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    x = torch.ones(batch_size * (1 + epoch), 16384)  # epoch 1: 512 MiB, bound to a global\n"
+        "    y = x * 2                                       # and 512 MiB more: does not fit\n"
+        "    total = float(y[0].sum())\n"
+        "    del x, y\n"
+        "    seen.append((epoch, batch_size))",
+        "print('RESULT', seen, total)",
+        tags={1: ["parameters"]},
+    )
+    outcome = run(nb, tmp_path)
+    assert outcome.status == 0, outcome.message
+    out = nbformat.read(tmp_path / "out.ipynb", 4)
+    assert [r.exit_code for r in outcome.restarts] == [-9], cell_text(out.cells[2])  # the kill only
+    text = cell_text(out.cells[2])
+    ooms = [line for line in text.splitlines() if "; retry " in line]
+    assert len(ooms) == 1 and re.search(r"unbound (epoch, )?x \(new since the last safe point\)", ooms[0]), text
+    assert "batch_size 4096 → 2048; retry 1/1" in ooms[0]
+    assert "continuing at 1 with batch_size 2048 (what ran before it ran with batch_size 4096)" in text
+    assert cell_text(out.cells[3]).strip() == "RESULT [(0, 4096), (1, 2048)] 32768.0"
+
+
 def test_restart_budget_spent_exits_3_and_later_cells_do_not_run(tmp_path):
     """A cell that dies in every kernel stops at its run's --max-restarts (below the driver's own
     budget): exit status 3, the run's report, and the cells after it never run. The driver counts
