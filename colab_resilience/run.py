@@ -162,6 +162,7 @@ class Run:
         self._names_at_checkpoint: set[str] | None = None  # the namespace's names then
         self._said: set = set()  # names already reported as missing
         self._said_retry_unsaved = False  # said that a retry without --save may not be exact
+        self._shrunk: dict[str, int] = {}  # --shrink values before the retry that shrank them
         self._last_save = 0.0
         self._replayed, self._replay_seconds = 0, 0.0
         self._resume_note: str | None = None  # said where the run goes on after a restart
@@ -314,10 +315,15 @@ class Run:
         ckpt.restore(ns, [], rng=True)
         note = self._take_note()
         finished = at_text.endswith("the end")
+        shrunk, self._shrunk = self._shrunk, {}
         if note:
             self.say(f"{note}; " + ("the loop had finished" if finished else f"continuing at {at_text}"))
         elif plan.position != [(0, 0)]:
-            self.say(f"colab_resilience: rolled back to the last safe point; continuing at {at_text}")
+            mixed = ""
+            if shrunk:  # what ran before the safe point ran with the old values: say it, it is the result
+                mixed = " with " + ", ".join(f"{n} {ns.get(n)}" for n in shrunk) + " (what ran before it ran with " \
+                    + ", ".join(f"{n} {old}" for n, old in shrunk.items()) + ")"
+            self.say(f"colab_resilience: rolled back to the last safe point; continuing at {at_text}{mixed}")
 
     def _take_note(self) -> str | None:
         note, self._resume_note = self._resume_note, None
@@ -465,7 +471,12 @@ class Run:
 
     def record_shrink(self, values: Mapping[str, object]) -> None:
         with self.journal_lock:
-            self.journal.shrink.update(_integers(values, values))
+            new = _integers(values, values)
+            for name, value in new.items():
+                old = self.journal.shrink.get(name)
+                if old is not None and old != value:
+                    self._shrunk.setdefault(name, old)
+            self.journal.shrink.update(new)
             self.journal.save()
 
     def leave(self, reason: str, *, planned: bool = False) -> str:
