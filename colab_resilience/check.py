@@ -15,21 +15,28 @@ the ``--save`` ones) the same bit for bit, by a digest of the bytes a checkpoint
 (:func:`colab_resilience.kernelapi.state_digest`); a name missing after a resume (a loop
 variable, a plain cell's variable after a restart between cells) is no silent difference: reading
 it fails. A name that already differed between the two kernels before the first ``%%resilient``
-cell (a memory size, a time) and that the training did not change is not compared, and said so.
+cell (a memory size, a time) and that the training did not change is not compared, and said so;
+so is a plain value that only set-up cells assign, read again in the kernel that took over.
 Every cell's printed output must be the same
 (where a cell was interrupted, every part it printed between two recoveries must be a part of
 the uninterrupted output, and the last part its end). What differs is named, with the fault that
 exposed it. ``seed`` makes the choice of faults repeatable.
 
-What it cannot see: side effects outside the kernel (files the notebook writes, a remote
+The runs run in the notebook's folder, as the notebook would. The check writes nothing there,
+but one line names what the runs wrote there (:class:`Folder`): each run after the first finds
+what the earlier ones left (a marker file would keep a later run from its own fault).
+
+What it cannot see: other side effects outside the kernel (files written elsewhere, a remote
 service), and output that differs from run to run anyway (times, progress bars).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -74,6 +81,49 @@ class Fault:
         }[self.kind]
 
 
+class Folder:
+    """The notebook's folder across the check's runs, which all run in it as the notebook would:
+    its top-level entries when the check began, and which of them a run created or changed. The
+    check writes nothing there; it says what the runs wrote, since each later run found it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.found = self._entries()
+        self.written: list[str] = []  # created or changed by a run, in the order first seen
+
+    def _entries(self) -> dict[str, tuple]:
+        try:
+            with os.scandir(self.path) as it:
+                return {e.name: _stat_key(e) for e in it}
+        except OSError:
+            return {}
+
+    def after_run(self) -> None:
+        for name, key in self._entries().items():
+            if self.found.get(name) != key and name not in self.written:
+                self.written.append(name)
+
+    def note(self) -> str | None:
+        if not self.written:
+            return None
+        return (f"colab-resilience check: the runs wrote {_names(sorted(self.written))} in {self.path}: each run after "
+                "the first found what the earlier ones had left there, which can change what it does (a marker "
+                "file, a log it reads); where that matters, give each run its own place through a parameter")
+
+
+def _stat_key(entry: os.DirEntry) -> tuple:
+    try:
+        st = entry.stat(follow_symlinks=False)
+    except OSError:
+        return ()
+    return (st.st_mode, st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def _names(names: list[str], most: int = 5) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 @dataclass
 class Outcome:
     """One run of the notebook: how it ended, its variables' digests, its cells' printed lines."""
@@ -82,6 +132,7 @@ class Outcome:
     digests: dict[str, list]
     outputs: dict[int, list[str]]
     before: dict[str, list] = field(default_factory=dict)  # the digests just before the training
+    set_up: frozenset[str] = frozenset()  # the names only set-up cells bind (see set_up_names)
 
 
 @dataclass
@@ -173,7 +224,7 @@ def _digests(cell, mark: str) -> dict[str, list]:
     return {}
 
 
-def _outcome(result: RunResult) -> Outcome:
+def _outcome(result: RunResult, set_up: frozenset[str] = frozenset()) -> Outcome:
     """The digests and the printed lines of a run; cells are numbered as in the user's notebook
     (the two cells check adds are left out)."""
     cells = result.notebook.cells
@@ -182,7 +233,7 @@ def _outcome(result: RunResult) -> Outcome:
     by_role = {c["metadata"][MARK]: c for c in ours}
     outputs = {i: _lines(c) for i, c in enumerate(mine) if c.get("cell_type") == "code"}
     return Outcome(result, _digests(by_role.get("after", {}), MARK), outputs,
-                   _digests(by_role.get("before", {}), BEFORE))
+                   _digests(by_role.get("before", {}), BEFORE), set_up)
 
 
 def _add_check_cells(nb) -> None:
@@ -232,7 +283,7 @@ def compare(reference: Outcome, faulted: Outcome) -> list[str]:
             continue  # missing after a resume (a loop variable, a plain cell's name): reading it fails loudly
         if a is None:
             found.append(f"{name} exists only in the faulted run")
-        elif a[0] != b[0] and not _set_before_training(name, reference, faulted):
+        elif a[0] != b[0] and _why_not_compared(name, reference, faulted) is None:
             values = f" (uninterrupted {a[1]}, faulted {b[1]})" if a[1] is not None and b[1] is not None else ""
             found.append(f"{name} differs{values}")
     for index, lines in reference.outputs.items():
@@ -241,19 +292,66 @@ def compare(reference: Outcome, faulted: Outcome) -> list[str]:
     return found
 
 
-def _set_before_training(name: str, reference: Outcome, faulted: Outcome) -> bool:
-    """Whether ``name`` already differed between the two kernels before the training began (the
-    memory size or the time a set-up cell read) and the training left it as it was in both: no
-    fault can have caused that difference."""
+BEFORE_TRAINING = "set before the training, different in each kernel before any fault, and not changed by the training"
+RECOMPUTED = ("a plain value only set-up cells set, which the kernel that took over ran again and which read "
+              "something else there (a memory size, a time)")
+
+
+def _why_not_compared(name: str, reference: Outcome, faulted: Outcome) -> str | None:
+    """Why a difference in ``name`` cannot have been caused by a fault, or None. Either it
+    already differed between the two kernels before the training began (the memory size or the
+    time a set-up cell read) and the training left it as it was in both; or it is a plain
+    value (a number, a string: only an assignment changes it), only set-up cells assign it, and
+    a kernel was restarted: its value is what the replayed set-up cell computed in the new kernel."""
     a0, b0 = reference.before.get(name), faulted.before.get(name)
     a, b = reference.digests.get(name), faulted.digests.get(name)
-    return a0 is not None and b0 is not None and a0[0] != b0[0] and a == a0 and b == b0
+    if a0 is not None and b0 is not None and a0[0] != b0[0] and a == a0 and b == b0:
+        return BEFORE_TRAINING
+    if (name in reference.set_up and a is not None and b is not None and a[1] is not None and b[1] is not None
+            and (reference.result.restarts or faulted.result.restarts)):
+        return RECOMPUTED
+    return None
 
 
-def not_compared(reference: Outcome, faulted: Outcome) -> list[str]:
-    """The names :func:`compare` left out because they differed before the training."""
-    return sorted(n for n in set(reference.digests) & set(faulted.digests)
-                  if reference.digests[n][0] != faulted.digests[n][0] and _set_before_training(n, reference, faulted))
+def not_compared(reference: Outcome, faulted: Outcome) -> dict[str, list[str]]:
+    """The names :func:`compare` left out, by why."""
+    out: dict[str, list[str]] = {}
+    for n in sorted(set(reference.digests) & set(faulted.digests)):
+        why = reference.digests[n][0] != faulted.digests[n][0] and _why_not_compared(n, reference, faulted)
+        if why:
+            out.setdefault(why, []).append(n)
+    return out
+
+
+def set_up_names(nb) -> frozenset[str]:
+    """The names that only the cells before the first ``%%resilient`` cell bind (by their code:
+    assignments, definitions, imports) and that no ``%%resilient`` option names (a ``--shrink``
+    variable changes without an assignment); empty when a later cell cannot be read."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    from .lint import bound_names
+
+    transform = TransformerManager().transform_cell
+    before: set[str] = set()
+    after: set[str] = set()
+    training = False
+    for cell in nb.cells:
+        if cell.get("cell_type") != "code" or cell.get("metadata", {}).get(MARK):
+            continue
+        source = "".join(cell.get("source", ""))
+        training = training or source.lstrip().startswith("%%resilient")
+        if source.lstrip().startswith("%%"):  # a cell magic (%%replay, %%resilient): its body is the code
+            header, _, source = source.lstrip().partition("\n")
+            if training:  # --shrink and --save names change without an assignment
+                after.update(re.findall(r"[A-Za-z_]\w*", header))
+        try:
+            tree = ast.parse(transform(source))
+        except SyntaxError:
+            if training:
+                return frozenset()
+            continue
+        (after if training else before).update(bound_names(tree))
+    return frozenset(before - after)
 
 
 def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | None = None, faults: int = 3,
@@ -271,16 +369,20 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
     work = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="colab-resilience-check-"))
     work.mkdir(parents=True, exist_ok=True)
     cwd = str(folder or os.getcwd())
+    place = Folder(Path(cwd))
 
     def run(name: str, env: dict) -> RunResult:
-        return run_notebook(nbformat.from_dict(json.loads(json.dumps(nb))), work / f"{name}.ipynb", cwd=cwd,
-                            run_dir=work / f"runs-{name}", kernel_name=kernel_name, cell_timeout=cell_timeout,
-                            env=env, standby=standby)
+        try:
+            return run_notebook(nbformat.from_dict(json.loads(json.dumps(nb))), work / f"{name}.ipynb", cwd=cwd,
+                                run_dir=work / f"runs-{name}", kernel_name=kernel_name,
+                                cell_timeout=cell_timeout, env=env, standby=standby)
+        finally:
+            place.after_run()
 
     try:
         timeline_file = work / "timeline"
         started = time.perf_counter()
-        reference = _outcome(run("uninterrupted", {fault_env.TIMELINE_ENV: str(timeline_file)}))
+        reference = _outcome(run("uninterrupted", {fault_env.TIMELINE_ENV: str(timeline_file)}), set_up_names(nb))
         seconds = time.perf_counter() - started
         timeline = _read_timeline(timeline_file)
         report = CheckReport(str(notebook), max((n for n, *_ in timeline), default=0), seconds)
@@ -312,12 +414,12 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
                 verdict = "the fault never fired (the run went another way), so this run proves nothing: " + verdict
             log(f"  fault {i}/{faults}: {fault.describe(report.safe_points)}: {verdict} "
                 f"({result.restarts} kernel restart{'s' if result.restarts != 1 else ''}, {result.seconds:.1f} s)")
-            skipped = not_compared(reference, outcome)
-            if skipped:
-                log(f"    not compared: {', '.join(skipped)} (set before the training, different in each kernel "
-                    "before any fault, and not changed by the training)")
+            for why, names in not_compared(reference, outcome).items():
+                log(f"    not compared: {', '.join(names)} ({why})")
         return report
     finally:
+        if place.note():
+            log(place.note())
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
 

@@ -6,8 +6,10 @@ of one, and out-of-memory errors raised in the main thread while it runs a %%res
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -61,6 +63,35 @@ def test_the_shipped_quickstart_passes_and_says_what_it_did_not_compare():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "an out-of-memory error" in r.stdout and "vm differs" not in r.stdout
     assert "not compared: vm (set before the training" in r.stdout
+
+
+def test_the_demo_passes_though_it_really_runs_out_of_memory_and_writes_in_its_folder(tmp_path):
+    """The demo notebook caps its kernel's memory (a real OOM: --shrink halves the batch until it
+    fits), kills itself once in epoch 2 (a marker file in its folder says it did) and logs epochs
+    to a file there. The cap is a %%replay cell: a kernel that takes over after the fault has it
+    too (when it was not replayed, a kill before the first OOM let the new kernel train at 8192:
+    "batch_size differs"); a kernel that took over unbinds a failed attempt's batch before its
+    retry (it kept it: the retry shrank to 1024). The set-up cell's `data` (a memory size) is read
+    again in each new kernel: not compared, and said so. The check writes nothing in the
+    notebook's folder, and names what the runs wrote there."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "demo.ipynb").write_bytes((Path(harness.REPO) / "notebooks" / "demo.ipynb").read_bytes())
+    (folder / "epochs.log").write_text("from before\n")
+    r = check(str(folder / "demo.ipynb"), "--faults", "2", "--seed", "2", "--kernel", harness.KERNEL_NAME,
+              "--keep", str(tmp_path / "kept"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"fault 1/2: SIGKILL [0-9.]+ s after safe point 1 of 3: identical \(", r.stdout), r.stdout
+    assert "an out-of-memory error" in r.stdout
+    assert "not compared: data (a plain value only set-up cells set, which the kernel that took over ran " \
+           "again" in r.stdout
+    assert (f"colab-resilience check: the runs wrote epochs.log, killed-once in {folder}: each run after the first "
+            "found what the earlier ones had left there") in r.stdout, r.stdout
+    assert sorted(p.name for p in folder.iterdir()) == ["demo.ipynb", "epochs.log", "killed-once"]
+    uninterrupted = nbformat.read(tmp_path / "kept" / "uninterrupted.ipynb", 4)
+    printed = "".join(o.get("text", "") for c in uninterrupted.cells for o in c.get("outputs", []))
+    assert "batch_size 8192 → 4096" in printed and "batch_size 4096 → 2048" in printed  # a real OOM, twice
+    assert '"batch_size": 2048' in printed
 
 
 def test_a_notebook_that_fails_without_faults_is_exit_3_and_usage_errors_exit_2(tmp_path):
