@@ -236,13 +236,18 @@ def _outcome(result: RunResult, set_up: frozenset[str] = frozenset()) -> Outcome
                    _digests(by_role.get("before", {}), BEFORE), set_up)
 
 
+def _first_resilient(nb) -> int | None:
+    """The index of the notebook's first ``%%resilient`` cell (None without one)."""
+    return next((i for i, c in enumerate(nb.cells) if c.get("cell_type") == "code"
+                 and "".join(c.get("source", "")).lstrip().startswith("%%resilient")), None)
+
+
 def _add_check_cells(nb) -> None:
     """A cell that prints every variable's digest at the end, and one just before the first
     ``%%resilient`` cell (what the training starts from)."""
     import nbformat
 
-    first = next((i for i, c in enumerate(nb.cells) if c.get("cell_type") == "code"
-                  and "".join(c.get("source", "")).lstrip().startswith("%%resilient")), None)
+    first = _first_resilient(nb)
     if first is not None:
         nb.cells.insert(first, nbformat.v4.new_code_cell(BEFORE_CELL, metadata={MARK: "before"}))
     nb.cells.append(nbformat.v4.new_code_cell(CHECK_CELL, metadata={MARK: "after"}))
@@ -334,12 +339,12 @@ def set_up_names(nb) -> frozenset[str]:
     transform = TransformerManager().transform_cell
     before: set[str] = set()
     after: set[str] = set()
-    training = False
-    for cell in nb.cells:
+    first = _first_resilient(nb)
+    for i, cell in enumerate(nb.cells):
         if cell.get("cell_type") != "code" or cell.get("metadata", {}).get(MARK):
             continue
         source = "".join(cell.get("source", ""))
-        training = training or source.lstrip().startswith("%%resilient")
+        training = first is not None and i >= first
         if source.lstrip().startswith("%%"):  # a cell magic (%%replay, %%resilient): its body is the code
             header, _, source = source.lstrip().partition("\n")
             if training:  # --shrink and --save names change without an assignment
@@ -418,8 +423,9 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
                 log(f"    not compared: {', '.join(names)} ({why})")
         return report
     finally:
-        if place.note():
-            log(place.note())
+        note = place.note()
+        if note:
+            log(note)
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
 

@@ -154,10 +154,20 @@ def expression_value(reply: dict, name: str = "v") -> Any:
         return None
 
 
+def kernel_process(km):
+    """The ``Popen`` of the kernel ``km`` started (None before, or under another provisioner)."""
+    return getattr(getattr(km, "provisioner", None), "process", None)
+
+
+def kernel_pid(km) -> int | None:
+    process = kernel_process(km)
+    return process.pid if process is not None else None
+
+
 def process_exit_code(km) -> int | None:
     """How the kernel process of ``km`` ended: its exit code, ``-N`` for signal N, None if unknown
     (or still running)."""
-    process = getattr(getattr(km, "provisioner", None), "process", None)
+    process = kernel_process(km)
     try:
         return process.poll() if process is not None else None
     except Exception:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import journal, memory, restart
+from .client import kernel_pid
 from .restart import EXIT_RESTART
 
 
@@ -133,19 +134,19 @@ class Budgets:
     def death(self, client, *, starting: bool = False) -> Death:
         """What is known of the kernel that just died: how it ended, whether it asked to, where."""
         code = client.exit_code()
-        process = getattr(getattr(client.km, "provisioner", None), "process", None)
+        pid = kernel_pid(client.km)
         asked = journal.requested_restart(self.run_root)
         if asked is not None and code == EXIT_RESTART:
-            return Death(getattr(process, "pid", None), code, asked.reason, asked.at, asked.planned, requested=True)
+            return Death(pid, code, asked.reason, asked.at, asked.planned, requested=True)
         now = memory.oom_kills()
         oom_killed = now is not None and self.oom_kills is not None and now > self.oom_kills
         reason = death_reason(code, oom_killed=oom_killed)
         if self.replaying:
             reason += " while replaying the set-up cells"
             self.replaying = False
-        pending = self.run_of(getattr(process, "pid", None))
+        pending = self.run_of(pid)
         at = resume_point(pending) if pending is not None else None
-        return Death(getattr(process, "pid", None), code, f"died while starting: {reason}" if starting else reason, at)
+        return Death(pid, code, f"died while starting: {reason}" if starting else reason, at)
 
     def run_of(self, pid: int | None) -> journal.Journal | None:
         """The pending run a dead kernel belongs to: the one it had open, else the one whose

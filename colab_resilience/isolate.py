@@ -39,7 +39,7 @@ from typing import Any
 
 from nbclient.exceptions import DeadKernelError
 
-from .client import api_call, discard, expression_value, process_exit_code
+from .client import api_call, discard, expression_value, kernel_pid, process_exit_code
 from .driver import LOAD_EXTENSION, Supervisor
 from .replay import is_replay_cell
 from .restart import SUPERVISED_ENV
@@ -128,7 +128,7 @@ class WorkerClient:
 
     @property
     def pid(self) -> int | None:
-        return getattr(getattr(self.km, "provisioner", None), "process", None) and self.km.provisioner.process.pid
+        return kernel_pid(self.km)
 
     def alive(self) -> bool:
         try:

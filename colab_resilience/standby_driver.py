@@ -19,7 +19,7 @@ from jupyter_core.utils import run_sync
 from nbclient.exceptions import DeadKernelError
 
 from . import priority, standby
-from .client import api_call, blocking, discard
+from .client import api_call, blocking, discard, kernel_pid, kernel_process
 
 # what a working kernel is asked after each cell: the modules it imported since the last time
 NEW_MODULES = api_call("new_modules")
@@ -47,10 +47,9 @@ class Standby:
         self.km, self.kc = km, km.client()
         whole = priority.may_raise_priority()
         if whole:  # its start-up at low priority too, not only its later imports
-            try:
-                priority.lower(km.provisioner.process.pid)
-            except AttributeError:
-                pass
+            pid = kernel_pid(km)
+            if pid is not None:
+                priority.lower(pid)
         self.kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
         self._send(api_call("become_standby", whole))
         if self.modules:
@@ -89,8 +88,7 @@ class Standby:
     @property
     def pid(self) -> int | None:
         """The standby's process, if one was started."""
-        process = getattr(getattr(self.km, "provisioner", None), "process", None)
-        return process.pid if process is not None else None
+        return kernel_pid(self.km)
 
     def take(self):
         """The standby's kernel manager, for the driver to adopt; None when none is alive."""
@@ -115,7 +113,7 @@ class Standby:
             kc.stop_channels()
         if km is not None:
             try:  # at once: jupyter_client's shutdown interrupts it first, and it would say so
-                km.provisioner.process.kill()
-            except (AttributeError, OSError):
+                kernel_process(km).kill()
+            except (AttributeError, OSError):  # none started
                 pass
             discard(km)
