@@ -143,7 +143,7 @@ def run_notebook(
     inject_parameters(nb, parameters or {})
     kernel_name = kernel_name or nb.metadata.get("kernelspec", {}).get("name") or "python3"
     own_run_dir = run_dir is None
-    run_root = Path(tempfile.mkdtemp(prefix="colab-resilience-runs-")) if own_run_dir else Path(run_dir)
+    run_root = Path(tempfile.mkdtemp(prefix="colab-resilience-runs-")) if own_run_dir else Path(run_dir).absolute()
     sockets = tempfile.mkdtemp(prefix="colab-resilience-")  # 0700: the kernel is ours alone
     kernel_env = {**os.environ, **(env or {}), SUPERVISED_ENV: "1", RUN_DIR_ENV: str(run_root)}
     # An async manager: with a blocking one, nbclient's wait for output blocks its event loop and

@@ -275,6 +275,23 @@ def test_cli_runs_a_notebook_with_parameters(tmp_path):
     assert "colab-resilience: done in" in r.stdout and "with 0 kernel restarts; wrote" in r.stdout
 
 
+def test_cli_a_relative_run_dir_is_where_the_command_was_given_not_the_notebooks_folder(tmp_path):
+    """`--run-dir runs` given in one folder for a notebook in another: the runs land beside the
+    command, as any path on a command line would. (The kernel, which runs in the notebook's folder,
+    used to read it there, and filled the notebook's folder with a `runs` of its own.)"""
+    project, here = tmp_path / "project", tmp_path / "here"
+    project.mkdir()
+    here.mkdir()
+    nb = notebook("%load_ext colab_resilience", "%%resilient --save n\nn = 2")
+    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
+    nbformat.write(nb, project / "in.ipynb")
+    r = cli("run", str(project / "in.ipynb"), "-o", str(here / "o.ipynb"), "--run-dir", "runs", "--no-progress",
+            "--no-standby", cwd=here)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(p.name for p in project.iterdir()) == ["in.ipynb"]
+    assert [p.name for p in (here / "runs").iterdir() if p.name.startswith("run-")]
+
+
 @pytest.mark.parametrize(
     "make,args,expected",
     [
