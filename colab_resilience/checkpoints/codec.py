@@ -10,7 +10,7 @@ one-key object whose key starts with ``$``::
     {"$i": hex} int of more than 8000 bits  {"$f": hex of the 8 bytes} nan, inf, -inf
     {"$c": [re, im]} complex  {"$np": [dtype, base64]} NumPy scalar
     {"$lf": base64} a list of 64 or more floats (a loss history), as binary doubles
-    {"$T": i} the i-th tensor or array of the blob (stored beside the JSON, see :mod:`.tensorfile`)
+    {"$T": i} the i-th tensor or array (torch, NumPy, JAX) of the blob (stored beside the JSON, see :mod:`.tensorfile`)
 
 A value that is not plain (an object, a container that holds itself or appears twice, a
 tensor subclass, a nested tensor) makes :class:`Encoder` raise
@@ -49,6 +49,7 @@ class Encoder:
         self._seen: set[int] = set()
         self.torch = sys.modules.get("torch")  # a value can only be a tensor if torch is imported
         self.np = sys.modules.get("numpy")
+        self.jax = sys.modules.get("jax")
 
     def encode(self, x: Any) -> Any:
         t = type(x)
@@ -69,6 +70,8 @@ class Encoder:
         torch, np = self.torch, self.np
         if torch is not None and isinstance(x, torch.Tensor):
             return self._leaf(x)
+        if self.jax is not None and isinstance(x, self.jax.Array):
+            return self._leaf(x)  # a JAX array (a PRNG key too): its bytes, its dtype by name
         if np is not None:
             if t is np.ndarray:
                 return self._leaf(x)
@@ -126,7 +129,7 @@ class Encoder:
                     "v", x.device.type, x.device.index, x.untyped_storage().data_ptr(),
                     x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype,
                 )
-        else:
+        elif self.jax is None or not isinstance(x, self.jax.Array):
             if x.dtype.hasobject or x.dtype.fields is not None or self.np.dtype(x.dtype.str) != x.dtype:
                 raise NotPlainError("an array of a dtype its string does not name")
         idx = self._leaf_ids.get(key)

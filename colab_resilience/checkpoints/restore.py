@@ -6,7 +6,9 @@ training did to the first). ``state_dict`` values are loaded **in place** into t
 name that exists at restore time (rebuilt by the set-up cells): a module copies them into its own
 parameters, an optimizer keeps the tensors it is given. Tensors go back to the device they were
 saved on (the CPU, with a warning, where that device is gone), as Parameters or with
-``requires_grad`` where they were; views of one storage stay views of one storage. Pickles are
+``requires_grad`` where they were; views of one storage stay views of one storage. ``pytree``
+values (a flax ``TrainState``, optax states, ``nnx`` objects) are restored into the object of that
+name the set-up cells rebuilt (:mod:`.pytree`). Pickles are
 unpickled only here, after the manifest's signature and the blob's hash were checked.
 """
 
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any, MutableMapping, Sequence
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointWarning
-from . import blobs, codec, hashing, tensorfile
+from . import blobs, codec, hashing, pytree, tensorfile
 from .manifest import Entry, Manifest
 from .rng import restore_rng
 from .values import first_line, type_name
@@ -164,9 +166,21 @@ class Checkpoint:
                 f"colab_resilience: {n!r} is not in checkpoint {self.checkpoint_id}{hint}; "
                 f"it holds: {', '.join(self.names) or 'nothing'}"
             )
-        if e.kind != "state_dict":
+        if e.kind not in ("state_dict", "pytree"):
             return None
         short = e.type_name.rsplit(".", 1)[-1]
+        if e.kind == "pytree":
+            if n not in namespace:
+                return (
+                    f"colab_resilience: cannot restore {n!r}: its leaves are saved, and they go into the {short} "
+                    f"the set-up cells build, but no variable {n!r} exists now; build it in a %%replay cell"
+                )
+            if type_name(namespace[n]) != e.type_name:
+                return (
+                    f"colab_resilience: cannot restore {n!r} into what it holds now: it was saved from a "
+                    f"{e.type_name} and now holds a {type_name(namespace[n])}"
+                )
+            return None
         if n not in namespace:
             return (
                 f"colab_resilience: cannot restore {n!r} in place: no variable {n!r} exists "
@@ -222,11 +236,37 @@ class Checkpoint:
                     stacklevel=3,
                 )
             return
+        if e.kind == "pytree":
+            namespace[e.name] = pytree.restore_into(e.name, namespace[e.name], self._value(e, place=True))
+            return
         namespace[e.name] = self._value(e, place=True)
 
 
+def _jax_leaf(d: dict, a: Any) -> Any:
+    """A JAX array (on the default device) from the host bytes of a saved one: a PRNG key of its
+    implementation, weakly typed where it was (a weak type decides later type promotions)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.array(a, copy=True)
+    if d.get("key_impl"):
+        x = jax.random.wrap_key_data(x, impl=d["key_impl"])
+    elif d.get("weak"):
+        try:  # JAX has no public way to make an array weakly typed
+            from jax._src.lax.lax import _convert_element_type
+
+            x = _convert_element_type(x, None, True)
+        except (ImportError, TypeError):
+            if x.ndim == 0 and jnp.asarray(x.item()).dtype == x.dtype:
+                x = jnp.asarray(x.item())  # a Python number makes a weakly typed scalar
+    return x
+
+
 def _place_leaves(name: str, descs: list[dict], leaves: list[Any]) -> list[Any]:
-    """Tensors back onto their device (CPU with a warning where it is gone); grads and Parameters."""
+    """Tensors back onto their device (CPU with a warning where it is gone); grads and Parameters;
+    JAX arrays made again (:func:`_jax_leaf`)."""
+    if any(d.get("lib") == "jax" for d in descs):
+        leaves = [_jax_leaf(d, t) if d.get("lib") == "jax" else t for d, t in zip(descs, leaves)]
     torch = sys.modules.get("torch")
     if torch is None:
         return leaves

@@ -4,7 +4,8 @@ A blob holding tensors or arrays is a standard safetensors file (``safetensors.s
 it): an 8-byte header length, a JSON header, then the data. The structure around the tensors (the
 tagged JSON of :mod:`.codec`) and a description of each tensor or array go to the header's
 ``__metadata__`` under ``"colab_resilience"``: library, dtype, shape, device, ``requires_grad``,
-Parameter or not; for NumPy, C or Fortran order. Every torch dtype is kept: dtypes safetensors has
+Parameter or not; for NumPy, C or Fortran order; for JAX, weak typing and a PRNG key's
+implementation (a key is stored as its key data). Every torch dtype is kept: dtypes safetensors has
 no name for are stored as raw ``U8`` bytes, the real dtype in the description. Different views of
 one storage (``{"a": t, "b": t[::2]}``) are stored as the storage span once, each view described by
 its stride and offset in it.
@@ -45,6 +46,7 @@ _NUMPY_ST = {
     "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "complex64": "C64",
     "uint16": "U16", "uint32": "U32", "uint64": "U64",
 }
+_JAX_ST = {**_NUMPY_ST, "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
 _ST_SIZE = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
     "BOOL": 1, "C64": 8, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -131,6 +133,29 @@ def _shared_spans(torch, leaves: list, add, keep: list, descs: list, device_copy
             }
 
 
+def _jax_host(x) -> tuple[Any, dict, bool]:
+    """A JAX array's bytes on the host (a PRNG key's key data), its description, and whether
+    those bytes are the array's own buffer (a CPU array: XLA may reuse a donated buffer, so a
+    snapshot copies it) rather than a copy made here (from an accelerator)."""
+    import jax
+    import numpy as np
+
+    desc: dict[str, Any] = {"lib": "jax", "shape": list(x.shape), "weak": bool(getattr(x, "weak_type", False))}
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        desc["key_impl"] = str(jax.random.key_impl(x))
+        x = jax.random.key_data(x)
+    try:
+        desc["device"] = str(next(iter(x.devices())).platform)
+    except Exception:
+        pass
+    c = np.asarray(x)
+    if not c.flags.c_contiguous:
+        c = c.copy()  # (not np.ascontiguousarray: it makes a 0-d array 1-d)
+    desc["dtype"] = c.dtype.name
+    desc["data_shape"] = list(c.shape)
+    return c, desc, not c.flags.owndata
+
+
 def payload(tree: Any, leaves: list, device_copy=None) -> Payload:
     """A safetensors file for ``leaves``; ``tree`` and each leaf's description go to metadata.
     ``device_copy(t)`` (a snapshot's :meth:`~.staging.Staging.device_copy`) copies a CUDA tensor
@@ -163,6 +188,13 @@ def payload(tree: Any, leaves: list, device_copy=None) -> Payload:
                 "device": str(x.device), "requires_grad": bool(x.requires_grad),
                 "parameter": type(x) is not torch.Tensor,
             }
+        elif "jax" in sys.modules and isinstance(x, sys.modules["jax"].Array):
+            c, desc, live = _jax_host(x)
+            st = _JAX_ST.get(desc["dtype"], "U8")
+            mem = memoryview(c.reshape(-1).view("uint8")) if c.nbytes else memoryview(b"")
+            desc["key"] = add(mem, st, list(c.shape) if st != "U8" else [c.nbytes], min(max(c.itemsize, 1), 8), live)
+            keep.append(c)
+            descs[i] = desc
         else:
             import numpy as np
 
@@ -234,6 +266,16 @@ def leaves_over(buf, descs: list[dict], ranges: dict[str, tuple[int, int]]) -> l
             raise ValueError("bad leaf description")
         shape = [int(s) for s in d["shape"]]
         count = math.prod(shape)
+        if d["lib"] == "jax":  # a NumPy array here; made a JAX array when it is restored
+            import jax.numpy as jnp
+
+            dtype = jnp.dtype(d["dtype"])
+            data_shape = [int(s) for s in d.get("data_shape", shape)]
+            a, b = ranges[d["key"]]
+            if math.prod(data_shape) * dtype.itemsize != b - a:
+                raise ValueError("an array has the wrong length")
+            leaves.append(buf[a:b].view(dtype).reshape(data_shape))
+            continue
         if d["lib"] == "numpy":
             dtype = np.dtype(d["dtype"])
             a, b = ranges[d["key"]]

@@ -7,6 +7,8 @@ Kinds, decided per value at save time (:func:`prepare`):
 - ``tensor``, ``ndarray``, ``tree`` (containers holding tensors or arrays): a safetensors blob
   (:mod:`.tensorfile`), the structure in its metadata.
 - ``value``: plain values as tagged JSON (:mod:`.codec`).
+- ``pytree``: a JAX pytree that is not plain data (a flax ``TrainState``, an optax state, an
+  ``nnx`` object): its leaves, restored into the object the set-up cells rebuilt (:mod:`.pytree`).
 - ``pickle``: anything else, pickled.
 
 A state dict is saved as tagged JSON or safetensors too when it is plain enough, and pickled
@@ -38,7 +40,7 @@ from typing import Any, Mapping
 
 from ..errors import NotPlainError, UnsaveableValueError
 from ..oom import is_oom
-from . import codec, tensorfile
+from . import codec, pytree, tensorfile
 from .tensorfile import Payload
 
 
@@ -134,6 +136,17 @@ def encode(name: str, kind: str, of_type: str, value: Any, owner: Any = None, de
         pass
     except Exception as e:  # a tensor or container that breaks the encoder: pickle gets a try
         _unless_oom(e)
+    if kind == "value":
+        try:
+            tree = pytree.flatten(value)
+            if tree is not None:  # a TrainState, an optax state, an nnx object: by its leaves
+                enc = codec.Encoder(leaves=True)
+                encoded = enc.encode(tree)
+                return Prepared(name, "pytree", of_type, "st" if enc.leaves else "json",
+                                tensorfile.payload(encoded, enc.leaves, device_copy) if enc.leaves
+                                else Payload([codec.json_bytes(encoded)]))
+        except (NotPlainError, RecursionError):
+            pass
     try:
         data = dumps(value)
     except Exception as e:

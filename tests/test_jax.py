@@ -1,0 +1,198 @@
+"""JAX and flax: a ``TrainState`` (closures inside: it cannot be pickled), optax states, ``nnx``
+modules and optimizers are saved by their leaves and restored into the objects the set-up cells
+rebuilt; PRNG keys, bfloat16 and weakly typed arrays round-trip; a flax run killed or out of
+memory mid-epoch resumes bit-identical to its uninterrupted twin, in a kernel that never imports
+torch. (A ``TrainState`` used to be refused as unsaveable.)
+
+Skipped where JAX, flax or optax is not installed; CI's framework stack (``.ci/run``) has them
+and no torch.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+jax = pytest.importorskip("jax", reason="JAX is not installed (CI's framework stack has it)")
+pytest.importorskip("flax", reason="flax is not installed (CI's framework stack has it)")
+pytest.importorskip("optax", reason="optax is not installed (CI's framework stack has it)")
+
+import flax.linen as nn
+import harness
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from flax.training import train_state
+
+from colab_resilience.checkpoints import CheckpointStore
+from colab_resilience.checkpoints.staging import Budget, Staging
+from colab_resilience.errors import CheckpointError
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(nn.relu(nn.Dense(8)(x)))
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(4, 3, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+
+def build(tx=None) -> dict:
+    """What a set-up cell builds (the same every time)."""
+    mlp = MLP()
+    params = mlp.init(jax.random.key(0), jnp.ones((1, 4)))
+    net = Net(nnx.Rngs(0))
+    return {
+        "state": train_state.TrainState.create(apply_fn=mlp.apply, params=params, tx=tx or optax.adamw(1e-2)),
+        "net": net,
+        "opt": nnx.Optimizer(net, optax.adam(1e-3), wrt=nnx.Param),
+        "key": jax.random.key(7),
+        "raw_key": jax.random.PRNGKey(3),
+        "half": jnp.arange(5, dtype=jnp.bfloat16),
+        "weak": jnp.asarray(2.0) * 1.5,
+        "params": params,
+    }
+
+
+@jax.jit
+def _step(state, x):
+    grads = jax.grad(lambda p: (state.apply_fn(p, x) ** 2).sum())(state.params)
+    return state.apply_gradients(grads=grads)
+
+
+def trained() -> dict:
+    ns = build()
+    for i in range(3):
+        ns["state"] = _step(ns["state"], jnp.ones((2, 4)) * i)  # its step becomes an array
+    ns["key"], _ = jax.random.split(ns["key"])
+    ns["net"].lin.kernel[...] = ns["net"].lin.kernel[...] + 1
+    ns["net"].drop.rngs.count[...] += 5
+    ns["opt"].step[...] += 2
+    return ns
+
+
+def leaves(value) -> list:
+    tree = nnx.state(value) if isinstance(value, (nnx.Module, nnx.Optimizer)) else value
+    return jax.tree_util.tree_leaves(tree)
+
+
+def same_leaf(a, b) -> bool:
+    if isinstance(a, jax.Array) != isinstance(b, jax.Array):
+        return False
+    if not isinstance(a, jax.Array):
+        return type(a) is type(b) and a == b
+    key = jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+    if key:
+        if not jax.dtypes.issubdtype(b.dtype, jax.dtypes.prng_key) or jax.random.key_impl(a) != jax.random.key_impl(b):
+            return False
+        a, b = jax.random.key_data(a), jax.random.key_data(b)
+    return (a.dtype == b.dtype and a.shape == b.shape and a.weak_type == b.weak_type
+            and np.asarray(a).tobytes() == np.asarray(b).tobytes())
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["synchronous", "background"])
+def test_flax_and_optax_state_is_saved_by_its_leaves_and_restored_into_the_rebuilt_objects(tmp_path, staged):
+    ns = trained()
+    store = CheckpointStore(tmp_path, run_id="jax", key=b"k" * 32)
+    names = list(ns)
+    store.persist(store.snapshot(ns, names, strict=True, staging=Staging(Budget()) if staged else None))
+    ckpt = store.load()
+    assert {n: ckpt.kinds[n] for n in ("state", "net", "opt")} == dict.fromkeys(("state", "net", "opt"), "pytree")
+    fresh = build()
+    net, opt = fresh["net"], fresh["opt"]
+    assert not all(map(same_leaf, leaves(ns["state"]), leaves(fresh["state"])))  # it did train
+    ckpt.restore(fresh)
+    assert fresh["net"] is net and fresh["opt"] is opt  # nnx objects: updated in place
+    assert fresh["state"].apply_fn is not None and fresh["state"].tx is not None  # the rebuilt static parts
+    for n in names:
+        a, b = leaves(ns[n]), leaves(fresh[n])
+        assert len(a) == len(b) and all(map(same_leaf, a, b)), n
+    assert jax.random.key_impl(fresh["key"]) == jax.random.key_impl(ns["key"])
+    # the restored state trains on exactly as the saved one does
+    assert all(map(same_leaf, leaves(_step(ns["state"], jnp.ones((2, 4)))), leaves(_step(fresh["state"], jnp.ones((2, 4))))))
+
+
+def test_a_rebuilt_state_of_another_structure_is_refused_in_one_line_and_left_as_it_was(tmp_path):
+    ns = trained()
+    store = CheckpointStore(tmp_path, run_id="jax", key=b"k" * 32)
+    store.save(ns, ["state", "net"], strict=True)
+    ckpt = store.load()
+    other = build(tx=optax.sgd(0.1))  # the set-up cell now builds another optimizer
+    before = leaves(other["state"])
+    with pytest.raises(CheckpointError) as e:
+        ckpt.restore(other, ["state"])
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith("colab_resilience: cannot restore 'state' into the TrainState the set-up cells built: "
+                              "its tree differs (14 leaves saved, 5 now; leaf 5 was .opt_state[0].count")
+    assert "`%resilience reset`" in message
+    assert all(map(same_leaf, before, leaves(other["state"])))
+    with pytest.raises(CheckpointError, match="no variable 'net' exists now; build it in a %%replay cell"):
+        ckpt.restore({}, ["net"])
+
+
+_twins: dict = {}
+
+
+def twin(tmp_path_factory, api: str) -> str:
+    if api not in _twins:
+        work = tmp_path_factory.mktemp("flax-twin")
+        nb = harness.load("train_flax.ipynb", work, api=api)
+        run = harness.run(nb, work, standby=False)
+        assert run.status == 0, run.message
+        _twins[api] = harness.result(nb)
+    return _twins[api]
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("fault", ["sigkill", "oom-error"])
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_flax_run_killed_or_out_of_memory_mid_epoch_resumes_bit_identical(tmp_path, tmp_path_factory, api, fault):
+    """Supervised, with the standby kernel: a SIGKILL after minibatch 2 of epoch 1 (the new kernel
+    replays the set-up cell, which builds a fresh TrainState / nnx module, restores into it and goes
+    on at the next minibatch), or JAX's RESOURCE_EXHAUSTED error there (retried in the kernel)."""
+    reference = twin(tmp_path_factory, api)
+    assert "torch_imported=False" in reference  # the extension never imported torch for this run
+    nb = harness.load("train_flax.ipynb", tmp_path, api=api, fault=fault)
+    run = harness.run(nb, tmp_path)
+    assert run.status == 0, run.message
+    out = harness.cell_text(nb.cells[harness.index(nb, "train")])
+    if fault == "sigkill":
+        assert len(run.restarts) == 1 and "restored state, key, net, opt, history, running" in out, out
+    else:
+        assert not run.restarts and "OOM (RESOURCE_EXHAUSTED)" in out and "retry 1/2" in out, out
+    assert "continuing at 1, 2" in out, out
+    assert harness.result(nb) == reference
+
+
+@pytest.mark.kernel
+def test_a_flax_run_killed_in_a_kernel_resumes_when_its_cell_runs_again(kernel, tmp_path, tmp_path_factory):
+    """Interactive, as in Jupyter: the kernel dies, the server brings one back, the user runs the
+    training cell again: the set-up cell is replayed, the TrainState restored into, bit-identical."""
+    reference = twin(tmp_path_factory, "linen")
+    nb = harness.load("train_flax.ipynb", tmp_path, fault="sigkill")
+    harness.run_interactive(kernel, nb, stop="train")
+    _, code = kernel.execute_until_exit(harness.user_cell(nb, "train"))
+    assert code == -9
+    kernel.restart()
+    out = kernel.ok(harness.user_cell(nb, "train")).stdout
+    assert "replayed 3 cells, restored state, key, net, opt, history, running" in out, out
+    assert "continuing at 1, 2" in out
+    assert harness.result(kernel.ok(harness.user_cell(nb, "result")).stdout) == reference
+
+
+@pytest.mark.kernel
+def test_colab_resilience_check_passes_the_flax_notebook(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "colab_resilience", "check", str(harness.FILES / "train_flax.ipynb"), "--faults", "2",
+         "--seed", "3", "--kernel", harness.KERNEL_NAME, "-p", "api", "nnx", "-p", "mark", str(tmp_path / "mark")],
+        capture_output=True, text=True, timeout=240, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "identical after each of 2 faults" in r.stdout, r.stdout
