@@ -144,10 +144,6 @@ def _jax_host(x) -> tuple[Any, dict, bool]:
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         desc["key_impl"] = str(jax.random.key_impl(x))
         x = jax.random.key_data(x)
-    try:
-        desc["device"] = str(next(iter(x.devices())).platform)
-    except Exception:
-        pass
     c = np.asarray(x)
     if not c.flags.c_contiguous:
         c = c.copy()  # (not np.ascontiguousarray: it makes a 0-d array 1-d)
