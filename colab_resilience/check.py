@@ -17,7 +17,9 @@ variable, a plain cell's variable after a restart between cells) is no silent di
 it fails. A name that already differed between the two kernels before the first ``%%resilient``
 cell (a memory size, a time) and that the training did not change is not compared, and said so;
 so is a plain value that only set-up cells assign, read again in the kernel that took over.
-Every cell's printed output must be the same
+Every cell's printed output from the first ``%%resilient`` cell on must be the same (the cells
+before it run before any fault; what differs there, a library's log line with its time and
+process number, is not compared, and said so)
 (where a cell was interrupted, every part it printed between two recoveries must be a part of
 the uninterrupted output, and the last part its end). What differs is named, with the fault that
 exposed it. ``seed`` makes the choice of faults repeatable.
@@ -133,6 +135,7 @@ class Outcome:
     outputs: dict[int, list[str]]
     before: dict[str, list] = field(default_factory=dict)  # the digests just before the training
     set_up: frozenset[str] = frozenset()  # the names only set-up cells bind (see set_up_names)
+    training: int = 0  # the first %%resilient cell's number: the cells before it ran before any fault
 
 
 @dataclass
@@ -232,8 +235,10 @@ def _outcome(result: RunResult, set_up: frozenset[str] = frozenset()) -> Outcome
     mine = [c for c in cells if not c.get("metadata", {}).get(MARK)]
     by_role = {c["metadata"][MARK]: c for c in ours}
     outputs = {i: _lines(c) for i, c in enumerate(mine) if c.get("cell_type") == "code"}
+    training = next((i for i, c in enumerate(mine) if c.get("cell_type") == "code"
+                     and "".join(c.get("source", "")).lstrip().startswith("%%resilient")), 0)
     return Outcome(result, _digests(by_role.get("after", {}), MARK), outputs,
-                   _digests(by_role.get("before", {}), BEFORE), set_up)
+                   _digests(by_role.get("before", {}), BEFORE), set_up, training)
 
 
 def _first_resilient(nb) -> int | None:
@@ -292,11 +297,13 @@ def compare(reference: Outcome, faulted: Outcome) -> list[str]:
             values = f" (uninterrupted {a[1]}, faulted {b[1]})" if a[1] is not None and b[1] is not None else ""
             found.append(f"{name} differs{values}")
     for index, lines in reference.outputs.items():
-        if not _same_output(lines, faulted.outputs.get(index, [])):
+        if index >= reference.training and not _same_output(lines, faulted.outputs.get(index, [])):
             found.append(f"the printed output of cell {index} differs")
     return found
 
 
+PRINTED_BEFORE = ("printed before the training, where no fault strikes: what differs there differs in every "
+                  "kernel, such as a library's log line with its time and process number")
 BEFORE_TRAINING = "set before the training, different in each kernel before any fault, and not changed by the training"
 RECOMPUTED = ("a plain value only set-up cells set, which the kernel that took over ran again and which read "
               "something else there (a memory size, a time)")
@@ -325,6 +332,9 @@ def not_compared(reference: Outcome, faulted: Outcome) -> dict[str, list[str]]:
         why = reference.digests[n][0] != faulted.digests[n][0] and _why_not_compared(n, reference, faulted)
         if why:
             out.setdefault(why, []).append(n)
+    for index, lines in reference.outputs.items():
+        if index < reference.training and lines != faulted.outputs.get(index, []):
+            out.setdefault(PRINTED_BEFORE, []).append(f"the printed output of cell {index}")
     return out
 
 

@@ -143,6 +143,11 @@ def _walk(value, h, seen: set, depth: int) -> None:
         h.update(b"<seen>")
         return
     seen.add(id(value))
+    variables = _keras_variables(value)
+    if variables is not None:  # a Keras model, layer or optimizer is what its variables hold
+        for v in variables:
+            _walk(np.asarray(v.numpy()), h, seen, depth + 1)
+        return
     if isinstance(value, dict):
         for k in sorted(value, key=repr):
             h.update(repr(k).encode())
@@ -156,4 +161,36 @@ def _walk(value, h, seen: set, depth: int) -> None:
     elif hasattr(value, "__dict__"):
         _walk(vars(value), h, seen, depth + 1)
     else:
-        h.update(repr(value).encode())
+        _walk_reduced(value, h, seen, depth)
+
+
+def _walk_reduced(value, h, seen: set, depth: int) -> None:
+    """An object without a ``__dict__`` (a NumPy ``Generator``, an extension type): what it pickles
+    as (its constructor's arguments and its state), else its repr without memory addresses (which
+    differ from process to process)."""
+    import re
+
+    try:
+        reduced = value.__reduce_ex__(4)
+    except Exception:
+        reduced = None
+    if isinstance(reduced, tuple) and len(reduced) >= 2:
+        _walk(list(reduced[1:3]), h, seen, depth + 1)
+        return
+    h.update(re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value)).encode())
+
+
+def _keras_variables(value):
+    """The variables of a Keras layer or model (and of its optimizer) or of a Keras optimizer,
+    or None for anything else."""
+    import sys
+
+    keras = sys.modules.get("keras")
+    if keras is None or not hasattr(keras, "Layer") or not hasattr(keras, "optimizers"):
+        return None
+    if isinstance(value, keras.optimizers.Optimizer):
+        return list(value.variables)
+    if isinstance(value, keras.Layer):
+        optimizer = getattr(value, "optimizer", None)
+        return list(value.variables) + (list(optimizer.variables) if optimizer is not None else [])
+    return None
