@@ -78,9 +78,10 @@ def _where(iteration: str | None) -> str:
         return ""
     if iteration == "the end":
         return " after the loop's last iteration"
+    at = " at " if iteration[:1].isalpha() else " at iteration "  # "item 3", "epoch 2/4": named already
     if iteration.endswith(", the end"):
-        return f" at iteration {iteration[:-len(', the end')]} (its inner loop done)"
-    return f" at iteration {iteration}"
+        return f"{at}{iteration[:-len(', the end')]} (its inner loop done)"
+    return f"{at}{iteration}"
 
 
 @dataclass

@@ -82,6 +82,9 @@ def _items(args: tuple) -> Any:
 
 
 def _describe(items: Any, index: int) -> str:
+    describe = getattr(items, "describe", None)  # a framework's epochs name themselves ("epoch 2/4")
+    if callable(describe):
+        return describe(index)
     if isinstance(items, range):
         return str(items[index]) if index < len(items) else "the end"
     return f"item {index}"
@@ -123,7 +126,9 @@ class Loops:
         try:
             yield from self._run(frame, start, arrival)
         finally:
-            self.frames.remove(frame)
+            # by identity: an attempt that failed may close its loop late (a framework callback's,
+            # collected after the retry began), when reset() has removed it and equal frames exist
+            self.frames[:] = [f for f in self.frames if f is not frame]
 
     def _start(self, depth: int, ordinal: int, items: Any) -> tuple[int | None, Plan | None]:
         """Where this loop starts, and the plan if it is the resume point (arrived at once its

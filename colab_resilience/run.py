@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Iterator, Mapping, MutableMapping
 from . import carried, faults, fsutil, loops, memory, restart
 from .checkpoints import Checkpoint, CheckpointStore
 from .checkpoints.staging import Budget
-from .errors import JournalError, NoCheckpointError, RunStoppedError
+from .errors import CheckpointError, JournalError, NoCheckpointError, RunStoppedError
 from .journal import Journal, ReplayCell, RestartPolicy, merge_replay_cells
 from .lock import RunLock
 from .loops import LOOP_RNG, Loops, Plan, position_of
@@ -151,7 +151,13 @@ class Run:
         self.saver = Saver(store, budget=saving[0], when_busy=saving[1], on_durable=self._durable, say=say)
         self.names, self.shrink, self.policy, self.say = names, shrink, policy, say
         self.every_n, self.every_seconds = every
-        self.uses_loop = "resume_range" in body
+        # the cell's safe points are loop iterations: resume_range, or a framework's epochs
+        # through an integration's callback (colab_resilience.integrations)
+        self.uses_loop = "resume_range" in body or "ResilienceCallback" in body
+        # state that is not a user name and is saved with every checkpoint, restored in place
+        # (state_dict/load_state_dict) when the first loop starts: a framework callback's
+        # (a Keras fit's model and optimizer variables, its history); registered by the callback
+        self.extras: dict[str, object] = {}
         self.body = body
         self.resuming = resuming  # restore the last safe point at the next restore point
         self.after_restart = after_restart  # this kernel replaced the one that wrote the journal
@@ -161,6 +167,7 @@ class Run:
         self._saved_point = -1  # the safe point the last successful save was made at
         self._names_at_checkpoint: set[str] | None = None  # the namespace's names then
         self._said: set = set()  # names already reported as missing
+        self._said_lines: set[str] = set()  # what say_once said
         self._said_retry_unsaved = False  # said that a retry without --save may not be exact
         self._shrunk: dict[str, int] = {}  # --shrink values before the retry that shrank them
         self._last_save = 0.0
@@ -257,13 +264,14 @@ class Run:
         ns = self.shell.user_ns
         # after a restart, a run that saves no values has nothing of its progress back: it goes
         # back to its start (the random state of then), never on from a later safe point
-        from_start = self.after_restart and not self.names
+        from_start = self.after_restart and not self.names and not self.extras
         try:
             ckpt, restored = restore_latest(self.store, ns, self.names, rng=False, oldest=from_start)
         except NoCheckpointError:
             self.say(f"colab_resilience: run {self.run_id}: no checkpoint yet, {where} starts from the beginning")
             self.resuming = False
             return None
+        self._restore_extras(ckpt)
         carried.apply(ns, restored, _meta(ckpt).get("carried", {}))
         self.resuming = False
         if self._names_at_checkpoint is None:
@@ -284,10 +292,29 @@ class Run:
             self._resume_note = (
                 f"colab_resilience: resumed run {self.run_id}{why}: "
                 + (f"replayed {replayed} cell{'s' if replayed != 1 else ''}, " if replayed else "")
-                + (f"restored {', '.join(restored)} in {seconds:.1f} s" if not from_start else
+                + (f"restored {', '.join(restored + [getattr(x, 'label', n) for n, x in self.extras.items()])} "
+                   f"in {seconds:.1f} s" if not from_start else
                    "nothing to restore (no --save), so the cell starts again from its beginning")
             )
         return ckpt, restored
+
+    def _restore_extras(self, ckpt: Checkpoint) -> None:
+        """Load the registered extras in place from ``ckpt``. One saved by an earlier safe point
+        of this run but missing here stops the run: the loop would skip work on state not saved."""
+        if not self.extras:
+            return
+        missing = [n for n in self.extras if n not in ckpt.names]
+        if missing and position_of(_meta(ckpt)) != [(0, 0)]:
+            raise RunStoppedError(
+                f"colab_resilience: run {self.run_id}: checkpoint {ckpt.checkpoint_id} holds no {', '.join(missing)} "
+                "(the cell trained without the callback when it was saved), so the finished epochs cannot be "
+                "skipped; run `%resilience reset` to start the run afresh"
+            )
+        try:
+            ckpt.restore(ChainMap(self.extras, {}), [n for n in self.extras if n in ckpt.names], rng=False)
+        except CheckpointError as e:  # a model built otherwise: nothing of it was changed
+            raise RunStoppedError(f"colab_resilience: run {self.run_id}: {str(e).removeprefix('colab_resilience: ')}") \
+                from None
 
     def restore_for_loops(self) -> Plan | None:
         """When the first loop of a resumed attempt starts: restore, and say where to go on."""
@@ -324,6 +351,12 @@ class Run:
                 mixed = " with " + ", ".join(f"{n} {ns.get(n)}" for n in shrunk) + " (what ran before it ran with " \
                     + ", ".join(f"{n} {old}" for n, old in shrunk.items()) + ")"
             self.say(f"colab_resilience: rolled back to the last safe point; continuing at {at_text}{mixed}")
+
+    def say_once(self, line: str) -> None:
+        """Say ``line`` unless this run has said it in this kernel (a retried attempt does not repeat it)."""
+        if line not in self._said_lines:
+            self._said_lines.add(line)
+            self.say(line)
 
     def _take_note(self) -> str | None:
         note, self._resume_note = self._resume_note, None
@@ -409,12 +442,13 @@ class Run:
                 "where": where}
         if end:
             meta["left"] = left_values(self.shell, self.body, self.names)
-        namespace: Mapping = ChainMap({LOOP_RNG: rngs}, ns) if rngs else ns
+        namespace: Mapping = ChainMap({LOOP_RNG: rngs, **self.extras}, ns) if rngs or self.extras else ns
         # the batch size that fits goes with the checkpoint: a new kernel starts from it
         info = (where, _integers(ns, self.shrink), faults.count())
         # a value that cannot be saved stops the cell here (UnsaveableValueError), before anything
         # is written; a checkpoint that cannot be written is said, and the run goes on
-        if not self.saver.save(namespace, present + ([LOOP_RNG] if rngs else []), meta=meta, info=info, durable=end):
+        saved = present + ([LOOP_RNG] if rngs else []) + list(self.extras)
+        if not self.saver.save(namespace, saved, meta=meta, info=info, durable=end):
             return
         self._last_save = time.monotonic()
         self._saved_point = self.safe_points
@@ -449,7 +483,7 @@ class Run:
         """Before an in-process retry: restore the last safe point at the next restore point, and
         unbind what the failed attempt created (returned, to be reported). The checkpoint being
         written is waited for; after host memory ran out, the staging memory is given back."""
-        if not self.names and not self._said_retry_unsaved:
+        if not self.names and not self.extras and not self._said_retry_unsaved:
             self._said_retry_unsaved = True
             self.say(f"colab_resilience: run {self.run_id} saves nothing (no --save), so the retry goes on from the "
                      "values in memory, which the failed attempt may have changed; --save the model and "

@@ -1,8 +1,16 @@
 """Random-number states, saved with every checkpoint and restored with it.
 
 Python's ``random``, NumPy's global generator (if NumPy is imported), torch's CPU generator and
-that of every initialised CUDA device (if torch is imported): a training resumed from a checkpoint
-draws the same numbers it would have drawn without the interruption.
+that of every initialised CUDA device (if torch is imported), and TensorFlow's global seed state
+(if TensorFlow is imported and ``tf.random.set_seed`` was called): a training resumed from a
+checkpoint draws the same numbers it would have drawn without the interruption.
+
+TensorFlow gives an eager random op without a seed of its own an operation seed drawn from a
+Python ``random.Random`` its eager context holds (seeded by ``tf.random.set_seed``); that
+generator's state is what is saved. TensorFlow has no public call to read or set it, so this uses
+the context's ``_seed`` and ``_rng`` attributes (and ``_set_global_seed``, what
+``tf.random.set_seed`` calls), and saves nothing where they are not there. A random op given a
+seed of its own keeps its numbers in TensorFlow's kernel, where no checkpoint reaches them.
 """
 
 from __future__ import annotations
@@ -27,7 +35,16 @@ def capture_rng() -> dict[str, Any]:
         state["torch"] = torch.get_rng_state()
         if torch.cuda.is_initialized():
             state["cuda"] = list(torch.cuda.get_rng_state_all())
+    tf = _tf_context()
+    if tf is not None and getattr(tf, "_rng", None) is not None:
+        state["tensorflow"] = {"seed": int(tf._seed), "rng": tf._rng.getstate()}
     return state
+
+
+def _tf_context():
+    """TensorFlow's eager context, if TensorFlow is imported (None otherwise)."""
+    context = sys.modules.get("tensorflow.python.eager.context")
+    return context.context() if context is not None else None
 
 
 def restore_rng(state: Mapping[str, Any]) -> None:
@@ -40,6 +57,14 @@ def restore_rng(state: Mapping[str, Any]) -> None:
         import numpy as np
 
         np.random.set_state(state["numpy"])
+    if "tensorflow" in state:
+        tf = _tf_context()
+        if tf is not None:
+            # as tf.random.set_seed does, which also empties the cache of eager kernels: a cached
+            # kernel of a random op keeps drawing where it stopped, and an op seed drawn again
+            # (a retry in this process) must start its numbers afresh, as it did the first time
+            tf._set_global_seed(state["tensorflow"]["seed"])
+            tf._rng.setstate(state["tensorflow"]["rng"])
     if "torch" in state or "cuda" in state:
         import torch
 

@@ -1,0 +1,214 @@
+"""Keras ``fit`` with ``ResilienceCallback``: every epoch a safe point; the model's and the
+optimizer's variables (the dropout seed state among them), Keras's global seed generator, the
+epochs' logs and TensorFlow's random state are saved with each checkpoint and put back into the
+model the replayed set-up cell rebuilt; a fit killed or out of memory mid-epoch goes on at that
+epoch, without training the finished ones again, bit-identical to its uninterrupted twin, in a
+kernel that never imports torch. Where a resume cannot be identical (no seed set, a tf.data
+pipeline that reshuffles each epoch), the callback says so in one line before training starts.
+
+Skipped where TensorFlow/Keras 3 is not installed; CI's framework stack (``.ci/run``) has them and
+no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed (CI's framework stack has it)")
+keras = pytest.importorskip("keras", minversion="3", reason="Keras 3 is not installed (CI's framework stack has it)")
+
+import harness
+import numpy as np
+
+from colab_resilience.checkpoints import CheckpointStore
+from colab_resilience.errors import CheckpointError
+from colab_resilience.integrations.keras import STATE, FitState
+
+FIT_EPOCHS = "fit.log"
+
+
+def build(width: int = 8):
+    """What a set-up cell builds (the same every time)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(width, activation="relu"),
+                              keras.layers.BatchNormalization(), keras.layers.Dropout(0.5), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    return model
+
+
+def values(variables) -> list[bytes]:
+    return [v.numpy().tobytes() for v in variables]
+
+
+def test_a_fits_state_is_saved_and_assigned_into_the_rebuilt_model_and_optimizer(tmp_path):
+    x, y = np.random.default_rng(0).normal(size=(2, 32, 4)).astype("float32")
+    model = build()
+    model.fit(x, y[:, :1], epochs=2, batch_size=8, verbose=0)
+    state = FitState(model)
+    state.record(0, {"loss": 1.5})
+    store = CheckpointStore(tmp_path, run_id="keras", key=b"k" * 32)
+    store.save({STATE: state}, [STATE], strict=True)
+
+    fresh = build()
+    weights, optimizer = fresh.variables, fresh.optimizer
+    assert values(fresh.variables) != values(model.variables)  # it did train
+    into = FitState(fresh)
+    store.load().restore({STATE: into}, [STATE])
+    assert fresh.optimizer is optimizer and all(a is b for a, b in zip(fresh.variables, weights))  # in place
+    assert values(fresh.variables) == values(model.variables)  # weights, BatchNormalization's statistics, seed state
+    assert values(fresh.optimizer.variables) == values(model.optimizer.variables)  # step, moments
+    assert into.epochs == [0] and into.logs == {"loss": [1.5]}
+    # the restored model trains on exactly as the saved one does (Dropout draws the same mask)
+    model.fit(x, y[:, :1], epochs=1, batch_size=8, verbose=0, shuffle=False)
+    fresh.fit(x, y[:, :1], epochs=1, batch_size=8, verbose=0, shuffle=False)
+    assert values(fresh.variables) == values(model.variables)
+
+
+def test_a_model_built_otherwise_is_refused_in_one_line_and_left_as_it_was(tmp_path):
+    store = CheckpointStore(tmp_path, run_id="keras", key=b"k" * 32)
+    store.save({STATE: FitState(build())}, [STATE], strict=True)
+    other = build(width=16)
+    before = values(other.variables)
+    with pytest.raises(CheckpointError) as e:
+        store.load().restore({STATE: FitState(other)}, [STATE])
+    message = str(e.value)
+    # the layers' names count the models built in the process: they are shown, not compared
+    assert "\n" not in message and re.search(
+        r"variable sequential_\d+/dense_\d+/kernel of the model was saved as float32\[4, 8\] and is float32\[4, 16\] now; "
+        r"build and compile it as it was, or `%resilience reset`", message), message
+    assert values(other.variables) == before
+
+
+def test_tensorflows_global_seed_state_goes_with_the_random_states():
+    """An eager random op without a seed of its own draws its op seed from the state
+    tf.random.set_seed made: captured, it comes back, and the op draws the same numbers again."""
+    from colab_resilience.checkpoints import capture_rng, restore_rng
+
+    tf.random.set_seed(5)
+    tf.random.uniform((3,))
+    state = capture_rng()
+    first = tf.random.uniform((4,)).numpy()
+    tf.random.uniform((4,))
+    restore_rng(state)
+    assert tf.random.uniform((4,)).numpy().tobytes() == first.tobytes()
+    assert state["tensorflow"]["seed"] == 5
+
+
+_twins: dict = {}
+
+
+def twin(tmp_path_factory) -> str:
+    if "arrays" not in _twins:
+        work = tmp_path_factory.mktemp("keras-twin")
+        nb = harness.load("train_keras.ipynb", work)
+        run = harness.run(nb, work, standby=False)
+        assert run.status == 0, run.message
+        _twins["arrays"] = harness.result(nb)
+        assert "epochs=[0, 1, 2, 3]" in _twins["arrays"] and "torch_imported=False" in _twins["arrays"]
+    return _twins["arrays"]
+
+
+def trained_epochs(log) -> list[tuple[int, int]]:
+    """(kernel, epoch) for each epoch begun, kernels numbered from 0 in order of appearance."""
+    pids: dict[str, int] = {}
+    out = []
+    for line in log.read_text().splitlines():
+        pid, _, epoch = line.split()
+        out.append((pids.setdefault(pid, len(pids)), int(epoch)))
+    return out
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("fault,retries", [("sigkill", 2), ("oom-error", 2), ("oom-error", 0)],
+                         ids=["killed", "out-of-memory", "out-of-memory-past-the-retries"])
+def test_a_keras_fit_killed_or_out_of_memory_mid_epoch_goes_on_at_that_epoch_bit_identical(
+        tmp_path, tmp_path_factory, fault, retries):
+    """Supervised, with the standby kernel: a SIGKILL after minibatch 2 of epoch 1 (the new kernel
+    replays the set-up cell, which builds and compiles a fresh model, assigns the saved variables
+    into it, and fit starts at epoch 1), TensorFlow's ResourceExhaustedError there (retried in the
+    kernel, from the end of epoch 0), or that error with no retries left (the kernel is restarted).
+    Epoch 0 is trained once; History holds all four epochs."""
+    reference = twin(tmp_path_factory)
+    nb = harness.load("train_keras.ipynb", tmp_path, fault=fault, retries=retries)
+    run = harness.run(nb, tmp_path)
+    assert run.status == 0, run.message
+    out = harness.cell_text(nb.cells[harness.index(nb, "train")])
+    if fault == "sigkill" or retries == 0:
+        assert len(run.restarts) == 1, out
+        assert "restored the Keras model, its optimizer and the epochs' logs in " in out, out
+        assert trained_epochs(tmp_path / "events.log") == [(0, 0), (0, 1), (1, 1), (1, 2), (1, 3)]
+    else:
+        assert not run.restarts and "OOM (TensorFlow resources exhausted)" in out and "retry 1/2" in out, out
+        assert trained_epochs(tmp_path / "events.log") == [(0, 0), (0, 1), (0, 1), (0, 2), (0, 3)]
+    assert "continuing at epoch 2/4" in out, out
+    assert "not identical" not in out
+    assert harness.result(nb) == reference
+
+
+@pytest.mark.kernel
+def test_a_keras_fit_killed_in_a_kernel_goes_on_when_its_cell_runs_again(kernel, tmp_path, tmp_path_factory):
+    """Interactive, as in Jupyter: the kernel dies in epoch 1, the server brings one back, the user
+    runs the training cell again: the set-up cell is replayed, the model restored into, fit goes on
+    at epoch 1, bit-identical."""
+    reference = twin(tmp_path_factory)
+    nb = harness.load("train_keras.ipynb", tmp_path, fault="sigkill")
+    harness.run_interactive(kernel, nb, stop="train")
+    _, code = kernel.execute_until_exit(harness.user_cell(nb, "train"))
+    assert code == -9
+    kernel.restart()
+    out = kernel.ok(harness.user_cell(nb, "train")).stdout
+    assert "replayed 3 cells, restored the Keras model, its optimizer and the epochs' logs in " in out, out
+    assert "continuing at epoch 2/4" in out
+    assert harness.result(kernel.ok(harness.user_cell(nb, "result")).stdout) == reference
+    assert [e for _, e in trained_epochs(tmp_path / "events.log")] == [0, 1, 1, 2, 3]
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("parameters,said", [
+    ({"seed": None}, ("colab_resilience: no random seed is set, so Keras initialises, shuffles and drops out "
+                      "differently in every kernel, and a resumed fit is not identical to an uninterrupted one; "
+                      "call keras.utils.set_random_seed(...) in a %%replay cell for an exact resume")),
+    ({"data": "dataset"}, ("colab_resilience: fit's tf.data.Dataset shuffles anew each epoch "
+                           "(reshuffle_each_iteration=True), and a resumed fit cannot draw the order of the epoch it "
+                           "goes on with, so it is not identical to an uninterrupted one; pass arrays, or a dataset "
+                           "that shuffles with reshuffle_each_iteration=False, for an exact resume")),
+], ids=["no-seed", "reshuffling-dataset"])
+def test_where_a_resume_cannot_be_identical_the_callback_says_so_once_before_training(tmp_path, parameters, said):
+    """The line comes before the first epoch, once in the kernel (not again at each epoch); the
+    fit still resumes after a kill (at epoch 1, with its epochs' logs)."""
+    nb = harness.load("train_keras.ipynb", tmp_path, fault="sigkill", **parameters)
+    run = harness.run(nb, tmp_path)
+    assert run.status == 0, run.message
+    out = harness.cell_text(nb.cells[harness.index(nb, "train")])
+    lines = out.splitlines()
+    assert lines.count(said) == 2, out  # the first kernel's fit, and the resumed one's
+    died = next(i for i, line in enumerate(lines) if line.startswith("colab_resilience: the kernel died"))
+    assert lines.index(said) < died, out  # before the fault in epoch 1: when training started
+    assert "continuing at epoch 2/4" in out and "epochs=[0, 1, 2, 3]" in harness.result(nb)
+
+
+@pytest.mark.kernel
+def test_outside_a_resilient_cell_the_callback_does_nothing_and_says_so(kernel, tmp_path):
+    nb = harness.load("train_keras.ipynb", tmp_path, epochs=2)
+    harness.run_interactive(kernel, nb, stop="train")
+    cell = harness.user_cell(nb, "train").split("\n", 1)[1]  # without %%resilient
+    reply = kernel.ok(cell + "\n" + cell.splitlines()[-1])  # two fits: said once
+    assert reply.stderr.count("colab_resilience: ResilienceCallback outside a %%resilient cell: nothing is "
+                              "checkpointed") == 1, reply.stderr
+    assert "epochs=[0, 1]" in harness.result(kernel.ok(harness.user_cell(nb, "result")).stdout)
+
+
+@pytest.mark.kernel
+def test_colab_resilience_check_passes_the_keras_notebook(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "colab_resilience", "check", str(harness.FILES / "train_keras.ipynb"), "--faults", "3",
+         "--seed", "1", "--kernel", harness.KERNEL_NAME, "-p", "mark", str(tmp_path / "mark")],
+        capture_output=True, text=True, timeout=300, check=False, env=harness.child_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "identical after each of 3 faults" in r.stdout, r.stdout
