@@ -51,7 +51,6 @@ def test_a_fits_state_is_saved_and_assigned_into_the_rebuilt_model_and_optimizer
     model = build()
     model.fit(x, y[:, :1], epochs=2, batch_size=8, verbose=0)
     state = FitState(model)
-    state.record(0, {"loss": 1.5})
     store = CheckpointStore(tmp_path, run_id="keras", key=b"k" * 32)
     store.save({STATE: state}, [STATE], strict=True)
 
@@ -63,7 +62,7 @@ def test_a_fits_state_is_saved_and_assigned_into_the_rebuilt_model_and_optimizer
     assert fresh.optimizer is optimizer and all(a is b for a, b in zip(fresh.variables, weights))  # in place
     assert values(fresh.variables) == values(model.variables)  # weights, BatchNormalization's statistics, seed state
     assert values(fresh.optimizer.variables) == values(model.optimizer.variables)  # step, moments
-    assert into.epochs == [0] and into.logs == {"loss": [1.5]}
+    assert into.epochs == [0, 1] and into.logs == model.history.history and len(into.logs["loss"]) == 2
     # the restored model trains on exactly as the saved one does (Dropout draws the same mask)
     model.fit(x, y[:, :1], epochs=1, batch_size=8, verbose=0, shuffle=False)
     fresh.fit(x, y[:, :1], epochs=1, batch_size=8, verbose=0, shuffle=False)
@@ -141,7 +140,7 @@ def test_a_keras_fit_killed_or_out_of_memory_mid_epoch_goes_on_at_that_epoch_bit
     out = harness.cell_text(nb.cells[harness.index(nb, "train")])
     if fault == "sigkill" or retries == 0:
         assert len(run.restarts) == 1, out
-        assert "restored the Keras model, its optimizer and the epochs' logs in " in out, out
+        assert "restored the Keras model, its optimizer, the epochs' logs and the state of Fault in " in out, out
         assert trained_epochs(tmp_path / "events.log") == [(0, 0), (0, 1), (1, 1), (1, 2), (1, 3)]
     else:
         assert not run.restarts and "OOM (TensorFlow resources exhausted)" in out and "retry 1/2" in out, out
@@ -149,6 +148,34 @@ def test_a_keras_fit_killed_or_out_of_memory_mid_epoch_goes_on_at_that_epoch_bit
     assert "continuing at epoch 2/4" in out, out
     assert "not identical" not in out
     assert harness.result(nb) == reference
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("fault_epoch,fault_step", [(3, 2), (3, "end")], ids=["in-epoch-3", "after-it-stopped"])
+def test_early_stoppings_count_and_best_weights_go_with_the_checkpoint(tmp_path, tmp_path_factory, fault_epoch,
+                                                                       fault_step):
+    """EarlyStopping (patience 2, min_delta 0.5, best weights restored) stops the uninterrupted fit
+    of 8 epochs after epoch 3, with epoch 1's weights. Killed in epoch 3, when it has counted one
+    epoch without progress, the resumed fit stops at the same place (a fresh EarlyStopping would
+    have trained on: its count was reset by its on_train_begin, and it had turned min_delta
+    negative for a loss, which must stay so); killed when training ended, after the callback's
+    last safe point and before the cell ended, the resumed fit trains no more epochs. Both end
+    with the uninterrupted weights."""
+    if "early" not in _twins:
+        work = tmp_path_factory.mktemp("keras-early-twin")
+        nb = harness.load("train_keras.ipynb", work, early_stop=True, epochs=8)
+        assert harness.run(nb, work, standby=False).status == 0
+        _twins["early"] = harness.result(nb)
+        assert "epochs=[0, 1, 2, 3]" in _twins["early"]  # it stopped early
+    nb = harness.load("train_keras.ipynb", tmp_path, early_stop=True, epochs=8, fault="sigkill",
+                      fault_epoch=fault_epoch, fault_step=fault_step)
+    run = harness.run(nb, tmp_path)
+    assert run.status == 0 and len(run.restarts) == 1, run.message
+    out = harness.cell_text(nb.cells[harness.index(nb, "train")])
+    assert "the state of EarlyStopping, Fault in " in out, out
+    assert ("the loop had finished" if fault_step == "end" else "continuing at epoch 4/8") in out, out
+    assert harness.result(nb) == _twins["early"]
+    assert max(e for _, e in trained_epochs(tmp_path / "events.log")) == 3
 
 
 @pytest.mark.kernel
@@ -163,7 +190,8 @@ def test_a_keras_fit_killed_in_a_kernel_goes_on_when_its_cell_runs_again(kernel,
     assert code == -9
     kernel.restart()
     out = kernel.ok(harness.user_cell(nb, "train")).stdout
-    assert "replayed 3 cells, restored the Keras model, its optimizer and the epochs' logs in " in out, out
+    assert "replayed 3 cells, restored the Keras model, its optimizer, the epochs' logs and the state of Fault in " \
+           in out, out
     assert "continuing at epoch 2/4" in out
     assert harness.result(kernel.ok(harness.user_cell(nb, "result")).stdout) == reference
     assert [e for _, e in trained_epochs(tmp_path / "events.log")] == [0, 1, 1, 2, 3]

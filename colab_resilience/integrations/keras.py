@@ -4,14 +4,17 @@
     from colab_resilience.integrations.keras import ResilienceCallback
     history = model.fit(x, y, epochs=10, callbacks=[ResilienceCallback()])
 
-The end of every epoch is a safe point (``--every`` counts epochs, ``%restart_after`` too). With
-every checkpoint, beside the cell's ``--save`` names, go:
+Every epoch is a safe point (``--every`` counts epochs, ``%restart_after`` too), taken once every
+callback has seen the epoch's end (when the next one begins, or training ends). With every
+checkpoint, beside the cell's ``--save`` names, go:
 
 - every variable of the model: its weights, its layers' state (normalisation statistics) and the
   state of their ``SeedGenerator``s (the randomness of ``Dropout``);
 - every variable of its optimizer: its step, its moments, its learning rate;
 - the state of Keras's global ``SeedGenerator`` (``keras.random`` calls without a seed);
 - the logs of the finished epochs: the ``History`` that ``fit`` returns after a resume holds them all;
+- the state of the fit's other callbacks (``EarlyStopping``'s count, best value and best weights),
+  put back after their own ``on_train_begin`` reset it; a fit a callback stopped stays stopped;
 - Python's, NumPy's, torch's and TensorFlow's random states, as with every checkpoint.
 
 They are assigned into the model and optimizer that the replayed set-up cells rebuilt (the same
@@ -28,8 +31,8 @@ epoch (``shuffle(..., reshuffle_each_iteration=True)``, the default) is not, nor
 a ``PyDataset`` the callback cannot look into: for those the callback says once, before training
 starts, that a resumed fit is not identical.
 
-What is not saved: other callbacks' own state (``EarlyStopping``'s patience count,
-``ModelCheckpoint``'s best value) starts afresh in a resumed fit.
+What is not put back: what a callback keeps outside itself (``CSVLogger`` empties its file when
+a fit begins, unless given ``append=True``).
 """
 
 from __future__ import annotations
@@ -75,13 +78,22 @@ class FitState:
     """What a Keras ``fit`` carries from epoch to epoch, as a state dict: saved with each
     checkpoint of the run and loaded in place (see the module documentation)."""
 
-    label = "the Keras model, its optimizer and the epochs' logs"  # what a resume says it restored
-
-    def __init__(self, model):
+    def __init__(self, model, callbacks: list | None = None):
         self.model = model
+        self.callbacks = _stateful(callbacks or [])  # the fit's other callbacks, by a key
         self.epochs: list[int] = []  # the finished epochs and their logs, as History keeps them
         self.logs: dict[str, list] = {}
+        self.kept: dict[str, dict] = {}  # the callbacks' state, loaded, until they have started
+        self.stopped = False  # a callback stopped the fit (EarlyStopping): no epoch follows
         self.loaded = False
+
+    @property
+    def label(self) -> str:
+        """What a resume says it restored."""
+        names = sorted({key.split(":", 1)[1] for key in self.callbacks})
+        if not names:
+            return "the Keras model, its optimizer and the epochs' logs"
+        return f"the Keras model, its optimizer, the epochs' logs and the state of {', '.join(names)}"
 
     def _groups(self) -> dict[str, list]:
         model = self.model
@@ -98,11 +110,17 @@ class FitState:
 
     def state_dict(self) -> dict[str, Any]:
         groups = self._groups()
+        history = getattr(self.model, "history", None)
+        if isinstance(history, keras.callbacks.History) and hasattr(history, "epoch"):  # it has started
+            self.epochs = list(history.epoch)
+            self.logs = {k: list(v) for k, v in history.history.items()}
         return {
             "variables": {k: [_numpy(v) for v in vs] for k, vs in groups.items()},
             "paths": {k: [v.path for v in vs] for k, vs in groups.items()},
             "epochs": list(self.epochs),
-            "logs": {k: list(v) for k, v in self.logs.items()},
+            "logs": {k: [_plain(x) for x in v] for k, v in self.logs.items()},
+            "callbacks": {key: _attributes(cb) for key, cb in self.callbacks.items()},
+            "stopped": self.stopped,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -120,13 +138,74 @@ class FitState:
                 variable.assign(value)
         self.epochs = list(state["epochs"])
         self.logs = {k: list(v) for k, v in state["logs"].items()}
+        self.kept = dict(state["callbacks"])
+        self.stopped = bool(state["stopped"])
         self.loaded = True
 
-    def record(self, epoch: int, logs: dict | None) -> None:
-        """An epoch ended: its logs as ``History`` records them."""
-        self.epochs.append(epoch)
-        for k, v in (logs or {}).items():
-            self.logs.setdefault(k, []).append(v)
+    def give_callbacks(self) -> list[str]:
+        """Put the loaded state back into the fit's other callbacks (after their own
+        ``on_train_begin``, which resets it); returns those whose state was saved but that are
+        not in this fit (another list of callbacks)."""
+        kept, self.kept = self.kept, {}
+        for key, attributes in kept.items():
+            if key in self.callbacks:
+                _set_attributes(self.callbacks[key], attributes)
+        return [key.split(":", 1)[1] for key in kept if key not in self.callbacks]
+
+
+_NOT_STATE = {"model", "params", "validation_data"}
+
+
+def _stateful(callbacks: list) -> dict[str, Any]:
+    """The callbacks whose state goes with a checkpoint: all but this package's, ``History``
+    (the epochs' logs are saved apart) and the progress bar; keyed by place and type."""
+    skip = (keras.callbacks.History, keras.callbacks.ProgbarLogger)
+    return {f"{i}:{type(cb).__name__}": cb for i, cb in enumerate(callbacks)
+            if not isinstance(cb, skip) and not isinstance(cb, ResilienceCallback)}
+
+
+def _plain(value):
+    """A NumPy scalar as the Python number it holds; other values as they are."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _attributes(callback) -> dict[str, Any]:
+    """A callback's state: its attributes that are plain values (counters, the best value so
+    far, flags), lists of arrays (``EarlyStopping``'s best weights), and functions of Keras or
+    NumPy by their names (the comparison ``EarlyStopping`` picks at its first epoch, when it
+    also turns ``min_delta`` negative: the one goes with the other)."""
+    values, functions = {}, {}
+    for name, value in vars(callback).items():
+        if name in _NOT_STATE:
+            continue
+        value = _plain(value)
+        if value is None or isinstance(value, (bool, int, float, str)):
+            values[name] = value
+        elif isinstance(value, list) and value and all(isinstance(a, np.ndarray) for a in value):
+            values[name] = [np.array(a, copy=True) for a in value]
+        elif _library_function(value) is not None:
+            functions[name] = list(_library_function(value))
+    return {"values": values, "functions": functions}
+
+
+_LIBRARIES = ("keras.", "numpy")
+
+
+def _library_function(value) -> tuple[str, str] | None:
+    """``(module, name)`` of a function of Keras or NumPy that its module holds by that name."""
+    module, name = getattr(value, "__module__", None), getattr(value, "__name__", None)
+    if not (callable(value) and isinstance(module, str) and isinstance(name, str)
+            and module.startswith(_LIBRARIES) and module in sys.modules):
+        return None
+    return (module, name) if getattr(sys.modules[module], name, None) is value else None
+
+
+def _set_attributes(callback, saved: dict[str, Any]) -> None:
+    for name, value in saved["values"].items():
+        setattr(callback, name, value)
+    for name, (module, function) in saved["functions"].items():
+        if module.startswith(_LIBRARIES) and module in sys.modules:  # only what is imported already
+            setattr(callback, name, getattr(sys.modules[module], function))
 
 
 def _mismatch(group: str, paths: list[str], values: list, now: list) -> str | None:
@@ -148,31 +227,42 @@ class Epochs:
     """The epochs of a fit, as the cell's loop iterates them: named as Keras's progress bar names
     them (``epoch 2/4`` is epoch 1)."""
 
-    def __init__(self, first: int, stop: int):
-        self.epochs = range(first, stop)
+    def __init__(self, first: int, stop: int, state: FitState):
+        self.epochs, self.state = range(first, stop), state
 
     def __len__(self) -> int:
         return len(self.epochs)
 
     def __iter__(self):
-        return iter(self.epochs)
+        for epoch in self.epochs:
+            if self.state.stopped:  # a callback ended the fit early: so it stays after a resume
+                return
+            yield epoch
 
     def describe(self, index: int) -> str:
-        return f"epoch {self.epochs[index] + 1}/{self.epochs.stop}" if index < len(self.epochs) else "the end"
+        if self.state.stopped or index >= len(self.epochs):
+            return "the end"
+        return f"epoch {self.epochs[index] + 1}/{self.epochs.stop}"
 
 
 class ResilienceCallback(keras.callbacks.Callback):
     """Make the epochs of ``fit`` safe points of the ``%%resilient`` cell it runs in, and resume
     ``fit`` at the first unfinished epoch (see the module documentation). Outside a
-    ``%%resilient`` cell it does nothing."""
+    ``%%resilient`` cell it does nothing.
+
+    An epoch's safe point is taken when every callback has seen its end: at the next epoch's
+    start, or at the end of training (so ``History`` and ``EarlyStopping`` have counted it, in
+    whatever order the callbacks were given)."""
 
     _said_outside = False
 
     def __init__(self):
         super().__init__()
+        self._run = None
         self._epochs = None  # the cell's loop over this fit's epochs (Loops.iterate)
         self._state: FitState | None = None
         self._first: int | None = None  # the epoch fit must start at, until it has started
+        self._ended: int | None = None  # the last epoch that ended (its safe point is next)
         self._before: list[int] = []  # the epochs a resumed fit finished before (History's epoch list)
 
     def on_train_begin(self, logs=None):
@@ -193,9 +283,10 @@ class ResilienceCallback(keras.callbacks.Callback):
         initial = int(fit.get("initial_epoch", 0) or 0)
         for line in _inexact(fit):
             run.say_once(line)
-        self._state = FitState(self.model)
+        self._run, self._ended = run, None
+        self._state = FitState(self.model, getattr(fit.get("callbacks"), "callbacks", None))
         run.extras[STATE] = self._state
-        self._epochs = run.loops.iterate(Epochs(initial, epochs))
+        self._epochs = run.loops.iterate(Epochs(initial, epochs, self._state))
         self._first = next(self._epochs, epochs)
         self.model._initial_epoch = self._first
         history = getattr(self.model, "history", None)
@@ -205,37 +296,54 @@ class ResilienceCallback(keras.callbacks.Callback):
             history.history = {k: list(v) for k, v in self._state.logs.items()}
 
     def on_epoch_begin(self, epoch, logs=None):
-        if self._first is None:
-            return
-        first, self._first = self._first, None
-        self.model._initial_epoch = None  # read once by fit; a later fit must not find it
-        self._give_epochs()
-        if epoch != first:
-            raise RunStoppedError(
-                f"colab_resilience: fit started at epoch {epoch}, not at epoch {first} where the run goes on; "
-                "this version of Keras does not resume through ResilienceCallback"
-            )
-
-    def on_epoch_end(self, epoch, logs=None):
         if self._epochs is None:
             return
-        self._state.record(epoch, logs)
-        next(self._epochs, None)  # the safe point: saves when due, may restart as planned
+        if self._first is not None:
+            first = self._first
+            self._started()
+            if epoch != first:
+                raise RunStoppedError(
+                    f"colab_resilience: fit started at epoch {epoch}, not at epoch {first} where the run goes on; "
+                    "this version of Keras does not resume through ResilienceCallback"
+                )
+            return
+        self._safe_point()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._epochs is not None:
+            self._ended = epoch
 
     def on_train_end(self, logs=None):
-        if self._epochs is not None:
-            self._epochs.close()  # stopped early (EarlyStopping): the loop is over
-            self._epochs = None
+        if self._epochs is None:
+            return
         if self._first is not None:  # no epoch was left to run
-            self._first = None
-            self.model._initial_epoch = None
-            self._give_epochs()
+            self._started()
+        elif self._ended is not None:
+            # a callback ended the fit before its last epoch: a resume must not train on
+            self._state.stopped = bool(self.model.stop_training) and self._ended + 1 < self.params["epochs"]
+            self._safe_point()
+        self._epochs.close()
+        self._epochs = None
 
-    def _give_epochs(self) -> None:
-        """A resumed fit's ``History`` lists the epochs finished before it (their logs it has)."""
+    def _safe_point(self) -> None:
+        """The safe point of the epoch that ended: saves when due, may restart as planned."""
+        self._ended = None
+        next(self._epochs, None)
+
+    def _started(self) -> None:
+        """The first epoch of this fit begins (or, all done, training ends): what the callbacks'
+        ``on_train_begin`` reset gets its saved value back."""
+        self._first = None
+        self.model._initial_epoch = None  # read once by fit; a later fit must not find it
         history = getattr(self.model, "history", None)
         if self._before and isinstance(history, keras.callbacks.History):
             history.epoch = self._before + list(getattr(history, "epoch", []))
+        missing = self._state.give_callbacks()
+        if missing:
+            self._run.say_once(
+                f"colab_resilience: the checkpoint holds the state of {', '.join(missing)}, which this fit does not "
+                "have at that place in its callbacks; that state was not put back, and the fit goes on without it"
+            )
 
 
 def _fit_locals(model) -> dict:
