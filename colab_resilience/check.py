@@ -229,7 +229,7 @@ def _digests(cell, mark: str) -> dict[str, list]:
 
 def _outcome(result: RunResult, set_up: frozenset[str] = frozenset()) -> Outcome:
     """The digests and the printed lines of a run; cells are numbered as in the user's notebook
-    (the two cells check adds are left out)."""
+    (the cells check adds are left out: its two digest cells, and the parameters it injects)."""
     cells = result.notebook.cells
     ours = [c for c in cells if c.get("metadata", {}).get(MARK)]
     mine = [c for c in cells if not c.get("metadata", {}).get(MARK)]
@@ -351,7 +351,7 @@ def set_up_names(nb) -> frozenset[str]:
     after: set[str] = set()
     first = _first_resilient(nb)
     for i, cell in enumerate(nb.cells):
-        if cell.get("cell_type") != "code" or cell.get("metadata", {}).get(MARK):
+        if cell.get("cell_type") != "code" or cell.get("metadata", {}).get(MARK) in ("before", "after"):
             continue
         source = "".join(cell.get("source", ""))
         training = first is not None and i >= first
@@ -379,7 +379,11 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
     nb, folder = read_notebook(notebook)
     import nbformat
 
+    injected = not any("injected-parameters" in c.get("metadata", {}).get("tags", []) for c in nb.cells)
     inject_parameters(nb, parameters or {})
+    for cell in nb.cells:  # the cell check adds is not one of the user's: cells are numbered as in their file
+        if injected and parameters and "injected-parameters" in cell.get("metadata", {}).get("tags", []):
+            cell.metadata[MARK] = "parameters"
     _add_check_cells(nb)
     work = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="colab-resilience-check-"))
     work.mkdir(parents=True, exist_ok=True)
