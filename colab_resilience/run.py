@@ -307,7 +307,7 @@ class Run:
         if missing and position_of(_meta(ckpt)) != [(0, 0)]:
             raise RunStoppedError(
                 f"colab_resilience: run {self.run_id}: checkpoint {ckpt.checkpoint_id} holds no {', '.join(missing)} "
-                "(the cell trained without the callback when it was saved), so the finished epochs cannot be "
+                "(the cell trained without the callback when it was saved), so what was finished cannot be "
                 "skipped; run `%resilience reset` to start the run afresh"
             )
         try:

@@ -401,6 +401,17 @@ def run_interactive(kernel: "Kernel", nb, *, start: str | None = None, stop: str
     return replies
 
 
+def killed_and_rerun(kernel: "Kernel", nb, expect_code: int = -9) -> str:
+    """As a user in Jupyter: run the cells up to the training cell, run it until the kernel dies
+    (or leaves for a planned restart), let the server's restarter bring a kernel back, run the
+    training cell again; returns what that last run printed. The result cell is run by the caller."""
+    run_interactive(kernel, nb, stop="train")
+    _, code = kernel.execute_until_exit(user_cell(nb, "train"))
+    assert code == expect_code
+    kernel.restart()
+    return kernel.ok(user_cell(nb, "train")).stdout
+
+
 def run_in_shell(ip, nb, *, stop: str | None = None, verbatim: bool = False) -> None:
     """Execute :func:`user_cells` in the in-process shell ``ip`` (the extension already loaded:
     the ``load-extension`` cell is skipped), up to but not including ``stop``; each must succeed."""

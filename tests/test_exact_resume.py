@@ -35,17 +35,6 @@ def cell_out(nb, cell_id: str) -> str:
     return harness.cell_text(nb.cells[harness.index(nb, cell_id)])
 
 
-def killed_and_rerun(kernel, nb, expect_code: int = -9) -> str:
-    """As a user in Jupyter: run the cells up to the training cell, run it until the kernel dies
-    (or leaves for a planned restart), let the server's restarter bring a kernel back, run the
-    training cell again; returns what that last run printed. The result cell is run by the caller."""
-    harness.run_interactive(kernel, nb, stop="train")
-    _, code = kernel.execute_until_exit(harness.user_cell(nb, "train"))
-    assert code == expect_code
-    kernel.restart()
-    return kernel.ok(harness.user_cell(nb, "train")).stdout
-
-
 def interactive_result(kernel, nb) -> str:
     return harness.result(kernel.ok(harness.user_cell(nb, "result")).stdout)
 
@@ -87,7 +76,7 @@ def test_a_kill_inside_an_epoch_resumes_exactly_interactively(kernel, tmp_path, 
     again: it replays the set-up, restores, and resumes at the next minibatch, bit-identical."""
     reference = twin(tmp_path_factory, "resume_nested.ipynb")
     nb = harness.load("resume_nested.ipynb", tmp_path, fault="sigkill", staging="off")
-    out = killed_and_rerun(kernel, nb)
+    out = harness.killed_and_rerun(kernel, nb)
     assert "continuing at 1, item 3" in out, out
     assert interactive_result(kernel, nb) == reference
 
@@ -155,7 +144,7 @@ def test_checkpoint_in_the_middle_of_an_iteration_saves_at_its_end(tmp_path, tmp
 def test_checkpoint_in_the_middle_of_an_iteration_saves_at_its_end_interactively(kernel, tmp_path, tmp_path_factory):
     reference = twin(tmp_path_factory, "resume_checkpoint.ipynb")
     nb = harness.load("resume_checkpoint.ipynb", tmp_path, fault="sigkill", staging="off")
-    assert "continuing at 2" in killed_and_rerun(kernel, nb)
+    assert "continuing at 2" in harness.killed_and_rerun(kernel, nb)
     assert interactive_result(kernel, nb) == reference
 
 
@@ -254,7 +243,7 @@ def test_a_kill_after_the_final_save_of_a_cell_without_resume_range_does_not_tra
 def test_a_shrink_is_kept_when_the_kernel_is_killed_before_the_next_safe_point_interactively(kernel, tmp_path,
                                                                                               tmp_path_factory):
     nb = harness.load("resume_shrink.ipynb", tmp_path, fault="sigkill")
-    out = killed_and_rerun(kernel, nb)
+    out = harness.killed_and_rerun(kernel, nb)
     assert "attempt with batch_size 32" in out and "attempt with batch_size 64" not in out and "OOM" not in out
     assert interactive_result(kernel, nb) == twin(tmp_path_factory, "resume_shrink.ipynb", batch_size=32)
 
@@ -263,7 +252,7 @@ def test_restart_after_inside_the_cell_applies_to_its_run_interactively(kernel, 
     """Interactively the planned restart leaves the kernel (exit 75); the cell run again goes on."""
     reference = twin(tmp_path_factory, "resume_planned.ipynb")
     nb = harness.load("resume_planned.ipynb", tmp_path, plan="2")
-    assert "continuing at 2" in killed_and_rerun(kernel, nb, expect_code=75)
+    assert "continuing at 2" in harness.killed_and_rerun(kernel, nb, expect_code=75)
     assert interactive_result(kernel, nb) == reference
 
 

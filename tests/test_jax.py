@@ -178,11 +178,7 @@ def test_a_flax_run_killed_in_a_kernel_resumes_when_its_cell_runs_again(kernel, 
     training cell again: the set-up cell is replayed, the TrainState restored into, bit-identical."""
     reference = twin(tmp_path_factory, "linen")
     nb = harness.load("train_flax.ipynb", tmp_path, fault="sigkill")
-    harness.run_interactive(kernel, nb, stop="train")
-    _, code = kernel.execute_until_exit(harness.user_cell(nb, "train"))
-    assert code == -9
-    kernel.restart()
-    out = kernel.ok(harness.user_cell(nb, "train")).stdout
+    out = harness.killed_and_rerun(kernel, nb)
     assert "replayed 3 cells, restored state, key, net, opt, history, running" in out, out
     assert "continuing at 1, 2" in out
     assert harness.result(kernel.ok(harness.user_cell(nb, "result")).stdout) == reference

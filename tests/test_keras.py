@@ -185,11 +185,7 @@ def test_a_keras_fit_killed_in_a_kernel_goes_on_when_its_cell_runs_again(kernel,
     at epoch 1, bit-identical."""
     reference = twin(tmp_path_factory)
     nb = harness.load("train_keras.ipynb", tmp_path, fault="sigkill")
-    harness.run_interactive(kernel, nb, stop="train")
-    _, code = kernel.execute_until_exit(harness.user_cell(nb, "train"))
-    assert code == -9
-    kernel.restart()
-    out = kernel.ok(harness.user_cell(nb, "train")).stdout
+    out = harness.killed_and_rerun(kernel, nb)
     assert "replayed 3 cells, restored the Keras model, its optimizer, the epochs' logs and the state of Fault in " \
            in out, out
     assert "continuing at epoch 2/4" in out
@@ -240,3 +236,4 @@ def test_colab_resilience_check_passes_the_keras_notebook(tmp_path):
         capture_output=True, text=True, timeout=300, check=False, env=harness.child_env())
     assert r.returncode == 0, r.stdout + r.stderr
     assert "identical after each of 3 faults" in r.stdout, r.stdout
+
