@@ -146,7 +146,7 @@ def adopt(nice: int | None = None) -> None:
     """(In the standby that replaces a dead kernel.) Be an ordinary kernel again: the OOM score
     it had, the priority ``nice`` where allowed, the scheduling group's nice value 0 (what the
     session of a freshly started kernel gets, whatever the driver's group has), and no more
-    imports (the one under way finishes: the replay may need it)."""
+    imports (the one under way is waited for: the replay may need it, and must not import beside it)."""
     global _queue
     _stop.set()
     os.environ.pop(ENV, None)
@@ -155,6 +155,11 @@ def adopt(nice: int | None = None) -> None:
     if _queue is not None:
         _queue.put(None)
         _queue = None
+    if _worker is not None and _worker is not threading.current_thread():
+        # the import under way finishes before the replay starts: two threads importing one
+        # package at once can hand one of them the package half made (transformers' lazy module
+        # raised "cannot import name 'GPT2Config'" in the replay)
+        _worker.join()
     if nice is not None:  # allowed for root (CAP_SYS_NICE) or within RLIMIT_NICE
         priority.renice_all(nice)
     if priority.autogroup_nice() not in (None, 0):
