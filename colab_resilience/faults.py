@@ -40,6 +40,7 @@ try:
 except ValueError:
     _fault = None
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_INTEGRATIONS = os.path.join(_PACKAGE, "integrations") + os.sep
 _injected = threading.Event()  # an out-of-memory error was raised here, not by an allocation
 
 
@@ -163,10 +164,17 @@ def _ours(frame) -> bool:
     return os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE)
 
 
+def _passes_through(frame) -> bool:
+    """A frame of an integration's wrapper (``Trainer.train``'s): the framework's training runs
+    below it as the cell's own code would, so an allocation there can fail as in the cell."""
+    return os.path.abspath(frame.f_code.co_filename).startswith(_INTEGRATIONS)
+
+
 def _may_fail_here(frame) -> bool:
     """Whether an allocation could fail at ``frame``'s line in its place: the frame runs a
     ``%%resilient`` cell's code or what it called (it lies below
-    :func:`colab_resilience.execution.run_body` with no frame of this package in between), and
+    :func:`colab_resilience.execution.run_body` with no frame of this package in between but an
+    integration's wrapper, :func:`_passes_through`), and
     neither it nor any caller up to the cell is cleaning up (an ``__exit__``, a ``with``
     statement's exit, a ``finally`` block: :func:`cleanup_lines`)."""
     from .execution import run_body
@@ -175,7 +183,7 @@ def _may_fail_here(frame) -> bool:
         code = frame.f_code
         if code is run_body.__code__:
             return True
-        if _ours(frame) or code.co_name in ("__exit__", "__aexit__") \
+        if (_ours(frame) and not _passes_through(frame)) or code.co_name in ("__exit__", "__aexit__") \
                 or frame.f_lineno in cleanup_lines(code.co_filename):
             return False
         frame = frame.f_back
