@@ -1,0 +1,280 @@
+"""The Hugging Face ``Trainer`` resumes at the optimizer step where it stopped: one callback in a
+``%%resilient`` cell.
+
+    %%resilient
+    from colab_resilience.integrations.transformers import ResilienceCallback
+    trainer.add_callback(ResilienceCallback())
+    trainer.train()
+
+The end of every epoch is a safe point, and with ``ResilienceCallback(every_steps=N)`` every N-th
+optimizer step too (``--every`` and ``%restart_after`` count these); each is taken once the
+Trainer has logged and evaluated after it (when the next step begins, or training ends). With every checkpoint, beside the cell's ``--save`` names, go the model's ``state_dict``,
+the optimizer's and the scheduler's, the ``TrainerState`` (its step, epoch, log history), what
+the Trainer accumulates for its next log (the loss since the last one, the running total), the
+random state when the epoch began, and Python's, NumPy's and torch's random states.
+
+A ``Trainer`` cannot be resumed from a callback alone: ``train`` works out the epochs and steps
+to skip from a checkpoint folder before the first callback event. So importing this module wraps
+``Trainer.train``; the wrapper does something only for a trainer with this callback, in a
+``%%resilient`` cell. On resume it loads the model in place, hands ``train`` a folder of the
+run's own holding only ``trainer_state.json`` (written from the checkpoint), and stands in, for
+that call, for the Trainer's own loading of model, optimizer, scheduler and random state: they
+come from this package's checkpoint, into the objects the Trainer has. The Trainer then skips
+the finished epochs and, within an epoch, the finished batches, as its own resume does.
+
+A resumed run is identical to an uninterrupted one where the Trainer is deterministic (CPU, or
+``full_determinism``): weights, optimizer, log history and ``training_loss``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+from typing import Any
+
+import transformers
+from transformers import Trainer, TrainerCallback, TrainerState
+from transformers.trainer_utils import TrainOutput
+
+from ..checkpoints import capture_rng, restore_rng
+from ..errors import RunStoppedError
+from ..loops import active_run
+
+STATE = "transformers:trainer"  # the checkpoint entry holding a Trainer's state
+RESUME_FOLDER = "transformers-resume"  # in the run's folder: trainer_state.json for train()
+
+
+class TrainerCheckpoint:
+    """What a ``Trainer`` carries from step to step, as a state dict: saved with each checkpoint
+    of the run, loaded in place (the model at once; the optimizer and scheduler, which ``train``
+    makes, when the Trainer loads them)."""
+
+    label = "the Trainer's model, optimizer, scheduler and state"  # what a resume says it restored
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.epoch_rng: dict | None = None  # the random state when the epoch in progress began
+        self.finished = False  # train() ended: a resume returns its output without training
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self.trainer
+        return {
+            "model": t.model.state_dict(),
+            "optimizer": t.optimizer.state_dict() if t.optimizer is not None else None,
+            "scheduler": t.lr_scheduler.state_dict() if t.lr_scheduler is not None else None,
+            "trainer_state": json.dumps(dataclasses.asdict(t.state), sort_keys=True),
+            "logging": {  # what train() resets and its next log and its final loss are made of
+                "tr_loss": float(t._tr_loss.item()) if hasattr(t, "_tr_loss") else 0.0,
+                "total_loss": float(getattr(t, "_total_loss_scalar", 0.0)),
+                "last_logged": int(getattr(t, "_globalstep_last_logged", 0)),
+                "initial_step": int(getattr(t, "_initial_global_step", 0)),
+            },
+            "epoch_rng": self.epoch_rng,
+            "rng": capture_rng(),  # the state at the safe point, for where the Trainer puts it back
+            "finished": self.finished,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.model.load_state_dict(state["model"])
+        self.epoch_rng, self.finished = state["epoch_rng"], bool(state["finished"])
+        self.loaded = state
+        self.trainer.state = self.trainer_state()  # what train() loads again from the folder it is given
+
+    def trainer_state(self) -> TrainerState:
+        return TrainerState(**json.loads(self.loaded["trainer_state"]))
+
+
+class Steps:
+    """The stretches of optimizer steps between two safe points of a ``train`` call, as the
+    cell's loop iterates them, until training has ended; named by the step that comes next."""
+
+    def __init__(self, state: TrainerCheckpoint):
+        self.state = state
+
+    def __iter__(self):
+        step = 0
+        while not self.state.finished:
+            yield step
+            step += 1
+
+    def describe(self, index: int) -> str:
+        return "the end" if self.state.finished else f"step {self.state.trainer.state.global_step + 1}"
+
+
+class ResilienceCallback(TrainerCallback):
+    """Make the Trainer's optimizer steps safe points of the ``%%resilient`` cell it runs in, and
+    resume ``train`` at the first unfinished step (see the module documentation). Outside a
+    ``%%resilient`` cell it does nothing.
+
+    ``every_steps``: a safe point every that many optimizer steps too, not only at each epoch's end
+    (a resume then loses at most that many steps; each save costs what ``--save``-ing the model
+    and optimizer costs)."""
+
+    _said_outside = False
+
+    def __init__(self, every_steps: int | None = None):
+        if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
+            raise ValueError(f"colab_resilience: every_steps must be a whole number of steps, 1 or more; got "
+                             f"{every_steps!r}")
+        self.every_steps = every_steps
+        self._new_epoch = False  # an epoch began: the step that begins next ends the epoch before
+        self._steps = None  # the cell's loop over the steps (Loops.iterate)
+        self._state: TrainerCheckpoint | None = None
+        self._pending = False  # a step ended; its safe point comes when the Trainer has logged it
+        self._logging: dict | None = None  # to put back once train() has reset it
+        self._epoch_start = False  # the resumed run goes on at the start of an epoch
+
+    # --------------------------------------------------------------------- the wrapped train()
+
+    def train(self, trainer: Trainer, run, call) -> TrainOutput:
+        if not run.uses_loop:
+            raise RunStoppedError(
+                "colab_resilience: ResilienceCallback was made outside the %%resilient cell that trains, so the "
+                "cell was not run as a loop of steps; write `trainer.add_callback(ResilienceCallback())` in that cell"
+            )
+        self._state = state = TrainerCheckpoint(trainer)
+        run.extras[STATE] = state
+        self._pending, self._logging, self._epoch_start = False, None, False
+        self._steps = run.loops.iterate(Steps(state))
+        try:
+            self._new_epoch = False
+            first = next(self._steps, None)  # a resumed run: the model is loaded in place here
+            if state.loaded is None or first == 0:
+                return call(resume_from_checkpoint=None)
+            if first is None:  # it had ended: what train() returned then
+                trainer.state = state.trainer_state()
+                self._load_optimizer_and_scheduler(trainer)
+                return _output(trainer.state)
+            return self._resume(trainer, run, call)
+        finally:
+            self._steps.close()
+            self._steps = None
+
+    def _resume(self, trainer: Trainer, run, call) -> TrainOutput:
+        from .. import fsutil
+
+        folder = run.dir / RESUME_FOLDER
+        fsutil.make_private_dir(folder)
+        fsutil.atomic_write(folder / "trainer_state.json", self._state.loaded["trainer_state"].encode())
+        self._logging = self._state.loaded["logging"]
+        # for this call, the Trainer loads from this package's checkpoint, into its own objects
+        trainer._load_from_checkpoint = lambda *args, **kwargs: None  # the model is loaded already
+        trainer._load_optimizer_and_scheduler = lambda checkpoint: self._load_optimizer_and_scheduler(trainer)
+        trainer._load_rng_state = lambda checkpoint: self._load_rng(trainer)
+        try:
+            return call(resume_from_checkpoint=str(folder))
+        finally:
+            for name in ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_rng_state"):
+                vars(trainer).pop(name, None)
+
+    def _load_optimizer_and_scheduler(self, trainer: Trainer) -> None:
+        loaded = self._state.loaded
+        if trainer.optimizer is not None and loaded["optimizer"] is not None:
+            trainer.optimizer.load_state_dict(loaded["optimizer"])
+        if trainer.lr_scheduler is not None and loaded["scheduler"] is not None:
+            trainer.lr_scheduler.load_state_dict(loaded["scheduler"])
+
+    def _load_rng(self, trainer: Trainer) -> None:
+        """Where the Trainer's own resume puts its saved random state back: at the start of the
+        epoch it goes on with (the state when that epoch began, which draws its order), or after
+        it skipped the epoch's finished batches (the state at the safe point)."""
+        loaded = self._state.loaded
+        if self._epoch_start and loaded["epoch_rng"] is not None:
+            restore_rng(loaded["epoch_rng"])
+        else:
+            restore_rng(loaded["rng"])
+
+    # ------------------------------------------------------------------------------- events
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self._steps is None:
+            if active_run() is None and not ResilienceCallback._said_outside:
+                ResilienceCallback._said_outside = True
+                print("colab_resilience: ResilienceCallback outside a %%resilient cell: nothing is checkpointed",
+                      file=sys.stderr)
+            return
+        if self._logging is not None:  # train() reset them for a fresh start: put back what they were
+            import torch
+
+            # what the Trainer's loop worked out from the step count: where it goes on
+            loop = _caller_locals("_inner_training_loop", self._state.trainer)
+            self._epoch_start = loop.get("steps_trained_in_current_epoch", 1) == 0
+            t, logging = self._state.trainer, self._logging
+            t._tr_loss = torch.tensor(logging["tr_loss"], device=args.device)
+            t._total_loss_scalar = logging["total_loss"]
+            t._globalstep_last_logged = logging["last_logged"]
+            t._initial_global_step = logging["initial_step"]
+            self._logging = None
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        if self._steps is not None:
+            self._state.epoch_rng = capture_rng()
+            self._new_epoch = True
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self._steps is None:
+            return
+        due = self._new_epoch or (self.every_steps is not None and state.global_step % self.every_steps == 0)
+        self._new_epoch = False
+        if self._pending and due:
+            self._safe_point()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._steps is not None:
+            self._pending = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._steps is None:
+            return
+        self._state.finished = True
+        self._safe_point()
+
+    def _safe_point(self) -> None:
+        self._pending = False
+        next(self._steps, None)  # saves when due, may restart as planned
+
+
+def _caller_locals(function: str, trainer: Trainer) -> dict:
+    """The local variables of the Trainer's method ``function`` that is calling back, or {}."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == function and frame.f_locals.get("self") is trainer:
+            return dict(frame.f_locals)
+        frame = frame.f_back
+    return {}
+
+
+def _output(state: TrainerState) -> TrainOutput:
+    """The ``TrainOutput`` a finished ``train`` returned: its final log holds the metrics."""
+    final = next((log for log in reversed(state.log_history) if "train_loss" in log), {})
+    metrics = {k: v for k, v in final.items() if k not in ("epoch", "step")}
+    return TrainOutput(state.global_step, metrics.get("train_loss", 0.0), metrics)
+
+
+_original_train = getattr(Trainer.train, "__wrapped__", Trainer.train)  # imported again: wrapped once
+
+
+@functools.wraps(_original_train)
+def _train(self, resume_from_checkpoint=None, *args, **kwargs):
+    callback = next((c for c in self.callback_handler.callbacks if isinstance(c, ResilienceCallback)), None)
+    run = active_run()
+    if callback is None or run is None:
+        return _original_train(self, resume_from_checkpoint, *args, **kwargs)
+    if resume_from_checkpoint:
+        raise RunStoppedError(
+            "colab_resilience: a Trainer with ResilienceCallback resumes from the run's own checkpoints; "
+            "call trainer.train() without resume_from_checkpoint"
+        )
+    try:
+        return callback.train(self, run, functools.partial(_original_train, self, *args, **kwargs))
+    finally:
+        # it belongs to this call: the cell adds a new one when it runs again (a retry), and the
+        # Trainer would warn of two
+        self.callback_handler.remove_callback(callback)
+
+
+Trainer.train = _train
+__all__ = ["ResilienceCallback", "transformers"]

@@ -1,0 +1,128 @@
+"""The Hugging Face ``Trainer`` with ``ResilienceCallback``: every optimizer step a safe point;
+the model, optimizer, scheduler, ``TrainerState``, the Trainer's logging accumulators and the
+random states go with each checkpoint, into the Trainer the replayed set-up cell rebuilt; a run
+killed or out of memory goes on at its step (the Trainer skipping the finished epochs and batches),
+bit-identical to its uninterrupted twin: weights, optimizer state, every logged loss and
+``training_loss`` (the Trainer's own resume logs other losses: it restarts its accumulators).
+
+Skipped where torch or transformers is not installed; CI's trainers stack (``.ci/run``) has them.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch", reason="torch is not installed")
+pytest.importorskip("transformers", reason="transformers is not installed (CI's trainers stack has it)")
+
+import harness
+
+pytestmark = pytest.mark.kernel
+
+_twins: dict = {}
+
+
+def load(tmp_path, **parameters):
+    return harness.load("train_hf.ipynb", tmp_path, output_dir=str(tmp_path / "out"), **parameters)
+
+
+def twin(tmp_path_factory) -> str:
+    if "hf" not in _twins:
+        work = tmp_path_factory.mktemp("hf-twin")
+        nb = load(work)
+        run = harness.run(nb, work, standby=False)
+        assert run.status == 0, run.message
+        _twins["hf"] = harness.result(nb)
+        assert "step=30" in _twins["hf"]
+    return _twins["hf"]
+
+
+def trained_steps(log) -> list[tuple[int, int]]:
+    """(kernel, step) for each step begun, kernels numbered from 0 in order of appearance."""
+    pids: dict[str, int] = {}
+    out = []
+    for line in log.read_text().splitlines():
+        pid, _, step = line.split()
+        out.append((pids.setdefault(pid, len(pids)), int(step)))
+    return out
+
+
+@pytest.mark.parametrize("fault,fault_step,retries,every_steps,resume", [
+    ("sigkill", 12, 2, 1, 12), ("sigkill", 11, 2, 1, 11), ("oom-error", 12, 2, 1, 12), ("oom-error", 12, 0, 1, 12),
+    ("sigkill", 12, 2, None, 11),
+], ids=["killed-mid-epoch", "killed-at-an-epoch-start", "out-of-memory", "out-of-memory-past-the-retries",
+        "killed-saving-at-epochs-only"])
+def test_a_trainer_killed_or_out_of_memory_goes_on_at_its_step_bit_identical(
+        tmp_path, tmp_path_factory, fault, fault_step, retries, every_steps, resume):
+    """Supervised, with the standby kernel. The fault strikes after optimizer step 12 (epoch 2's
+    second of 10) or 11 (its first): the last safe point is step 11 (taken when step 12 began,
+    the Trainer having logged step 11) or 10, so the new kernel's Trainer goes on at step 12 or
+    11: mid-epoch it skips the epoch's finished batches and takes the random state of the safe
+    point, at an epoch's start the random state when that epoch began (which draws its order).
+    An OOM is retried in the kernel from the same safe point, or past the retries in a new one.
+    Without every_steps the safe points are the epochs' ends only: the run goes on at step 11."""
+    reference = twin(tmp_path_factory)
+    nb = load(tmp_path, fault=fault, fault_step=fault_step, retries=retries, every_steps=every_steps)
+    run = harness.run(nb, tmp_path)
+    assert run.status == 0, run.message
+    out = harness.cell_text(nb.cells[harness.index(nb, "train")])
+    if fault == "sigkill" or retries == 0:
+        assert len(run.restarts) == 1, out
+        assert "restored the Trainer's model, optimizer, scheduler and state in " in out, out
+    else:
+        assert not run.restarts and "OOM (CUDA out of memory)" in out and "retry 1/2" in out, out
+        assert "You are adding a" not in out  # the retry's new callback is the only one
+    assert f"continuing at step {resume}" in out, out
+    assert harness.result(nb) == reference
+    # the steps from the safe point to the fault are trained again, and none before them
+    assert [s for _, s in trained_steps(tmp_path / "events.log")] == list(range(1, fault_step + 1)) + list(range(resume, 31))
+
+
+def test_a_trainer_killed_in_a_kernel_goes_on_when_its_cell_runs_again(kernel, tmp_path, tmp_path_factory):
+    """Interactive, as in Jupyter: the kernel dies after step 12, the user runs the training cell
+    again: the set-up cell is replayed (a new Trainer), and train() goes on at step 12."""
+    reference = twin(tmp_path_factory)
+    nb = load(tmp_path, fault="sigkill")
+    out = harness.killed_and_rerun(kernel, nb)
+    assert "replayed 3 cells, restored the Trainer's model, optimizer, scheduler and state in " in out, out
+    assert "continuing at step 12" in out
+    assert harness.result(kernel.ok(harness.user_cell(nb, "result")).stdout) == reference
+
+
+def test_what_the_callback_refuses_and_where_it_does_nothing(kernel, tmp_path):
+    """Outside a %%resilient cell it says so once and the Trainer trains as usual; inside one,
+    train(resume_from_checkpoint=...) is refused in one line (the run resumes from its own
+    checkpoints), and so is a callback added outside the cell (the cell would not be run as a
+    loop of steps, and a resume would train from step 0)."""
+    nb = load(tmp_path, epochs=1)
+    harness.run_interactive(kernel, nb, stop="train")
+    body = harness.user_cell(nb, "train").split("\n", 1)[1]  # without %%resilient
+    reply = kernel.ok(body)
+    assert reply.stderr.count("colab_resilience: ResilienceCallback outside a %%resilient cell: nothing is "
+                              "checkpointed") == 1, reply.stderr
+    reply = kernel.execute("%%resilient\ntrainer.add_callback(ResilienceCallback())\n"
+                           "trainer.train(resume_from_checkpoint='out/checkpoint-5')")
+    assert reply.status == "error" and reply.evalue == (
+        "colab_resilience: a Trainer with ResilienceCallback resumes from the run's own checkpoints; call "
+        "trainer.train() without resume_from_checkpoint"), reply.evalue
+    kernel.ok("trainer.add_callback(ResilienceCallback())")
+    reply = kernel.execute("%%resilient\ntrainer.train()")
+    assert reply.status == "error" and reply.evalue.startswith(
+        "colab_resilience: ResilienceCallback was made outside the %%resilient cell that trains"), reply.evalue
+
+
+def test_colab_resilience_check_passes_the_trainer_notebook(tmp_path):
+    """Kills between safe points, during a save and before one, and an out-of-memory error raised
+    in the Trainer's own code (below the wrapped train(), which the injected error used to treat
+    as this package's and never fired in)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "colab_resilience", "check", str(harness.FILES / "train_hf.ipynb"), "--faults", "4",
+         "--seed", "1", "--kernel", harness.KERNEL_NAME, "-p", "mark", str(tmp_path / "mark"),
+         "-p", "output_dir", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=400, check=False, env=harness.child_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "an out-of-memory error" in r.stdout and "never fired" not in r.stdout, r.stdout
+    assert "identical after each of 4 faults" in r.stdout, r.stdout
