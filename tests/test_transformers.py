@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -126,3 +127,16 @@ def test_colab_resilience_check_passes_the_trainer_notebook(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "an out-of-memory error" in r.stdout and "never fired" not in r.stdout, r.stdout
     assert "identical after each of 4 faults" in r.stdout, r.stdout
+
+
+def test_colab_resilience_check_passes_the_shipped_trainer_notebook(tmp_path):
+    """notebooks/trainer.ipynb, the Colab-ready fine-tune (a small BERT built from its config,
+    offline): identical after each fault. Run from a copy: its runs write the Trainer's output
+    folder beside it."""
+    (tmp_path / "trainer.ipynb").write_bytes((Path(harness.REPO) / "notebooks" / "trainer.ipynb").read_bytes())
+    r = subprocess.run(
+        [sys.executable, "-m", "colab_resilience", "check", str(tmp_path / "trainer.ipynb"), "--faults", "3",
+         "--kernel", harness.KERNEL_NAME],
+        capture_output=True, text=True, timeout=400, check=False, env=harness.child_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "identical after each of 3 faults" in r.stdout, r.stdout
