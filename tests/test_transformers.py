@@ -53,9 +53,9 @@ def trained_steps(log) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("fault,fault_step,retries,every_steps,resume", [
     ("sigkill", 12, 2, 1, 12), ("sigkill", 11, 2, 1, 11), ("oom-error", 12, 2, 1, 12), ("oom-error", 12, 0, 1, 12),
-    ("sigkill", 12, 2, None, 11),
+    ("sigkill", 12, 2, None, 11), ("sigkill", "end", 2, 1, None),
 ], ids=["killed-mid-epoch", "killed-at-an-epoch-start", "out-of-memory", "out-of-memory-past-the-retries",
-        "killed-saving-at-epochs-only"])
+        "killed-saving-at-epochs-only", "killed-after-train-returned"])
 def test_a_trainer_killed_or_out_of_memory_goes_on_at_its_step_bit_identical(
         tmp_path, tmp_path_factory, fault, fault_step, retries, every_steps, resume):
     """Supervised, with the standby kernel. The fault strikes after optimizer step 12 (epoch 2's
@@ -64,7 +64,9 @@ def test_a_trainer_killed_or_out_of_memory_goes_on_at_its_step_bit_identical(
     11: mid-epoch it skips the epoch's finished batches and takes the random state of the safe
     point, at an epoch's start the random state when that epoch began (which draws its order).
     An OOM is retried in the kernel from the same safe point, or past the retries in a new one.
-    Without every_steps the safe points are the epochs' ends only: the run goes on at step 11."""
+    Without every_steps the safe points are the epochs' ends only: the run goes on at step 11.
+    Killed after train() returned (its last safe point saved), the cell run again trains nothing
+    and train() returns the training_loss it returned."""
     reference = twin(tmp_path_factory)
     nb = load(tmp_path, fault=fault, fault_step=fault_step, retries=retries, every_steps=every_steps)
     run = harness.run(nb, tmp_path)
@@ -76,10 +78,13 @@ def test_a_trainer_killed_or_out_of_memory_goes_on_at_its_step_bit_identical(
     else:
         assert not run.restarts and "OOM (CUDA out of memory)" in out and "retry 1/2" in out, out
         assert "You are adding a" not in out  # the retry's new callback is the only one
-    assert f"continuing at step {resume}" in out, out
+    steps = [s for _, s in trained_steps(tmp_path / "events.log")]
+    if resume is None:  # train() had returned: the new kernel trains nothing, and returns what it returned
+        assert "the loop had finished" in out and steps == list(range(1, 31)), out
+    else:  # the steps from the safe point to the fault are trained again, and none before them
+        assert f"continuing at step {resume}" in out, out
+        assert steps == list(range(1, fault_step + 1)) + list(range(resume, 31))
     assert harness.result(nb) == reference
-    # the steps from the safe point to the fault are trained again, and none before them
-    assert [s for _, s in trained_steps(tmp_path / "events.log")] == list(range(1, fault_step + 1)) + list(range(resume, 31))
 
 
 def test_a_trainer_killed_in_a_kernel_goes_on_when_its_cell_runs_again(kernel, tmp_path, tmp_path_factory):

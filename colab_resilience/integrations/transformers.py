@@ -34,7 +34,6 @@ import json
 import sys
 from typing import Any
 
-import transformers
 from transformers import Trainer, TrainerCallback, TrainerState
 from transformers.trainer_utils import TrainOutput
 
@@ -144,8 +143,10 @@ class ResilienceCallback(TrainerCallback):
             first = next(self._steps, None)  # a resumed run: the model is loaded in place here
             if state.loaded is None or first == 0:
                 return call(resume_from_checkpoint=None)
-            if first is None:  # it had ended: what train() returned then
+            if first is None:  # it had ended: the optimizer as it left it, and what train() returned then
                 trainer.state = state.trainer_state()
+                if trainer.optimizer is None or trainer.lr_scheduler is None:
+                    trainer.create_optimizer_and_scheduler(num_training_steps=trainer.state.max_steps)
                 self._load_optimizer_and_scheduler(trainer)
                 return _output(trainer.state)
             return self._resume(trainer, run, call)
@@ -277,4 +278,4 @@ def _train(self, resume_from_checkpoint=None, *args, **kwargs):
 
 
 Trainer.train = _train
-__all__ = ["ResilienceCallback", "transformers"]
+__all__ = ["ResilienceCallback"]
