@@ -386,6 +386,13 @@ def run(nb, workdir: str | os.PathLike, **kw):
     return driver.run_notebook(nb, workdir / "out.ipynb", cwd=workdir, run_dir=workdir / "runs", **kw)
 
 
+def run_ok(nb, workdir: str | os.PathLike, **kw):
+    """:func:`run`, which must succeed; returns the run and what its ``train`` cell printed."""
+    result = run(nb, workdir, **kw)
+    assert result.status == 0, result.message
+    return result, cell_text(nb.cells[index(nb, "train")])
+
+
 def run_interactive(kernel: "Kernel", nb, *, start: str | None = None, stop: str | None = None,
                     verbatim: bool = False) -> dict[str, "Reply"]:
     """Execute :func:`user_cells` in ``kernel`` one by one, each insisting on success: from the cell
@@ -399,6 +406,17 @@ def run_interactive(kernel: "Kernel", nb, *, start: str | None = None, stop: str
         if started:
             replies[cell_id] = kernel.ok(source)
     return replies
+
+
+def by_kernel(log: Path) -> list[tuple[int, int]]:
+    """A golden notebook's ``pid word n`` log (``epoch 2``, ``step 12``) as ``(kernel, n)`` per line,
+    the kernels numbered from 0 in the order they appear."""
+    pids: dict[str, int] = {}
+    out = []
+    for line in Path(log).read_text().splitlines():
+        pid, _, n = line.split()
+        out.append((pids.setdefault(pid, len(pids)), int(n)))
+    return out
 
 
 def killed_and_rerun(kernel: "Kernel", nb, expect_code: int = -9) -> str:

@@ -113,14 +113,7 @@ def twin(tmp_path_factory) -> str:
     return _twins["arrays"]
 
 
-def trained_epochs(log) -> list[tuple[int, int]]:
-    """(kernel, epoch) for each epoch begun, kernels numbered from 0 in order of appearance."""
-    pids: dict[str, int] = {}
-    out = []
-    for line in log.read_text().splitlines():
-        pid, _, epoch = line.split()
-        out.append((pids.setdefault(pid, len(pids)), int(epoch)))
-    return out
+trained_epochs = harness.by_kernel  # (kernel, epoch) for each epoch begun
 
 
 @pytest.mark.kernel
@@ -135,9 +128,7 @@ def test_a_keras_fit_killed_or_out_of_memory_mid_epoch_goes_on_at_that_epoch_bit
     Epoch 0 is trained once; History holds all four epochs."""
     reference = twin(tmp_path_factory)
     nb = harness.load("train_keras.ipynb", tmp_path, fault=fault, retries=retries)
-    run = harness.run(nb, tmp_path)
-    assert run.status == 0, run.message
-    out = harness.cell_text(nb.cells[harness.index(nb, "train")])
+    run, out = harness.run_ok(nb, tmp_path)
     if fault == "sigkill" or retries == 0:
         assert len(run.restarts) == 1, out
         assert "restored the Keras model, its optimizer, the epochs' logs and the state of Fault in " in out, out
@@ -169,9 +160,8 @@ def test_early_stoppings_count_and_best_weights_go_with_the_checkpoint(tmp_path,
         assert "epochs=[0, 1, 2, 3]" in _twins["early"]  # it stopped early
     nb = harness.load("train_keras.ipynb", tmp_path, early_stop=True, epochs=8, fault="sigkill",
                       fault_epoch=fault_epoch, fault_step=fault_step)
-    run = harness.run(nb, tmp_path)
-    assert run.status == 0 and len(run.restarts) == 1, run.message
-    out = harness.cell_text(nb.cells[harness.index(nb, "train")])
+    run, out = harness.run_ok(nb, tmp_path)
+    assert len(run.restarts) == 1, out
     assert "the state of EarlyStopping, Fault in " in out, out
     assert ("the loop had finished" if fault_step == "end" else "continuing at epoch 4/8") in out, out
     assert harness.result(nb) == _twins["early"]
@@ -207,9 +197,7 @@ def test_where_a_resume_cannot_be_identical_the_callback_says_so_once_before_tra
     """The line comes before the first epoch, once in the kernel (not again at each epoch); the
     fit still resumes after a kill (at epoch 1, with its epochs' logs)."""
     nb = harness.load("train_keras.ipynb", tmp_path, fault="sigkill", **parameters)
-    run = harness.run(nb, tmp_path)
-    assert run.status == 0, run.message
-    out = harness.cell_text(nb.cells[harness.index(nb, "train")])
+    run, out = harness.run_ok(nb, tmp_path)
     lines = out.splitlines()
     assert lines.count(said) == 2, out  # the first kernel's fit, and the resumed one's
     died = next(i for i, line in enumerate(lines) if line.startswith("colab_resilience: the kernel died"))

@@ -41,14 +41,7 @@ def twin(tmp_path_factory) -> str:
     return _twins["hf"]
 
 
-def trained_steps(log) -> list[tuple[int, int]]:
-    """(kernel, step) for each step begun, kernels numbered from 0 in order of appearance."""
-    pids: dict[str, int] = {}
-    out = []
-    for line in log.read_text().splitlines():
-        pid, _, step = line.split()
-        out.append((pids.setdefault(pid, len(pids)), int(step)))
-    return out
+trained_steps = harness.by_kernel  # (kernel, step) for each step begun
 
 
 @pytest.mark.parametrize("fault,fault_step,retries,every_steps,resume", [
@@ -69,9 +62,7 @@ def test_a_trainer_killed_or_out_of_memory_goes_on_at_its_step_bit_identical(
     and train() returns the training_loss it returned."""
     reference = twin(tmp_path_factory)
     nb = load(tmp_path, fault=fault, fault_step=fault_step, retries=retries, every_steps=every_steps)
-    run = harness.run(nb, tmp_path)
-    assert run.status == 0, run.message
-    out = harness.cell_text(nb.cells[harness.index(nb, "train")])
+    run, out = harness.run_ok(nb, tmp_path)
     if fault == "sigkill" or retries == 0:
         assert len(run.restarts) == 1, out
         assert "restored the Trainer's model, optimizer, scheduler and state in " in out, out
