@@ -169,32 +169,24 @@ class Checkpoint:
         if e.kind not in ("state_dict", "pytree"):
             return None
         short = e.type_name.rsplit(".", 1)[-1]
-        if e.kind == "pytree":
-            if n not in namespace:
-                return (
-                    f"colab_resilience: cannot restore {n!r}: its leaves are saved, and they go into the {short} "
-                    f"the set-up cells build, but no variable {n!r} exists now; build it in a %%replay cell"
-                )
-            if type_name(namespace[n]) != e.type_name:
-                return (
-                    f"colab_resilience: cannot restore {n!r} into what it holds now: it was saved from a "
-                    f"{e.type_name} and now holds a {type_name(namespace[n])}"
-                )
-            return None
+        pytree = e.kind == "pytree"  # leaves go into the rebuilt object; a state dict is loaded into it
         if n not in namespace:
             return (
+                f"colab_resilience: cannot restore {n!r}: its leaves are saved, and they go into the {short} "
+                f"the set-up cells build, but no variable {n!r} exists now; build it in a %%replay cell"
+            ) if pytree else (
                 f"colab_resilience: cannot restore {n!r} in place: no variable {n!r} exists "
                 f"now (it was a {short}); run the cell that builds it (a %%replay cell) first"
             )
-        if not callable(getattr(namespace[n], "load_state_dict", None)):
+        if not pytree and not callable(getattr(namespace[n], "load_state_dict", None)):
             return (
                 f"colab_resilience: cannot restore {n!r} in place: it now holds a "
                 f"{type(namespace[n]).__name__}, which has no load_state_dict (it was a {short})"
             )
         if type_name(namespace[n]) != e.type_name:
             return (
-                f"colab_resilience: cannot restore {n!r} in place: it was saved from a "
-                f"{e.type_name} and now holds a {type_name(namespace[n])}"
+                f"colab_resilience: cannot restore {n!r} {'into what it holds now' if pytree else 'in place'}: it "
+                f"was saved from a {e.type_name} and now holds a {type_name(namespace[n])}"
             )
         return None
 

@@ -9,3 +9,19 @@ and optimizer, restored in place) as state saved with every checkpoint:
 
 Importing this package imports no framework.
 """
+
+from __future__ import annotations
+
+import sys
+
+
+def caller_locals(function: str, owner) -> dict:
+    """The local variables of the framework's method ``function`` of ``owner`` (its ``self``) that
+    is calling back, or {} when it is not on the stack: what a framework keeps in its loop's
+    locals and does not pass to callbacks (Keras ``fit``'s data, the Trainer's steps to skip)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == function and frame.f_locals.get("self") is owner:
+            return dict(frame.f_locals)
+        frame = frame.f_back
+    return {}

@@ -45,6 +45,7 @@ import numpy as np
 
 from ..errors import RunStoppedError
 from ..loops import active_run
+from . import caller_locals
 
 STATE = "keras:fit"  # the checkpoint entry holding a fit's state
 
@@ -278,7 +279,7 @@ class ResilienceCallback(keras.callbacks.Callback):
                 "colab_resilience: ResilienceCallback was made outside the %%resilient cell that trains, so the "
                 "cell was not run as a loop of epochs; write `callbacks=[ResilienceCallback()]` in that cell"
             )
-        fit = _fit_locals(self.model)
+        fit = caller_locals("fit", self.model)  # its data, its initial_epoch, its callbacks
         epochs = self.params["epochs"]
         initial = int(fit.get("initial_epoch", 0) or 0)
         for line in _inexact(fit):
@@ -344,17 +345,6 @@ class ResilienceCallback(keras.callbacks.Callback):
                 f"colab_resilience: the checkpoint holds the state of {', '.join(missing)}, which this fit does not "
                 "have at that place in its callbacks; that state was not put back, and the fit goes on without it"
             )
-
-
-def _fit_locals(model) -> dict:
-    """The local variables of the ``fit`` of ``model`` that is calling back (its data, its
-    ``initial_epoch``), or an empty dict when it is not found on the stack."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
-            return dict(frame.f_locals)
-        frame = frame.f_back
-    return {}
 
 
 def _inexact(fit: dict) -> list[str]:

@@ -40,6 +40,7 @@ from transformers.trainer_utils import TrainOutput
 from ..checkpoints import capture_rng, restore_rng
 from ..errors import RunStoppedError
 from ..loops import active_run
+from . import caller_locals
 
 STATE = "transformers:trainer"  # the checkpoint entry holding a Trainer's state
 RESUME_FOLDER = "transformers-resume"  # in the run's folder: trainer_state.json for train()
@@ -201,7 +202,7 @@ class ResilienceCallback(TrainerCallback):
             import torch
 
             # what the Trainer's loop worked out from the step count: where it goes on
-            loop = _caller_locals("_inner_training_loop", self._state.trainer)
+            loop = caller_locals("_inner_training_loop", self._state.trainer)
             self._epoch_start = loop.get("steps_trained_in_current_epoch", 1) == 0
             t, logging = self._state.trainer, self._logging
             t._tr_loss = torch.tensor(logging["tr_loss"], device=args.device)
@@ -236,16 +237,6 @@ class ResilienceCallback(TrainerCallback):
     def _safe_point(self) -> None:
         self._pending = False
         next(self._steps, None)  # saves when due, may restart as planned
-
-
-def _caller_locals(function: str, trainer: Trainer) -> dict:
-    """The local variables of the Trainer's method ``function`` that is calling back, or {}."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == function and frame.f_locals.get("self") is trainer:
-            return dict(frame.f_locals)
-        frame = frame.f_back
-    return {}
 
 
 def _output(state: TrainerState) -> TrainOutput:
