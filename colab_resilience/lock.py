@@ -4,6 +4,11 @@ The file holds the holder's PID, so a second process is told who holds it
 (:class:`~colab_resilience.errors.RunLockedError`). The kernel drops a flock when its holder
 dies, SIGKILL included, so a crashed kernel never leaves a stale lock. Re-acquiring in the same
 process is counted, not refused.
+
+A flock belongs to the open file, which a forked child shares: a ``DataLoader`` worker forked
+from the kernel would hold the run locked after the kernel died, until it noticed (seconds), and
+the kernel that takes over would be refused. So a forked child closes its copies at once
+(:func:`_close_in_child`).
 """
 
 from __future__ import annotations
@@ -104,3 +109,18 @@ class RunLock:
             self.release()
         except Exception:
             pass
+
+
+def _close_in_child() -> None:
+    """In a forked child: close the inherited descriptors of the locks this process held, without
+    unlocking (``LOCK_UN`` would unlock the parent's hold, the same open file); the child holds
+    nothing, and the lock goes when its holder does."""
+    for fd, _ in list(_held.values()):  # not under _held_guard: another thread may have held it at the fork
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)

@@ -154,6 +154,37 @@ def test_lock_held_by_another_process_names_its_pid(tmp_path):
         assert (run / "lock").read_text().strip() == str(os.getpid())
 
 
+def test_a_forked_child_does_not_keep_the_lock_after_its_parent_is_killed(tmp_path):
+    """A DataLoader worker is a child the kernel forked, which shares the kernel's open files: the
+    run's lock must go with the kernel (SIGKILL), not wait for the worker, or the kernel that
+    takes over is refused ("in use by process ..."). The child still runs when the lock is taken."""
+    run, ready = tmp_path / "run", tmp_path / "ready"
+    code = (
+        "import os, time, pathlib\n"
+        "from colab_resilience.lock import RunLock\n"
+        f"lock = RunLock({str(run)!r}).acquire()\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    time.sleep(60); os._exit(0)\n"
+        f"pathlib.Path({str(ready)!r}).write_text(str(child))\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], env=child_env())
+    deadline = time.time() + 30
+    while not ready.exists() or not ready.read_text():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.02)
+    child = int(ready.read_text())
+    try:
+        proc.kill()
+        proc.wait()
+        os.kill(child, 0)  # alive: it would hold the lock if it had kept the file open
+        with RunLock(run) as lock:
+            assert lock.held
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
 def test_lock_is_reentrant_in_one_process_and_released_on_close(tmp_path):
     """One process may take its own run's lock twice; another process is refused until the last
     holder releases it."""
