@@ -145,6 +145,11 @@ class FaultResult:
     differences: list[str] = field(default_factory=list)
     restarts: int = 0
     seconds: float = 0.0
+    caught: bool = False  # an out-of-memory error the notebook's own code caught: it never reached this package
+
+    @property
+    def proves(self) -> bool:
+        return self.fired and not self.caught
 
 
 @dataclass
@@ -161,17 +166,21 @@ class CheckReport:
         fired tested nothing (exit 1, said as such, not as a difference)."""
         if self.broken:
             return EXIT_BROKEN
-        return EXIT_DIFFERS if any(r.differences or not r.fired for r in self.results) else EXIT_IDENTICAL
+        return EXIT_DIFFERS if any(r.differences or not r.proves for r in self.results) else EXIT_IDENTICAL
 
     def summary(self, seed: int) -> str:
         n = len(self.results)
-        differ = sum(1 for r in self.results if r.differences)
+        differ = sum(1 for r in self.results if r.differences and r.proves)
         unfired = sum(1 for r in self.results if not r.fired and not r.differences)
-        if not differ and not unfired:
+        caught = sum(1 for r in self.results if r.fired and r.caught)  # what followed proves nothing
+        if not differ and not unfired and not caught:
             return f"identical after each of {n} faults (seed {seed})"
         parts = [f"{differ} of {n} faulted runs differ"] if differ else []
         if unfired:
             parts.append(f"{unfired} of {n} faults never fired, even aimed again (try another --seed)")
+        if caught:
+            parts.append(f"{caught} of {n} out-of-memory errors were caught by the notebook's own code, even aimed "
+                         "again (try another --seed)")
         return "; ".join(parts) + f" (seed {seed})"
 
 
@@ -419,18 +428,28 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
                 mark = work / f"fault-{i}-{attempt}.fired"
                 started = time.perf_counter()
                 outcome = _outcome(run(f"fault-{i}", {fault_env.FAULT_ENV: fault.env(mark)}))
-                result = FaultResult(fault, fault_env.fired(mark), compare(reference, outcome),
-                                     len(outcome.result.restarts), time.perf_counter() - started)
-                if result.fired or attempt == REAIM:
+                fired = fault_env.fired(mark)
+                result = FaultResult(fault, fired, compare(reference, outcome), len(outcome.result.restarts),
+                                     time.perf_counter() - started,
+                                     caught=fired and fault.kind == "oom" and not fault_env.reached_handling(mark))
+                if result.proves or attempt == REAIM:
                     break
-                log(f"  fault {i}/{faults}: {fault.describe(report.safe_points)}: never fired (the run went "
-                    "another way, e.g. a planned restart at that safe point); aimed at another moment")
+                if result.caught:
+                    log(f"  fault {i}/{faults}: {fault.describe(report.safe_points)}: the error, raised at "
+                        f"{fault_env.fired_at(mark)}, was caught there by the notebook's own code and never reached "
+                        "colab_resilience; aimed at another moment")
+                else:
+                    log(f"  fault {i}/{faults}: {fault.describe(report.safe_points)}: never fired (the run went "
+                        "another way, e.g. a planned restart at that safe point); aimed at another moment")
             report.results.append(result)
             where = fault_env.fired_at(mark)
             landed = f" (the error was raised at {where})" if where else ""
             verdict = ("identical" if not result.differences else f"DIFFERS{landed}: " + "; ".join(result.differences))
             if not result.fired:
                 verdict = "the fault never fired (the run went another way), so this run proves nothing: " + verdict
+            elif result.caught:
+                verdict = ("the error was caught by the notebook's own code where it was raised, never reaching "
+                           "colab_resilience, so this run proves nothing: " + verdict)
             log(f"  fault {i}/{faults}: {fault.describe(report.safe_points)}: {verdict} "
                 f"({result.restarts} kernel restart{'s' if result.restarts != 1 else ''}, {result.seconds:.1f} s)")
             for why, names in not_compared(reference, outcome).items():

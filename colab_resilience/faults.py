@@ -52,6 +52,17 @@ def take_injected() -> bool:
     return injected
 
 
+def reached() -> None:
+    """The out-of-memory handling has the error it recovers from: if that was the injected one, its
+    mark says so. An injected error that the notebook's libraries caught themselves (a
+    ``try/except Exception`` around the line it was raised at) never gets here: the run went on
+    as if nothing had happened, and proves nothing about this package."""
+    mark = (_fault or {}).get("mark")
+    if _injected.is_set() and mark:
+        with open(mark, "a") as f:
+            f.write("reached\n")
+
+
 def active() -> bool:
     return bool(_timeline or _fault)
 
@@ -98,6 +109,16 @@ def safe_point(phase: str, *, end: bool = False) -> None:
 def fired(mark: str | os.PathLike) -> bool:
     """Whether the fault armed with ``mark`` went off (the kernel may have ended first)."""
     return fired_at(mark) is not None
+
+
+def reached_handling(mark: str | os.PathLike) -> bool:
+    """Whether the out-of-memory error armed with ``mark`` reached this package's handling
+    (:func:`reached`)."""
+    try:
+        with open(mark) as f:
+            return any(ln.strip() == "reached" for ln in f)
+    except OSError:
+        return False
 
 
 def fired_at(mark: str | os.PathLike) -> str | None:

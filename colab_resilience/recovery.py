@@ -95,6 +95,7 @@ class Recovery:
             verdict = oom.classify(exc)
             if verdict is None:
                 reraise(self.shell, exc, tb)
+            faults.reached()
             outcome.labels.append(verdict.label)
             if verdict.needs_restart or outcome.attempts > self.retries:
                 self._give_up(exc, tb, verdict)

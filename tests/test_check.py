@@ -174,3 +174,38 @@ def test_a_fault_that_never_fires_is_aimed_again_not_called_a_difference():
     faults = [line for line in r.stdout.splitlines() if line.startswith("  fault ") and "aimed at" not in line]
     assert len(faults) == 3 and all(": identical (" in line for line in faults), r.stdout
     assert r.stdout.splitlines()[-1].endswith("identical after each of 3 faults (seed 4)")
+
+
+def test_an_oom_the_notebook_catches_itself_proves_nothing_and_is_said_so(tmp_path):
+    """The loop's work runs inside `try: ... except Exception`, as library code often does: an
+    injected out-of-memory error lands there, is swallowed, and the run goes on one step short. That
+    run says nothing about this package (a real CUDA OOM in such code is caught the same way, with
+    or without it): check says the error never reached colab_resilience, aims it again, and in the
+    end counts it as proving nothing (exit 1), not as a difference."""
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": harness.KERNEL_NAME, "language": "python",
+                                                           "display_name": "tests"}})
+    nb.cells = [nbformat.v4.new_code_cell("%load_ext colab_resilience"),
+                nbformat.v4.new_code_cell("%%replay\nimport time\ntotal = 0\n\n"
+                                          "def work():\n"
+                                          "    try:\n"
+                                          "        started = time.perf_counter()\n"
+                                          "        while time.perf_counter() - started < 0.05:\n"
+                                          "            pass\n"
+                                          "        return 1\n"
+                                          "    except Exception:\n"
+                                          "        return 0"),
+                nbformat.v4.new_code_cell("%%resilient --save total\nfor i in resume_range(6):\n    total += work()"),
+                nbformat.v4.new_code_cell("print('total', total)")]
+    path = tmp_path / "swallows.ipynb"
+    nbformat.write(nb, path)
+    r = check(str(path), "--faults", "2", "--seed", "0")
+    assert r.returncode == 1, r.stdout + r.stderr
+    faults = [line for line in r.stdout.splitlines() if line.startswith("  fault 2/2")]
+    assert len(faults) == 3, r.stdout  # aimed twice again
+    assert all("was caught there by the notebook's own code and never reached colab_resilience; aimed at another "
+               "moment" in line for line in faults[:2]), r.stdout
+    assert "the error was caught by the notebook's own code where it was raised, never reaching colab_resilience, " \
+           "so this run proves nothing" in faults[2], r.stdout
+    assert r.stdout.splitlines()[-1].endswith(
+        "1 of 2 out-of-memory errors were caught by the notebook's own code, even aimed again (try another --seed) "
+        "(seed 0)"), r.stdout
