@@ -148,6 +148,10 @@ def _walk(value, h, seen: set, depth: int) -> None:
         for v in variables:
             _walk(np.asarray(v.numpy()), h, seen, depth + 1)
         return
+    checkpoint = _lightning_checkpoint(value)
+    if checkpoint is not None:  # a Lightning Trainer is what its checkpoint holds (it keeps clock readings)
+        _walk(checkpoint, h, seen, depth + 1)
+        return
     if isinstance(value, dict):
         for k in sorted(value, key=repr):
             h.update(repr(k).encode())
@@ -178,6 +182,20 @@ def _walk_reduced(value, h, seen: set, depth: int) -> None:
         _walk(list(reduced[1:3]), h, seen, depth + 1)
         return
     h.update(re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value)).encode())
+
+
+def _lightning_checkpoint(value):
+    """What a Lightning ``Trainer`` that has a module writes into a checkpoint (the module's, the
+    optimizers', the schedulers', the loops', the callbacks' state), or None for anything else."""
+    import sys
+
+    pl = sys.modules.get("lightning.pytorch")
+    if pl is None or not isinstance(value, pl.Trainer) or value.lightning_module is None:
+        return None
+    try:
+        return value._checkpoint_connector.dump_checkpoint(weights_only=False)
+    except Exception:  # a Trainer between fits, in a state it cannot dump
+        return None
 
 
 def _keras_variables(value):
