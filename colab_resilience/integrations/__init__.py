@@ -5,7 +5,9 @@ cell; it drives the cell's :class:`~colab_resilience.loops.Loops` as a ``resume_
 framework's epochs would, and registers what the framework carries between epochs (its model
 and optimizer, restored in place) as state saved with every checkpoint:
 
-- :mod:`colab_resilience.integrations.keras`: Keras 3 ``Model.fit``.
+- :mod:`colab_resilience.integrations.keras`: Keras 3 ``Model.fit``;
+- :mod:`colab_resilience.integrations.transformers`: the Hugging Face ``Trainer.train``;
+- :mod:`colab_resilience.integrations.lightning`: Lightning's ``Trainer.fit``.
 
 Importing this package imports no framework.
 """

@@ -1,0 +1,150 @@
+"""Lightning's ``Trainer.fit`` with ``ResilienceCallback``: every epoch a safe point; Lightning's own
+checkpoint dictionary (module, optimizer, scheduler, loops, the state of ``EarlyStopping``,
+``ModelCheckpoint`` and a stateful callback of the notebook's) and the random states go with each
+checkpoint, and Lightning restores them into the module and optimizer the replayed set-up cell
+rebuilt; a run killed or out of memory goes on at its epoch, bit-identical to its uninterrupted
+twin: weights, optimizer state, every step's loss, the metrics, the callbacks' state.
+
+Skipped where torch or Lightning is not installed; CI's trainers stack (``.ci/run``) has them.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch", reason="torch is not installed")
+pytest.importorskip("lightning", reason="lightning is not installed (CI's trainers stack has it)")
+
+import harness
+
+pytestmark = pytest.mark.kernel
+
+_twins: dict = {}
+
+
+def load(tmp_path, **parameters):
+    return harness.load("train_lightning.ipynb", tmp_path, root_dir=str(tmp_path / "out"), **parameters)
+
+
+def twin(tmp_path_factory) -> str:
+    if "fit" not in _twins:
+        work = tmp_path_factory.mktemp("lightning-twin")
+        nb = load(work)
+        run = harness.run(nb, work, standby=False)
+        assert run.status == 0, run.message
+        _twins["fit"] = harness.result(nb)
+        assert "step=30 epoch=3" in _twins["fit"], _twins["fit"]
+    return _twins["fit"]
+
+
+trained_steps = harness.by_kernel  # (kernel, step) for each step begun
+
+
+@pytest.mark.parametrize("fault,fault_step,retries,workers,resume", [
+    ("sigkill", 15, 2, 0, 1), ("sigkill", 10, 2, 0, 0), ("oom-error", 15, 2, 0, 1), ("oom-error", 15, 0, 0, 1),
+    ("sigkill", 25, 2, 2, 2), ("sigkill", "end", 2, 0, None),
+], ids=["killed-mid-epoch", "killed-at-an-epoch-end", "out-of-memory", "out-of-memory-past-the-retries",
+        "killed-with-dataloader-workers", "killed-after-fit-returned"])
+def test_a_fit_killed_or_out_of_memory_goes_on_at_its_epoch_bit_identical(
+        tmp_path, tmp_path_factory, fault, fault_step, retries, workers, resume):
+    """Supervised, with the standby kernel. The fault strikes after optimizer step 15 (epoch 1's
+    fifth of 10): the last safe point is epoch 0's end (taken when epoch 1 began, after its
+    validation, EarlyStopping, ModelCheckpoint and the scheduler's step), so the new kernel's fit
+    goes on at epoch 1, step 11, drawing epoch 1's order from the random state of that moment.
+    After step 10 (epoch 0's last, its safe point not yet taken) it goes on at epoch 0. An OOM is
+    retried in the kernel from the same safe point, or past the retries in a new one. With two
+    DataLoader workers (forked by the kernel: the run's lock must not stay with them), the same.
+    Killed after fit returned (its last safe point saved), the cell run again trains nothing and
+    the metrics are those fit ended with."""
+    reference = twin(tmp_path_factory)
+    nb = load(tmp_path, fault=fault, fault_step=fault_step, retries=retries, workers=workers)
+    run, out = harness.run_ok(nb, tmp_path)
+    if fault == "sigkill" or retries == 0:
+        assert len(run.restarts) == 1, out
+        assert "restored the Lightning module, its optimizers, schedulers, loops and callbacks in " in out, out
+    else:
+        assert not run.restarts and "OOM (CUDA out of memory)" in out and "retry 1/2" in out, out
+    steps = [s for _, s in trained_steps(tmp_path / "events.log")]
+    if resume is None:  # fit had returned: the new kernel trains nothing
+        assert "the loop had finished" in out and steps == list(range(1, 31)), out
+    else:  # the epoch the fault struck in is trained again from its start, and none before it
+        assert f"continuing at epoch {resume}" in out, out
+        assert steps == list(range(1, fault_step + 1)) + list(range(resume * 10 + 1, 31))
+    assert harness.result(nb) == reference
+
+
+def test_checkpoint_files_a_dead_kernel_saved_are_named_and_the_new_names_said(tmp_path, tmp_path_factory):
+    """Killed as epoch 1 begins, after ModelCheckpoint saved epoch=0-step=10.ckpt and before epoch
+    0's safe point: the new kernel trains epoch 0 again and Lightning, finding that file, saves
+    epoch=0-step=10-v1.ckpt. The callback says so in one line before training (the file names
+    differ from an uninterrupted fit's); everything else is identical."""
+    reference = twin(tmp_path_factory)
+    nb = load(tmp_path, fault="sigkill", fault_step="epoch 1 start")
+    run, out = harness.run_ok(nb, tmp_path)
+    assert len(run.restarts) == 1, out
+    folder = tmp_path / "out" / "best"
+    assert out.count(f"colab_resilience: ModelCheckpoint's folder {folder} holds epoch=0-step=10.ckpt, which this "
+                     "fit did not save") == 1, out
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=10-v1.ckpt", "epoch=0-step=10.ckpt"]
+    assert harness.result(nb) == reference.replace("best=epoch=0-step=10.ckpt", "best=epoch=0-step=10-v1.ckpt")
+    assert "best=epoch=0-step=10.ckpt" in reference
+
+
+def test_a_fit_killed_in_a_kernel_goes_on_when_its_cell_runs_again(kernel, tmp_path, tmp_path_factory):
+    """Interactive, as in Jupyter: the kernel dies after step 15, the user runs the training cell
+    again: the set-up cell is replayed (a new module and callbacks), and fit goes on at epoch 1."""
+    reference = twin(tmp_path_factory)
+    nb = load(tmp_path, fault="sigkill")
+    out = harness.killed_and_rerun(kernel, nb)
+    assert "replayed 3 cells, restored the Lightning module, its optimizers, schedulers, loops and callbacks in " \
+        in out, out
+    assert "continuing at epoch 1" in out
+    assert harness.result(kernel.ok(harness.user_cell(nb, "result")).stdout) == reference
+
+
+def test_what_the_callback_refuses_where_it_warns_and_where_it_does_nothing(kernel, tmp_path):
+    """Outside a %%resilient cell it says so once and the fit trains as usual; inside one,
+    fit(ckpt_path=...) is refused in one line (the run resumes from its own checkpoints), and so
+    is a callback made outside the cell (the cell would not be run as a loop of epochs). Data
+    whose order the callback cannot put back is named in one line before training starts."""
+    nb = load(tmp_path, epochs=1)
+    harness.run_interactive(kernel, nb, stop="train")
+    kernel.ok("from colab_resilience.integrations.lightning import ResilienceCallback\n"
+              "def make(**kw):\n"
+              "    return L.Trainer(max_epochs=1, accelerator='cpu', logger=False, enable_progress_bar=False,\n"
+              "                     enable_checkpointing=False, enable_model_summary=False, **kw)\n")
+    reply = kernel.ok("make(callbacks=[ResilienceCallback()]).fit(model, train_data)")
+    assert reply.stderr.count("colab_resilience: ResilienceCallback outside a %%resilient cell: nothing is "
+                              "checkpointed") == 1, reply.stderr
+    reply = kernel.execute("%%resilient\nmake(callbacks=[ResilienceCallback()]).fit(model, train_data, "
+                           "ckpt_path='out/last.ckpt')")
+    assert reply.status == "error" and reply.evalue == (
+        "colab_resilience: a fit with ResilienceCallback resumes from the run's own checkpoints; call "
+        "trainer.fit() without ckpt_path"), reply.evalue
+    kernel.ok("outside = ResilienceCallback()")
+    reply = kernel.execute("%%resilient\nmake(callbacks=[outside]).fit(model, train_data)")
+    assert reply.status == "error" and reply.evalue.startswith(
+        "colab_resilience: ResilienceCallback was made outside the %%resilient cell that trains"), reply.evalue
+    reply = kernel.ok("%%resilient\n"
+                      "class Stream(torch.utils.data.IterableDataset):\n"
+                      "    def __iter__(self):\n"
+                      "        return iter(list(zip(x[:8], y[:8])))\n"
+                      "make(callbacks=[ResilienceCallback()]).fit(model, torch.utils.data.DataLoader(Stream(), "
+                      "batch_size=4))")
+    assert reply.stdout.count("colab_resilience: fit reads its training data from an iterable whose order the "
+                              "callback cannot put back") == 1, reply.stdout
+
+
+def test_colab_resilience_check_passes_the_lightning_notebook(tmp_path):
+    """Kills between safe points, during a save and before one, and an out-of-memory error raised
+    in Lightning's own code."""
+    r = subprocess.run(
+        [sys.executable, "-m", "colab_resilience", "check", str(harness.FILES / "train_lightning.ipynb"),
+         "--faults", "4", "--seed", "1", "--kernel", harness.KERNEL_NAME, "-p", "mark", str(tmp_path / "mark"),
+         "-p", "root_dir", str(tmp_path / "out"), "-p", "best_checkpoints", "False"],
+        capture_output=True, text=True, timeout=400, check=False, env=harness.child_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "identical after each of 4 faults" in r.stdout, r.stdout
