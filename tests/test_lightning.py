@@ -1,9 +1,10 @@
-"""Lightning's ``Trainer.fit`` with ``ResilienceCallback``: every epoch a safe point; Lightning's own
-checkpoint dictionary (module, optimizer, scheduler, loops, the state of ``EarlyStopping``,
-``ModelCheckpoint`` and a stateful callback of the notebook's) and the random states go with each
-checkpoint, and Lightning restores them into the module and optimizer the replayed set-up cell
-rebuilt; a run killed or out of memory goes on at its epoch, bit-identical to its uninterrupted
-twin: weights, optimizer state, every step's loss, the metrics, the callbacks' state.
+"""Lightning's ``Trainer.fit`` with ``ResilienceCallback``: every epoch a safe point (and every 5
+steps, on request); Lightning's own checkpoint dictionary (module, optimizer, scheduler, loops, the
+state of ``EarlyStopping``, ``ModelCheckpoint`` and a stateful callback of the notebook's), the
+random states, the module's modes and the epoch's gathered metrics go with each checkpoint, and
+Lightning restores them into the module and optimizer the replayed set-up cell rebuilt; a run
+killed or out of memory goes on where it was, bit-identical to its uninterrupted twin: weights,
+optimizer state, every step's loss, the metrics, the callbacks' state.
 
 Skipped where torch or Lightning is not installed; CI's trainers stack (``.ci/run``) has them.
 """
@@ -29,27 +30,34 @@ def load(tmp_path, **parameters):
     return harness.load("train_lightning.ipynb", tmp_path, root_dir=str(tmp_path / "out"), **parameters)
 
 
-def twin(tmp_path_factory) -> str:
-    if "fit" not in _twins:
+def twin(tmp_path_factory, workers: int = 0) -> str:
+    """The uninterrupted run (with DataLoader workers, the samples' noise is drawn in them: another run)."""
+    if workers not in _twins:
         work = tmp_path_factory.mktemp("lightning-twin")
-        nb = load(work)
+        nb = load(work, workers=workers)
         run = harness.run(nb, work, standby=False)
         assert run.status == 0, run.message
-        _twins["fit"] = harness.result(nb)
-        assert "step=30 epoch=3" in _twins["fit"], _twins["fit"]
-    return _twins["fit"]
+        _twins[workers] = harness.result(nb)
+        assert "step=30 epoch=3" in _twins[workers], _twins[workers]
+    return _twins[workers]
 
 
 trained_steps = harness.by_kernel  # (kernel, step) for each step begun
 
 
-@pytest.mark.parametrize("fault,fault_step,retries,workers,resume", [
-    ("sigkill", 15, 2, 0, 1), ("sigkill", 10, 2, 0, 0), ("oom-error", 15, 2, 0, 1), ("oom-error", 15, 0, 0, 1),
-    ("sigkill", 25, 2, 2, 2), ("sigkill", "end", 2, 0, None),
+@pytest.mark.parametrize("fault,fault_step,retries,workers,every_steps,at,first", [
+    ("sigkill", 15, 2, 0, None, "epoch 1", 11), ("sigkill", 10, 2, 0, None, "epoch 0", 1),
+    ("oom-error", 15, 2, 0, None, "epoch 1", 11), ("oom-error", 15, 0, 0, None, "epoch 1", 11),
+    ("sigkill", 25, 2, 2, None, "epoch 2", 21), ("sigkill", "end", 2, 0, None, None, None),
+    ("sigkill", 17, 2, 0, 5, "step 16 of epoch 1", 16), ("oom-error", 17, 2, 0, 5, "step 16 of epoch 1", 16),
+    ("sigkill", 17, 2, 2, 5, "step 16 of epoch 1", 16), ("sigkill", 27, 2, 0, 5, "step 26 of epoch 2", 26),
+    ("oom-error", "validation 1", 2, 0, None, "epoch 1", 11),
 ], ids=["killed-mid-epoch", "killed-at-an-epoch-end", "out-of-memory", "out-of-memory-past-the-retries",
-        "killed-with-dataloader-workers", "killed-after-fit-returned"])
-def test_a_fit_killed_or_out_of_memory_goes_on_at_its_epoch_bit_identical(
-        tmp_path, tmp_path_factory, fault, fault_step, retries, workers, resume):
+        "killed-with-dataloader-workers", "killed-after-fit-returned", "killed-with-safe-points-every-5-steps",
+        "out-of-memory-with-safe-points-every-5-steps", "killed-with-workers-and-safe-points-every-5-steps",
+        "killed-in-the-last-epoch-with-safe-points-every-5-steps", "out-of-memory-in-validation"])
+def test_a_fit_killed_or_out_of_memory_goes_on_where_it_was_bit_identical(
+        tmp_path, tmp_path_factory, fault, fault_step, retries, workers, every_steps, at, first):
     """Supervised, with the standby kernel. The fault strikes after optimizer step 15 (epoch 1's
     fifth of 10): the last safe point is epoch 0's end (taken when epoch 1 began, after its
     validation, EarlyStopping, ModelCheckpoint and the scheduler's step), so the new kernel's fit
@@ -58,21 +66,31 @@ def test_a_fit_killed_or_out_of_memory_goes_on_at_its_epoch_bit_identical(
     retried in the kernel from the same safe point, or past the retries in a new one. With two
     DataLoader workers (forked by the kernel: the run's lock must not stay with them), the same.
     Killed after fit returned (its last safe point saved), the cell run again trains nothing and
-    the metrics are those fit ended with."""
-    reference = twin(tmp_path_factory)
-    nb = load(tmp_path, fault=fault, fault_step=fault_step, retries=retries, workers=workers)
+    the metrics are those fit ended with. With every_steps=5, killed (or out of memory) after step
+    17, the fit goes on at step 16 within epoch 1: the epoch's order drawn again, its first five
+    batches (each loaded with a noise drawn from torch's random state, in the kernel or in the
+    workers) taken and dropped, the random state put back as it was before batch 16 was loaded.
+    After step 27, in the last epoch, the same, and the epoch's train_loss_epoch (the mean
+    self.log(on_epoch=True) gathers over the epoch, which no Lightning checkpoint holds) counts the
+    batches before the safe point too.
+    Out of memory in epoch 1's validation, the module in eval mode: the retry trains in train mode
+    (Lightning does not set it back; the modes go with each checkpoint)."""
+    reference = twin(tmp_path_factory, workers)
+    nb = load(tmp_path, fault=fault, fault_step=fault_step, retries=retries, workers=workers, every_steps=every_steps)
     run, out = harness.run_ok(nb, tmp_path)
     if fault == "sigkill" or retries == 0:
         assert len(run.restarts) == 1, out
         assert "restored the Lightning module, its optimizers, schedulers, loops and callbacks in " in out, out
     else:
         assert not run.restarts and "OOM (CUDA out of memory)" in out and "retry 1/2" in out, out
+    assert "resuming from a checkpoint that ended before the epoch" not in out  # Lightning's warning: not here
     steps = [s for _, s in trained_steps(tmp_path / "events.log")]
-    if resume is None:  # fit had returned: the new kernel trains nothing
+    if at is None:  # fit had returned: the new kernel trains nothing
         assert "the loop had finished" in out and steps == list(range(1, 31)), out
-    else:  # the epoch the fault struck in is trained again from its start, and none before it
-        assert f"continuing at epoch {resume}" in out, out
-        assert steps == list(range(1, fault_step + 1)) + list(range(resume * 10 + 1, 31))
+    else:  # the steps since the safe point are trained again, and none before it
+        assert f"continuing at {at}" in out, out
+        struck = fault_step if isinstance(fault_step, int) else 20  # the last step begun before the fault
+        assert steps == list(range(1, struck + 1)) + list(range(first, 31))
     assert harness.result(nb) == reference
 
 
@@ -94,14 +112,15 @@ def test_checkpoint_files_a_dead_kernel_saved_are_named_and_the_new_names_said(t
 
 
 def test_a_fit_killed_in_a_kernel_goes_on_when_its_cell_runs_again(kernel, tmp_path, tmp_path_factory):
-    """Interactive, as in Jupyter: the kernel dies after step 15, the user runs the training cell
-    again: the set-up cell is replayed (a new module and callbacks), and fit goes on at epoch 1."""
+    """Interactive, as in Jupyter, with a safe point every 5 steps: the kernel dies after step 17,
+    the user runs the training cell again: the set-up cell is replayed (a new module, data and
+    callbacks), and fit goes on at step 16, within epoch 1."""
     reference = twin(tmp_path_factory)
-    nb = load(tmp_path, fault="sigkill")
+    nb = load(tmp_path, fault="sigkill", fault_step=17, every_steps=5)
     out = harness.killed_and_rerun(kernel, nb)
     assert "replayed 3 cells, restored the Lightning module, its optimizers, schedulers, loops and callbacks in " \
         in out, out
-    assert "continuing at epoch 1" in out
+    assert "continuing at step 16 of epoch 1" in out
     assert harness.result(kernel.ok(harness.user_cell(nb, "result")).stdout) == reference
 
 
@@ -124,6 +143,9 @@ def test_what_the_callback_refuses_where_it_warns_and_where_it_does_nothing(kern
     assert reply.status == "error" and reply.evalue == (
         "colab_resilience: a fit with ResilienceCallback resumes from the run's own checkpoints; call "
         "trainer.fit() without ckpt_path"), reply.evalue
+    reply = kernel.execute("ResilienceCallback(every_steps=0)")
+    assert reply.status == "error" and reply.evalue == (
+        "colab_resilience: every_steps must be a whole number of steps, 1 or more; got 0"), reply.evalue
     kernel.ok("outside = ResilienceCallback()")
     reply = kernel.execute("%%resilient\nmake(callbacks=[outside]).fit(model, train_data)")
     assert reply.status == "error" and reply.evalue.startswith(
@@ -140,11 +162,13 @@ def test_what_the_callback_refuses_where_it_warns_and_where_it_does_nothing(kern
 
 def test_colab_resilience_check_passes_the_lightning_notebook(tmp_path):
     """Kills between safe points, during a save and before one, and an out-of-memory error raised
-    in Lightning's own code."""
+    in Lightning's own code; safe points every 5 steps, so resumes within epochs too. The run keeps
+    no best checkpoint: check runs the notebook several times in one folder, and a run that finds
+    an earlier run's file names its own -v1."""
     r = subprocess.run(
         [sys.executable, "-m", "colab_resilience", "check", str(harness.FILES / "train_lightning.ipynb"),
          "--faults", "4", "--seed", "1", "--kernel", harness.KERNEL_NAME, "-p", "mark", str(tmp_path / "mark"),
-         "-p", "root_dir", str(tmp_path / "out"), "-p", "best_checkpoints", "False"],
+         "-p", "root_dir", str(tmp_path / "out"), "-p", "best_checkpoints", "False", "-p", "every_steps", "5"],
         capture_output=True, text=True, timeout=400, check=False, env=harness.child_env())
     assert r.returncode == 0, r.stdout + r.stderr
     assert "identical after each of 4 faults" in r.stdout, r.stdout

@@ -1,24 +1,29 @@
-"""Lightning's ``Trainer.fit`` resumes at the epoch where it stopped: one callback in a
-``%%resilient`` cell.
+"""Lightning's ``Trainer.fit`` resumes where it stopped: one callback in a ``%%resilient`` cell.
 
     %%resilient
     from colab_resilience.integrations.lightning import ResilienceCallback
     trainer = L.Trainer(max_epochs=10, callbacks=[ResilienceCallback()])
     trainer.fit(model, train_loader)
 
-Every epoch is a safe point (``--every`` and ``%restart_after`` count epochs), taken when the next
-epoch begins, once every callback and the module have seen the epoch's end, its validation and its
-schedulers' step; and at the end of training. With every checkpoint, beside the cell's ``--save``
-names, goes what Lightning itself writes into a checkpoint of its own: the module's
-``state_dict``, the optimizers', the schedulers', the loops' progress, the state of stateful
-callbacks (``ModelCheckpoint``, ``EarlyStopping``), the precision plugin's (a ``GradScaler``), the
-datamodule's; with them the random states (Python's, NumPy's, torch's) when the epoch the run
-goes on with begins, which draw its order, and the metrics ``fit`` ended with.
+Every epoch is a safe point, taken when the next epoch begins, once every callback and the module
+have seen the epoch's end, its validation and its schedulers' step; and at the end of training.
+With ``ResilienceCallback(every_steps=N)``, every N-th optimizer step is one too, taken when the
+next batch begins (``--every`` and ``%restart_after`` count all of these). With every checkpoint,
+beside the cell's ``--save`` names, goes what Lightning itself writes into a checkpoint of its
+own: the module's ``state_dict``, the optimizers', the schedulers', the loops' progress, the state
+of stateful callbacks (``ModelCheckpoint``, ``EarlyStopping``), the precision plugin's (a
+``GradScaler``), the datamodule's; with them the random states (Python's, NumPy's, torch's) at the
+safe point and when the epoch's data iterator was made, which drew its order, the module's
+train/eval modes, the metrics, and within an epoch what ``self.log(..., on_epoch=True)`` has
+gathered of it so far.
 
 On resume the callback hands that checkpoint to the Trainer where it loads its own, so Lightning
 restores it **into** the module and the optimizers that the replayed set-up cells and this fit
-made, and starts at the first unfinished epoch. A fit that had ended trains nothing, and
-``trainer.callback_metrics`` is what it was.
+made, and starts at the first unfinished epoch, or within an epoch at the first unfinished batch:
+the epoch's order is drawn again from the random state it was drawn from, the finished batches are
+taken from the data iterator and dropped (loading them costs what loading them cost), and the
+random state is then put back as it was before the next batch was loaded. A fit that had ended
+trains nothing, and ``trainer.callback_metrics`` is what it was.
 
 A resumed fit is identical to an uninterrupted one where Lightning is (on CPU; on a GPU with
 ``Trainer(deterministic=True)``), for training data whose order is drawn when an epoch begins
@@ -27,19 +32,24 @@ callback says so once, in one line, before training starts: an ``IterableDataset
 the callback cannot put back; ``persistent_workers=True``, whose workers keep their random state
 across epochs; a GPU fit without ``deterministic=True``.
 
-Safe points are at epochs' ends only: a fault mid-epoch trains that epoch again from its start.
-What is not put back: what a logger wrote (a resumed fit logs to the logger the replayed cells
-made: give ``CSVLogger``/``TensorBoardLogger`` a fixed ``version`` to keep one folder).
+What is not put back: files. A logger writes on where the new kernel's logger writes (give
+``CSVLogger``/``TensorBoardLogger`` a fixed ``version`` to keep one folder); a checkpoint
+``ModelCheckpoint`` had saved after the last safe point is saved again under another name
+(``-v1``), and the callback names such files before training starts.
 """
 
 from __future__ import annotations
 
+import io
+import pickle
 import sys
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
+from .. import carried
 from ..checkpoints import capture_rng, restore_rng
 from ..errors import RunStoppedError
 from ..loops import active_run
@@ -58,15 +68,28 @@ class FitCheckpoint:
     def __init__(self, trainer: pl.Trainer):
         self.trainer = trainer
         self.finished = False  # fit ended: a resume trains nothing
+        self.mid_epoch = False  # the safe point being taken lies between two batches of an epoch
+        self.epoch_rng: dict | None = None  # the random state as the epoch's data iterator was made
+        self.fetch_rng: dict | None = None  # the random state before the batch in progress was fetched
         self.loaded: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
         return {
             "checkpoint": t._checkpoint_connector.dump_checkpoint(weights_only=False),
-            "rng": capture_rng(),  # at the safe point: what the next epoch's data order is drawn from
+            # the state the fit goes on from: between two epochs, what the next one's order is drawn
+            # from; within one, the state before the next batch was fetched (a fetch may draw)
+            "rng": self.fetch_rng if self.mid_epoch else capture_rng(),
+            "epoch_rng": self.epoch_rng if self.mid_epoch else None,
+            "position": self.position(),
+            # its train/eval modes and requires_grad flags, which no state_dict holds (a fit that failed
+            # in its validation leaves the module in eval mode, and Lightning does not change it back)
+            "carried": carried.snapshot({"module": t.lightning_module}, ["module"]),
             "metrics": {name: dict(getattr(t._logger_connector, name))
                         for name in ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics")},
+            # within an epoch: what self.log(..., on_epoch=True) has gathered of it so far (no
+            # checkpoint of Lightning's holds it), pickled: an object of Lightning's own
+            "results": _dump_results(t) if self.mid_epoch else None,
             "finished": self.finished,
         }
 
@@ -74,37 +97,59 @@ class FitCheckpoint:
         self.loaded = state
         self.finished = bool(state["finished"])
 
+    def position(self) -> dict[str, Any]:
+        """Where the fit goes on: its epoch, its optimizer steps, the epoch's finished batches."""
+        if self.loaded is not None:
+            return self.loaded["position"]
+        t = self.trainer
+        batches = t.fit_loop.epoch_loop.batch_progress.current.completed if self.mid_epoch else 0
+        return {"epoch": t.current_epoch, "step": t.global_step, "batches": batches, "mid_epoch": self.mid_epoch}
 
-class Epochs:
-    """The epochs of a fit, as the cell's loop iterates them, until it has ended; named as
-    Lightning counts them (from 0)."""
+
+class Stretches:
+    """The stretches of a fit between two safe points (epochs, or every N steps), as the cell's
+    loop iterates them, until it has ended; named by where they begin, epochs as Lightning counts
+    them (from 0), steps from 1."""
 
     def __init__(self, state: FitCheckpoint):
         self.state = state
 
     def __iter__(self):
-        epoch = 0
+        index = 0
         while not self.state.finished:
-            yield epoch
-            epoch += 1
+            yield index
+            index += 1
 
     def describe(self, index: int) -> str:
-        return "the end" if self.state.finished else f"epoch {index}"
+        if self.state.finished:
+            return "the end"
+        at = self.state.position()
+        return f"step {at['step'] + 1} of epoch {at['epoch']}" if at["mid_epoch"] else f"epoch {at['epoch']}"
 
 
 class ResilienceCallback(pl.Callback):
     """Make the epochs of ``Trainer.fit`` safe points of the ``%%resilient`` cell it runs in, and
-    resume ``fit`` at the first unfinished epoch (see the module documentation). Outside a
-    ``%%resilient`` cell it does nothing."""
+    resume ``fit`` where the last one was (see the module documentation). Outside a
+    ``%%resilient`` cell it does nothing.
+
+    ``every_steps``: a safe point every that many optimizer steps too, not only at each epoch's end
+    (a resume then loses at most that many steps; each save costs what saving the module and the
+    optimizers costs, and a resume within an epoch loads the epoch's finished batches again)."""
 
     _said_outside = False
 
-    def __init__(self):
+    def __init__(self, every_steps: int | None = None):
         super().__init__()
-        self._epochs = None  # the cell's loop over this fit's epochs (Loops.iterate)
+        if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
+            raise ValueError(f"colab_resilience: every_steps must be a whole number of steps, 1 or more; got "
+                             f"{every_steps!r}")
+        self.every_steps = every_steps
+        self._epochs = None  # the cell's loop over this fit's stretches (Loops.iterate)
         self._state: FitCheckpoint | None = None
-        self._first: int | None = None  # the epoch this fit starts at, until it has begun
+        self._first: int | None = None  # the stretch this fit starts at, until its first epoch has begun
         self._run = None
+        self._pending = False  # every_steps: a step is due a safe point, taken when the next batch begins
+        self._stepped_at: int | None = None  # the optimizer step whose safe point is due or taken
 
     # ------------------------------------------------------------------------------- events
 
@@ -132,13 +177,17 @@ class ResilienceCallback(pl.Callback):
         self._run = run
         self._state = state = FitCheckpoint(trainer)
         run.extras[STATE] = state
-        self._epochs = run.loops.iterate(Epochs(state))
+        self._pending = False
+        self._epochs = run.loops.iterate(Stretches(state))
         self._first = next(self._epochs, None)  # a resumed run: the checkpoint is loaded here
+        if state.loaded is not None:
+            carried.apply({"module": pl_module}, ["module"], state.loaded["carried"])
         if state.loaded is not None and self._first == 0:  # saved as the fit began: its module as it was
             pl_module.load_state_dict(state.loaded["checkpoint"]["state_dict"])
             state.loaded = None
         elif state.loaded is not None:
             _resume(trainer, state)
+        _watch_data(trainer, state, self.every_steps is not None)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._epochs is None:
@@ -147,22 +196,47 @@ class ResilienceCallback(pl.Callback):
             self._run.say_once(line)
         for line in _saved_before(trainer):
             self._run.say_once(line)
-        if self._state.loaded is not None:  # restored: the copy the Trainer loaded from goes
+        loaded = self._state.loaded
+        if loaded is not None:  # restored: the copy the Trainer loaded from goes
+            _put_metrics(trainer, loaded["metrics"])  # as the callbacks saw them at the safe point
+            if loaded["position"]["mid_epoch"]:  # within the epoch: its finished batches are dropped
+                trainer.fit_loop.epoch_loop._results = _load_results(trainer, loaded["results"])
+                trainer._logger_connector._first_loop_iter = True  # the next batch is not the epoch's first
+                iterator = trainer.fit_loop._data_fetcher.iterator
+                for _ in range(loaded["position"]["batches"]):
+                    next(iterator)
+                restore_rng(loaded["rng"])
             self._state.loaded = None
             _reloaded_as_before(trainer)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._epochs is None:
             return
+        self._pending = False  # the epoch's end is the safe point
         if self._first is not None:
-            first, self._first = self._first, None
-            if trainer.current_epoch != first:
-                raise RunStoppedError(
-                    f"colab_resilience: fit started at epoch {trainer.current_epoch}, not at epoch {first} where "
-                    "the run goes on; this version of Lightning does not resume through ResilienceCallback"
-                )
+            self._first = None
             return
         next(self._epochs, None)  # the safe point of the epoch that ended: saves when due, may restart
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch,
+                           batch_idx: int) -> None:
+        if self._epochs is not None and self.every_steps is not None and trainer.global_step % self.every_steps == 0 \
+                and trainer.global_step != self._stepped_at:
+            self._stepped_at = trainer.global_step
+            self._pending = True
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch,
+                             batch_idx: int) -> None:
+        if self._epochs is None:
+            return
+        self._first = None  # a fit resumed within an epoch begins here
+        if self._pending:  # every callback has seen the step's end, and validation has run
+            self._pending = False
+            self._state.mid_epoch = True
+            try:
+                next(self._epochs, None)
+            finally:
+                self._state.mid_epoch = False
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._epochs is None:
@@ -173,9 +247,7 @@ class ResilienceCallback(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         state = self._state
         if self._epochs is not None and state.loaded is not None and state.loaded["finished"]:
-            # a fit that had ended trained nothing: its metrics are those it ended with
-            for name, metrics in state.loaded["metrics"].items():
-                setattr(trainer._logger_connector, name, dict(metrics))
+            _put_metrics(trainer, state.loaded["metrics"])  # a fit that had ended trained nothing
         self._close(trainer)
         if state is not None:
             state.loaded = None
@@ -188,7 +260,8 @@ class ResilienceCallback(pl.Callback):
             self._epochs.close()
             self._epochs = self._first = self._run = None
         for owner, names in ((trainer._checkpoint_connector, ("resume_start", "restore_loops")),
-                             (trainer.fit_loop, ("_load_combined_loader_states",))):
+                             (trainer.fit_loop, ("_load_combined_loader_states",)),
+                             (trainer.fit_loop.epoch_loop, ("on_run_start", "advance", "reset"))):
             for name in names:
                 vars(owner).pop(name, None)
 
@@ -203,25 +276,109 @@ def _resume(trainer: pl.Trainer, state: FitCheckpoint) -> None:
         connector._ckpt_path = None  # no file: nothing to name when it is done
         connector._loaded_checkpoint = loaded["checkpoint"]
 
+    epoch_loop = fit_loop.epoch_loop
+    mid_epoch = loaded["position"]["mid_epoch"]
+
     def restore_loops():
         type(connector).restore_loops(connector)
-        if not state.finished:
+        if state.finished:
+            pass
+        elif mid_epoch:
+            # taken as the next batch began, fetched: as the loops stood between the two batches (the
+            # epoch goes on as Lightning's own restart after a batch's end and its validation does)
+            for progress in (epoch_loop.batch_progress.total, epoch_loop.batch_progress.current):
+                progress.ready -= 1
+        else:
             # taken as the epoch began: as the loops stood between that epoch and the one before,
             # going on as they went on then (not as Lightning's restart from a checkpoint of its own)
             for progress in (fit_loop.epoch_progress.total, fit_loop.epoch_progress.current):
                 progress.ready -= 1
             fit_loop.restarting = False
         # no sanity check: the validation it runs (and the progress it resets) is the fit's start's
-        fit_loop.epoch_loop.val_loop.restarting = True
+        epoch_loop.val_loop.restarting = True
 
-    def load_combined_loader_states():
-        type(fit_loop)._load_combined_loader_states(fit_loop)
-        vars(fit_loop).pop("_load_combined_loader_states", None)  # once: the first epoch's data only
-        restore_rng(loaded["rng"])  # just before the epoch's data iterator is made, as it was
+    def reset():
+        vars(epoch_loop).pop("reset", None)
+        with warnings.catch_warnings():  # the dataloader "is not resumable": its batches are skipped here
+            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+            type(epoch_loop).reset(epoch_loop)
 
     connector.resume_start = resume_start
     connector.restore_loops = restore_loops
+    if mid_epoch:
+        epoch_loop.reset = reset
+
+
+class _ResultsPickler(pickle.Pickler):
+    """Pickles an epoch's ``_ResultCollection`` with the Trainer's strategy by reference: each
+    metric's reduction is a method of the strategy, and a copy of it would make the metric's
+    description differ from the one ``self.log`` gives (Lightning refuses that)."""
+
+    def __init__(self, file, strategy):
+        super().__init__(file)
+        self.strategy = strategy
+
+    def persistent_id(self, obj):
+        return "strategy" if obj is self.strategy else None
+
+
+class _ResultsUnpickler(pickle.Unpickler):
+    def __init__(self, file, strategy):
+        super().__init__(file)
+        self.strategy = strategy
+
+    def persistent_load(self, pid):
+        if pid != "strategy":
+            raise pickle.UnpicklingError(f"unknown reference {pid!r}")
+        return self.strategy
+
+
+def _dump_results(trainer: pl.Trainer) -> bytes:
+    buffer = io.BytesIO()
+    _ResultsPickler(buffer, trainer.strategy).dump(trainer.fit_loop.epoch_loop._results)
+    return buffer.getvalue()
+
+
+def _load_results(trainer: pl.Trainer, data: bytes):
+    return _ResultsUnpickler(io.BytesIO(data), trainer.strategy).load()
+
+
+def _put_metrics(trainer: pl.Trainer, metrics: dict) -> None:
+    """``trainer.callback_metrics`` (and the logged and progress-bar metrics) as they were saved."""
+    for name, values in metrics.items():
+        setattr(trainer._logger_connector, name, dict(values))
+
+
+def _watch_data(trainer: pl.Trainer, state: FitCheckpoint, steps: bool) -> None:
+    """Keep the random state as each epoch's data iterator is made (its order is drawn then), and,
+    with safe points within epochs (``steps``), before each batch is fetched; on resume, put the
+    saved state back just before the first epoch's iterator is made."""
+    fit_loop = trainer.fit_loop
+    epoch_loop = fit_loop.epoch_loop
+    loaded = state.loaded
+
+    def load_combined_loader_states():  # the data iterator is made next (setup_data)
+        type(fit_loop)._load_combined_loader_states(fit_loop)
+        nonlocal loaded
+        if loaded is not None:  # once: the first epoch of a resumed fit
+            at = loaded["position"]
+            restore_rng(loaded["epoch_rng"] if at["mid_epoch"] else loaded["rng"])
+            loaded = None
+        state.epoch_rng = capture_rng()
+
+    def on_run_start(data_fetcher):
+        if trainer.current_epoch > 0 and not fit_loop.is_resuming and not epoch_loop.restarting:
+            state.epoch_rng = capture_rng()  # the iterator is made again: the epoch's order is drawn
+        type(epoch_loop).on_run_start(epoch_loop, data_fetcher)
+
+    def advance(data_fetcher):
+        state.fetch_rng = capture_rng()
+        type(epoch_loop).advance(epoch_loop, data_fetcher)
+
     fit_loop._load_combined_loader_states = load_combined_loader_states
+    epoch_loop.on_run_start = on_run_start
+    if steps:
+        epoch_loop.advance = advance
 
 
 def _reloaded_as_before(trainer: pl.Trainer) -> None:
