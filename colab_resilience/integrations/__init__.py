@@ -16,6 +16,35 @@ from __future__ import annotations
 
 import sys
 
+from ..errors import RunStoppedError
+
+_said_outside: set[str] = set()  # the frameworks whose callback said it is outside a %%resilient cell
+
+
+def say_outside(framework: str) -> None:
+    """A framework's callback used outside a ``%%resilient`` cell does nothing: say so, once per kernel."""
+    if framework not in _said_outside:
+        _said_outside.add(framework)
+        print("colab_resilience: ResilienceCallback outside a %%resilient cell: nothing is checkpointed",
+              file=sys.stderr)
+
+
+def require_loop(run, stretches: str, line: str) -> None:
+    """Refuse a callback made outside the ``%%resilient`` cell that trains: that cell was not run
+    as a loop (of ``stretches``), and a resume would train from the start; ``line`` is what to write."""
+    if not run.uses_loop:
+        raise RunStoppedError(
+            "colab_resilience: ResilienceCallback was made outside the %%resilient cell that trains, so the cell was "
+            f"not run as a loop of {stretches}; write `{line}` in that cell"
+        )
+
+
+def every_steps(value) -> int | None:
+    """A callback's ``every_steps``: None, or a whole number of steps, 1 or more."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"colab_resilience: every_steps must be a whole number of steps, 1 or more; got {value!r}")
+    return value
+
 
 def caller_locals(function: str, owner) -> dict:
     """The local variables of the framework's method ``function`` of ``owner`` (its ``self``) that

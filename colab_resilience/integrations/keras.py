@@ -45,7 +45,7 @@ import numpy as np
 
 from ..errors import RunStoppedError
 from ..loops import active_run
-from . import caller_locals
+from . import caller_locals, require_loop, say_outside
 
 STATE = "keras:fit"  # the checkpoint entry holding a fit's state
 
@@ -255,8 +255,6 @@ class ResilienceCallback(keras.callbacks.Callback):
     start, or at the end of training (so ``History`` and ``EarlyStopping`` have counted it, in
     whatever order the callbacks were given)."""
 
-    _said_outside = False
-
     def __init__(self):
         super().__init__()
         self._run = None
@@ -269,16 +267,9 @@ class ResilienceCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         run = active_run()
         if run is None:
-            if not ResilienceCallback._said_outside:
-                ResilienceCallback._said_outside = True
-                print("colab_resilience: ResilienceCallback outside a %%resilient cell: nothing is checkpointed",
-                      file=sys.stderr)
+            say_outside("keras")
             return
-        if not run.uses_loop:
-            raise RunStoppedError(
-                "colab_resilience: ResilienceCallback was made outside the %%resilient cell that trains, so the "
-                "cell was not run as a loop of epochs; write `callbacks=[ResilienceCallback()]` in that cell"
-            )
+        require_loop(run, "epochs", "callbacks=[ResilienceCallback()]")
         fit = caller_locals("fit", self.model)  # its data, its initial_epoch, its callbacks
         epochs = self.params["epochs"]
         initial = int(fit.get("initial_epoch", 0) or 0)

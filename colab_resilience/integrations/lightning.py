@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import sys
 import warnings
 from typing import Any
 
@@ -53,7 +52,8 @@ from .. import carried
 from ..checkpoints import capture_rng, restore_rng
 from ..errors import RunStoppedError
 from ..loops import active_run
-from . import caller_locals
+from . import caller_locals, require_loop, say_outside
+from . import every_steps as check_every_steps
 
 STATE = "lightning:fit"  # the checkpoint entry holding a fit's state
 
@@ -136,14 +136,9 @@ class ResilienceCallback(pl.Callback):
     (a resume then loses at most that many steps; each save costs what saving the module and the
     optimizers costs, and a resume within an epoch loads the epoch's finished batches again)."""
 
-    _said_outside = False
-
     def __init__(self, every_steps: int | None = None):
         super().__init__()
-        if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
-            raise ValueError(f"colab_resilience: every_steps must be a whole number of steps, 1 or more; got "
-                             f"{every_steps!r}")
-        self.every_steps = every_steps
+        self.every_steps = check_every_steps(every_steps)
         self._epochs = None  # the cell's loop over this fit's stretches (Loops.iterate)
         self._state: FitCheckpoint | None = None
         self._first: int | None = None  # the stretch this fit starts at, until its first epoch has begun
@@ -159,16 +154,9 @@ class ResilienceCallback(pl.Callback):
             return
         run = active_run()
         if run is None:
-            if not ResilienceCallback._said_outside:
-                ResilienceCallback._said_outside = True
-                print("colab_resilience: ResilienceCallback outside a %%resilient cell: nothing is checkpointed",
-                      file=sys.stderr)
+            say_outside("lightning")
             return
-        if not run.uses_loop:
-            raise RunStoppedError(
-                "colab_resilience: ResilienceCallback was made outside the %%resilient cell that trains, so the "
-                "cell was not run as a loop of epochs; write `callbacks=[ResilienceCallback()]` in that cell"
-            )
+        require_loop(run, "epochs", "callbacks=[ResilienceCallback()]")
         if caller_locals("_run", trainer).get("ckpt_path"):
             raise RunStoppedError(
                 "colab_resilience: a fit with ResilienceCallback resumes from the run's own checkpoints; call "

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import sys
 from typing import Any
 
 from transformers import Trainer, TrainerCallback, TrainerState
@@ -40,7 +39,8 @@ from transformers.trainer_utils import TrainOutput
 from ..checkpoints import capture_rng, restore_rng
 from ..errors import RunStoppedError
 from ..loops import active_run
-from . import caller_locals
+from . import caller_locals, require_loop, say_outside
+from . import every_steps as check_every_steps
 
 STATE = "transformers:trainer"  # the checkpoint entry holding a Trainer's state
 RESUME_FOLDER = "transformers-resume"  # in the run's folder: trainer_state.json for train()
@@ -113,13 +113,8 @@ class ResilienceCallback(TrainerCallback):
     (a resume then loses at most that many steps; each save costs what ``--save``-ing the model
     and optimizer costs)."""
 
-    _said_outside = False
-
     def __init__(self, every_steps: int | None = None):
-        if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
-            raise ValueError(f"colab_resilience: every_steps must be a whole number of steps, 1 or more; got "
-                             f"{every_steps!r}")
-        self.every_steps = every_steps
+        self.every_steps = check_every_steps(every_steps)
         self._new_epoch = False  # an epoch began: the step that begins next ends the epoch before
         self._steps = None  # the cell's loop over the steps (Loops.iterate)
         self._state: TrainerCheckpoint | None = None
@@ -130,11 +125,7 @@ class ResilienceCallback(TrainerCallback):
     # --------------------------------------------------------------------- the wrapped train()
 
     def train(self, trainer: Trainer, run, call) -> TrainOutput:
-        if not run.uses_loop:
-            raise RunStoppedError(
-                "colab_resilience: ResilienceCallback was made outside the %%resilient cell that trains, so the "
-                "cell was not run as a loop of steps; write `trainer.add_callback(ResilienceCallback())` in that cell"
-            )
+        require_loop(run, "steps", "trainer.add_callback(ResilienceCallback())")
         self._state = state = TrainerCheckpoint(trainer)
         run.extras[STATE] = state
         self._pending, self._logging, self._epoch_start = False, None, False
@@ -193,10 +184,8 @@ class ResilienceCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self._steps is None:
-            if active_run() is None and not ResilienceCallback._said_outside:
-                ResilienceCallback._said_outside = True
-                print("colab_resilience: ResilienceCallback outside a %%resilient cell: nothing is checkpointed",
-                      file=sys.stderr)
+            if active_run() is None:
+                say_outside("transformers")
             return
         if self._logging is not None:  # train() reset them for a fresh start: put back what they were
             import torch
