@@ -15,6 +15,7 @@ from .checkpoints import manifest as checkpoint_manifest
 from .errors import JournalError, OptionError, ResilienceError, RunLockedError, UnsafeDirectoryError
 from .journal import Journal, find_runs
 from .lock import RunLock
+from .recovery import put_back_shrunk
 from .run import open_store, put_back_left, restore_latest
 
 
@@ -234,13 +235,14 @@ def resume(session, run_dir: Path, *, trust: bool = False) -> None:
 
 
 def restore_finished_runs(session, dead_pid: int | None = None, rerun_source: str | None = None,
-                          kernels: list[int] | None = None) -> tuple[list[str], list[str]]:
+                          kernels: list[int] | None = None) -> tuple[list[str], list[str], list[tuple[str, str]]]:
     """Put back the final state of every run that finished in the run directory, oldest first (a
     later run's values win); with ``kernels``, only of the runs last held by one of those kernel
     PIDs (a run directory shared with other notebooks holds their runs too). Returns the names
-    restored, and the runs that finished in the kernel ``dead_pid`` but save nothing (no
-    ``--save``), so that nothing of what they computed is back: not the run of the cell
-    ``rerun_source`` that is run again now (it starts afresh)."""
+    restored; the runs that finished in the kernel ``dead_pid`` but save nothing (no ``--save``),
+    so that nothing of what they computed is back; and, as (run id, what it holds), the runs
+    whose framework state (a callback's) only :func:`rerun_finished` can put back. The run of the
+    cell ``rerun_source``, which is run again now, is in neither of the last two."""
     from .signing import load_or_create_key
 
     key = load_or_create_key()
@@ -253,20 +255,55 @@ def restore_finished_runs(session, dead_pid: int | None = None, rerun_source: st
         if j.status == "done" and (kernels is None or j.kernel_pid in kernels):
             done.append((run_dir, j))
     restored: list[str] = []
-    unsaved = [j.run_id for _, j in done if not j.names and dead_pid is not None and j.kernel_pid == dead_pid
-               and (rerun_source is None or _words(j.interrupted_cell) != _words(rerun_source))]
+    others = [j for _, j in done if rerun_source is None or not _same_cell(j.interrupted_cell, rerun_source)]
+    unsaved = [j.run_id for j in others if not j.names and not j.framework and dead_pid is not None
+               and j.kernel_pid == dead_pid]
+    rerun = [(j.run_id, j.framework) for j in others if j.framework]
     for run_dir, j in done:
+        if j.framework:  # running its cell again (rerun_finished) puts back its names too
+            continue
         try:
             ckpt, got = restore_latest(open_store(run_dir, key), session.shell.user_ns, j.names)
             got += put_back_left(ckpt, session.shell.user_ns)
         except ResilienceError as e:
             session.say(str(e).splitlines()[0])
             continue
-        session.shell.user_ns.update(j.shrink)  # the batch sizes the run settled on
-        got += [n for n in j.shrink if n not in got]
+        got += [n for n in put_back_shrunk(session.shell.user_ns, j.shrink) if n not in got]  # the batch sizes
         restored += [n for n in got if n not in restored]
-    return restored, unsaved
+    return restored, unsaved, rerun
 
 
-def _words(source: str | None) -> list[str]:
-    return (source or "").split()
+def rerun_finished(session, run_id: str) -> None:
+    """Run the cell of the finished run ``run_id`` again, for the framework state it holds (a
+    Keras fit's, a Trainer's): a kernel that died in a later cell comes back with the model the
+    set-up cells rebuilt, untrained, and only the framework can load its state into it. The run
+    resumes at its end-of-cell checkpoint, so the framework loads that and trains nothing, and
+    the cell's own code after the training runs as it ran. Its output is not shown; an error
+    (the state does not fit what the set-up cells rebuilt) is raised as this call's own."""
+    from IPython.utils.capture import capture_output
+
+    from .signing import load_or_create_key
+
+    run_dir = session.root() / f"run-{run_id}"
+    with RunLock(run_dir):
+        j = Journal.load(run_dir, key=load_or_create_key())
+        if j.status != "done" or not j.framework or not j.interrupted_cell:
+            raise ResilienceError(f"colab_resilience: run {run_id} holds no finished framework state to put back")
+        j.counted_pid = j.kernel_pid  # that kernel died in a later cell: the death is not this run's
+        j.save()
+    header, _, body = j.interrupted_cell.partition("\n")
+    session.adopt, session.reexecuting = run_id, True
+    try:
+        with capture_output():
+            session.shell.run_cell_magic("resilient", header.removeprefix("%%resilient").strip(), body)
+    finally:
+        session.adopt, session.reexecuting = None, False
+
+
+def _same_cell(recorded: str | None, source: str) -> bool:
+    """Whether a journal's cell (its magic line as it ran, ``$names`` expanded) is the cell ``source``."""
+    def parts(text: str | None) -> tuple[list[str], list[str]]:
+        head, _, body = (text or "").strip().partition("\n")
+        return head.split()[:1], body.split()
+
+    return parts(recorded) == parts(source)

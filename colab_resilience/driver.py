@@ -324,6 +324,22 @@ class Supervisor:
                 self.declare_replay(self.nb.cells[j])
             finished = client.evaluate(api_call("restore_finished_runs", dead_pid, self.nb.cells[index].source,
                                                 self.kernels), timeout=600)
+            restored = _strings(finished, "restored")
+            for run_id, holds in _pairs(finished, "rerun"):  # a framework's state: its cell runs again
+                reply = client.call(api_call("rerun_finished", run_id), timeout=600)["content"]
+                if reply.get("status") != "ok":
+                    why = " ".join(f"{reply.get('ename')}: {reply.get('evalue') or ''}".split()).removesuffix(":")
+                    self.result.restarts.append(death.restart(
+                        index, time.perf_counter() - t0, replayed=replayed, recovered=False,
+                        standby=adopted is not None, then=f"putting back the finished run {run_id} failed ({why})"))
+                    self.result.status, self.result.failed_cell = EXIT_CELL_FAILED, index
+                    self.result.message = (
+                        f"colab-resilience: cell {index} not run again: after the kernel died, the finished run "
+                        f"{run_id} could not put back {holds} ({why}), and the cells after its training would see "
+                        "what the set-up cells rebuilt, untrained; make them build what the training had, and run "
+                        "the notebook again")
+                    return False
+                restored.append(holds)
             client.call(api_call("expect_reexecution"))
         except DeadKernelError:  # the caller's next execution finds the kernel dead and restarts again
             self.result.restarts.append(death.restart(index, time.perf_counter() - t0, replayed=replayed,
@@ -335,7 +351,7 @@ class Supervisor:
             self.spare.spawn()
         self.result.restarts.append(death.restart(
             index, time.perf_counter() - t0, replayed=replayed, standby=adopted is not None,
-            restored=_strings(finished, "restored"), unsaved=_strings(finished, "unsaved")))
+            restored=restored, unsaved=_strings(finished, "unsaved")))
         return True
 
     def declare_replay(self, cell) -> None:
@@ -366,3 +382,10 @@ def _strings(answer: Any, key: str) -> list[str]:
     """``answer[key]`` as a list of strings, from what a kernel evaluated (anything else: empty)."""
     got = answer.get(key) if isinstance(answer, dict) else None
     return [x for x in got if isinstance(x, str)] if isinstance(got, (list, tuple)) else []
+
+
+def _pairs(answer: Any, key: str) -> list[tuple[str, str]]:
+    """``answer[key]`` as a list of pairs of strings (anything else left out)."""
+    got = answer.get(key) if isinstance(answer, dict) else None
+    return [(x[0], x[1]) for x in got if isinstance(x, (list, tuple)) and len(x) == 2
+            and all(isinstance(v, str) for v in x)] if isinstance(got, (list, tuple)) else []

@@ -111,6 +111,9 @@ class Journal:
     oom_kills: int | None = None  # the OS's count of OOM kills when a live kernel last wrote this
     counted_pid: int | None = None  # the kernel whose end is accounted for (counted, or planned)
     generation: int = 0  # how many times the journal of this run folder was written
+    # what a framework's callback saved with a finished run (its label: "the Trainer's model, ..."):
+    # only running the cell again puts it back (the framework loads it into the rebuilt objects)
+    framework: str | None = None
 
     @property
     def path(self) -> Path:

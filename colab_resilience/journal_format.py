@@ -35,9 +35,10 @@ SCALARS: dict[str, tuple[type, ...]] = {
     "oom_kills": (int, type(None)),
     "counted_pid": (int, type(None)),
     "generation": (int,),
+    "framework": (str, type(None)),
 }
 # absent from the first journals of version 2
-OPTIONAL = {"resume_at": None, "oom_kills": None, "counted_pid": None, "generation": 0}
+OPTIONAL = {"resume_at": None, "oom_kills": None, "counted_pid": None, "generation": 0, "framework": None}
 
 
 def bad(path: Path, why: str):

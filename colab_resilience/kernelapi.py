@@ -17,6 +17,7 @@ __all__ = [
     "expect_reexecution",
     "new_modules",
     "preload",
+    "rerun_finished",
     "restore_finished_runs",
     "state_digest",
 ]
@@ -26,14 +27,26 @@ def restore_finished_runs(dead_pid: int | None = None, rerun_source: str | None 
                           kernels: list[int] | None = None) -> dict:
     """Put back the final state of every run that finished, oldest first. After a restart in a
     cell that follows a finished ``%%resilient`` cell, replaying the set-up cells alone would hand
-    that cell an untrained model. Returns ``{"restored": names, "unsaved": run ids}``: the runs
-    that finished in the kernel ``dead_pid`` but saved nothing to put back (not the one of the
-    cell ``rerun_source``, which is run again); ``kernels``: only runs last held by those PIDs."""
+    that cell an untrained model. Returns ``{"restored": names, "unsaved": run ids, "rerun":
+    [[run id, what it holds], ...]}``: the runs that finished in the kernel ``dead_pid`` but saved
+    nothing to put back, and those whose framework state :func:`rerun_finished` puts back (not
+    the run of the cell ``rerun_source``, which is run again); ``kernels``: only runs last held
+    by those PIDs."""
     from .commands import restore_finished_runs as restore
     from .session import session_of
 
-    restored, unsaved = restore(session_of(), dead_pid, rerun_source, kernels)
-    return {"restored": restored, "unsaved": unsaved}
+    restored, unsaved, rerun = restore(session_of(), dead_pid, rerun_source, kernels)
+    return {"restored": restored, "unsaved": unsaved, "rerun": [list(r) for r in rerun]}
+
+
+def rerun_finished(run_id: str) -> None:
+    """Run the cell of the finished run ``run_id`` again, silently, so that its framework
+    callback loads the run's final state into the model the set-up cells rebuilt (it trains
+    nothing). Raises what the cell raised."""
+    from .commands import rerun_finished as rerun
+    from .session import session_of
+
+    rerun(session_of(), run_id)
 
 
 def declare_replay_cell(source: str) -> None:

@@ -30,7 +30,9 @@ import types
 
 from . import replay
 from .errors import OptionError
+from .recovery import shrink_value
 
+_NONE = object()  # what a --shrink path that leads nowhere reads as
 _NOT_STATE = frozenset({"tqdm", "logging", "wandb", "tensorboard", "tensorboardX", "IPython", "ipywidgets"})
 _MUTATORS = frozenset({
     "append", "extend", "insert", "update", "add", "pop", "popitem", "remove", "discard", "clear",
@@ -85,13 +87,19 @@ def check_options(shell, names: list[str], shrink, body: str) -> None:
                 f"assign it{_did_you_mean(name, _user_variables(shell))}; create it in a %%replay cell or in this cell"
             )
     for s in shrink:
-        if s.name not in ns:
+        root, _, path = s.name.partition(".")
+        if root not in ns:
             ints = [k for k in _user_variables(shell) if type(ns[k]) is int]
             raise OptionError(
-                f"%%resilient: --shrink {s.name}: no variable {s.name!r} exists{_did_you_mean(s.name, ints)}; "
-                f"set it in an earlier cell, e.g. {s.name} = 256"
+                f"%%resilient: --shrink {s.name}: no variable {root!r} exists{_did_you_mean(root, ints)}; "
+                + (f"set it in an earlier cell, e.g. {s.name} = 256" if not path else "make it in a %%replay cell")
             )
-        value = ns[s.name]
+        value = shrink_value(ns, s.name, _NONE)
+        if value is _NONE:
+            raise OptionError(
+                f"%%resilient: --shrink {s.name}: {root} ({type(ns[root]).__name__}) has no attribute path {path!r}; "
+                "name the attribute that holds the batch size"
+            )
         if not isinstance(value, int) or isinstance(value, bool):
             raise OptionError(
                 f"%%resilient: --shrink {s.name}: {s.name} is a {type(value).__name__} "
@@ -99,15 +107,15 @@ def check_options(shell, names: list[str], shrink, body: str) -> None:
             )
         if value < 1:
             raise OptionError(f"%%resilient: --shrink {s.name}: {s.name} is {value}; it must be at least 1")
-        if s.name in assigned:
+        if root in assigned:
             raise OptionError(
-                f"%%resilient: --shrink {s.name}: the cell assigns {s.name}, so every retry "
-                f"would undo the shrink; set {s.name} in an earlier cell instead"
+                f"%%resilient: --shrink {s.name}: the cell assigns {root}, so every retry "
+                f"would undo the shrink; set {root} in an earlier cell instead"
             )
-        if s.name in names:
+        if root in names:
             raise OptionError(
-                f"%%resilient: --shrink {s.name}: --save {s.name} too would restore the value that ran out "
-                f"of memory at every rollback; leave {s.name} out of --save (the shrunk value is kept anyway)"
+                f"%%resilient: --shrink {s.name}: --save {root} too would restore the value that ran out "
+                f"of memory at every rollback; leave {root} out of --save (the shrunk value is kept anyway)"
             )
 
 

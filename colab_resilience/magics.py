@@ -55,10 +55,11 @@ def _shrinks(values: list[str], default_factor: float) -> tuple[Shrink, ...]:
             part = part.strip()
             name, sep, factor_text = part.partition("=")
             name = name.strip()
-            if not name.isidentifier():
+            if not all(word.isidentifier() for word in name.split(".")):
                 raise UsageError(
-                    f"%%resilient: --shrink {part!r}: {name!r} is not a variable name; "
-                    "write --shrink NAME or --shrink NAME=FACTOR, e.g. --shrink batch_size=0.5"
+                    f"%%resilient: --shrink {part!r}: {name!r} is not a variable name or an attribute path; "
+                    "write --shrink NAME or --shrink NAME=FACTOR, e.g. --shrink batch_size=0.5 or "
+                    "--shrink trainer.args.per_device_train_batch_size"
                 )
             factor = default_factor
             if sep:

@@ -19,7 +19,7 @@ This is the engine behind ``%%resilient``; it knows nothing about argument parsi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping, MutableMapping
 
 from . import faults, oom
 from .execution import compile_body, render, reraise, run_body
@@ -30,10 +30,44 @@ PREFIX = "colab_resilience:"
 
 @dataclass(frozen=True)
 class Shrink:
-    """``--shrink NAME=FACTOR``: on OOM, ``NAME = max(1, int(NAME * FACTOR))``."""
+    """``--shrink NAME=FACTOR``: on OOM, ``NAME = max(1, int(NAME * FACTOR))``. NAME is a variable
+    or an attribute path into one (``trainer.args.per_device_train_batch_size``: a framework's
+    batch size, where the set-up cells keep it)."""
 
     name: str
     factor: float = 0.5
+
+
+_MISSING = object()
+
+
+def shrink_value(ns: Mapping[str, object], name: str, default=None):
+    """The value of the ``--shrink`` NAME ``name`` (a variable, or an attribute path) in ``ns``."""
+    root, *attrs = name.split(".")
+    value = ns.get(root, _MISSING)
+    for attr in attrs:
+        if value is _MISSING:
+            break
+        value = getattr(value, attr, _MISSING)
+    return default if value is _MISSING else value
+
+
+def set_shrink_value(ns: MutableMapping[str, object], name: str, value: int) -> bool:
+    """Set the ``--shrink`` NAME ``name`` in ``ns``; False when its path does not lead anywhere."""
+    owner, _, attr = name.rpartition(".")
+    if not owner:
+        ns[name] = value
+        return True
+    target = shrink_value(ns, owner, _MISSING)
+    if target is _MISSING:
+        return False
+    setattr(target, attr, value)
+    return True
+
+
+def put_back_shrunk(ns: MutableMapping[str, object], values: Mapping[str, int]) -> list[str]:
+    """Set the batch sizes a run settled on (its journal's) in ``ns``; the names set."""
+    return [name for name, value in values.items() if set_shrink_value(ns, name, value)]
 
 
 @dataclass
@@ -82,7 +116,7 @@ class Recovery:
         outcome = self.outcome
         ns = self.shell.user_ns
         for s in self.shrink:
-            outcome.shrink_history[s.name] = [ns[s.name]]
+            outcome.shrink_history[s.name] = [shrink_value(ns, s.name)]
         while True:
             outcome.attempts += 1
             if self.before_attempt is not None and self.before_attempt(outcome) is False:
@@ -112,7 +146,8 @@ class Recovery:
             else:
                 changes = self._shrink()  # after the rollback, which must not undo it
             if self.shrink and self.on_shrink is not None:  # kept at once: a kill may come next
-                self.on_shrink({s.name: ns[s.name] for s in self.shrink if _is_int(ns.get(s.name))})
+                self.on_shrink({s.name: shrink_value(ns, s.name) for s in self.shrink
+                                if _is_int(shrink_value(ns, s.name))})
             unbound = f"unbound {_names(dropped)} (new since the last safe point) and " if dropped else ""
             parts = [f"{PREFIX} OOM ({outcome.labels[-1]}) — {unbound}freed {format_bytes(freed)}"]
             parts += changes
@@ -123,12 +158,12 @@ class Recovery:
         ns = self.shell.user_ns
         changes = []
         for s in self.shrink:
-            old = ns.get(s.name)
+            old = shrink_value(ns, s.name)
             if not _is_int(old):
                 changes.append(f"{s.name} is no longer an integer ({type(old).__name__}), not shrunk")
                 continue
             new = max(1, int(old * s.factor))
-            ns[s.name] = new
+            set_shrink_value(ns, s.name, new)
             self.outcome.shrink_history[s.name].append(new)
             changes.append(f"{s.name} {old} → {new}" if new != old else f"{s.name} already {old}")
         return changes

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from . import lint, oom, replay
 from .errors import OptionError, ResilienceError
-from .recovery import Recovery, Shrink
+from .recovery import Recovery, Shrink, shrink_value
 from .run import Run, finished_run, run_id_for, unset_note
 
 
@@ -42,7 +42,10 @@ def execute(session, line: str, body: str, options: Options) -> None:
     shrink_names = [s.name for s in options.shrink]
     reexecuting, session.reexecuting = session.reexecuting, False
     done = finished_run(session.root(), session.adopt or run_id_for(key)) if reexecuting else None
-    if done is not None and done.names:  # the kernel died after the run finished, before the cell returned
+    # the kernel died after the run finished, before the cell returned (or, for a framework's
+    # state, in a later cell: see kernelapi.rerun_finished); a framework's state comes back only
+    # by running the cell again, which resumes at its end and trains nothing
+    if done is not None and done.names and done.framework is None:
         session.say(f"colab_resilience: run {done.run_id} had finished before the kernel died; its final "
                     f"state ({', '.join(done.names)}) is back, and the cell is not run again"
                     + unset_note(shell, body, done.names))
@@ -76,10 +79,10 @@ def execute(session, line: str, body: str, options: Options) -> None:
         run.finish("failed")
         raise
     if options.shrink:  # a new kernel gets them back from the journal, even after a SIGKILL
-        run.record_shrink({n: shell.user_ns[n] for n in shrink_names})
+        run.record_shrink({n: shrink_value(shell.user_ns, n) for n in shrink_names})
 
     def give_up(exc, verdict, outcome):
-        run.record_shrink({n: shell.user_ns.get(n) for n in shrink_names})
+        run.record_shrink({n: shrink_value(shell.user_ns, n) for n in shrink_names})
         what = f"{verdict.label}" if verdict.needs_restart else (
             f"OOM ({verdict.label}) after {outcome.attempts} attempt{'s' if outcome.attempts != 1 else ''}"
         )

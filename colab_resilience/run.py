@@ -34,6 +34,7 @@ from .errors import CheckpointError, JournalError, NoCheckpointError, RunStopped
 from .journal import Journal, ReplayCell, RestartPolicy, merge_replay_cells
 from .lock import RunLock
 from .loops import LOOP_RNG, Loops, Plan, position_of
+from .recovery import put_back_shrunk, shrink_value
 from .saving import Saver
 
 
@@ -253,7 +254,7 @@ class Run:
         j = self.journal
         j.phase = None
         if self.resuming:
-            self.shell.user_ns.update(j.shrink)
+            put_back_shrunk(self.shell.user_ns, j.shrink)
         merge_replay_cells(j.replay_cells, setup_cells)
         j.save()
 
@@ -444,7 +445,7 @@ class Run:
             meta["left"] = left_values(self.shell, self.body, self.names)
         namespace: Mapping = ChainMap({LOOP_RNG: rngs, **self.extras}, ns) if rngs or self.extras else ns
         # the batch size that fits goes with the checkpoint: a new kernel starts from it
-        info = (where, _integers(ns, self.shrink), faults.count())
+        info = (where, _integers({n: shrink_value(ns, n) for n in self.shrink}), faults.count())
         # a value that cannot be saved stops the cell here (UnsaveableValueError), before anything
         # is written; a checkpoint that cannot be written is said, and the run goes on
         saved = present + ([LOOP_RNG] if rngs else []) + list(self.extras)
@@ -505,7 +506,7 @@ class Run:
 
     def record_shrink(self, values: Mapping[str, object]) -> None:
         with self.journal_lock:
-            new = _integers(values, values)
+            new = _integers(values)
             for name, value in new.items():
                 old = self.journal.shrink.get(name)
                 if old is not None and old != value:
@@ -526,6 +527,7 @@ class Run:
         self.saver.close()
         self.journal.restart_requested = False
         self.journal.status = status
+        self.journal.framework = "; ".join(getattr(x, "label", n) for n, x in self.extras.items()) or None
         self.journal.save()
         self.close()
 
@@ -574,6 +576,5 @@ def _take_over(shell, journal: Journal, root: Path) -> bool:
     return died
 
 
-def _integers(values: Mapping[str, object], names: Iterable[str]) -> dict[str, int]:
-    return {n: values[n] for n in names
-            if isinstance(values.get(n), int) and not isinstance(values.get(n), bool)}
+def _integers(values: Mapping[str, object]) -> dict[str, int]:
+    return {n: v for n, v in values.items() if isinstance(v, int) and not isinstance(v, bool)}

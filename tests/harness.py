@@ -393,6 +393,18 @@ def run_ok(nb, workdir: str | os.PathLike, **kw):
     return result, cell_text(nb.cells[index(nb, "train")])
 
 
+def run_killed_after_training(nb, workdir: str | os.PathLike, holds: str):
+    """:func:`run_ok` for a golden notebook whose ``result`` cell kills its kernel once, after the
+    training cell ended: the one restart is that cell's, and its marker says that ``holds`` (a
+    framework callback's label) came back from the finished training. Returns the run."""
+    result, _ = run_ok(nb, workdir)
+    marker = cell_text(nb.cells[index(nb, "result")])
+    assert len(result.restarts) == 1 and result.restarts[0].cell == index(nb, "result"), marker
+    assert f"restored {holds} from the finished training" in marker, marker
+    assert "saves nothing" not in marker, marker
+    return result
+
+
 def run_interactive(kernel: "Kernel", nb, *, start: str | None = None, stop: str | None = None,
                     verbatim: bool = False) -> dict[str, "Reply"]:
     """Execute :func:`user_cells` in ``kernel`` one by one, each insisting on success: from the cell

@@ -142,6 +142,19 @@ def test_a_keras_fit_killed_or_out_of_memory_mid_epoch_goes_on_at_that_epoch_bit
 
 
 @pytest.mark.kernel
+def test_a_kill_in_a_cell_after_the_fit_finds_the_trained_model(tmp_path, tmp_path_factory):
+    """Killed in the result cell, after the training cell ended (its run done): the new kernel
+    replays the set-up cell, which builds and compiles a fresh model, and runs the training cell
+    again silently: its fit assigns the run's final variables into that model and trains no
+    epoch, and returns the History of all four. The result cell, run again, sees them."""
+    reference = twin(tmp_path_factory)
+    nb = harness.load("train_keras.ipynb", tmp_path, fault="sigkill", fault_step="result")
+    harness.run_killed_after_training(nb, tmp_path, "the Keras model, its optimizer, the epochs' logs and the state of Fault")
+    assert trained_epochs(tmp_path / "events.log") == [(0, 0), (0, 1), (0, 2), (0, 3)]  # none again
+    assert harness.result(nb) == reference
+
+
+@pytest.mark.kernel
 @pytest.mark.parametrize("fault_epoch,fault_step", [(3, 2), (3, "end")], ids=["in-epoch-3", "after-it-stopped"])
 def test_early_stoppings_count_and_best_weights_go_with_the_checkpoint(tmp_path, tmp_path_factory, fault_epoch,
                                                                        fault_step):

@@ -94,6 +94,36 @@ def test_a_fit_killed_or_out_of_memory_goes_on_where_it_was_bit_identical(
     assert harness.result(nb) == reference
 
 
+def test_a_kill_in_a_cell_after_the_fit_finds_the_trained_module(tmp_path, tmp_path_factory):
+    """Killed in the result cell, after the training cell ended (its run done): the new kernel
+    replays the set-up cells, which build an untrained module, and runs the training cell again
+    silently: a new Trainer whose fit loads the run's final state into the module and trains
+    nothing. The result cell, run again, sees the trained module, the optimizer and scheduler,
+    the metrics and the callbacks' state (ModelCheckpoint's best file, EarlyStopping's count)."""
+    reference = twin(tmp_path_factory)
+    nb = load(tmp_path, fault="sigkill", fault_step="result")
+    harness.run_killed_after_training(nb, tmp_path, "the Lightning module, its optimizers, schedulers, loops and callbacks")
+    assert [s for _, s in trained_steps(tmp_path / "events.log")] == list(range(1, 31))  # none again
+    assert harness.result(nb) == reference
+
+
+def test_a_finished_fit_that_does_not_fit_the_rebuilt_module_stops_the_run(tmp_path):
+    """As above, but the set-up cells of the new kernel build a module of another width: the fit
+    run again cannot load the run's final state into it, so the notebook stops there (exit 1) and
+    says why in one line, rather than run the result cell on an untrained module."""
+    nb = load(tmp_path, fault="sigkill", fault_step="result")
+    harness.insert(nb, "result", "%%replay\nif os.path.exists(mark):  # only in a kernel that replaces the killed one\n"
+                   "    model.net[0] = torch.nn.Linear(8, 16)", "narrower")
+    run = harness.run(nb, tmp_path)
+    assert run.status == 1 and run.failed_cell == harness.index(nb, "result"), run.message
+    assert run.message.startswith("colab-resilience: cell ") and "after the kernel died, the finished run " in run.message
+    assert "\n" not in run.message, run.message
+    assert "could not put back the Lightning module, its optimizers, schedulers, loops and callbacks (" in run.message
+    assert "size mismatch" in run.message, run.message
+    marker = harness.cell_text(nb.cells[harness.index(nb, "result")])
+    assert "putting back the finished run " in marker and "RESULT" not in marker, marker
+
+
 def test_checkpoint_files_a_dead_kernel_saved_are_named_and_the_new_names_said(tmp_path, tmp_path_factory):
     """Killed as epoch 1 begins, after ModelCheckpoint saved epoch=0-step=10.ckpt and before epoch
     0's safe point: the new kernel trains epoch 0 again and Lightning, finding that file, saves

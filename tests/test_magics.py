@@ -35,7 +35,11 @@ def usage_error(ip, cell: str) -> str:
         ("%%resilient --shrink flag\nx = 1", "flag is a bool (True), but --shrink needs an integer"),
         ("%%resilient --shrink batch_size=2\nx = 1", "the factor must be a number between 0 and 1 (got '2'), e.g. --shrink batch_size=0.5"),
         ("%%resilient --shrink batch_size=half\nx = 1", "(got 'half')"),
-        ("%%resilient --shrink 3d\nx = 1", "'3d' is not a variable name; write --shrink NAME or --shrink NAME=FACTOR"),
+        ("%%resilient --shrink cfg.batch\nx = 1", "--shrink cfg.batch: no variable 'cfg' exists; make it in a %%replay cell"),
+        ("%%resilient --shrink lr.real.size\nx = 1", "--shrink lr.real.size: lr (float) has no attribute path 'real.size'; "
+         "name the attribute that holds the batch size"),
+        ("%%resilient --shrink lr.real\nx = 1", "--shrink lr.real: lr.real is a float (0.001), but --shrink needs an integer"),
+        ("%%resilient --shrink 3d\nx = 1", "'3d' is not a variable name or an attribute path; write --shrink NAME or --shrink NAME=FACTOR"),
         ("%%resilient --shrink batch_size\nbatch_size = 64\nx = 1", "the cell assigns batch_size, so every retry would undo the shrink"),
         ("%%resilient\n   \n", "%%resilient: the cell has no code under the %%resilient line"),
         ("%%replay --x\ny = 1", "%%replay: unknown option --x"),
