@@ -349,7 +349,7 @@ class Run:
         elif plan.position != [(0, 0)]:
             mixed = ""
             if shrunk:  # what ran before the safe point ran with the old values: say it, it is the result
-                mixed = " with " + ", ".join(f"{n} {ns.get(n)}" for n in shrunk) + " (what ran before it ran with " \
+                mixed = " with " + ", ".join(f"{n} {shrink_value(ns, n)}" for n in shrunk) + " (what ran before it ran with " \
                     + ", ".join(f"{n} {old}" for n, old in shrunk.items()) + ")"
             self.say(f"colab_resilience: rolled back to the last safe point; continuing at {at_text}{mixed}")
 

@@ -10,6 +10,8 @@ Skipped where torch or transformers is not installed; CI's trainers stack (``.ci
 
 from __future__ import annotations
 
+import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +78,41 @@ def test_a_trainer_killed_or_out_of_memory_goes_on_at_its_step_bit_identical(
         assert f"continuing at step {resume}" in out, out
         assert steps == list(range(1, fault_step + 1)) + list(range(resume, 31))
     assert harness.result(nb) == reference
+
+
+def losses(result: str) -> list[tuple[int, float]]:
+    return ast.literal_eval(re.search(r" losses=(\[.*?\]) ", result).group(1))
+
+
+@pytest.mark.parametrize("kill_step", [None, 20], ids=["out-of-memory", "out-of-memory-then-killed"])
+def test_shrinking_the_trainers_batch_keeps_its_effective_batch(tmp_path, tmp_path_factory, kill_step):
+    """--shrink trainer.args.per_device_train_batch_size: an OOM after step 12 halves the batch per
+    device (4 → 2), and the callback doubles the gradient accumulation (1 → 2), so an optimizer
+    step still takes the same 4 sequences: the run ends at step 30 as its twin does, and, without
+    dropout (whose masks depend on the shapes drawn), with the twin's logged losses up to float
+    rounding (each step's sums are made in two parts). Killed after step 20 as well, the kernel
+    that takes over starts from the shrunk batch (the journal's) and raises the accumulation again."""
+    if "no-dropout" not in _twins:
+        work = tmp_path_factory.mktemp("hf-twin-no-dropout")
+        nb = load(work, dropout=0.0)
+        assert harness.run(nb, work, standby=False).status == 0
+        _twins["no-dropout"] = harness.result(nb)
+    reference = _twins["no-dropout"]
+    nb = load(tmp_path, fault="oom-error", fault_step=12, kill_step=kill_step, dropout=0.0,
+              shrink="--shrink trainer.args.per_device_train_batch_size")
+    run, out = harness.run_ok(nb, tmp_path)
+    assert "trainer.args.per_device_train_batch_size 4 → 2; retry 1/2" in out, out
+    assert ("continuing at step 12 with trainer.args.per_device_train_batch_size 2 (what ran before it ran with "
+            "trainer.args.per_device_train_batch_size 4)") in out, out
+    assert "do not match the ones in the `trainer_state.json`" not in out, out
+    kept = "colab_resilience: the Trainer's batch is 2 per device now; gradient accumulation 1 → 2 keeps the effective batch 4"
+    assert out.count(kept) == (2 if kill_step else 1), out
+    assert len(run.restarts) == (1 if kill_step else 0), out
+    result = harness.result(nb)
+    assert "step=30 " in result and "step=30 " in reference
+    got, want = losses(result), losses(reference)
+    assert [step for step, _ in got] == [step for step, _ in want] == [5, 10, 15, 20, 25, 30]
+    assert all(abs(a - b) <= 2e-4 for (_, a), (_, b) in zip(got, want)), (got, want)
 
 
 def test_a_kill_in_a_cell_after_the_training_finds_the_trained_trainer(tmp_path, tmp_path_factory):

@@ -55,6 +55,9 @@ class TrainerCheckpoint:
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
+        # the batch of an optimizer step as the run began: a --shrink of the per-device batch
+        # raises the gradient accumulation to keep it
+        self.effective_batch = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
         self.epoch_rng: dict | None = None  # the random state when the epoch in progress began
         self.finished = False  # train() ended: a resume returns its output without training
         self.loaded: dict[str, Any] | None = None
@@ -75,11 +78,13 @@ class TrainerCheckpoint:
             "epoch_rng": self.epoch_rng,
             "rng": capture_rng(),  # the state at the safe point, for where the Trainer puts it back
             "finished": self.finished,
+            "effective_batch": self.effective_batch,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.trainer.model.load_state_dict(state["model"])
         self.epoch_rng, self.finished = state["epoch_rng"], bool(state["finished"])
+        self.effective_batch = int(state.get("effective_batch") or self.effective_batch)
         self.loaded = state
         self.trainer.state = self.trainer_state()  # what train() loads again from the folder it is given
 
@@ -133,6 +138,7 @@ class ResilienceCallback(TrainerCallback):
         try:
             self._new_epoch = False
             first = next(self._steps, None)  # a resumed run: the model is loaded in place here
+            _keep_effective_batch(trainer, state.effective_batch, run)
             if state.loaded is None or first == 0:
                 return call(resume_from_checkpoint=None)
             if first is None:  # it had ended: the optimizer as it left it, and what train() returned then
@@ -151,7 +157,9 @@ class ResilienceCallback(TrainerCallback):
 
         folder = run.dir / RESUME_FOLDER
         fsutil.make_private_dir(folder)
-        fsutil.atomic_write(folder / "trainer_state.json", self._state.loaded["trainer_state"].encode())
+        saved = json.loads(self._state.loaded["trainer_state"])
+        saved["train_batch_size"] = trainer._train_batch_size  # the batch now (a --shrink): not a mismatch to warn of
+        fsutil.atomic_write(folder / "trainer_state.json", json.dumps(saved, sort_keys=True).encode())
         self._logging = self._state.loaded["logging"]
         # for this call, the Trainer loads from this package's checkpoint, into its own objects
         trainer._load_from_checkpoint = lambda *args, **kwargs: None  # the model is loaded already
@@ -226,6 +234,24 @@ class ResilienceCallback(TrainerCallback):
     def _safe_point(self) -> None:
         self._pending = False
         next(self._steps, None)  # saves when due, may restart as planned
+
+
+def _keep_effective_batch(trainer: Trainer, effective: int, run) -> None:
+    """After ``--shrink trainer.args.per_device_train_batch_size``: raise the gradient accumulation
+    so that an optimizer step takes the batch it took when the run began (the steps, the schedule
+    and the samples of each step stay those of the run; the sums are made in smaller parts), and
+    make the Trainer batch its data by the new size (it reads it once, when it is made)."""
+    args = trainer.args
+    per_device, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    if per_device * accumulation != effective:
+        steps = -(-effective // per_device)
+        args.gradient_accumulation_steps = steps
+        kept = (f"keeps the effective batch {effective}" if per_device * steps == effective else
+                f"makes the effective batch {per_device * steps}, not {effective} ({effective} is not a multiple of "
+                f"{per_device}): the run goes on with another batch")
+        run.say_once(f"colab_resilience: the Trainer's batch is {per_device} per device now; gradient accumulation "
+                     f"{accumulation} → {steps} {kept}")
+    trainer._train_batch_size = args.train_batch_size
 
 
 def _output(state: TrainerState) -> TrainOutput:
