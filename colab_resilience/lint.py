@@ -30,7 +30,7 @@ import types
 
 from . import replay
 from .errors import OptionError
-from .recovery import shrink_value
+from .recovery import set_shrink_value, shrink_value
 
 _NONE = object()  # what a --shrink path that leads nowhere reads as
 _NOT_STATE = frozenset({"tqdm", "logging", "wandb", "tensorboard", "tensorboardX", "IPython", "ipywidgets"})
@@ -107,6 +107,14 @@ def check_options(shell, names: list[str], shrink, body: str) -> None:
             )
         if value < 1:
             raise OptionError(f"%%resilient: --shrink {s.name}: {s.name} is {value}; it must be at least 1")
+        if path:  # an attribute that refuses to be set (a DataLoader's batch_size) would fail the retry
+            try:
+                set_shrink_value(ns, s.name, value)  # the value it has: nothing changes
+            except Exception as e:
+                raise OptionError(
+                    f"%%resilient: --shrink {s.name}: it cannot be set ({type(e).__name__}: "
+                    f"{' '.join(str(e).split())}); shrink the variable it is made from instead"
+                ) from None
         if root in assigned:
             raise OptionError(
                 f"%%resilient: --shrink {s.name}: the cell assigns {root}, so every retry "

@@ -163,7 +163,11 @@ class Recovery:
                 changes.append(f"{s.name} is no longer an integer ({type(old).__name__}), not shrunk")
                 continue
             new = max(1, int(old * s.factor))
-            set_shrink_value(ns, s.name, new)
+            try:
+                set_shrink_value(ns, s.name, new)
+            except Exception as e:  # an attribute that refuses it now: the retry goes on unshrunk
+                changes.append(f"{s.name} could not be set ({type(e).__name__}: {' '.join(str(e).split())}), not shrunk")
+                continue
             self.outcome.shrink_history[s.name].append(new)
             changes.append(f"{s.name} {old} → {new}" if new != old else f"{s.name} already {old}")
         return changes

@@ -200,3 +200,14 @@ def test_failing_replay_cell_is_not_recorded(ip):
     result = ip.run_cell("%%replay\nraise ValueError('bad setup')")
     assert isinstance(result.error_in_exec, ValueError)
     assert [c.rstrip() for c in colab_resilience.replay_cells(ip)] == []
+
+
+def test_a_shrink_path_that_cannot_be_set_is_refused_before_the_cell_runs(ip):
+    """A torch DataLoader refuses a new batch_size once made: --shrink loader.batch_size would fail
+    the retry, so it is refused in one line when the cell starts, and the body does not run."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    ip.user_ns.update(ran=[], loader=torch.utils.data.DataLoader(list(range(8)), batch_size=4))
+    message = usage_error(ip, "%%resilient --shrink loader.batch_size\nran.append(1)")
+    assert message.endswith("--shrink loader.batch_size: it cannot be set (ValueError: batch_size attribute should not be "
+                            "set after DataLoader is initialized); shrink the variable it is made from instead"), message
+    assert ip.user_ns["ran"] == [] and ip.user_ns["loader"].batch_size == 4
