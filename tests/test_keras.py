@@ -142,6 +142,20 @@ def test_a_keras_fit_killed_or_out_of_memory_mid_epoch_goes_on_at_that_epoch_bit
 
 
 @pytest.mark.kernel
+def test_a_shrunk_batch_is_said_not_to_keep_the_effective_batch(tmp_path):
+    """--shrink batch_size with fit's batch from that variable: the OOM in epoch 1 halves it (16 →
+    8) and fit goes on at epoch 1 with it; Keras makes gradient accumulation part of the optimizer
+    when it is made, so the callback says in one line that the effective batch is not kept."""
+    nb = harness.load("train_keras.ipynb", tmp_path, fault="oom-error", shrink="--shrink batch_size")
+    run, out = harness.run_ok(nb, tmp_path)
+    assert "batch_size 16 → 8; retry 1/2" in out and "continuing at epoch 2/4 with batch_size 8" in out, out
+    assert out.count("colab_resilience: fit's batch is 8 now, 16 when the run began; Keras cannot raise the gradient "
+                     "accumulation of an optimizer already made, so the epochs from here on take batches of 8 (the "
+                     "effective batch is not kept)") == 1, out
+    assert "epochs=[0, 1, 2, 3]" in harness.result(nb)
+
+
+@pytest.mark.kernel
 def test_a_kill_in_a_cell_after_the_fit_finds_the_trained_model(tmp_path, tmp_path_factory):
     """Killed in the result cell, after the training cell ended (its run done): the new kernel
     replays the set-up cell, which builds and compiles a fresh model, and runs the training cell

@@ -11,6 +11,8 @@ Skipped where torch or Lightning is not installed; CI's trainers stack (``.ci/ru
 
 from __future__ import annotations
 
+import ast
+import re
 import subprocess
 import sys
 
@@ -92,6 +94,46 @@ def test_a_fit_killed_or_out_of_memory_goes_on_where_it_was_bit_identical(
         struck = fault_step if isinstance(fault_step, int) else 20  # the last step begun before the fault
         assert steps == list(range(1, struck + 1)) + list(range(first, 31))
     assert harness.result(nb) == reference
+
+
+def _parts(result: str) -> dict[str, str]:
+    """The fields of a RESULT line (a dict or a list as one field)."""
+    return dict(re.findall(r"(\w+)=(\{.*?\}|\[.*?\]|\S+)", result))
+
+
+@pytest.mark.parametrize("fault_step,every_steps,kill_step,at", [
+    (15, None, None, "epoch 1"), (17, 5, None, "step 16 of epoch 1"), (15, None, 25, "epoch 1"),
+], ids=["out-of-memory", "out-of-memory-within-an-epoch", "out-of-memory-then-killed"])
+def test_shrinking_the_batch_keeps_the_effective_batch(tmp_path, tmp_path_factory, fault_step, every_steps, kill_step,
+                                                       at):
+    """--shrink batch_size (the DataLoader made in the training cell): an OOM after step 15 halves
+    the batch (4 → 2), and the callback doubles accumulate_grad_batches (1 → 2), so an optimizer
+    step still takes the same 4 samples. Back at epoch 0's end, or within epoch 1 at step 16 (its 5
+    finished batches of 4 counted as 10 of 2: the loops' counts, which accumulation and the epoch's
+    end go by, and the batches dropped), the run ends as its twin: the same steps, epochs, learning
+    rate and EarlyStopping count, and, without dropout or noise (whose draws depend on the shapes),
+    its losses up to float rounding. Killed after step 25 as well, the kernel that takes over starts
+    from the journal's shrunk batch and raises the accumulation again."""
+    if "still" not in _twins:
+        work = tmp_path_factory.mktemp("lightning-twin-still")
+        nb = load(work, dropout=0.0, noise=0.0)
+        assert harness.run(nb, work, standby=False).status == 0
+        _twins["still"] = harness.result(nb)
+    want = _parts(_twins["still"])
+    nb = load(tmp_path, fault="oom-error", fault_step=fault_step, every_steps=every_steps, kill_step=kill_step,
+              dropout=0.0, noise=0.0, shrink="--shrink batch_size")
+    run, out = harness.run_ok(nb, tmp_path)
+    assert "batch_size 4 → 2; retry 1/2" in out and f"continuing at {at} with batch_size 2" in out, out
+    kept = "colab_resilience: the fit's batch is 2 now; accumulate_grad_batches 1 → 2 keeps the effective batch 4"
+    assert out.count(kept) == (2 if kill_step else 1), out
+    assert len(run.restarts) == (1 if kill_step else 0), out
+    got = _parts(harness.result(nb))
+    for name in ("step", "epoch", "lr"):
+        assert got[name] == want[name], (name, got, want)
+    assert got["early_stopping"].split(",")[0] == want["early_stopping"].split(",")[0]
+    metrics, expected = ast.literal_eval(got["metrics"]), ast.literal_eval(want["metrics"])
+    for name in ("train_loss_epoch", "val_loss"):
+        assert abs(metrics[name] - expected[name]) <= 1e-4, (name, metrics, expected)
 
 
 def test_a_kill_in_a_cell_after_the_fit_finds_the_trained_module(tmp_path, tmp_path_factory):

@@ -87,6 +87,7 @@ class FitState:
         self.kept: dict[str, dict] = {}  # the callbacks' state, loaded, until they have started
         self.stopped = False  # a callback stopped the fit (EarlyStopping): no epoch follows
         self.loaded = False
+        self.batch_size: int | None = None  # fit's batch size when the run began
 
     @property
     def label(self) -> str:
@@ -122,6 +123,7 @@ class FitState:
             "logs": {k: [_plain(x) for x in v] for k, v in self.logs.items()},
             "callbacks": {key: _attributes(cb) for key, cb in self.callbacks.items()},
             "stopped": self.stopped,
+            "batch_size": self.batch_size,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -141,6 +143,7 @@ class FitState:
         self.logs = {k: list(v) for k, v in state["logs"].items()}
         self.kept = dict(state["callbacks"])
         self.stopped = bool(state["stopped"])
+        self.batch_size = state.get("batch_size", self.batch_size)
         self.loaded = True
 
     def give_callbacks(self) -> list[str]:
@@ -277,9 +280,17 @@ class ResilienceCallback(keras.callbacks.Callback):
             run.say_once(line)
         self._run, self._ended = run, None
         self._state = FitState(self.model, getattr(fit.get("callbacks"), "callbacks", None))
+        batch = fit.get("batch_size") if isinstance(fit.get("batch_size"), int) else None
+        self._state.batch_size = batch
         run.extras[STATE] = self._state
         self._epochs = run.loops.iterate(Epochs(initial, epochs, self._state))
         self._first = next(self._epochs, epochs)
+        first = self._state.batch_size
+        if batch is not None and first is not None and batch != first:  # a --shrink since the run began
+            run.say_once(
+                f"colab_resilience: fit's batch is {batch} now, {first} when the run began; Keras cannot raise the "
+                f"gradient accumulation of an optimizer already made, so the epochs from here on take batches of "
+                f"{batch} (the effective batch is not kept)")
         self.model._initial_epoch = self._first
         history = getattr(self.model, "history", None)
         if self._state.loaded and isinstance(history, keras.callbacks.History):

@@ -32,6 +32,11 @@ callback says so once, in one line, before training starts: an ``IterableDataset
 the callback cannot put back; ``persistent_workers=True``, whose workers keep their random state
 across epochs; a GPU fit without ``deterministic=True``.
 
+After an out-of-memory retry with ``--shrink batch_size`` (the training ``DataLoader`` made in the
+cell from that variable), ``accumulate_grad_batches`` is raised so that an optimizer step takes
+the samples it took when the run began, and a retry that goes back within an epoch counts the
+epoch's finished samples in batches of the new size.
+
 What is not put back: files. A logger writes on where the new kernel's logger writes (give
 ``CSVLogger``/``TensorBoardLogger`` a fixed ``version`` to keep one folder); a checkpoint
 ``ModelCheckpoint`` had saved after the last safe point is saved again under another name
@@ -72,6 +77,9 @@ class FitCheckpoint:
         self.epoch_rng: dict | None = None  # the random state as the epoch's data iterator was made
         self.fetch_rng: dict | None = None  # the random state before the batch in progress was fetched
         self.loaded: dict[str, Any] | None = None
+        # the samples of an optimizer step as the run began (batch x accumulation): after a
+        # --shrink of the batch size, the accumulation is raised to keep it
+        self.effective_batch: int | None = None
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
@@ -91,11 +99,13 @@ class FitCheckpoint:
             # checkpoint of Lightning's holds it), pickled: an object of Lightning's own
             "results": _dump_results(t) if self.mid_epoch else None,
             "finished": self.finished,
+            "effective_batch": self.effective_batch,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loaded = state
         self.finished = bool(state["finished"])
+        self.effective_batch = state.get("effective_batch") or self.effective_batch
 
     def position(self) -> dict[str, Any]:
         """Where the fit goes on: its epoch, its optimizer steps, the epoch's finished batches."""
@@ -103,7 +113,8 @@ class FitCheckpoint:
             return self.loaded["position"]
         t = self.trainer
         batches = t.fit_loop.epoch_loop.batch_progress.current.completed if self.mid_epoch else 0
-        return {"epoch": t.current_epoch, "step": t.global_step, "batches": batches, "mid_epoch": self.mid_epoch}
+        return {"epoch": t.current_epoch, "step": t.global_step, "batches": batches, "mid_epoch": self.mid_epoch,
+                "batch_size": _batch_size(t)}
 
 
 class Stretches:
@@ -164,10 +175,13 @@ class ResilienceCallback(pl.Callback):
             )
         self._run = run
         self._state = state = FitCheckpoint(trainer)
+        batch = _batch_size(trainer)
+        state.effective_batch = batch * trainer.accumulate_grad_batches if batch else None
         run.extras[STATE] = state
         self._pending = False
         self._epochs = run.loops.iterate(Stretches(state))
         self._first = next(self._epochs, None)  # a resumed run: the checkpoint is loaded here
+        _keep_effective_batch(trainer, batch, state.effective_batch, run)
         if state.loaded is not None:
             carried.apply({"module": pl_module}, ["module"], state.loaded["carried"])
         if state.loaded is not None and self._first == 0:  # saved as the fit began: its module as it was
@@ -191,7 +205,7 @@ class ResilienceCallback(pl.Callback):
                 trainer.fit_loop.epoch_loop._results = _load_results(trainer, loaded["results"])
                 trainer._logger_connector._first_loop_iter = True  # the next batch is not the epoch's first
                 iterator = trainer.fit_loop._data_fetcher.iterator
-                for _ in range(loaded["position"]["batches"]):
+                for _ in range(_batches_done(trainer, loaded["position"])):
                     next(iterator)
                 restore_rng(loaded["rng"])
             self._state.loaded = None
@@ -252,6 +266,50 @@ class ResilienceCallback(pl.Callback):
                              (trainer.fit_loop.epoch_loop, ("on_run_start", "advance", "reset"))):
             for name in names:
                 vars(owner).pop(name, None)
+
+
+def _batch_size(trainer: pl.Trainer) -> int | None:
+    """The batch size of the DataLoader handed to this fit for training (None: another source)."""
+    loader = getattr(trainer.fit_loop._data_source, "instance", None)
+    size = getattr(loader, "batch_size", None) if isinstance(loader, torch.utils.data.DataLoader) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+def _keep_effective_batch(trainer: pl.Trainer, batch: int | None, effective: int | None, run) -> None:
+    """After ``--shrink`` of the training batch size: raise ``accumulate_grad_batches`` so that an
+    optimizer step takes the samples it took when the run began (the same steps, schedule and data
+    order; the sums made in smaller parts)."""
+    accumulation = trainer.accumulate_grad_batches
+    if not batch or not effective or batch * accumulation == effective:
+        return
+    steps = -(-effective // batch)
+    trainer.accumulate_grad_batches = steps
+    kept = (f"keeps the effective batch {effective}" if batch * steps == effective else
+            f"makes the effective batch {batch * steps}, not {effective} ({effective} is not a multiple of {batch}): "
+            "the run goes on with another batch")
+    run.say_once(f"colab_resilience: the fit's batch is {batch} now; accumulate_grad_batches {accumulation} → {steps} "
+                 f"{kept}")
+
+
+def _batches_done(trainer: pl.Trainer, position: dict) -> int:
+    """The epoch's finished batches, in batches of the size the fit has now: a --shrink since the
+    safe point (within an epoch) counts its samples in smaller batches, and the loops' counts of
+    the epoch's batches (which accumulation and the epoch's end go by) are made to agree."""
+    done, before, now = position["batches"], position.get("batch_size"), _batch_size(trainer)
+    if not before or not now or before == now:
+        return done
+    if done * before % now:
+        raise RunStoppedError(
+            f"colab_resilience: the fit's batch is {now} now, and the {done * before} samples of the epoch it "
+            f"finished before its safe point are not a whole number of such batches, so it cannot go on within that "
+            "epoch; shrink the batch by a factor that divides it (--shrink NAME=0.5)")
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    for name in ("ready", "started", "processed", "completed"):
+        old = getattr(progress.current, name)
+        new = old * before // now
+        setattr(progress.current, name, new)
+        setattr(progress.total, name, getattr(progress.total, name) + new - old)
+    return done * before // now
 
 
 def _resume(trainer: pl.Trainer, state: FitCheckpoint) -> None:

@@ -24,6 +24,10 @@ the finished epochs and, within an epoch, the finished batches, as its own resum
 
 A resumed run is identical to an uninterrupted one where the Trainer is deterministic (CPU, or
 ``full_determinism``): weights, optimizer, log history and ``training_loss``.
+
+After an out-of-memory retry with ``--shrink trainer.args.per_device_train_batch_size``, the
+gradient accumulation is raised so that an optimizer step takes the samples it took when the run
+began.
 """
 
 from __future__ import annotations
