@@ -46,6 +46,16 @@ def every_steps(value) -> int | None:
     return value
 
 
+def accumulation_for(batch: int, effective: int) -> tuple[int, str]:
+    """The gradient accumulation that makes an optimizer step take ``effective`` samples in batches
+    of ``batch`` after a ``--shrink``, and the words that say what it keeps."""
+    steps = -(-effective // batch)
+    if batch * steps == effective:
+        return steps, f"keeps the effective batch {effective}"
+    return steps, (f"makes the effective batch {batch * steps}, not {effective} ({effective} is not a multiple of "
+                   f"{batch}): the run goes on with another batch")
+
+
 def caller_locals(function: str, owner) -> dict:
     """The local variables of the framework's method ``function`` of ``owner`` (its ``self``) that
     is calling back, or {} when it is not on the stack: what a framework keeps in its loop's

@@ -57,7 +57,7 @@ from .. import carried
 from ..checkpoints import capture_rng, restore_rng
 from ..errors import RunStoppedError
 from ..loops import active_run
-from . import caller_locals, require_loop, say_outside
+from . import accumulation_for, caller_locals, require_loop, say_outside
 from . import every_steps as check_every_steps
 
 STATE = "lightning:fit"  # the checkpoint entry holding a fit's state
@@ -282,11 +282,8 @@ def _keep_effective_batch(trainer: pl.Trainer, batch: int | None, effective: int
     accumulation = trainer.accumulate_grad_batches
     if not batch or not effective or batch * accumulation == effective:
         return
-    steps = -(-effective // batch)
+    steps, kept = accumulation_for(batch, effective)
     trainer.accumulate_grad_batches = steps
-    kept = (f"keeps the effective batch {effective}" if batch * steps == effective else
-            f"makes the effective batch {batch * steps}, not {effective} ({effective} is not a multiple of {batch}): "
-            "the run goes on with another batch")
     run.say_once(f"colab_resilience: the fit's batch is {batch} now; accumulate_grad_batches {accumulation} → {steps} "
                  f"{kept}")
 

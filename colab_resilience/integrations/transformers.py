@@ -43,7 +43,7 @@ from transformers.trainer_utils import TrainOutput
 from ..checkpoints import capture_rng, restore_rng
 from ..errors import RunStoppedError
 from ..loops import active_run
-from . import caller_locals, require_loop, say_outside
+from . import accumulation_for, caller_locals, require_loop, say_outside
 from . import every_steps as check_every_steps
 
 STATE = "transformers:trainer"  # the checkpoint entry holding a Trainer's state
@@ -248,11 +248,8 @@ def _keep_effective_batch(trainer: Trainer, effective: int, run) -> None:
     args = trainer.args
     per_device, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     if per_device * accumulation != effective:
-        steps = -(-effective // per_device)
+        steps, kept = accumulation_for(per_device, effective)
         args.gradient_accumulation_steps = steps
-        kept = (f"keeps the effective batch {effective}" if per_device * steps == effective else
-                f"makes the effective batch {per_device * steps}, not {effective} ({effective} is not a multiple of "
-                f"{per_device}): the run goes on with another batch")
         run.say_once(f"colab_resilience: the Trainer's batch is {per_device} per device now; gradient accumulation "
                      f"{accumulation} → {steps} {kept}")
     trainer._train_batch_size = args.train_batch_size
