@@ -78,6 +78,9 @@ class TrainerCheckpoint:
                 "total_loss": float(getattr(t, "_total_loss_scalar", 0.0)),
                 "last_logged": int(getattr(t, "_globalstep_last_logged", 0)),
                 "initial_step": int(getattr(t, "_initial_global_step", 0)),
+                # the floating-point operations since the Trainer last added them to state.total_flos
+                # (at its end, or a save of its own): a Trainer made anew counts from 0
+                "current_flos": float(getattr(t, "current_flos", 0)),
             },
             "epoch_rng": self.epoch_rng,
             "rng": capture_rng(),  # the state at the safe point, for where the Trainer puts it back
@@ -210,6 +213,7 @@ class ResilienceCallback(TrainerCallback):
             t._total_loss_scalar = logging["total_loss"]
             t._globalstep_last_logged = logging["last_logged"]
             t._initial_global_step = logging["initial_step"]
+            t.current_flos = logging.get("current_flos", t.current_flos)
             self._logging = None
 
     def on_epoch_begin(self, args, state, control, **kwargs):
