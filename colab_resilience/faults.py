@@ -18,7 +18,11 @@ check`` sets them; nothing else does):
   the notebook's code. ``mark`` is created first: the fault fires once, not again in the kernel
   that resumes.
 
-Safe points are counted across the kernel's ``%%resilient`` cells from 1.
+Safe points are counted from 1 across the ``%%resilient`` cells of the run, and across its
+kernels: a kernel that takes over after a planned restart (``%restart_after``) goes on counting
+where the one before stopped (the count is kept in ``FILE.count``, next to the timeline or the
+mark), so the uninterrupted run's timeline numbers every safe point once and a fault can be aimed
+at one that a later kernel reaches.
 """
 
 from __future__ import annotations
@@ -80,12 +84,33 @@ def persisted(number: int) -> None:
             f.write(f"{number} durable {time.monotonic():.6f} write\n")
 
 
+def _counter() -> str | None:
+    """The file that carries the safe-point count from a kernel to the one that takes over."""
+    base = _timeline or (_fault or {}).get("mark")
+    return f"{base}.count" if base else None
+
+
+def _next_count() -> int:
+    counter = _counter()
+    if counter is None:
+        return _count + 1
+    try:
+        with open(counter) as f:
+            last = int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        last = 0
+    number = max(last, _count) + 1
+    with open(counter, "w") as f:
+        f.write(f"{number}\n")
+    return number
+
+
 def safe_point(phase: str, *, end: bool = False) -> None:
     """Called by a run at each safe point, ``before`` and ``after`` its save; ``end``: the one at
     the end of the cell (no code of the notebook follows it in the cell)."""
     global _count
     if phase == "before":
-        _count += 1
+        _count = _next_count()
     if _timeline:
         with open(_timeline, "a") as f:
             f.write(f"{_count} {phase} {time.monotonic():.6f} {'end' if end else 'iteration'}\n")

@@ -91,7 +91,9 @@ def test_the_demo_passes_though_it_really_runs_out_of_memory_and_writes_in_its_f
     "batch_size differs"); a kernel that took over unbinds a failed attempt's batch before its
     retry (it kept it: the retry shrank to 1024). The set-up cell's `data` (a memory size) is read
     again in each new kernel, and so is a clock read added to that cell here (`started`; the memory
-    size is often the same in two kernels, the time never): not compared, and said so. The check
+    size is often the same in two kernels, the time never): not compared, and said so. Safe points
+    are counted across the kernels of a run, 6 in all (before, each kernel counted from 1, and the
+    timeline mixed the kernel that killed itself with the one that took over: "of 3"). The check
     writes nothing in the notebook's folder, and names what the runs wrote there."""
     folder = tmp_path / "project"
     folder.mkdir()
@@ -103,7 +105,7 @@ def test_the_demo_passes_though_it_really_runs_out_of_memory_and_writes_in_its_f
     r = check(str(folder / "demo.ipynb"), "--faults", "2", "--seed", "2", "--kernel", harness.KERNEL_NAME,
               "--keep", str(tmp_path / "kept"))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert re.search(r"fault 1/2: SIGKILL [0-9.]+ s after safe point 1 of 3: identical \(", r.stdout), r.stdout
+    assert re.search(r"fault 1/2: SIGKILL [0-9.]+ s after safe point 1 of 6: identical \(", r.stdout), r.stdout
     assert "an out-of-memory error" in r.stdout
     recomputed = re.findall(r"^    not compared: (.*) \(a plain value only set-up cells set, which the kernel that "
                             r"took over ran again", r.stdout, re.MULTILINE)
@@ -164,16 +166,21 @@ def test_an_injected_oom_never_lands_where_only_clean_up_runs(ip, tmp_path):
 
 
 def test_a_fault_that_never_fires_is_aimed_again_not_called_a_difference():
-    """resume_planned.ipynb restarts the kernel on purpose (%restart_after): with seed 4, the OOM
-    is first aimed just after a safe point where the kernel leaves, so it never fires. It is aimed
-    at another moment, which fires, and the run is called identical."""
-    r = check(str(harness.FILES / "resume_planned.ipynb"), "--faults", "3", "--seed", "4")
+    """resume_planned.ipynb with a planned restart every 2 epochs (%restart_after 2): the kernel
+    leaves at safe point 3 of 6 (the end of epoch 2) and a second kernel takes the run over,
+    counting on from 4 (the timeline numbers each safe point once, whichever kernel reached it).
+    With seed 9, the OOM is first aimed just after safe point 3, where the kernel leaves, so it
+    never fires, whatever the timing. It is aimed at another moment (safe point 2, or else 1),
+    which fires, and the run is called identical."""
+    r = check(str(harness.FILES / "resume_planned.ipynb"), "-p", "plan", "2", "--faults", "3", "--seed", "9")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "never fired (the run went another way, e.g. a planned restart at that safe point); aimed at " \
-           "another moment" in r.stdout, r.stdout
+    assert ": 6 safe points, uninterrupted in " in r.stdout.splitlines()[0], r.stdout
+    assert re.search(r"fault 2/3: an out-of-memory error [0-9.]+ s after safe point 3 of 6: never fired \(the run went "
+                     r"another way, e\.g\. a planned restart at that safe point\); aimed at another moment", r.stdout), r.stdout
     faults = [line for line in r.stdout.splitlines() if line.startswith("  fault ") and "aimed at" not in line]
     assert len(faults) == 3 and all(": identical (" in line for line in faults), r.stdout
-    assert r.stdout.splitlines()[-1].endswith("identical after each of 3 faults (seed 4)")
+    assert "an out-of-memory error" in faults[1] and "after safe point 3 of 6" not in faults[1], r.stdout
+    assert r.stdout.splitlines()[-1].endswith("identical after each of 3 faults (seed 9)")
 
 
 def test_an_oom_the_notebook_catches_itself_proves_nothing_and_is_said_so(tmp_path):
