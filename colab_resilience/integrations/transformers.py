@@ -80,8 +80,10 @@ class TrainerCheckpoint:
                 "initial_step": int(getattr(t, "_initial_global_step", 0)),
                 # the floating-point operations since the Trainer last added them to state.total_flos
                 # (at its end, or a save of its own): a Trainer made anew counts from 0
-                "current_flos": float(getattr(t, "current_flos", 0)),
+                "current_flos": getattr(t, "current_flos", 0),
+                "accumulation": getattr(t, "current_gradient_accumulation_steps", None),
             },
+            "control": dataclasses.asdict(t.control),  # what the callbacks asked for last (stop training)
             "epoch_rng": self.epoch_rng,
             "rng": capture_rng(),  # the state at the safe point, for where the Trainer puts it back
             "finished": self.finished,
@@ -148,18 +150,17 @@ class ResilienceCallback(TrainerCallback):
             _keep_effective_batch(trainer, state.effective_batch, run)
             if state.loaded is None or first == 0:
                 return call(resume_from_checkpoint=None)
-            if first is None:  # it had ended: the optimizer as it left it, and what train() returned then
-                trainer.state = state.trainer_state()
-                if trainer.optimizer is None or trainer.lr_scheduler is None:
-                    trainer.create_optimizer_and_scheduler(num_training_steps=trainer.state.max_steps)
-                self._load_optimizer_and_scheduler(trainer)
-                return _output(trainer.state)
-            return self._resume(trainer, run, call)
+            return self._resume(trainer, run, call, finished=first is None)
         finally:
             self._steps.close()
             self._steps = None
 
-    def _resume(self, trainer: Trainer, run, call) -> TrainOutput:
+    def _resume(self, trainer: Trainer, run, call, *, finished: bool = False) -> TrainOutput:
+        """``train`` from the run's checkpoint. ``finished``: training had ended (the kernel died
+        after it, before the cell's end): ``train`` sets the Trainer up as it does to train (its
+        data loader, the optimizer and scheduler it makes and loads, the accelerator's bookkeeping,
+        the logging accumulators), trains nothing and evaluates nothing, and ends as its own end
+        left it, without its end's callbacks, which ran then, or a second final log."""
         from .. import fsutil
 
         folder = run.dir / RESUME_FOLDER
@@ -172,11 +173,38 @@ class ResilienceCallback(TrainerCallback):
         trainer._load_from_checkpoint = lambda *args, **kwargs: None  # the model is loaded already
         trainer._load_optimizer_and_scheduler = lambda checkpoint: self._load_optimizer_and_scheduler(trainer)
         trainer._load_rng_state = lambda checkpoint: self._load_rng(trainer)
+        stand_ins = ["_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_rng_state"]
+        handler = trainer.callback_handler
+        if finished:  # the epochs left, if any (an early stop): none trained, no callback told of them
+            handler.on_epoch_begin = lambda args, state, control: control
+            trainer._evaluate = lambda *args, **kwargs: None  # eval_on_start: it evaluated then
+            trainer._run_epoch = lambda **kwargs: setattr(trainer.control, "should_training_stop", True)
+            trainer._finalize_training = lambda trial, num_train_samples, start_time: self._finished(trainer)
+            stand_ins += ["_evaluate", "_run_epoch", "_finalize_training"]
         try:
             return call(resume_from_checkpoint=str(folder))
         finally:
-            for name in ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_rng_state"):
+            for name in stand_ins:
                 vars(trainer).pop(name, None)
+            vars(handler).pop("on_epoch_begin", None)
+
+    def _finished(self, trainer: Trainer) -> TrainOutput:
+        """The end of a ``train`` that had ended: what its end left in the Trainer (the logging
+        accumulators are back already, from :meth:`on_train_begin`) and what it returned."""
+        loaded = self._state.loaded
+        for name, value in (loaded.get("control") or {}).items():
+            setattr(trainer.control, name, value)
+        accumulation = loaded["logging"].get("accumulation")
+        if accumulation is not None:
+            trainer.current_gradient_accumulation_steps = accumulation
+        if trainer.neftune_noise_alpha is not None:
+            from transformers.integrations.neftune import deactivate_neftune
+
+            deactivate_neftune(trainer.model, trainer.neftune_hook_handle, trainer.accelerator)
+        trainer._memory_tracker.stop_and_update_metrics({})
+        trainer.is_in_train = False
+        restore_rng(loaded["rng"])  # as the end of training left it
+        return _output(trainer.state)
 
     def _load_optimizer_and_scheduler(self, trainer: Trainer) -> None:
         loaded = self._state.loaded
