@@ -160,6 +160,24 @@ def test_what_the_callback_refuses_and_where_it_does_nothing(kernel, tmp_path):
         "colab_resilience: ResilienceCallback was made outside the %%resilient cell that trains"), reply.evalue
 
 
+def test_a_callbacks_state_that_cannot_be_saved_is_said_once_before_training(kernel, tmp_path):
+    """The Trainer's other callbacks' plain attributes go with each checkpoint (train_hf.ipynb's
+    `seen`, compared in every twin test); one holding something else (a tensor) is named in one
+    line before training starts, once, and training goes on."""
+    nb = load(tmp_path, epochs=1)
+    harness.run_interactive(kernel, nb, stop="train")
+    kernel.ok("class Best(TrainerCallback):\n"
+              "    def __init__(self):\n"
+              "        self.patience, self.best = 3, torch.tensor(0.0)\n"
+              "trainer.add_callback(Best())")
+    reply = kernel.ok("%%resilient\nfrom colab_resilience.integrations.transformers import ResilienceCallback\n"
+                      "trainer.add_callback(ResilienceCallback())\nprint(trainer.train().global_step)")
+    line = ("colab_resilience: the state of the Trainer's callbacks goes with each checkpoint, but not Best.best (not "
+            "plain values): after a resume they hold what the callback has in this kernel")
+    assert (reply.stdout + reply.stderr).count(line) == 1, reply.stdout + reply.stderr
+    assert reply.stdout.strip().endswith("10"), reply.stdout
+
+
 def test_colab_resilience_check_passes_the_trainer_notebook(tmp_path):
     """Kills between safe points, during a save and before one, and an out-of-memory error raised
     in the Trainer's own code (below the wrapped train(), which the injected error used to treat

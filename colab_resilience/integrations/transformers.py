@@ -11,7 +11,8 @@ optimizer step too (``--every`` and ``%restart_after`` count these); each is tak
 Trainer has logged and evaluated after it (when the next step begins, or training ends). With every checkpoint, beside the cell's ``--save`` names, go the model's ``state_dict``,
 the optimizer's and the scheduler's, the ``TrainerState`` (its step, epoch, log history), what
 the Trainer accumulates for its next log (the loss since the last one, the running total), the
-random state when the epoch began, and Python's, NumPy's and torch's random states.
+plain attributes of its other callbacks (``EarlyStoppingCallback``'s count), the random state
+when the epoch began, and Python's, NumPy's and torch's random states.
 
 A ``Trainer`` cannot be resumed from a callback alone: ``train`` works out the epochs and steps
 to skip from a checkpoint folder before the first callback event. So importing this module wraps
@@ -65,6 +66,7 @@ class TrainerCheckpoint:
         self.epoch_rng: dict | None = None  # the random state when the epoch in progress began
         self.finished = False  # train() ended: a resume returns its output without training
         self.loaded: dict[str, Any] | None = None
+        self.callbacks_pending: dict[str, dict] = {}  # the other callbacks' loaded state, until they have begun
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
@@ -84,6 +86,7 @@ class TrainerCheckpoint:
                 "accumulation": getattr(t, "current_gradient_accumulation_steps", None),
             },
             "control": dataclasses.asdict(t.control),  # what the callbacks asked for last (stop training)
+            "callbacks": {key: _plain_attributes(cb)[0] for key, cb in _stateful(t).items()},
             "epoch_rng": self.epoch_rng,
             "rng": capture_rng(),  # the state at the safe point, for where the Trainer puts it back
             "finished": self.finished,
@@ -95,10 +98,23 @@ class TrainerCheckpoint:
         self.epoch_rng, self.finished = state["epoch_rng"], bool(state["finished"])
         self.effective_batch = int(state.get("effective_batch") or self.effective_batch)
         self.loaded = state
+        self.callbacks_pending = dict(state.get("callbacks") or {})
         self.trainer.state = self.trainer_state()  # what train() loads again from the folder it is given
 
     def trainer_state(self) -> TrainerState:
         return TrainerState(**json.loads(self.loaded["trainer_state"]))
+
+    def give_callbacks(self) -> list[str]:
+        """Put the loaded state back into the Trainer's other callbacks (once their
+        ``on_train_begin`` and ``on_epoch_begin`` have run, as they had when it was saved);
+        returns those whose state was saved but that this Trainer does not have at that place."""
+        pending, self.callbacks_pending = self.callbacks_pending, {}
+        now = _stateful(self.trainer)
+        for key, attributes in pending.items():
+            if key in now:
+                for name, value in attributes.items():
+                    setattr(now[key], name, value)
+        return [key.split(":", 1)[1] for key in pending if key not in now]
 
 
 class Steps:
@@ -148,6 +164,9 @@ class ResilienceCallback(TrainerCallback):
             self._new_epoch = False
             first = next(self._steps, None)  # a resumed run: the model is loaded in place here
             _keep_effective_batch(trainer, state.effective_batch, run)
+            unsaved = _unsaved_callback_state(trainer)
+            if unsaved:
+                run.say_once(unsaved)
             if state.loaded is None or first == 0:
                 return call(resume_from_checkpoint=None)
             return self._resume(trainer, run, call, finished=first is None)
@@ -194,6 +213,7 @@ class ResilienceCallback(TrainerCallback):
         loaded = self._state.loaded
         for name, value in (loaded.get("control") or {}).items():
             setattr(trainer.control, name, value)
+        self._give_callbacks()
         accumulation = loaded["logging"].get("accumulation")
         if accumulation is not None:
             trainer.current_gradient_accumulation_steps = accumulation
@@ -248,6 +268,20 @@ class ResilienceCallback(TrainerCallback):
         if self._steps is not None:
             self._state.epoch_rng = capture_rng()
             self._new_epoch = True
+            self._give_callbacks()
+
+    def _give_callbacks(self) -> None:
+        """A resumed run's first epoch begins (or training had ended): the other callbacks get the
+        state they had at the safe point (what their ``on_train_begin`` and ``on_epoch_begin`` set
+        then too: this callback, added in the cell, comes after them); and what cannot be saved
+        in them is said once."""
+        if not self._state.callbacks_pending:
+            return
+        missing = self._state.give_callbacks()
+        run = active_run()
+        if missing and run is not None:
+            run.say_once(f"colab_resilience: the checkpoint holds the state of {', '.join(missing)}, which this "
+                         "Trainer does not have at that place in its callbacks; that state was not put back")
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self._steps is None:
@@ -270,6 +304,54 @@ class ResilienceCallback(TrainerCallback):
     def _safe_point(self) -> None:
         self._pending = False
         next(self._steps, None)  # saves when due, may restart as planned
+
+
+_DISPLAYS = ("ProgressCallback", "PrinterCallback", "NotebookProgressCallback")  # their state is a display's
+
+
+def _stateful(trainer: Trainer) -> dict[str, TrainerCallback]:
+    """The Trainer's callbacks whose state goes with a checkpoint: all but this package's and the
+    progress displays; keyed by place and type."""
+    callbacks = [cb for cb in trainer.callback_handler.callbacks
+                 if not isinstance(cb, ResilienceCallback) and type(cb).__name__ not in _DISPLAYS]
+    return {f"{i}:{type(cb).__name__}": cb for i, cb in enumerate(callbacks)}
+
+
+def _plain(value) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False
+
+
+def _plain_attributes(callback) -> tuple[dict[str, Any], list[str]]:
+    """A callback's state: its attributes that are plain values (counters, the best metric so far,
+    flags, lists and dicts of them), copied; and the names of the others, which are not saved."""
+    import copy
+
+    kept, left = {}, []
+    for name, value in vars(callback).items():
+        if _plain(value):
+            kept[name] = copy.deepcopy(value)
+        else:
+            left.append(name)
+    return kept, left
+
+
+def _unsaved_callback_state(trainer: Trainer) -> str | None:
+    """One line naming the callbacks' attributes that a checkpoint cannot hold, or None."""
+    parts = []
+    for key, cb in _stateful(trainer).items():
+        left = _plain_attributes(cb)[1]
+        if left:
+            parts.append(f"{key.split(':', 1)[1]}.{', '.join(left)}")
+    if not parts:
+        return None
+    return ("colab_resilience: the state of the Trainer's callbacks goes with each checkpoint, but not "
+            f"{'; '.join(parts)} (not plain values): after a resume they hold what the callback has in this kernel")
 
 
 def _keep_effective_batch(trainer: Trainer, effective: int, run) -> None:
