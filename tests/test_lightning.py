@@ -15,6 +15,7 @@ import ast
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -244,3 +245,64 @@ def test_colab_resilience_check_passes_the_lightning_notebook(tmp_path):
         capture_output=True, text=True, timeout=400, check=False, env=harness.child_env())
     assert r.returncode == 0, r.stdout + r.stderr
     assert "identical after each of 4 faults" in r.stdout, r.stdout
+
+
+def test_an_oom_while_lightning_makes_the_data_leaves_no_data_loader_patched(kernel):
+    """Lightning wraps DataLoader's and BatchSampler's __init__/__setattr__/__delattr__ while it
+    asks for a fit's data, and puts them back only when that goes well. An out-of-memory error in
+    a train_dataloader hook (retried in the kernel) must not leave them wrapped: a wrapped
+    DataLoader records its arguments and attributes (__pl_saved_args, __pl_attrs_record) in every
+    loader made or changed afterwards, the user's validation loader too. The retried fit ends
+    where an uninterrupted one does, bit for bit. Found by colab-resilience check: an OOM that
+    struck in there made val_data differ."""
+    kernel.ok("%load_ext colab_resilience")
+    kernel.ok(textwrap.dedent("""\
+        import hashlib, logging, warnings
+        import torch, lightning as L
+        from torch.utils.data import DataLoader, TensorDataset
+        torch.set_num_threads(1)
+        logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", module="lightning")
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(48, 8, generator=g), torch.randn(48, 1, generator=g)
+        fail = []
+
+        class Model(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Linear(8, 1)
+            def training_step(self, batch, i):
+                return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            def validation_step(self, batch, i):
+                self.log("val_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+            def configure_optimizers(self):
+                return torch.optim.Adam(self.parameters(), lr=1e-2)
+            def train_dataloader(self):
+                if fail:
+                    fail.pop()
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+                return DataLoader(TensorDataset(x[:40], y[:40]), batch_size=4, shuffle=True)
+
+        def fingerprint(model):
+            return hashlib.sha256(b"".join(t.numpy().tobytes() for t in model.state_dict().values())).hexdigest()
+        """))
+    fit = textwrap.dedent("""\
+        %%resilient --retries 2
+        from colab_resilience.integrations.lightning import ResilienceCallback
+        L.seed_everything(0, verbose=False)
+        model, val_data = Model(), DataLoader(TensorDataset(x[40:], y[40:]), batch_size=4)
+        L.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                  enable_checkpointing=False, enable_model_summary=False,
+                  callbacks=[ResilienceCallback()]).fit(model, val_dataloaders=val_data)
+        """)
+    kernel.ok(fit)
+    reference = kernel.value("fingerprint(model)")
+    kernel.ok("fail.append(1)")
+    out = kernel.ok(fit).stdout
+    assert "OOM (CUDA out of memory)" in out and "retry 1/2" in out, out
+    assert kernel.value("fail") == []  # the hook did fail once
+    assert kernel.value("[f'{c.__name__}.{n}' for c in (DataLoader, torch.utils.data.BatchSampler) "
+                        "for n in ('__init__', '__setattr__', '__delattr__') "
+                        "if hasattr(getattr(c, n), '__wrapped__') or '__old' + n in vars(c)]") == []
+    assert kernel.value("sorted(k for k in vars(val_data) if k.startswith('__pl'))") == []
+    assert kernel.value("fingerprint(model)") == reference

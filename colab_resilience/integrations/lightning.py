@@ -161,6 +161,7 @@ class ResilienceCallback(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Before the Trainer restores a checkpoint: start the cell's loop, and on resume hand it ours."""
+        _undo_data_patches()  # an attempt before this one may have failed while Lightning made its data
         if stage != "fit":
             return
         run = active_run()
@@ -255,6 +256,7 @@ class ResilienceCallback(pl.Callback):
             state.loaded = None
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        _undo_data_patches()
         self._close(trainer)
 
     def _close(self, trainer: pl.Trainer) -> None:
@@ -266,6 +268,34 @@ class ResilienceCallback(pl.Callback):
                              (trainer.fit_loop.epoch_loop, ("on_run_start", "advance", "reset"))):
             for name in names:
                 vars(owner).pop(name, None)
+
+
+def _undo_data_patches() -> None:
+    """Put back what Lightning patches into ``DataLoader`` and ``BatchSampler`` (and their
+    subclasses) while it makes a fit's data, where an error left it patched.
+
+    Lightning wraps their ``__init__``, ``__setattr__`` and ``__delattr__`` (keeping the originals
+    as ``__old__init__`` etc.) in a context manager that puts them back only when its body returns:
+    an out-of-memory error raised in there (in a ``train_dataloader`` hook, or anywhere in that
+    stretch) leaves them wrapped for good. Every data loader made or changed afterwards, the user's
+    own ones too, then records its arguments and attributes (``__pl_saved_args``,
+    ``__pl_attrs_record``), so a retried fit leaves them other than an uninterrupted one, and a
+    second failure wraps the wrappers."""
+    from torch.utils.data import BatchSampler, DataLoader
+
+    for base in (DataLoader, BatchSampler):
+        classes, todo = {base}, [base]
+        while todo:
+            for sub in todo.pop().__subclasses__():
+                if sub not in classes:
+                    classes.add(sub)
+                    todo.append(sub)
+        for cls in classes:
+            for name in ("__setattr__", "__delattr__", "__init__"):
+                old = f"__old{name}"
+                if old in vars(cls):
+                    setattr(cls, name, vars(cls)[old])
+                    delattr(cls, old)
 
 
 def _batch_size(trainer: pl.Trainer) -> int | None:
