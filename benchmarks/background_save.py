@@ -4,6 +4,7 @@ torch.distributed.checkpoint.async_save, with the copy floor, in one run.
 
     python benchmarks/background_save.py [--params 50e6 100e6] [--epochs 6] [--steps 7] [--batch 96]
                                          [--slow-mbps 50] [--slow-epochs 3] [--dir DIR] [--threads N]
+                                         [--device cuda] [--epoch-seconds S]
 
 Workload: a stack of nn.Linear(1024, 1024) layers (``--params`` parameters) trained with AdamW on
 random batches; an epoch is ``--steps`` optimizer steps, and every epoch ends in a safe point that
@@ -34,6 +35,13 @@ of what a background save can cost. A slow disk (a Google Drive mount writes ten
 of MB/s) is stood in for by a rate-limited writer: ``--slow-mbps`` caps every blob write of the
 package at that rate (the writing thread sleeps, as it would wait on the device), for the
 synchronous and background rows at 50M, background with ``when_busy`` both ``wait`` and ``skip``.
+
+``--device cuda``: the model, the optimizer's state and the batches live on the GPU (TF32 matrix
+products, as a GPU training runs them), and an epoch's time counts until the GPU has finished
+it. The copy floor is then the state copied device-to-host into pinned memory allocated once:
+a snapshot must reach host memory to be written (a copy kept on the GPU would take the GPU
+memory an OOM is made of). ``--epoch-seconds S`` sets the steps of an epoch so that one takes
+about S seconds (measured after the warm-up), for a GPU whose steps are much shorter.
 """
 
 from __future__ import annotations
@@ -62,21 +70,26 @@ MiB = 1 << 20
 WIDTH = 1024
 
 
+DEVICE = torch.device("cpu")
+
+
 def build(params: float):
     layers = max(1, round(params / (WIDTH * WIDTH + WIDTH)))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)]).to(DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return model, opt
 
 
 def train_epoch(model, opt, steps: int, batch: int) -> None:
     for _ in range(steps):
-        x = torch.randn(batch, WIDTH)
+        x = torch.randn(batch, WIDTH, device=DEVICE)
         loss = model(x).square().mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)  # the epoch ends when the GPU has done its work
 
 
 def state_bytes(model, opt) -> int:
@@ -96,15 +109,23 @@ class CopyFloor:
     """A snapshot's floor: every byte of the state copied into one buffer allocated once."""
 
     def __init__(self, nbytes: int):
-        self.buf = np.ones(nbytes, dtype=np.uint8)
+        if DEVICE.type == "cuda":  # device-to-host, into pinned memory
+            self.buf = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+        else:
+            self.buf = np.ones(nbytes, dtype=np.uint8)
 
     def __call__(self, model, opt) -> None:
         pos = 0
         for t in tensors(model, opt):
             n = t.numel() * t.element_size()
-            src = np.frombuffer(memoryview(t.detach().numpy()).cast("B"), dtype=np.uint8)
-            np.copyto(self.buf[pos : pos + n], src)
+            if DEVICE.type == "cuda":
+                self.buf[pos : pos + n].view(t.dtype).view(t.shape).copy_(t.detach(), non_blocking=True)
+            else:
+                src = np.frombuffer(memoryview(t.detach().numpy()).cast("B"), dtype=np.uint8)
+                np.copyto(self.buf[pos : pos + n], src)
             pos += n
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize(DEVICE)
 
 
 class OurSaver:
@@ -223,6 +244,30 @@ class RateLimit:
         blobs.write_all = self.original
 
 
+def print_table(params, nbytes, results, cpu_wall, cpu) -> None:
+    first, again = results[0][1]["epoch"], dict(results)["no checkpoint (again)"]["epoch"]
+    base = (first + again) / 2
+    results = [(label, r) for label, r in results if label != "no checkpoint (again)"]
+    floor = results[1][1]["stall"]
+    print(f"\n{params / 1e6:.0f}M parameters + AdamW ({nbytes / MiB:.0f} MiB, on {DEVICE.type}), a checkpoint every epoch "
+          f"(epoch without one: {base:.2f} s, {first:.2f} s first and {again:.2f} s last: noise "
+          f"{100 * abs(first - again) / base:.1f}%)\n")
+    print("| safe point | stall per safe point (s) | × copy floor | worst stall (s) | epoch (s) | overhead |")
+    print("|---|---|---|---|---|---|")
+    for label, r in results:
+        if "failed" in r:
+            print(f"| {label} | failed here ({r['failed']}) | – | – | – | – |")
+            continue
+        if label == "no checkpoint":
+            print(f"| {label} (mean of first and last) | – | – | – | {base:.2f} | – |")
+            continue
+        saved = f" (saved {r['saved']})" if "saved" in r else ""
+        print(f"| {label}{saved} | {r['stall']:.3f} | {r['stall'] / floor:.1f} | {r['worst']:.3f} | "
+              f"{r['epoch']:.2f} | {100 * (r['epoch'] - base) / base:+.1f}% |")
+    print(f"\nOne persist alone (a synchronous save, no training): {cpu_wall:.3f} s, {cpu:.3f} s of CPU "
+          f"({100 * cpu / base:.1f}% of an epoch: the floor of the overhead where training keeps every core busy)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--params", type=float, nargs="+", default=[50e6, 100e6])
@@ -235,19 +280,33 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch's threads (default: its own choice, every CPU); fewer leave a CPU to the "
                         "persist, as a training on a GPU does")
+    p.add_argument("--device", default="cpu", help="where the model trains: cpu, or cuda")
+    p.add_argument("--epoch-seconds", type=float, default=None,
+                   help="steps per epoch chosen to make an epoch about this long (instead of --steps)")
     a = p.parse_args()
+    global DEVICE
+    DEVICE = torch.device(a.device)
+    if DEVICE.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
     if a.threads:
         torch.set_num_threads(a.threads)
     warnings.filterwarnings("ignore", module="torch.distributed")  # "assuming ... a single process"
     root = Path(tempfile.mkdtemp(prefix="cr-bgsave-", dir=a.dir))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; writing to {root}")
-    tables = []
+    where = f", on {torch.cuda.get_device_name(DEVICE)}" if DEVICE.type == "cuda" else ""
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs{where}; "
+          f"writing to {root}")
     try:
         for params in a.params:
             model, opt = build(params)
             train_epoch(model, opt, 1, a.batch)  # the optimizer's state exists
+            if a.epoch_seconds:
+                train_epoch(model, opt, 3, a.batch)
+                t0 = time.perf_counter()
+                train_epoch(model, opt, 5, a.batch)
+                a.steps = max(1, round(a.epoch_seconds / ((time.perf_counter() - t0) / 5)))
             nbytes = state_bytes(model, opt)
-            print(f"\n{params / 1e6:.0f}M parameters: {nbytes / MiB:.0f} MiB of state", flush=True)
+            print(f"\n{params / 1e6:.0f}M parameters: {nbytes / MiB:.0f} MiB of state; epochs of {a.steps} steps "
+                  f"of {a.batch}", flush=True)
             rows = [
                 ("no checkpoint", lambda: None),
                 ("copy floor (into a buffer allocated once)", lambda: CopyFloor(nbytes)),
@@ -261,7 +320,11 @@ def main() -> None:
             results = []
             for label, make in rows:
                 print(f"  {label} ...", flush=True)
-                results.append((label, run_row(model, opt, make(), a.epochs, a.steps, a.batch)))
+                try:
+                    results.append((label, run_row(model, opt, make(), a.epochs, a.steps, a.batch)))
+                except Exception as e:  # a row that cannot run here (async_save's requirements) is named
+                    print(f"    failed: {type(e).__name__}: {e}", flush=True)
+                    results.append((label, {"failed": f"{type(e).__name__}"}))
                 for sub in ("sync", "bg", "torch", "dcp"):
                     shutil.rmtree(root / sub, ignore_errors=True)
             if params == a.params[0] and a.slow_mbps:
@@ -281,29 +344,10 @@ def main() -> None:
                         shutil.rmtree(root / sub, ignore_errors=True)
             print("  one persist alone ...", flush=True)
             cpu = persist_cpu(root / "cpu", model, opt)
-            tables.append((params, nbytes, results, cpu))
+            print_table(params, nbytes, results, *cpu)  # each size's table as soon as it is measured
             del model, opt
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    for params, nbytes, results, (cpu_wall, cpu) in tables:
-        first, again = results[0][1]["epoch"], dict(results)["no checkpoint (again)"]["epoch"]
-        base = (first + again) / 2
-        results = [(label, r) for label, r in results if label != "no checkpoint (again)"]
-        floor = results[1][1]["stall"]
-        print(f"\n{params / 1e6:.0f}M parameters + AdamW ({nbytes / MiB:.0f} MiB), a checkpoint every epoch "
-              f"(epoch without one: {base:.2f} s, {first:.2f} s first and {again:.2f} s last: noise "
-              f"{100 * abs(first - again) / base:.1f}%)\n")
-        print("| safe point | stall per safe point (s) | × copy floor | worst stall (s) | epoch (s) | overhead |")
-        print("|---|---|---|---|---|---|")
-        for label, r in results:
-            if label == "no checkpoint":
-                print(f"| {label} (mean of first and last) | – | – | – | {base:.2f} | – |")
-                continue
-            saved = f" (saved {r['saved']})" if "saved" in r else ""
-            print(f"| {label}{saved} | {r['stall']:.3f} | {r['stall'] / floor:.1f} | {r['worst']:.3f} | "
-                  f"{r['epoch']:.2f} | {100 * (r['epoch'] - base) / base:+.1f}% |")
-        print(f"\nOne persist alone (a synchronous save, no training): {cpu_wall:.3f} s, {cpu:.3f} s of CPU "
-              f"({100 * cpu / base:.1f}% of an epoch: the floor of the overhead where training keeps every core busy)")
 
 
 if __name__ == "__main__":
