@@ -201,7 +201,8 @@ def test_what_the_callback_refuses_where_it_warns_and_where_it_does_nothing(kern
     """Outside a %%resilient cell it says so once and the fit trains as usual; inside one,
     fit(ckpt_path=...) is refused in one line (the run resumes from its own checkpoints), and so
     is a callback made outside the cell (the cell would not be run as a loop of epochs). Data
-    whose order the callback cannot put back is named in one line before training starts."""
+    whose order the callback cannot put back is named in one line before training starts, and so
+    is an attribute of a callback without a state_dict that is not a plain value."""
     nb = load(tmp_path, epochs=1)
     harness.run_interactive(kernel, nb, stop="train")
     kernel.ok("from colab_resilience.integrations.lightning import ResilienceCallback\n"
@@ -231,6 +232,14 @@ def test_what_the_callback_refuses_where_it_warns_and_where_it_does_nothing(kern
                       "batch_size=4))")
     assert reply.stdout.count("colab_resilience: fit reads its training data from an iterable whose order the "
                               "callback cannot put back") == 1, reply.stdout
+    reply = kernel.ok("%%resilient\n"
+                      "class Best(L.Callback):  # no state_dict: its plain attributes are saved, not the tensor\n"
+                      "    def __init__(self):\n"
+                      "        self.count, self.best = 0, torch.zeros(1)\n"
+                      "make(callbacks=[Best(), ResilienceCallback()]).fit(model, train_data)")
+    assert reply.stdout.count(
+        "colab_resilience: the state of the fit's callbacks without a state_dict goes with each checkpoint, but not "
+        "Best.best (not plain values): after a resume they hold what the callback has in this kernel") == 1, reply.stdout
 
 
 def test_colab_resilience_check_passes_the_lightning_notebook(tmp_path):

@@ -56,6 +56,61 @@ def accumulation_for(batch: int, effective: int) -> tuple[int, str]:
                    f"{batch}): the run goes on with another batch")
 
 
+def _plain(value) -> bool:
+    """A value a checkpoint holds as it is: None, a number, a string, a flag, and lists, tuples and
+    dicts of them (keyed by such values)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all((k is None or isinstance(k, (bool, int, float, str))) and _plain(v) for k, v in value.items())
+    return False
+
+
+def plain_attributes(callback) -> tuple[dict, list[str]]:
+    """A callback's own state: its attributes that are plain values (counters, the best metric so
+    far, flags, lists and dicts of them), copied; and the names of the others, which are not saved.
+    Bound methods are behaviour, not state, and neither (Lightning gives every callback the
+    module's ``log`` and ``log_dict``)."""
+    import copy
+    import inspect
+
+    kept, left = {}, []
+    for name, value in vars(callback).items():
+        if inspect.ismethod(value):
+            continue
+        if _plain(value):
+            kept[name] = copy.deepcopy(value)
+        else:
+            left.append(name)
+    return kept, left
+
+
+def unsaved_attributes(callbacks: dict, whose: str) -> str | None:
+    """One line naming the attributes of ``callbacks`` (keyed ``place:type``) that a checkpoint
+    cannot hold, or None; ``whose``: the callbacks the line speaks of."""
+    parts = []
+    for key, cb in callbacks.items():
+        left = plain_attributes(cb)[1]
+        if left:
+            parts.append(f"{key.split(':', 1)[1]}.{', '.join(left)}")
+    if not parts:
+        return None
+    return (f"colab_resilience: the state of {whose} goes with each checkpoint, but not {'; '.join(parts)} (not "
+            "plain values): after a resume they hold what the callback has in this kernel")
+
+
+def put_attributes(pending: dict, callbacks: dict) -> list[str]:
+    """Set the saved attributes ``pending`` (by key) on ``callbacks`` (by key); returns the names of
+    those saved whose key this run does not have."""
+    for key, attributes in pending.items():
+        if key in callbacks:
+            for name, value in attributes.items():
+                setattr(callbacks[key], name, value)
+    return [key.split(":", 1)[1] for key in pending if key not in callbacks]
+
+
 def caller_locals(function: str, owner) -> dict:
     """The local variables of the framework's method ``function`` of ``owner`` (its ``self``) that
     is calling back, or {} when it is not on the stack: what a framework keeps in its loop's

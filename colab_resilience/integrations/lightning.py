@@ -57,7 +57,8 @@ from .. import carried
 from ..checkpoints import capture_rng, restore_rng
 from ..errors import RunStoppedError
 from ..loops import active_run
-from . import accumulation_for, caller_locals, require_loop, say_outside
+from . import (accumulation_for, caller_locals, plain_attributes, put_attributes, require_loop, say_outside,
+               unsaved_attributes)
 from . import every_steps as check_every_steps
 
 STATE = "lightning:fit"  # the checkpoint entry holding a fit's state
@@ -80,6 +81,10 @@ class FitCheckpoint:
         # the samples of an optimizer step as the run began (batch x accumulation): after a
         # --shrink of the batch size, the accumulation is raised to keep it
         self.effective_batch: int | None = None
+        # loaded: the plain attributes of the callbacks that Lightning does not checkpoint, to be put
+        # back where the safe point was taken (as an epoch began, or a batch within one)
+        self.callbacks_pending: dict[str, dict] = {}
+        self.callbacks_mid_epoch = False
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
@@ -98,6 +103,8 @@ class FitCheckpoint:
             # within an epoch: what self.log(..., on_epoch=True) has gathered of it so far (no
             # checkpoint of Lightning's holds it), pickled: an object of Lightning's own
             "results": _dump_results(t) if self.mid_epoch else None,
+            # the callbacks without a state of their own for Lightning to checkpoint: their plain attributes
+            "callbacks": {key: plain_attributes(cb)[0] for key, cb in _plain_callbacks(t).items()},
             "finished": self.finished,
             "effective_batch": self.effective_batch,
         }
@@ -106,6 +113,14 @@ class FitCheckpoint:
         self.loaded = state
         self.finished = bool(state["finished"])
         self.effective_batch = state.get("effective_batch") or self.effective_batch
+        self.callbacks_pending = dict(state.get("callbacks") or {})
+        self.callbacks_mid_epoch = bool(state["position"]["mid_epoch"])
+
+    def give_callbacks(self) -> list[str]:
+        """Put the loaded attributes back into the fit's callbacks that Lightning does not
+        checkpoint; returns those saved that this fit does not have at that place."""
+        pending, self.callbacks_pending = self.callbacks_pending, {}
+        return put_attributes(pending, _plain_callbacks(self.trainer))
 
     def position(self) -> dict[str, Any]:
         """Where the fit goes on: its epoch, its optimizer steps, the epoch's finished batches."""
@@ -188,6 +203,7 @@ class ResilienceCallback(pl.Callback):
         if state.loaded is not None and self._first == 0:  # saved as the fit began: its module as it was
             pl_module.load_state_dict(state.loaded["checkpoint"]["state_dict"])
             state.loaded = None
+            state.callbacks_pending = {}  # the fit starts over, and its callbacks with it
         elif state.loaded is not None:
             _resume(trainer, state)
         _watch_data(trainer, state, self.every_steps is not None)
@@ -199,6 +215,9 @@ class ResilienceCallback(pl.Callback):
             self._run.say_once(line)
         for line in _saved_before(trainer):
             self._run.say_once(line)
+        unsaved = unsaved_attributes(_plain_callbacks(trainer), "the fit's callbacks without a state_dict")
+        if unsaved:
+            self._run.say_once(unsaved)
         loaded = self._state.loaded
         if loaded is not None:  # restored: the copy the Trainer loaded from goes
             _put_metrics(trainer, loaded["metrics"])  # as the callbacks saw them at the safe point
@@ -218,6 +237,8 @@ class ResilienceCallback(pl.Callback):
         self._pending = False  # the epoch's end is the safe point
         if self._first is not None:
             self._first = None
+            if not self._state.callbacks_mid_epoch:  # resumed as this epoch began: where it was saved
+                self._give_callbacks()
             return
         next(self._epochs, None)  # the safe point of the epoch that ended: saves when due, may restart
 
@@ -233,6 +254,7 @@ class ResilienceCallback(pl.Callback):
         if self._epochs is None:
             return
         self._first = None  # a fit resumed within an epoch begins here
+        self._give_callbacks()  # (resumed between two batches: where it was saved)
         if self._pending:  # every callback has seen the step's end, and validation has run
             self._pending = False
             self._state.mid_epoch = True
@@ -244,6 +266,7 @@ class ResilienceCallback(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._epochs is None:
             return
+        self._give_callbacks()  # a fit that had ended: as its end left them
         self._state.finished = True
         next(self._epochs, None)
 
@@ -251,6 +274,7 @@ class ResilienceCallback(pl.Callback):
         state = self._state
         if self._epochs is not None and state.loaded is not None and state.loaded["finished"]:
             _put_metrics(trainer, state.loaded["metrics"])  # a fit that had ended trained nothing
+            self._give_callbacks()  # (where its on_train_end did not run)
         self._close(trainer)
         if state is not None:
             state.loaded = None
@@ -258,6 +282,17 @@ class ResilienceCallback(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         _undo_data_patches()
         self._close(trainer)
+
+    def _give_callbacks(self) -> None:
+        """The callbacks that Lightning does not checkpoint get the plain attributes they had at the
+        safe point, where it was taken (their hooks before this callback's had run then too);
+        what the checkpoint holds for a callback this fit does not have is said once."""
+        if self._state is None or not self._state.callbacks_pending:
+            return
+        missing = self._state.give_callbacks()
+        if missing and self._run is not None:
+            self._run.say_once(f"colab_resilience: the checkpoint holds the state of {', '.join(missing)}, which this "
+                               "fit does not have at that place in its callbacks; that state was not put back")
 
     def _close(self, trainer: pl.Trainer) -> None:
         if self._epochs is not None:
@@ -268,6 +303,17 @@ class ResilienceCallback(pl.Callback):
                              (trainer.fit_loop.epoch_loop, ("on_run_start", "advance", "reset"))):
             for name in names:
                 vars(owner).pop(name, None)
+
+
+def _plain_callbacks(trainer: pl.Trainer) -> dict[str, pl.Callback]:
+    """The fit's callbacks whose state no checkpoint of Lightning's holds (they have no
+    ``state_dict`` of their own), but for this package's and the progress bars; keyed by place
+    and type. Their plain attributes go with each checkpoint."""
+    from lightning.pytorch.callbacks import ProgressBar
+
+    callbacks = [cb for cb in trainer.callbacks
+                 if not isinstance(cb, (ResilienceCallback, ProgressBar)) and type(cb).state_dict is pl.Callback.state_dict]
+    return {f"{i}:{type(cb).__name__}": cb for i, cb in enumerate(callbacks)}
 
 
 def _undo_data_patches() -> None:

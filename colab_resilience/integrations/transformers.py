@@ -44,7 +44,8 @@ from transformers.trainer_utils import TrainOutput
 from ..checkpoints import capture_rng, restore_rng
 from ..errors import RunStoppedError
 from ..loops import active_run
-from . import accumulation_for, caller_locals, require_loop, say_outside
+from . import (accumulation_for, caller_locals, plain_attributes, put_attributes, require_loop, say_outside,
+               unsaved_attributes)
 from . import every_steps as check_every_steps
 
 STATE = "transformers:trainer"  # the checkpoint entry holding a Trainer's state
@@ -86,7 +87,7 @@ class TrainerCheckpoint:
                 "accumulation": getattr(t, "current_gradient_accumulation_steps", None),
             },
             "control": dataclasses.asdict(t.control),  # what the callbacks asked for last (stop training)
-            "callbacks": {key: _plain_attributes(cb)[0] for key, cb in _stateful(t).items()},
+            "callbacks": {key: plain_attributes(cb)[0] for key, cb in _stateful(t).items()},
             "epoch_rng": self.epoch_rng,
             "rng": capture_rng(),  # the state at the safe point, for where the Trainer puts it back
             "finished": self.finished,
@@ -109,12 +110,7 @@ class TrainerCheckpoint:
         ``on_train_begin`` and ``on_epoch_begin`` have run, as they had when it was saved);
         returns those whose state was saved but that this Trainer does not have at that place."""
         pending, self.callbacks_pending = self.callbacks_pending, {}
-        now = _stateful(self.trainer)
-        for key, attributes in pending.items():
-            if key in now:
-                for name, value in attributes.items():
-                    setattr(now[key], name, value)
-        return [key.split(":", 1)[1] for key in pending if key not in now]
+        return put_attributes(pending, _stateful(self.trainer))
 
 
 class Steps:
@@ -317,41 +313,9 @@ def _stateful(trainer: Trainer) -> dict[str, TrainerCallback]:
     return {f"{i}:{type(cb).__name__}": cb for i, cb in enumerate(callbacks)}
 
 
-def _plain(value) -> bool:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
-    return False
-
-
-def _plain_attributes(callback) -> tuple[dict[str, Any], list[str]]:
-    """A callback's state: its attributes that are plain values (counters, the best metric so far,
-    flags, lists and dicts of them), copied; and the names of the others, which are not saved."""
-    import copy
-
-    kept, left = {}, []
-    for name, value in vars(callback).items():
-        if _plain(value):
-            kept[name] = copy.deepcopy(value)
-        else:
-            left.append(name)
-    return kept, left
-
-
 def _unsaved_callback_state(trainer: Trainer) -> str | None:
     """One line naming the callbacks' attributes that a checkpoint cannot hold, or None."""
-    parts = []
-    for key, cb in _stateful(trainer).items():
-        left = _plain_attributes(cb)[1]
-        if left:
-            parts.append(f"{key.split(':', 1)[1]}.{', '.join(left)}")
-    if not parts:
-        return None
-    return ("colab_resilience: the state of the Trainer's callbacks goes with each checkpoint, but not "
-            f"{'; '.join(parts)} (not plain values): after a resume they hold what the callback has in this kernel")
+    return unsaved_attributes(_stateful(trainer), "the Trainer's callbacks")
 
 
 def _keep_effective_batch(trainer: Trainer, effective: int, run) -> None:
