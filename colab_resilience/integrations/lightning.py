@@ -12,7 +12,8 @@ next batch begins (``--every`` and ``%restart_after`` count all of these). With 
 beside the cell's ``--save`` names, goes what Lightning itself writes into a checkpoint of its
 own: the module's ``state_dict``, the optimizers', the schedulers', the loops' progress, the state
 of stateful callbacks (``ModelCheckpoint``, ``EarlyStopping``), the precision plugin's (a
-``GradScaler``), the datamodule's; with them the random states (Python's, NumPy's, torch's) at the
+``GradScaler``), the datamodule's; with them the plain attributes of the callbacks that have no
+``state_dict`` (which Lightning checkpoints not at all), the random states (Python's, NumPy's, torch's) at the
 safe point and when the epoch's data iterator was made, which drew its order, the module's
 train/eval modes, the metrics, and within an epoch what ``self.log(..., on_epoch=True)`` has
 gathered of it so far.
@@ -30,7 +31,8 @@ A resumed fit is identical to an uninterrupted one where Lightning is (on CPU; o
 (a ``DataLoader`` over a dataset with a sampler, the usual case). Where that does not hold, the
 callback says so once, in one line, before training starts: an ``IterableDataset``, whose order
 the callback cannot put back; ``persistent_workers=True``, whose workers keep their random state
-across epochs; a GPU fit without ``deterministic=True``.
+across epochs; a GPU fit without ``deterministic=True``; an attribute of a callback without a
+``state_dict`` that is not a plain value.
 
 After an out-of-memory retry with ``--shrink batch_size`` (the training ``DataLoader`` made in the
 cell from that variable), ``accumulate_grad_batches`` is raised so that an optimizer step takes
