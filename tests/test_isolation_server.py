@@ -93,7 +93,9 @@ def message(session: str, code: str) -> dict:
 
 async def run_all(url: str, kernel_id: str, sources: list[str], timeout: float = 300) -> tuple[list[dict], list[str]]:
     """Send every cell at once over the kernel's websocket, as Run All does; each cell's reply and
-    text (streams, results, errors), and every execution state the kernel reported."""
+    text (streams, results, errors), and every execution state the kernel reported. A cell is
+    done, as for JupyterLab, when its reply (shell) and its 'idle' (iopub) have both come: the
+    server relays the two channels as they arrive, so a cell's last output may follow its reply."""
     ws = await websocket.websocket_connect(
         f"{url.replace('http', 'ws')}/api/kernels/{kernel_id}/channels?token={TOKEN}")
     session = uuid.uuid4().hex
@@ -101,10 +103,10 @@ async def run_all(url: str, kernel_id: str, sources: list[str], timeout: float =
     for m in requests:
         ws.write_message(json.dumps(m))
     ids = {m["header"]["msg_id"]: i for i, m in enumerate(requests)}
-    cells = [{"reply": None, "text": ""} for _ in sources]
+    cells = [{"reply": None, "text": "", "idle": False} for _ in sources]
     states: list[str] = []
     deadline = time.monotonic() + timeout
-    while any(c["reply"] is None for c in cells):
+    while any(c["reply"] is None or not c["idle"] for c in cells):
         raw = await asyncio.wait_for(ws.read_message(), max(1.0, deadline - time.monotonic()))
         assert raw is not None, "the server closed the websocket"
         msg = json.loads(raw)
@@ -114,7 +116,9 @@ async def run_all(url: str, kernel_id: str, sources: list[str], timeout: float =
         i = ids.get(msg.get("parent_header", {}).get("msg_id"))
         if i is None:
             continue
-        if kind == "execute_reply":
+        if kind == "status" and content.get("execution_state") == "idle":
+            cells[i]["idle"] = True
+        elif kind == "execute_reply":
             cells[i]["reply"] = content
         elif kind == "stream":
             cells[i]["text"] += content["text"]
