@@ -74,17 +74,20 @@ def plain_attributes(callback) -> tuple[dict, list[str]]:
     Bound methods are behaviour, not state, and neither (Lightning gives every callback the
     module's ``log`` and ``log_dict``)."""
     import copy
+
+    kept = {name: copy.deepcopy(value) for name, value in _attributes(callback) if _plain(value)}
+    return kept, _unplain(callback)
+
+
+def _attributes(callback):
     import inspect
 
-    kept, left = {}, []
-    for name, value in vars(callback).items():
-        if inspect.ismethod(value):
-            continue
-        if _plain(value):
-            kept[name] = copy.deepcopy(value)
-        else:
-            left.append(name)
-    return kept, left
+    return [(name, value) for name, value in vars(callback).items() if not inspect.ismethod(value)]
+
+
+def _unplain(callback) -> list[str]:
+    """The names of a callback's attributes that are not plain values (not saved)."""
+    return [name for name, value in _attributes(callback) if not _plain(value)]
 
 
 def unsaved_attributes(callbacks: dict, whose: str) -> str | None:
@@ -92,7 +95,7 @@ def unsaved_attributes(callbacks: dict, whose: str) -> str | None:
     cannot hold, or None; ``whose``: the callbacks the line speaks of."""
     parts = []
     for key, cb in callbacks.items():
-        left = plain_attributes(cb)[1]
+        left = _unplain(cb)  # (without copying what is saved)
         if left:
             parts.append(f"{key.split(':', 1)[1]}.{', '.join(left)}")
     if not parts:
