@@ -141,18 +141,79 @@ def test_a_keras_fit_killed_or_out_of_memory_mid_epoch_goes_on_at_that_epoch_bit
     assert harness.result(nb) == reference
 
 
+def plain_twin(tmp_path_factory, **parameters) -> str:
+    """The uninterrupted run of the notebook with ``parameters`` (a model without Dropout and
+    BatchNormalization unless they say otherwise), made once per set of parameters."""
+    parameters = {"dropout": 0.0, "batch_norm": False, **parameters}
+    key = repr(sorted(parameters.items()))
+    if key not in _twins:
+        work = tmp_path_factory.mktemp("keras-twin")
+        nb = harness.load("train_keras.ipynb", work, **parameters)
+        run = harness.run(nb, work, standby=False)
+        assert run.status == 0, run.message
+        _twins[key] = harness.result(nb)
+    return _twins[key]
+
+
+def history_losses(result: str) -> list[float]:
+    return [float(x) for x in re.search(r" loss=\[(.*?)\] ", result).group(1).split(", ")]
+
+
 @pytest.mark.kernel
-def test_a_shrunk_batch_is_said_not_to_keep_the_effective_batch(tmp_path):
+@pytest.mark.parametrize("kill_epoch", [None, 2], ids=["out-of-memory", "out-of-memory-then-killed"])
+def test_shrinking_fits_batch_keeps_its_effective_batch(tmp_path, tmp_path_factory, kill_epoch):
     """--shrink batch_size with fit's batch from that variable: the OOM in epoch 1 halves it (16 →
-    8) and fit goes on at epoch 1 with it; Keras makes gradient accumulation part of the optimizer
-    when it is made, so the callback says in one line that the effective batch is not kept."""
-    nb = harness.load("train_keras.ipynb", tmp_path, fault="oom-error", shrink="--shrink batch_size")
+    8), and the callback raises the optimizer's gradient accumulation (1 → 2, accumulators added
+    to the optimizer already built), so a step still learns from the same 16 rows (fit shuffles by
+    the same permutation, whatever the batch): the run ends after 40 steps as its twin does, with
+    the twin's losses up to float rounding (a step's gradient is summed in two parts). Without
+    Dropout and BatchNormalization, whose outcome depends on the batch itself. Killed in epoch 2 as
+    well, the kernel that takes over starts from the shrunk batch (the journal's) and raises the
+    accumulation again before it loads the optimizer's state (its accumulators among it)."""
+    reference = plain_twin(tmp_path_factory)
+    nb = harness.load("train_keras.ipynb", tmp_path, fault="oom-error", shrink="--shrink batch_size", dropout=0.0,
+                      batch_norm=False, kill_epoch=kill_epoch)
     run, out = harness.run_ok(nb, tmp_path)
     assert "batch_size 16 → 8; retry 1/2" in out and "continuing at epoch 2/4 with batch_size 8" in out, out
-    assert out.count("colab_resilience: fit's batch is 8 now, 16 when the run began; Keras cannot raise the gradient "
-                     "accumulation of an optimizer already made, so the epochs from here on take batches of 8 (the "
-                     "effective batch is not kept)") == 1, out
-    assert "epochs=[0, 1, 2, 3]" in harness.result(nb)
+    kept = ("colab_resilience: fit's batch is 8 now, 16 when the run began; the optimizer's gradient accumulation "
+            "1 → 2 keeps the effective batch 16")
+    assert out.count(kept) == (2 if kill_epoch else 1), out
+    assert len(run.restarts) == (1 if kill_epoch else 0), out
+    result = harness.result(nb)
+    assert "epochs=[0, 1, 2, 3]" in result and " steps=40 " in result and " steps=40 " in reference, (result, reference)
+    got, want = history_losses(result), history_losses(reference)
+    assert len(got) == len(want) == 4 and got[0] == want[0], (got, want)  # epoch 0 ran before the shrink
+    assert all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(got, want)), (got, want)
+
+
+@pytest.mark.kernel
+def test_a_shrunk_batch_with_a_learning_rate_schedule_is_said_not_to_keep_the_effective_batch(tmp_path):
+    """With a learning-rate schedule, which Keras evaluates at every batch rather than every step
+    once it accumulates gradients, the callback does not raise the accumulation: it says so in
+    one line, and the epochs after the shrink take steps of 8 rows (20 an epoch: 70 in all)."""
+    nb = harness.load("train_keras.ipynb", tmp_path, fault="oom-error", shrink="--shrink batch_size", schedule=True)
+    run, out = harness.run_ok(nb, tmp_path)
+    assert "batch_size 16 → 8; retry 1/2" in out and "continuing at epoch 2/4 with batch_size 8" in out, out
+    assert out.count("colab_resilience: fit's batch is 8 now, 16 when the run began; the optimizer's learning rate is "
+                     "a schedule, which Keras advances at every batch, not every step, when it accumulates gradients, "
+                     "so the epochs from here on take batches of 8 (the effective batch 16 is not kept)") == 1, out
+    result = harness.result(nb)
+    assert "epochs=[0, 1, 2, 3]" in result and " steps=70 " in result, result
+
+
+@pytest.mark.kernel
+def test_an_optimizers_own_gradient_accumulation_resumes_within_a_step_bit_identical(tmp_path, tmp_path_factory):
+    """Adam(gradient_accumulation_steps=3) over epochs of 10 batches: a step spans two epochs, so
+    at an epoch's end the accumulators hold the gradients of the batches since the last step.
+    They go with the checkpoint (apart from the optimizer's other variables) and come back: killed
+    in epoch 1, the run ends bit-identical to its twin."""
+    reference = plain_twin(tmp_path_factory, dropout=0.25, batch_norm=True, accumulation=3)
+    nb = harness.load("train_keras.ipynb", tmp_path, fault="sigkill", accumulation=3)
+    run, out = harness.run_ok(nb, tmp_path)
+    assert len(run.restarts) == 1 and "continuing at epoch 2/4" in out, out
+    assert "gradient accumulation" not in out, out
+    assert " steps=13 " in reference  # 40 batches: 13 steps and one batch summed
+    assert harness.result(nb) == reference
 
 
 @pytest.mark.kernel

@@ -31,6 +31,11 @@ epoch (``shuffle(..., reshuffle_each_iteration=True)``, the default) is not, nor
 a ``PyDataset`` the callback cannot look into: for those the callback says once, before training
 starts, that a resumed fit is not identical.
 
+After an out-of-memory retry with ``--shrink`` of the variable fit's ``batch_size`` is read from,
+the optimizer's gradient accumulation is raised so that a step takes the rows it took when the run
+began (``keep_effective_batch``); it is said in one line, as is why where it cannot be (a
+learning-rate schedule, a ``LossScaleOptimizer``, a backend other than TensorFlow).
+
 What is not put back: what a callback keeps outside itself (``CSVLogger`` empties its file when
 a fit begins, unless given ``append=True``).
 """
@@ -45,7 +50,7 @@ import numpy as np
 
 from ..errors import RunStoppedError
 from ..loops import active_run
-from . import caller_locals, require_loop, say_outside
+from . import accumulation_for, caller_locals, require_loop, say_outside
 
 STATE = "keras:fit"  # the checkpoint entry holding a fit's state
 
@@ -88,6 +93,10 @@ class FitState:
         self.stopped = False  # a callback stopped the fit (EarlyStopping): no epoch follows
         self.loaded = False
         self.batch_size: int | None = None  # fit's batch size when the run began
+        # the optimizer's own gradient accumulation when the run began: with the batch above, the
+        # samples of an optimizer step, which a --shrink of the batch keeps (keep_effective_batch)
+        self.accumulation = _steps(getattr(model, "optimizer", None))
+        self._saved: dict[str, Any] = {}  # the accumulation and its gradients when the loaded state was saved
 
     @property
     def label(self) -> str:
@@ -104,7 +113,9 @@ class FitState:
         if optimizer is not None:
             if not optimizer.built:  # its variables are made by its first step
                 optimizer.build(model.trainable_variables)
-            groups["optimizer"] = list(optimizer.variables)
+            # the gradient accumulators go apart: a --shrink may add them to an optimizer already built
+            accumulators = {id(a) for a in _accumulators(optimizer)}
+            groups["optimizer"] = [v for v in optimizer.variables if id(v) not in accumulators]
         seeds = _global_seed_generator()
         if seeds is not None:
             groups["seed_generator"] = [seeds.state]
@@ -124,6 +135,11 @@ class FitState:
             "callbacks": {key: _attributes(cb) for key, cb in self.callbacks.items()},
             "stopped": self.stopped,
             "batch_size": self.batch_size,
+            "accumulation": self.accumulation,
+            # the accumulation in effect (the optimizer's iterations count its batches) and the
+            # gradients summed so far (none at an epoch's end that ends a step)
+            "steps": _steps(getattr(self.model, "optimizer", None)),
+            "accumulators": [_numpy(a) for a in _accumulators(getattr(self.model, "optimizer", None))],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -144,7 +160,38 @@ class FitState:
         self.kept = dict(state["callbacks"])
         self.stopped = bool(state["stopped"])
         self.batch_size = state.get("batch_size", self.batch_size)
+        self.accumulation = int(state.get("accumulation") or 1)
+        self._saved = {"steps": int(state.get("steps") or 1), "accumulators": state.get("accumulators") or []}
         self.loaded = True
+
+    def keep_effective_batch(self, batch: int | None) -> str | None:
+        """After a ``--shrink`` of fit's batch (``batch`` now, :attr:`batch_size` when the run
+        began): raise the optimizer's gradient accumulation so that a step takes the samples it
+        took when the run began, as Keras's own ``gradient_accumulation_steps`` does (the step's
+        gradient is the mean of its batches'), and make ``fit`` trace its step again. The
+        optimizer's iterations count steps as before. Returns the line that says what was done,
+        or why the effective batch is not kept; None when nothing was shrunk."""
+        optimizer, first = getattr(self.model, "optimizer", None), self.batch_size
+        if not self.loaded or optimizer is None:
+            return None
+        steps = self.accumulation
+        said = None
+        if batch is not None and first is not None and batch != first:
+            effective = first * self.accumulation
+            why = _cannot_accumulate(optimizer)
+            if why:
+                said = (f"colab_resilience: fit's batch is {batch} now, {first} when the run began; {why}, so the "
+                        f"epochs from here on take batches of {batch} (the effective batch {effective} is not kept)")
+            else:
+                steps, kept = accumulation_for(batch, effective)
+                said = (f"colab_resilience: fit's batch is {batch} now, {first} when the run began; the optimizer's "
+                        f"gradient accumulation {self.accumulation} → {steps} {kept}")
+        before = _steps(optimizer)
+        if steps == before == self._saved["steps"] and not self._saved["accumulators"]:
+            return said
+        if _accumulate(optimizer, steps, self._saved["steps"], self._saved["accumulators"]):
+            self.model.make_train_function(force=True)  # its traced step read the accumulation when made
+        return said
 
     def give_callbacks(self) -> list[str]:
         """Put the loaded state back into the fit's other callbacks (after their own
@@ -155,6 +202,55 @@ class FitState:
             if key in self.callbacks:
                 _set_attributes(self.callbacks[key], attributes)
         return [key.split(":", 1)[1] for key in kept if key not in self.callbacks]
+
+
+def _steps(optimizer) -> int:
+    """The batches an optimizer step takes (its ``gradient_accumulation_steps``; 1 without)."""
+    return int(getattr(optimizer, "gradient_accumulation_steps", None) or 1)
+
+
+def _accumulators(optimizer) -> list:
+    """The optimizer's gradient accumulators (made by its build with accumulation, or added by
+    :func:`_accumulate`)."""
+    return [a for a in (getattr(optimizer, "_accumulated_gradients", None) or []) if a is not None]
+
+
+def _cannot_accumulate(optimizer) -> str | None:
+    """Why this optimizer's gradient accumulation cannot be raised to keep a step's samples."""
+    if keras.backend.backend() != "tensorflow":
+        return (f"the callback raises Keras's gradient accumulation with the TensorFlow backend only, "
+                f"and this is {keras.backend.backend()}")
+    if not hasattr(optimizer, "gradient_accumulation_steps"):
+        return f"{type(optimizer).__name__} has no gradient accumulation to raise"
+    if isinstance(optimizer, getattr(keras.optimizers, "LossScaleOptimizer", ())):
+        return "a LossScaleOptimizer's gradient accumulation cannot be raised"
+    rate = getattr(optimizer, "_learning_rate", None)
+    if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) or callable(rate):
+        return ("the optimizer's learning rate is a schedule, which Keras advances at every batch, not every step, "
+                "when it accumulates gradients")
+    return None
+
+
+def _accumulate(optimizer, steps: int, saved_steps: int, saved: list) -> bool:
+    """Make ``optimizer`` take ``steps`` batches a step: its accumulators, made if it has none
+    (after its other variables), hold the ``saved`` sums (zeros if they do not fit), and its
+    iteration counter, loaded as counted with ``saved_steps``, counts the same steps. Returns
+    whether the optimizer's accumulation changed (a traced train step must be traced again)."""
+    changed = steps != _steps(optimizer)
+    if steps > 1 and not _accumulators(optimizer):
+        optimizer._accumulated_gradients = [
+            optimizer.add_variable_from_reference(v, name="gradient_accumulator")
+            for v in optimizer._trainable_variables]
+        changed = True
+    optimizer.gradient_accumulation_steps = steps if steps > 1 else None
+    accumulators = _accumulators(optimizer)
+    fits = len(saved) == len(accumulators) and all(
+        tuple(np.shape(v)) == tuple(a.shape) for v, a in zip(saved, accumulators))
+    for i, a in enumerate(accumulators):
+        a.assign(saved[i] if fits else np.zeros(tuple(a.shape), keras.backend.standardize_dtype(a.dtype)))
+    done, part = divmod(int(optimizer._iterations.numpy()), max(saved_steps, 1))
+    optimizer._iterations.assign(done * steps + (part if fits and part < steps else 0))
+    return changed
 
 
 _NOT_STATE = {"model", "params", "validation_data"}
@@ -284,13 +380,10 @@ class ResilienceCallback(keras.callbacks.Callback):
         self._state.batch_size = batch
         run.extras[STATE] = self._state
         self._epochs = run.loops.iterate(Epochs(initial, epochs, self._state))
-        self._first = next(self._epochs, epochs)
-        first = self._state.batch_size
-        if batch is not None and first is not None and batch != first:  # a --shrink since the run began
-            run.say_once(
-                f"colab_resilience: fit's batch is {batch} now, {first} when the run began; Keras cannot raise the "
-                f"gradient accumulation of an optimizer already made, so the epochs from here on take batches of "
-                f"{batch} (the effective batch is not kept)")
+        self._first = next(self._epochs, epochs)  # a resumed run: the variables are loaded here
+        said = self._state.keep_effective_batch(batch)  # a --shrink since the run began
+        if said:
+            run.say_once(said)
         self.model._initial_epoch = self._first
         history = getattr(self.model, "history", None)
         if self._state.loaded and isinstance(history, keras.callbacks.History):
