@@ -152,18 +152,23 @@ def twin(tmp_path_factory, api: str) -> str:
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("fault", ["sigkill", "oom-error"])
+@pytest.mark.parametrize("fault,retries", [("sigkill", 2), ("oom-error", 2), ("oom-error", 0)],
+                         ids=["sigkill", "oom-error", "oom-error-past-the-retries"])
 @pytest.mark.parametrize("api", ["linen", "nnx"])
-def test_a_flax_run_killed_or_out_of_memory_mid_epoch_resumes_bit_identical(tmp_path, tmp_path_factory, api, fault):
+def test_a_flax_run_killed_or_out_of_memory_mid_epoch_resumes_bit_identical(tmp_path, tmp_path_factory, api, fault,
+                                                                           retries):
     """Supervised, with the standby kernel: a SIGKILL after minibatch 2 of epoch 1 (the new kernel
     replays the set-up cell, which builds a fresh TrainState / nnx module, restores into it and goes
-    on at the next minibatch), or JAX's RESOURCE_EXHAUSTED error there (retried in the kernel)."""
+    on at the next minibatch), JAX's RESOURCE_EXHAUSTED error there (retried in the kernel), or
+    that error with no retries left (the kernel is restarted, as after the kill)."""
     reference = twin(tmp_path_factory, api)
     assert "torch_imported=False" in reference  # the extension never imported torch for this run
-    nb = harness.load("train_flax.ipynb", tmp_path, api=api, fault=fault)
+    nb = harness.load("train_flax.ipynb", tmp_path, api=api, fault=fault, retries=retries)
     run, out = harness.run_ok(nb, tmp_path)
-    if fault == "sigkill":
+    if fault == "sigkill" or retries == 0:
         assert len(run.restarts) == 1 and "restored state, key, net, opt, history, running" in out, out
+        if retries == 0:
+            assert "OOM (RESOURCE_EXHAUSTED)" in out, out
     else:
         assert not run.restarts and "OOM (RESOURCE_EXHAUSTED)" in out and "retry 1/2" in out, out
     assert "continuing at 1, 2" in out, out
