@@ -5,14 +5,19 @@
     history = model.fit(x, y, epochs=10, callbacks=[ResilienceCallback()])
 
 Every epoch is a safe point (``--every`` counts epochs, ``%restart_after`` too), taken once every
-callback has seen the epoch's end (when the next one begins, or training ends). With every
-checkpoint, beside the cell's ``--save`` names, go:
+callback has seen the epoch's end (when the next one begins, or training ends). With
+``ResilienceCallback(every_steps=N)`` every N-th batch of an epoch is one too (taken when the next
+batch begins), and a resumed fit goes on at the batch after it: the batches before are drawn from
+the epoch's data but not trained, and the epoch's running metrics go on from the safe point's
+(TensorFlow backend, data of known length, one batch per step; otherwise the callback says why
+and keeps to epochs). With every checkpoint, beside the cell's ``--save`` names, go:
 
 - every variable of the model: its weights, its layers' state (normalisation statistics) and the
   state of their ``SeedGenerator``s (the randomness of ``Dropout``);
 - every variable of its optimizer: its step, its moments, its learning rate;
 - the state of Keras's global ``SeedGenerator`` (``keras.random`` calls without a seed);
 - the logs of the finished epochs: the ``History`` that ``fit`` returns after a resume holds them all;
+- the running values of the model's metrics (the epoch's mean loss so far);
 - the state of the fit's other callbacks (``EarlyStopping``'s count, best value and best weights),
   put back after their own ``on_train_begin`` reset it; a fit a callback stopped stays stopped;
 - Python's, NumPy's, torch's and TensorFlow's random states, as with every checkpoint.
@@ -51,6 +56,7 @@ import numpy as np
 from ..errors import RunStoppedError
 from ..loops import active_run
 from . import accumulation_for, caller_locals, require_loop, say_outside
+from . import every_steps as check_every_steps
 
 STATE = "keras:fit"  # the checkpoint entry holding a fit's state
 
@@ -97,6 +103,7 @@ class FitState:
         # samples of an optimizer step, which a --shrink of the batch keeps (keep_effective_batch)
         self.accumulation = _steps(getattr(model, "optimizer", None))
         self._saved: dict[str, Any] = {}  # the accumulation and its gradients when the loaded state was saved
+        self.metrics: list = []  # the loaded running metrics of the epoch in progress
 
     @property
     def label(self) -> str:
@@ -134,6 +141,8 @@ class FitState:
             "logs": {k: [_plain(x) for x in v] for k, v in self.logs.items()},
             "callbacks": {key: _attributes(cb) for key, cb in self.callbacks.items()},
             "stopped": self.stopped,
+            # the epoch's running metrics (the loss's mean so far): a resume within the epoch goes on with them
+            "metrics": [_numpy(v) for v in _metrics_variables(self.model)],
             "batch_size": self.batch_size,
             "accumulation": self.accumulation,
             # the accumulation in effect (the optimizer's iterations count its batches) and the
@@ -162,7 +171,16 @@ class FitState:
         self.batch_size = state.get("batch_size", self.batch_size)
         self.accumulation = int(state.get("accumulation") or 1)
         self._saved = {"steps": int(state.get("steps") or 1), "accumulators": state.get("accumulators") or []}
+        self.metrics = list(state.get("metrics") or [])
         self.loaded = True
+
+    def give_metrics(self) -> None:
+        """The epoch's running metrics as they were at the safe point within it (a resume there),
+        once ``fit`` has reset them for the epoch."""
+        now = _metrics_variables(self.model)
+        if len(now) == len(self.metrics) and all(tuple(v.shape) == np.shape(a) for v, a in zip(now, self.metrics)):
+            for variable, value in zip(now, self.metrics):
+                variable.assign(value)
 
     def keep_effective_batch(self, batch: int | None) -> str | None:
         """After a ``--shrink`` of fit's batch (``batch`` now, :attr:`batch_size` when the run
@@ -202,6 +220,14 @@ class FitState:
             if key in self.callbacks:
                 _set_attributes(self.callbacks[key], attributes)
         return [key.split(":", 1)[1] for key in kept if key not in self.callbacks]
+
+
+def _metrics_variables(model) -> list:
+    """The variables of the model's metrics (the loss's running mean, compiled metrics)."""
+    try:
+        return list(model.metrics_variables)
+    except (AttributeError, ValueError):
+        return []
 
 
 def _steps(optimizer) -> int:
@@ -323,26 +349,77 @@ def _mismatch(group: str, paths: list[str], values: list, now: list) -> str | No
     return None
 
 
-class Epochs:
-    """The epochs of a fit, as the cell's loop iterates them: named as Keras's progress bar names
-    them (``epoch 2/4`` is epoch 1)."""
+class Stretches:
+    """The stretches of a fit between two safe points, as the cell's loop iterates them: its
+    epochs, or with ``every`` the batches of each epoch cut every that many. Each is named by
+    where it begins, ``(epoch, batches of that epoch done before)``, as Keras's progress bar
+    names them (``epoch 2/4`` is epoch 1).
 
-    def __init__(self, first: int, stop: int, state: FitState):
-        self.epochs, self.state = range(first, stop), state
+    The cuts fall on the same rows whatever the batch: after a ``--shrink`` of fit's batch
+    (``batch`` now, the state's ``batch_size`` when the run began), ``every`` of the run's first
+    batches are that many times more of this fit's."""
+
+    def __init__(self, first: int, stop: int, state: FitState, batches: int | None = None,
+                 every: int | None = None, batch: int | None = None):
+        self.first, self.stop, self.state, self.batches, self.every, self.batch = first, stop, state, batches, every, batch
+
+    @property
+    def cut(self) -> int | None:
+        """The batches of this fit between two safe points within an epoch; None: epochs only."""
+        if not self.every or not self.batches:
+            return None
+        began, now = self.state.batch_size, self.batch
+        if not began or not now or began == now:
+            return self.every
+        if began % now:
+            raise RunStoppedError(
+                f"colab_resilience: fit's batch is {now} now, {began} when the run began, and {began} is not a multiple "
+                f"of {now}: with every_steps the callback cannot find the row where the epoch goes on; shrink by a "
+                "factor that divides the batch (`--shrink NAME=2`), or `%resilience reset`")
+        return self.every * (began // now)
+
+    @property
+    def per_epoch(self) -> int:
+        cut = self.cut
+        return -(-self.batches // cut) if cut else 1
 
     def __len__(self) -> int:
-        return len(self.epochs)
+        return max(0, self.stop - self.first) * self.per_epoch
+
+    def at(self, index: int) -> tuple[int, int]:
+        epoch, part = divmod(index, self.per_epoch)
+        return self.first + epoch, part * (self.cut or 0)
 
     def __iter__(self):
-        for epoch in self.epochs:
+        for index in range(len(self)):
             if self.state.stopped:  # a callback ended the fit early: so it stays after a resume
                 return
-            yield epoch
+            yield self.at(index)
 
     def describe(self, index: int) -> str:
-        if self.state.stopped or index >= len(self.epochs):
+        if self.state.stopped or index >= len(self):
             return "the end"
-        return f"epoch {self.epochs[index] + 1}/{self.epochs.stop}"
+        epoch, batch = self.at(index)
+        where = f"epoch {epoch + 1}/{self.stop}"
+        return f"{where}, batch {batch + 1}/{self.batches}" if batch else where
+
+
+def _within_epoch(epoch_iterator, done: int) -> None:
+    """Make the next epoch ``fit`` runs go on after its first ``done`` batches: they are drawn
+    from its iterator (its order is the epoch's, drawn anew) and not trained, and the batches
+    trained are numbered as in an uninterrupted epoch."""
+    enumerate_epoch = epoch_iterator._enumerate_iterator  # Keras's, bound
+
+    def going_on():
+        del epoch_iterator._enumerate_iterator  # the epochs after this one are whole
+        for i, (begin, end, iterator) in enumerate(enumerate_epoch()):
+            if i == 0:
+                for _ in range(done):
+                    next(iterator)
+                epoch_iterator._steps_seen += done  # the epoch ends after its last batch, as it would have
+            yield begin + done, end + done, iterator
+
+    epoch_iterator._enumerate_iterator = going_on
 
 
 class ResilienceCallback(keras.callbacks.Callback):
@@ -352,14 +429,25 @@ class ResilienceCallback(keras.callbacks.Callback):
 
     An epoch's safe point is taken when every callback has seen its end: at the next epoch's
     start, or at the end of training (so ``History`` and ``EarlyStopping`` have counted it, in
-    whatever order the callbacks were given)."""
+    whatever order the callbacks were given).
 
-    def __init__(self):
+    ``every_steps``: a safe point every that many batches of an epoch too (taken when the next
+    batch begins), and a resume goes on at the batch after it: a fault loses at most that many
+    batches. With the TensorFlow backend, data whose batches an epoch counts (arrays, tensors, a
+    dataset of known length) and one batch per step (``steps_per_execution=1``); otherwise the
+    callback says why in one line and keeps to epochs."""
+
+    def __init__(self, every_steps: int | None = None):
         super().__init__()
+        self.every_steps = check_every_steps(every_steps)
         self._run = None
-        self._epochs = None  # the cell's loop over this fit's epochs (Loops.iterate)
+        self._epochs = None  # the cell's loop over this fit's stretches (Loops.iterate)
         self._state: FitState | None = None
         self._first: int | None = None  # the epoch fit must start at, until it has started
+        self._within = 0  # the batches of that epoch trained before the checkpoint (a resume within it)
+        self._every: int | None = None  # every_steps, where this fit can be resumed within an epoch
+        self._stretches: Stretches | None = None
+        self._due = False  # a batch ended a stretch: its safe point comes when the next batch begins
         self._ended: int | None = None  # the last epoch that ended (its safe point is next)
         self._before: list[int] = []  # the epochs a resumed fit finished before (History's epoch list)
 
@@ -379,11 +467,16 @@ class ResilienceCallback(keras.callbacks.Callback):
         batch = fit.get("batch_size") if isinstance(fit.get("batch_size"), int) else None
         self._state.batch_size = batch
         run.extras[STATE] = self._state
-        self._epochs = run.loops.iterate(Epochs(initial, epochs, self._state))
-        self._first = next(self._epochs, epochs)  # a resumed run: the variables are loaded here
+        self._every, self._due = self._within_epochs(run, fit), False
+        self._stretches = Stretches(initial, epochs, self._state, self.params.get("steps"), self._every, batch)
+        self._epochs = run.loops.iterate(self._stretches)
+        # a resumed run: the variables are loaded here
+        self._first, self._within = next(self._epochs, (epochs, 0))
         said = self._state.keep_effective_batch(batch)  # a --shrink since the run began
         if said:
             run.say_once(said)
+        if self._within:
+            _within_epoch(fit["epoch_iterator"], self._within)
         self.model._initial_epoch = self._first
         history = getattr(self.model, "history", None)
         if self._state.loaded and isinstance(history, keras.callbacks.History):
@@ -402,12 +495,26 @@ class ResilienceCallback(keras.callbacks.Callback):
                     f"colab_resilience: fit started at epoch {epoch}, not at epoch {first} where the run goes on; "
                     "this version of Keras does not resume through ResilienceCallback"
                 )
+            if self._within:  # fit has reset the epoch's metrics: they go on from the safe point's
+                self._state.give_metrics()
             return
         self._safe_point()
 
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._due:
+            self._due = False
+            self._safe_point()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._epochs is None or not self._every:
+            return
+        cut, batches = self._stretches.cut, self.params.get("steps") or 0
+        if (batch + 1) % cut == 0 and batch + 1 < batches:
+            self._due = True
+
     def on_epoch_end(self, epoch, logs=None):
         if self._epochs is not None:
-            self._ended = epoch
+            self._ended, self._due = epoch, False
 
     def on_train_end(self, logs=None):
         if self._epochs is None:
@@ -422,9 +529,31 @@ class ResilienceCallback(keras.callbacks.Callback):
         self._epochs = None
 
     def _safe_point(self) -> None:
-        """The safe point of the epoch that ended: saves when due, may restart as planned."""
+        """The safe point of the stretch that ended: saves when due, may restart as planned."""
         self._ended = None
         next(self._epochs, None)
+
+    def _within_epochs(self, run, fit: dict) -> int | None:
+        """``every_steps``, where this fit can be resumed within an epoch; otherwise None, and
+        the line that says why."""
+        if self.every_steps is None:
+            return None
+        why = None
+        if keras.backend.backend() != "tensorflow":
+            why = f"with the TensorFlow backend only, and this is {keras.backend.backend()}"
+        elif not self.params.get("steps") or fit.get("steps_per_epoch"):
+            why = "only where an epoch is all the batches of its data, and this fit's data does not say how many"
+            if fit.get("steps_per_epoch"):
+                why = "only where an epoch is all the batches of its data, and this fit was given steps_per_epoch"
+        elif getattr(self.model, "steps_per_execution", 1) != 1:
+            why = "only with one batch per step, and this model was compiled with steps_per_execution"
+        elif not hasattr(fit.get("epoch_iterator"), "_enumerate_iterator"):
+            why = "only through the epoch iterator of Keras 3's TensorFlow trainer, which this fit does not have"
+        if why is None:
+            return self.every_steps
+        run.say_once(f"colab_resilience: ResilienceCallback(every_steps={self.every_steps}) resumes a fit within an "
+                     f"epoch {why}: every epoch is a safe point, and a fault goes back to the start of its epoch")
+        return None
 
     def _started(self) -> None:
         """The first epoch of this fit begins (or, all done, training ends): what the callbacks'
