@@ -250,6 +250,25 @@ def test_every_steps_resumes_a_fit_within_its_epoch_bit_identical(tmp_path, tmp_
 
 
 @pytest.mark.kernel
+@pytest.mark.parametrize("stop_epoch,kill", [(1, "end"), (3, "end"), (3, "result")],
+                         ids=["in-an-early-epoch", "in-the-last-epoch", "in-the-last-epoch-killed-after-the-cell"])
+def test_a_fit_a_callback_stopped_within_an_epoch_stays_stopped(tmp_path, tmp_path_factory, stop_epoch, kill):
+    """With every_steps=2, a callback stops the fit after batch 4 of an epoch (as TerminateOnNaN
+    does): the fit ends there. Killed as training ends (after the fit's last safe point), or in
+    the result cell, the new kernel runs the training cell again: it loads the fit's final state
+    and trains no batch, and the result is its twin's. In the last epoch too: the batches after
+    the stop are not a stretch left to train."""
+    reference = plain_twin(tmp_path_factory, dropout=0.25, batch_norm=True, every_steps=2, stop_at=(stop_epoch, 4))
+    assert f"epochs={list(range(stop_epoch + 1))}" in reference, reference
+    nb = harness.load("train_keras.ipynb", tmp_path, fault="sigkill", fault_step=kill, every_steps=2,
+                      stop_at=(stop_epoch, 4))
+    run, out = harness.run_ok(nb, tmp_path)
+    assert len(run.restarts) == 1, out
+    assert [k for k, _ in trained_batches(tmp_path)] == [0] * (stop_epoch * 10 + 5)  # none in the new kernel
+    assert harness.result(nb) == reference
+
+
+@pytest.mark.kernel
 def test_every_steps_that_cannot_resume_within_an_epoch_says_why_and_keeps_to_epochs(tmp_path, tmp_path_factory):
     """With two batches a step (steps_per_execution=2), the callback cannot draw the batches of an
     epoch one by one: it says so in one line before training, and a kill in epoch 1 goes back to

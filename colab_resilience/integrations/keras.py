@@ -522,8 +522,10 @@ class ResilienceCallback(keras.callbacks.Callback):
         if self._first is not None:  # no epoch was left to run
             self._started()
         elif self._ended is not None:
-            # a callback ended the fit before its last epoch: a resume must not train on
-            self._state.stopped = bool(self.model.stop_training) and self._ended + 1 < self.params["epochs"]
+            # a callback ended the fit before its last epoch, or within an epoch cut by every_steps:
+            # a resume must not train on
+            self._state.stopped = bool(self.model.stop_training) and (
+                self._ended + 1 < self.params["epochs"] or self._stretches.per_epoch > 1)
             self._safe_point()
         self._epochs.close()
         self._epochs = None
