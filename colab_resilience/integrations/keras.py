@@ -204,9 +204,6 @@ class FitState:
                 steps, kept = accumulation_for(batch, effective)
                 said = (f"colab_resilience: fit's batch is {batch} now, {first} when the run began; the optimizer's "
                         f"gradient accumulation {self.accumulation} → {steps} {kept}")
-        before = _steps(optimizer)
-        if steps == before == self._saved["steps"] and not self._saved["accumulators"]:
-            return said
         if _accumulate(optimizer, steps, self._saved["steps"], self._saved["accumulators"]):
             self.model.make_train_function(force=True)  # its traced step read the accumulation when made
         return said
@@ -543,10 +540,10 @@ class ResilienceCallback(keras.callbacks.Callback):
         why = None
         if keras.backend.backend() != "tensorflow":
             why = f"with the TensorFlow backend only, and this is {keras.backend.backend()}"
-        elif not self.params.get("steps") or fit.get("steps_per_epoch"):
+        elif fit.get("steps_per_epoch"):
+            why = "only where an epoch is all the batches of its data, and this fit was given steps_per_epoch"
+        elif not self.params.get("steps"):
             why = "only where an epoch is all the batches of its data, and this fit's data does not say how many"
-            if fit.get("steps_per_epoch"):
-                why = "only where an epoch is all the batches of its data, and this fit was given steps_per_epoch"
         elif getattr(self.model, "steps_per_execution", 1) != 1:
             why = "only with one batch per step, and this model was compiled with steps_per_execution"
         elif not hasattr(fit.get("epoch_iterator"), "_enumerate_iterator"):
