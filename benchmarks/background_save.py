@@ -28,7 +28,10 @@ other, all writing to ``--dir`` (every write fsync'ed):
 
 Stall: the time from the end of the epoch's training to the start of the next epoch's (the safe
 point as training sees it, waiting for a previous persist included). Overhead: the mean epoch with
-its safe point against the mean epoch without any. Below each table, the CPU time one persist
+its safe point against the mean epoch without any. For this package's rows, what explains them:
+a persist's mean seconds (from the snapshot until ``LATEST`` names the checkpoint) and the seconds
+a safe point waited for the previous persist, per safe point. The header names the file system
+written to, and whether blobs go to it with ``O_DIRECT``. Below each table, the CPU time one persist
 takes on its own (a synchronous save with no training, user + system seconds of this process):
 where training keeps every core busy, that work has no idle core to run on, and it is the floor
 of what a background save can cost. A slow disk (a Google Drive mount writes tens
@@ -131,9 +134,13 @@ class CopyFloor:
 class OurSaver:
     def __init__(self, folder: Path, budget: Budget, when_busy: str = "wait"):
         self.store = CheckpointStore(folder, key=b"k" * 32, run_id="bench")
-        self.saver = Saver(self.store, budget=budget, when_busy=when_busy, on_durable=lambda r, i: None,
+        self.saver = Saver(self.store, budget=budget, when_busy=when_busy, on_durable=self._durable,
                            say=lambda line: print("   ", line, flush=True))
         self.saved = 0
+        self.persists: list[float] = []  # each persist's seconds, snapshot to LATEST
+
+    def _durable(self, report, info) -> None:
+        self.persists.append(report.seconds)
 
     def __call__(self, model, opt) -> None:
         if self.saver.save({"model": model, "opt": opt}, ["model", "opt"], meta={}, info=None):
@@ -141,6 +148,13 @@ class OurSaver:
 
     def close(self) -> None:
         self.saver.close()
+
+    def extra(self) -> dict:
+        """What explains this row's stall: a persist's seconds, and the time safe points waited
+        for the previous one (per safe point, the warm-up's included)."""
+        st = self.saver.stats
+        return {"persist": statistics.mean(self.persists) if self.persists else None,
+                "waited": st.waited_seconds / max(1, self.saved)}
 
 
 class Buffered(OurSaver):
@@ -155,17 +169,18 @@ class Buffered(OurSaver):
         blobs.DIRECT_IO = True
 
 
-def persist_cpu(folder: Path, model, opt, repeat: int = 3) -> tuple[float, float]:
-    """(wall, CPU) seconds of a synchronous save of state that changed, nothing else running: the
+def persist_cpu(folder: Path, model, opt, repeat: int = 3) -> tuple[float, float, float]:
+    """(wall, CPU, of which system) seconds of a synchronous save of state that changed, nothing else running: the
     run with the least CPU time of ``repeat``."""
     store = CheckpointStore(folder, key=b"k" * 32, run_id="cpu")
-    best = (float("inf"), float("inf"))
+    best = (float("inf"), float("inf"), 0.0)
     for _ in range(repeat):
         train_epoch(model, opt, 1, 8)  # every tensor changes
         c0, w0 = os.times(), time.perf_counter()
         store.save({"model": model, "opt": opt}, ["model", "opt"], meta={})
         c1, w1 = os.times(), time.perf_counter()
-        best = min(best, (w1 - w0, (c1.user - c0.user) + (c1.system - c0.system)), key=lambda x: x[1])
+        best = min(best, (w1 - w0, (c1.user - c0.user) + (c1.system - c0.system), c1.system - c0.system),
+                   key=lambda x: x[1])
     shutil.rmtree(folder, ignore_errors=True)
     return best
 
@@ -217,7 +232,10 @@ def run_row(model, opt, save, epochs: int, steps: int, batch: int) -> dict:
         stalls.append(t2 - t1)
     if hasattr(save, "close"):
         save.close()
-    return {"epoch": statistics.mean(epoch_times), "stall": statistics.mean(stalls), "worst": max(stalls)}
+    out = {"epoch": statistics.mean(epoch_times), "stall": statistics.mean(stalls), "worst": max(stalls)}
+    if hasattr(save, "extra"):
+        out.update(save.extra())
+    return out
 
 
 class RateLimit:
@@ -244,7 +262,22 @@ class RateLimit:
         blobs.write_all = self.original
 
 
-def print_table(params, nbytes, results, cpu_wall, cpu) -> None:
+def file_system(path: Path) -> str:
+    """The type and device of the file system ``path`` is on (the mount with the longest prefix)."""
+    best = ("", "?", "?")
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                dev, point, kind = line.split()[:3]
+                point = point.replace("\\040", " ")
+                if str(path).startswith(point.rstrip("/") + "/") and len(point) > len(best[0]):
+                    best = (point, kind, dev)
+    except OSError:
+        pass
+    return f"{best[1]} on {best[0] or '?'}, {best[2]}"
+
+
+def print_table(params, nbytes, results, cpu_wall, cpu, cpu_system) -> None:
     first, again = results[0][1]["epoch"], dict(results)["no checkpoint (again)"]["epoch"]
     base = (first + again) / 2
     results = [(label, r) for label, r in results if label != "no checkpoint (again)"]
@@ -252,20 +285,24 @@ def print_table(params, nbytes, results, cpu_wall, cpu) -> None:
     print(f"\n{params / 1e6:.0f}M parameters + AdamW ({nbytes / MiB:.0f} MiB, on {DEVICE.type}), a checkpoint every epoch "
           f"(epoch without one: {base:.2f} s, {first:.2f} s first and {again:.2f} s last: noise "
           f"{100 * abs(first - again) / base:.1f}%)\n")
-    print("| safe point | stall per safe point (s) | × copy floor | worst stall (s) | epoch (s) | overhead |")
-    print("|---|---|---|---|---|---|")
+    print("| safe point | stall per safe point (s) | × copy floor | worst stall (s) | epoch (s) | overhead "
+          "| persist (s) | of the stall, waiting for the previous persist (s) |")
+    print("|---|---|---|---|---|---|---|---|")
     for label, r in results:
         if "failed" in r:
-            print(f"| {label} | failed here ({r['failed']}) | – | – | – | – |")
+            print(f"| {label} | failed here ({r['failed']}) | – | – | – | – | – | – |")
             continue
         if label == "no checkpoint":
-            print(f"| {label} (mean of first and last) | – | – | – | {base:.2f} | – |")
+            print(f"| {label} (mean of first and last) | – | – | – | {base:.2f} | – | – | – |")
             continue
         saved = f" (saved {r['saved']})" if "saved" in r else ""
+        persist = "–" if r.get("persist") is None else f"{r['persist']:.3f}"
+        waited = "–" if "waited" not in r else f"{r['waited']:.3f}"
         print(f"| {label}{saved} | {r['stall']:.3f} | {r['stall'] / floor:.1f} | {r['worst']:.3f} | "
-              f"{r['epoch']:.2f} | {100 * (r['epoch'] - base) / base:+.1f}% |")
-    print(f"\nOne persist alone (a synchronous save, no training): {cpu_wall:.3f} s, {cpu:.3f} s of CPU "
-          f"({100 * cpu / base:.1f}% of an epoch: the floor of the overhead where training keeps every core busy)")
+              f"{r['epoch']:.2f} | {100 * (r['epoch'] - base) / base:+.1f}% | {persist} | {waited} |")
+    print(f"\nOne persist alone (a synchronous save, no training): {cpu_wall:.3f} s, {cpu:.3f} s of CPU, "
+          f"{cpu_system:.3f} s of it in the kernel ({100 * cpu / base:.1f}% of an epoch: the floor of the overhead "
+          "where training keeps every core busy)")
 
 
 def main() -> None:
@@ -294,7 +331,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="cr-bgsave-", dir=a.dir))
     where = f", on {torch.cuda.get_device_name(DEVICE)}" if DEVICE.type == "cuda" else ""
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs{where}; "
-          f"writing to {root}")
+          f"writing to {root} ({file_system(root)}; blobs written "
+          f"{'directly (O_DIRECT)' if blobs.direct_io(root) else 'through the page cache: O_DIRECT is refused there'})")
     try:
         for params in a.params:
             model, opt = build(params)
