@@ -170,8 +170,8 @@ class Buffered(OurSaver):
 
 
 def persist_cpu(folder: Path, model, opt, repeat: int = 3) -> tuple[float, float, float]:
-    """(wall, CPU, of which system) seconds of a synchronous save of state that changed, nothing else running: the
-    run with the least CPU time of ``repeat``."""
+    """(wall, CPU, of which system) seconds of a synchronous save of state that changed, nothing
+    else running: the run with the least CPU time of ``repeat``."""
     store = CheckpointStore(folder, key=b"k" * 32, run_id="cpu")
     best = (float("inf"), float("inf"), 0.0)
     for _ in range(repeat):
