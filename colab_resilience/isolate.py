@@ -54,6 +54,8 @@ MAGIC_NAME = "_relay"
 MODULES = "colab_resilience_modules"  # the user expression asking for the worker's new imports
 # cells the relay runs itself: turning isolation on or off
 LOCAL = re.compile(r"\s*%resilience\s+isolate\b")
+SOCKETS_PREFIX = "colab-resilience-worker-"  # + the relay's PID: the folder of its workers' sockets
+_SOCKETS_RE = re.compile(re.escape(SOCKETS_PREFIX) + r"(\d+)-[A-Za-z0-9_]+")
 # the frontend's widget messages, answered by the worker
 COMM_MESSAGES = ("comm_open", "comm_msg", "comm_close", "comm_info_request")
 STATUS = re.compile(r"\s*%resilience(\s+status)?\s*$")
@@ -295,6 +297,41 @@ def relayed_error(content: dict) -> RelayedError:
     return kind(content.get("evalue", ""), list(content.get("traceback", [])))
 
 
+def remove_stale_sockets() -> None:
+    """Remove the socket folders of relays that died without closing (a notebook kernel killed
+    with SIGKILL runs no exit handler; its workers die with it, their sockets stay). Only this
+    user's folders of this package's name, whose relay's PID is gone; a PID alive again (reused)
+    keeps its folder, and a symbolic link is never followed."""
+    import stat
+
+    tmp = tempfile.gettempdir()
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return
+    for name in names:
+        m = _SOCKETS_RE.fullmatch(name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        path = os.path.join(tmp, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        pass
+    return True
+
+
 class Result:
     """The worker's ``execute_result``, displayed by the notebook's kernel as its own."""
 
@@ -315,7 +352,9 @@ class Relay:
         import nbformat
 
         self.session, self.shell = session, session.shell
-        self.sockets = tempfile.mkdtemp(prefix="colab-resilience-worker-")  # 0700: ours alone
+        remove_stale_sockets()
+        # 0700: ours alone; named after this kernel, so that a later relay can tell it is stale
+        self.sockets = tempfile.mkdtemp(prefix=f"{SOCKETS_PREFIX}{os.getpid()}-")
         env = {**os.environ, SUPERVISED_ENV: "1", WORKER_ENV: "1", RUN_DIR_ENV: str(session.root())}
         self.client = WorkerClient(self.sockets, env, os.getcwd())
         self.client.nb = nbformat.v4.new_notebook()

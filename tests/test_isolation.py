@@ -317,6 +317,40 @@ def test_isolate_off_ends_the_worker_and_bad_input_is_one_line(relay):
     assert relay.value("__import__('os').getpid()") == relay.pid
 
 
+def test_a_killed_notebook_kernels_worker_sockets_are_removed_by_the_next_relay(relay, tmp_path):
+    """A notebook kernel killed with SIGKILL (as a frontend's forced shutdown does) runs no exit
+    handler: its workers die with it, but their socket folder stays in the temporary directory.
+    The next relay removes it; folders whose relay is alive, and other names, stay."""
+    import tempfile
+
+    tmp = tempfile.gettempdir()
+    prefix = f"colab-resilience-worker-{relay.pid}-"
+    (stale,) = [n for n in os.listdir(tmp) if n.startswith(prefix)]
+    worker = worker_pid(relay)
+    live = tempfile.mkdtemp(prefix=f"colab-resilience-worker-{os.getpid()}-")  # this process: alive
+    other = tempfile.mkdtemp(prefix="colab-resilience-workers-")  # not the package's name
+    try:
+        os.kill(relay.pid, signal.SIGKILL)
+        relay.km.provisioner.process.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{worker}"), "the worker outlived its notebook kernel"
+        # (a relay another test starts meanwhile may remove it already: no check in between)
+        nxt = Kernel()
+        try:
+            nxt.ok("%load_ext colab_resilience")
+            nxt.ok("%resilience isolate")
+            assert not os.path.exists(os.path.join(tmp, stale))
+            assert os.path.isdir(live) and os.path.isdir(other)
+            assert [n for n in os.listdir(tmp) if n.startswith(f"colab-resilience-worker-{nxt.pid}-")]
+        finally:
+            nxt.shutdown()
+    finally:
+        os.rmdir(live)
+        os.rmdir(other)
+
+
 def test_isolate_in_a_supervised_kernel_says_it_is_not_needed(relay, tmp_path):
     """A notebook written for Colab, with its `%resilience isolate` cell, runs the same under the
     supervisor and in the worker: the cell says why it does nothing."""
