@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                    "restarts then start a kernel and redo the imports)")
     c = sub.add_parser("check", help="run a notebook uninterrupted and with injected faults, and compare",
                        description="Run NOTEBOOK once uninterrupted and once per fault (SIGKILLs between and at "
-                       "safe points and during checkpoint writes, out-of-memory errors in %%%%resilient cells), "
+                       "safe points and during checkpoint writes, out-of-memory errors in %%resilient cells), "
                        "and compare every variable bit for bit and every cell's printed output.",
                        epilog="exit codes: 0 identical, 1 a faulted run differs (what differs is named), "
                        "2 usage or input error, 3 the notebook fails (or has no safe point) without faults")

@@ -132,6 +132,19 @@ def test_a_notebook_that_fails_without_faults_is_exit_3_and_usage_errors_exit_2(
     assert r.returncode == 2 and "--faults: needs a whole number" in r.stderr
 
 
+@pytest.mark.parametrize("command", [[], ["run"], ["check"], ["demo"]])
+def test_each_commands_help_names_the_magics_as_users_write_them(command, capsys):
+    """argparse formats an option's help with %, not a description: `%%%%resilient` written
+    there for escaping was shown as typed."""
+    from colab_resilience.cli import main
+
+    assert main([*command, "--help"]) == 0
+    shown = capsys.readouterr().out
+    assert "%%%" not in shown and "colab-resilience" in shown
+    if command == ["check"]:
+        assert "out-of-memory errors in %%resilient cells" in " ".join(shown.split())
+
+
 def test_an_injected_oom_never_lands_where_only_clean_up_runs(ip, tmp_path):
     """check's out-of-memory error fires at a line of the cell's code, but not at a `with`
     statement's exit (Python reports the call of `__exit__` at the `with` line; an error raised
