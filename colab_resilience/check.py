@@ -399,7 +399,7 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
     cwd = str(folder or os.getcwd())
     place = Folder(Path(cwd))
 
-    def run(name: str, env: dict) -> RunResult:
+    def run(name: str, env: dict, standby: bool = standby) -> RunResult:
         try:
             return run_notebook(nbformat.from_dict(json.loads(json.dumps(nb))), work / f"{name}.ipynb", cwd=cwd,
                                 run_dir=work / f"runs-{name}", kernel_name=kernel_name,
@@ -410,7 +410,10 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
     try:
         timeline_file = work / "timeline"
         started = time.perf_counter()
-        reference = _outcome(run("uninterrupted", {fault_env.TIMELINE_ENV: str(timeline_file)}), set_up_names(nb))
+        # no standby kernel for the run without faults: it would import the notebook's modules
+        # beside it (5 s of CPU for torch's) for a restart that a run without faults rarely makes
+        reference = _outcome(run("uninterrupted", {fault_env.TIMELINE_ENV: str(timeline_file)}, standby=False),
+                             set_up_names(nb))
         seconds = time.perf_counter() - started
         timeline = _read_timeline(timeline_file)
         report = CheckReport(str(notebook), max((n for n, *_ in timeline), default=0), seconds)
