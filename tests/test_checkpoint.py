@@ -581,6 +581,43 @@ def test_unchanged_chunks_are_not_hashed_again_but_every_change_is_saved(store, 
         back: dict = {}
         store.load().restore(back)
         assert raw(back["w"]) == raw(w)
+        # a chunk that changed is hashed at the next save without a fingerprint (a training's
+        # chunks change at every save); found unchanged, it is fingerprinted again, and hashed
+        # no more while it stays so
+        for hashed_again in (1, 0):
+            hashed_bytes.clear()
+            assert store.save(ns, ["w"]).bytes_written < 4096
+            assert len(hashed_bytes) == hashed_again and sum(hashed_bytes) <= CHUNK
+
+
+def test_chunks_that_change_at_every_save_are_read_once_each_save(tmp_path):
+    """A training's weights change between any two safe points: after the second save, each of
+    their chunks is hashed without the fingerprint pass that would only find it changed (one read
+    of every byte, not two), and every change is in the checkpoint."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2048, 2048)
+    opt = torch.optim.AdamW(model.parameters())
+    ns = {"model": model, "opt": opt}
+    store = CheckpointStore(tmp_path / "run", key=KEY)
+
+    def step_and_save():
+        model(torch.randn(4, 2048)).square().mean().backward()
+        opt.step()
+        return store.save(ns, ["model", "opt"])
+
+    first, second, third, fourth = (step_and_save() for _ in range(4))
+    state = first.bytes_written
+    assert first.bytes_read >= 2 * (state - 8192)  # fingerprinted and hashed
+    assert second.bytes_read >= 2 * (state - 8192)  # fingerprinted, found changed, hashed
+    for later in (third, fourth):  # hashed only
+        assert state - 8192 <= later.bytes_read <= state + CHUNK
+        assert later.bytes_written >= state - 8192
+    back = {"model": torch.nn.Linear(2048, 2048), "opt": None}
+    back["opt"] = torch.optim.AdamW(back["model"].parameters())
+    store.load().restore(back)
+    assert raw(back["model"].weight) == raw(model.weight)
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert raw(back["opt"].state_dict()["state"][0][k]) == raw(opt.state_dict()["state"][0][k])
 
 
 def training_namespace():

@@ -8,8 +8,12 @@ SIMD units of any x86-64 or ARM CPU.
 
 A save remembers each chunk's fast fingerprint (xxh3-128) next to its digest: a chunk whose
 fingerprint is unchanged keeps its digest and is not hashed again, so a save that changed nothing
-costs one pass at memory speed. The fingerprint only answers "is this chunk what this process
-last hashed?": it is never stored, nor trusted from disk.
+costs one pass at memory speed. A chunk that had changed at the last save (the weights and the
+optimizer's state of a training, at every safe point) is hashed straight away, without the
+fingerprint pass that would only find it changed again: one pass over its bytes, not two; where
+its digest then shows it unchanged, it is fingerprinted again, and the next save takes the cheap
+path. The fingerprint only answers "is this chunk what this process last hashed?": it is never
+stored, nor trusted from disk.
 
 A :class:`HashJob` hashes one blob that way, on the threads of :func:`pool` (which also read,
 flush and unlink for every store of the process); ``blake3`` and the one-shot ``xxhash`` digests
@@ -83,15 +87,21 @@ def fingerprint(pieces) -> bytes:
     return b"".join(xxhash.xxh3_128_digest(p) for p in pieces)
 
 
-def digest_unless_unchanged(pieces, previous: tuple[bytes, bytes] | None) -> tuple[bytes, bytes, int]:
-    """(fingerprint, digest, bytes read) of a chunk. The digest is ``previous``'s (fingerprint,
-    digest) when the fingerprint is unchanged (a frozen backbone, an unchanged array): then the
-    chunk is read once, not hashed."""
-    fp = fingerprint(pieces)
+def digest_unless_unchanged(pieces, previous: tuple[bytes | None, bytes] | None) -> tuple[bytes | None, bytes, int]:
+    """(fingerprint, digest, bytes read) of a chunk, given ``previous``, its (fingerprint, digest)
+    at the last save. The digest is ``previous``'s when the fingerprint is unchanged (a frozen
+    backbone, an unchanged array): then the chunk is read once, not hashed. The fingerprint is
+    None for a chunk found changed: at the next save it is hashed without being fingerprinted."""
     nread = sum(p.nbytes for p in pieces)
+    if previous is not None and previous[0] is None:  # changed at the last save: most likely again
+        d = digest(pieces)
+        if d != previous[1]:
+            return None, d, nread
+        return fingerprint(pieces), d, 2 * nread  # unchanged after all: the cheap path next time
+    fp = fingerprint(pieces)
     if previous is not None and previous[0] == fp:
         return fp, previous[1], nread
-    return fp, digest(pieces), 2 * nread
+    return (fp if previous is None else None), digest(pieces), 2 * nread
 
 
 def combine(digests: list[bytes]) -> str:
@@ -113,11 +123,11 @@ class HashJob:
     """
 
     def __init__(self, segments: list[memoryview], pool: ThreadPoolExecutor,
-                 memory: dict[str, list[tuple[bytes, bytes]]], key: str):
+                 memory: dict[str, list[tuple[bytes | None, bytes]]], key: str):
         previous = memory.pop(key, None) or []
         self.chunks = chunks(segments)
         self.previous = [d for _, d in previous]  # the digest of each chunk at the last save
-        self.bytes_read = 0  # to fingerprint or hash (a byte both counts twice)
+        self.bytes_read = 0  # to fingerprint or hash (a byte read for both counts twice)
         self._memory, self._key = memory, key
         self.futures: list[Future] = [
             pool.submit(digest_unless_unchanged, c, previous[i] if i < len(previous) else None)

@@ -97,8 +97,9 @@ class CheckpointStore:
         self.keep_first = keep_first
         self._key = key
         self._trash: Future | None = None
-        # per saved blob: (fingerprint, digest) of each chunk as this process last saved it
-        self._chunk_memory: dict[str, list[tuple[bytes, bytes]]] = {}
+        # per saved blob: (fingerprint, digest) of each chunk as this process last saved it (no
+        # fingerprint for a chunk found changed: see hashing.digest_unless_unchanged)
+        self._chunk_memory: dict[str, list[tuple[bytes | None, bytes]]] = {}
 
     @property
     def key(self) -> bytes:
