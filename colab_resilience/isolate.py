@@ -55,7 +55,8 @@ MODULES = "colab_resilience_modules"  # the user expression asking for the worke
 # cells the relay runs itself: turning isolation on or off
 LOCAL = re.compile(r"\s*%resilience\s+isolate\b")
 SOCKETS_PREFIX = "colab-resilience-worker-"  # + the relay's PID: the folder of its workers' sockets
-_SOCKETS_RE = re.compile(re.escape(SOCKETS_PREFIX) + r"(\d+)-[A-Za-z0-9_]+")
+_SOCKETS_RE = re.compile(re.escape(SOCKETS_PREFIX) + r"[A-Za-z0-9_-]+")
+RELAY_LOCK = "relay.lock"  # in that folder: locked by the relay while it lives
 # the frontend's widget messages, answered by the worker
 COMM_MESSAGES = ("comm_open", "comm_msg", "comm_close", "comm_info_request")
 STATUS = re.compile(r"\s*%resilience(\s+status)?\s*$")
@@ -299,9 +300,12 @@ def relayed_error(content: dict) -> RelayedError:
 
 def remove_stale_sockets() -> None:
     """Remove the socket folders of relays that died without closing (a notebook kernel killed
-    with SIGKILL runs no exit handler; its workers die with it, their sockets stay). Only this
-    user's folders of this package's name, whose relay's PID is gone; a PID alive again (reused)
-    keeps its folder, and a symbolic link is never followed."""
+    with SIGKILL runs no exit handler; its workers die with it, their sockets stay). A relay holds
+    an ``flock`` on its folder's ``relay.lock`` as long as it lives, and the kernel drops it when
+    the relay dies, however it dies: a folder whose lock can be taken is stale. Only this user's
+    folders of this package's name; never through a link; a folder without the lock file (one
+    being made, or left by an older version) only once it is a minute old."""
+    import fcntl
     import stat
 
     tmp = tempfile.gettempdir()
@@ -310,26 +314,40 @@ def remove_stale_sockets() -> None:
     except OSError:
         return
     for name in names:
-        m = _SOCKETS_RE.fullmatch(name)
-        if m is None or _alive(int(m.group(1))):
+        if not _SOCKETS_RE.fullmatch(name):
             continue
         path = os.path.join(tmp, name)
         try:
             st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            fd = os.open(os.path.join(path, RELAY_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if time.time() - st.st_mtime > 60:
+                shutil.rmtree(path, ignore_errors=True)
+            continue
         except OSError:
             continue
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its relay is alive
+            continue
+        else:
             shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process: alive
-        pass
-    return True
+def _hold(folder: str) -> int:
+    """Lock ``folder``'s ``relay.lock`` for as long as this process keeps the descriptor. The file
+    is locked under another name, then renamed: no other relay ever finds it unlocked."""
+    import fcntl
+
+    new = os.path.join(folder, f".{RELAY_LOCK}-new")
+    fd = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(new, os.path.join(folder, RELAY_LOCK))
+    return fd
 
 
 class Result:
@@ -353,8 +371,8 @@ class Relay:
 
         self.session, self.shell = session, session.shell
         remove_stale_sockets()
-        # 0700: ours alone; named after this kernel, so that a later relay can tell it is stale
-        self.sockets = tempfile.mkdtemp(prefix=f"{SOCKETS_PREFIX}{os.getpid()}-")
+        self.sockets = tempfile.mkdtemp(prefix=f"{SOCKETS_PREFIX}{os.getpid()}-")  # 0700: ours alone
+        self._lock = _hold(self.sockets)  # until this process ends: then a later relay removes it
         env = {**os.environ, SUPERVISED_ENV: "1", WORKER_ENV: "1", RUN_DIR_ENV: str(session.root())}
         self.client = WorkerClient(self.sockets, env, os.getcwd())
         self.client.nb = nbformat.v4.new_notebook()
@@ -388,6 +406,9 @@ class Relay:
     def close(self) -> None:
         self.supervisor.close()  # the standby, then the worker
         shutil.rmtree(self.sockets, ignore_errors=True)
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def status_line(self) -> str:
         pid = self.client.pid

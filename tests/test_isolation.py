@@ -9,6 +9,7 @@ uninterrupted reference run of tests/files/train.ipynb.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 
@@ -320,14 +321,21 @@ def test_isolate_off_ends_the_worker_and_bad_input_is_one_line(relay):
 def test_a_killed_notebook_kernels_worker_sockets_are_removed_by_the_next_relay(relay, tmp_path):
     """A notebook kernel killed with SIGKILL (as a frontend's forced shutdown does) runs no exit
     handler: its workers die with it, but their socket folder stays in the temporary directory.
-    The next relay removes it; folders whose relay is alive, and other names, stay."""
+    The next relay removes it, as it does an old folder without a lock (an older version's); a
+    folder whose relay is alive (its lock held), a young one without a lock (a relay making it),
+    and other names stay."""
     import tempfile
 
+    from colab_resilience.isolate import _hold
+
     tmp = tempfile.gettempdir()
-    prefix = f"colab-resilience-worker-{relay.pid}-"
-    (stale,) = [n for n in os.listdir(tmp) if n.startswith(prefix)]
+    (stale,) = [n for n in os.listdir(tmp) if n.startswith(f"colab-resilience-worker-{relay.pid}-")]
     worker = worker_pid(relay)
-    live = tempfile.mkdtemp(prefix=f"colab-resilience-worker-{os.getpid()}-")  # this process: alive
+    live = tempfile.mkdtemp(prefix="colab-resilience-worker-")
+    held = _hold(live)  # as a relay alive in this process holds its folder
+    young = tempfile.mkdtemp(prefix="colab-resilience-worker-")
+    old = tempfile.mkdtemp(prefix="colab-resilience-worker-")
+    os.utime(old, (time.time() - 120, time.time() - 120))
     other = tempfile.mkdtemp(prefix="colab-resilience-workers-")  # not the package's name
     try:
         os.kill(relay.pid, signal.SIGKILL)
@@ -341,14 +349,15 @@ def test_a_killed_notebook_kernels_worker_sockets_are_removed_by_the_next_relay(
         try:
             nxt.ok("%load_ext colab_resilience")
             nxt.ok("%resilience isolate")
-            assert not os.path.exists(os.path.join(tmp, stale))
-            assert os.path.isdir(live) and os.path.isdir(other)
+            assert not os.path.exists(os.path.join(tmp, stale)) and not os.path.exists(old)
+            assert os.path.isdir(live) and os.path.isdir(young) and os.path.isdir(other)
             assert [n for n in os.listdir(tmp) if n.startswith(f"colab-resilience-worker-{nxt.pid}-")]
         finally:
             nxt.shutdown()
     finally:
-        os.rmdir(live)
-        os.rmdir(other)
+        os.close(held)
+        for folder in (live, young, other):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_isolate_in_a_supervised_kernel_says_it_is_not_needed(relay, tmp_path):
