@@ -76,6 +76,36 @@ WIDTH = 1024
 DEVICE = torch.device("cpu")
 
 
+def use_device(name: str) -> None:
+    """Train on ``name``: cpu, or cuda with TF32 matrix products (as a GPU training runs them)."""
+    global DEVICE
+    DEVICE = torch.device(name)
+    if DEVICE.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+
+def steps_for(model, opt, seconds: float, batch: int) -> int:
+    """The steps that make an epoch about ``seconds`` long, timed over 5 after 3 of warm-up."""
+    train_epoch(model, opt, 3, batch)
+    t0 = time.perf_counter()
+    train_epoch(model, opt, 5, batch)
+    return max(1, round(seconds / ((time.perf_counter() - t0) / 5)))
+
+
+def alternating_arguments(doc: str, *, params: float, epoch_seconds: float, epochs: int,
+                          passes: int) -> argparse.Namespace:
+    """The command line of the benchmarks whose rows alternate in passes (their defaults given)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--params", type=float, default=params)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--epoch-seconds", type=float, default=epoch_seconds)
+    p.add_argument("--epochs", type=int, default=epochs)
+    p.add_argument("--passes", type=int, default=passes)
+    p.add_argument("--batch", type=int, default=96)
+    p.add_argument("--dir", type=Path, default=None)
+    return p.parse_args()
+
+
 def build(params: float):
     layers = max(1, round(params / (WIDTH * WIDTH + WIDTH)))
     torch.manual_seed(0)
@@ -321,10 +351,7 @@ def main() -> None:
     p.add_argument("--epoch-seconds", type=float, default=None,
                    help="steps per epoch chosen to make an epoch about this long (instead of --steps)")
     a = p.parse_args()
-    global DEVICE
-    DEVICE = torch.device(a.device)
-    if DEVICE.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
+    use_device(a.device)
     if a.threads:
         torch.set_num_threads(a.threads)
     warnings.filterwarnings("ignore", module="torch.distributed")  # "assuming ... a single process"
@@ -338,10 +365,7 @@ def main() -> None:
             model, opt = build(params)
             train_epoch(model, opt, 1, a.batch)  # the optimizer's state exists
             if a.epoch_seconds:
-                train_epoch(model, opt, 3, a.batch)
-                t0 = time.perf_counter()
-                train_epoch(model, opt, 5, a.batch)
-                a.steps = max(1, round(a.epoch_seconds / ((time.perf_counter() - t0) / 5)))
+                a.steps = steps_for(model, opt, a.epoch_seconds, a.batch)
             nbytes = state_bytes(model, opt)
             print(f"\n{params / 1e6:.0f}M parameters: {nbytes / MiB:.0f} MiB of state; epochs of {a.steps} steps "
                   f"of {a.batch}", flush=True)

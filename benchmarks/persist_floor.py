@@ -32,7 +32,6 @@ is the mean duration of the row's work on its thread (for the package, a persist
 
 from __future__ import annotations
 
-import argparse
 import mmap
 import os
 import shutil
@@ -133,21 +132,11 @@ class Parts:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--params", type=float, default=50e6)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--epoch-seconds", type=float, default=1.9)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--passes", type=int, default=3)
-    p.add_argument("--batch", type=int, default=96)
-    p.add_argument("--dir", type=Path, default=None)
-    a = p.parse_args()
-    bench.DEVICE = torch.device(a.device)
+    a = bench.alternating_arguments(__doc__, params=50e6, epoch_seconds=1.9, epochs=3, passes=3)
+    bench.use_device(a.device)
     model, opt = bench.build(a.params)
-    bench.train_epoch(model, opt, 4, a.batch)
-    t0 = time.perf_counter()
-    bench.train_epoch(model, opt, 5, a.batch)
-    steps = max(1, round(a.epoch_seconds / ((time.perf_counter() - t0) / 5)))
+    bench.train_epoch(model, opt, 1, a.batch)  # the optimizer's state exists
+    steps = bench.steps_for(model, opt, a.epoch_seconds, a.batch)
     nbytes = bench.state_bytes(model, opt)
     root = Path(tempfile.mkdtemp(prefix="cr-floor-", dir=a.dir))
     try:

@@ -17,12 +17,10 @@ or launches the GPU's kernels); both. The workload, the stall and the persist's 
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,23 +53,11 @@ SETTINGS = [
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--params", type=float, default=200e6)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--epoch-seconds", type=float, default=2.5)
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--passes", type=int, default=2)
-    p.add_argument("--batch", type=int, default=96)
-    p.add_argument("--dir", type=Path, default=None)
-    a = p.parse_args()
-    bench.DEVICE = torch.device(a.device)
-    if bench.DEVICE.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
+    a = bench.alternating_arguments(__doc__, params=200e6, epoch_seconds=2.5, epochs=4, passes=2)
+    bench.use_device(a.device)
     model, opt = bench.build(a.params)
-    bench.train_epoch(model, opt, 4, a.batch)
-    t0 = time.perf_counter()
-    bench.train_epoch(model, opt, 5, a.batch)
-    steps = max(1, round(a.epoch_seconds / ((time.perf_counter() - t0) / 5)))
+    bench.train_epoch(model, opt, 1, a.batch)  # the optimizer's state exists
+    steps = bench.steps_for(model, opt, a.epoch_seconds, a.batch)
     root = Path(tempfile.mkdtemp(prefix="cr-settings-", dir=a.dir))
     where = f"{torch.cuda.get_device_name(bench.DEVICE)}" if bench.DEVICE.type == "cuda" else "cpu"
     print(f"{a.params / 1e6:.0f}M parameters ({bench.state_bytes(model, opt) / MiB:.0f} MiB of state) on {where}, "
