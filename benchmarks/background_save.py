@@ -106,6 +106,22 @@ def alternating_arguments(doc: str, *, params: float, epoch_seconds: float, epoc
     return p.parse_args()
 
 
+def against_no_checkpoint(results: dict[str, list[dict]]) -> dict[str, tuple[float, str, str]]:
+    """For rows run in passes (each row's results, one per pass, the row "no checkpoint" among
+    them): print the epoch without checkpoints, and give every other row's mean epoch, its
+    overhead over the passes and its overhead in each pass."""
+    base_runs = [r["epoch"] for r in results["no checkpoint"]]
+    base = statistics.mean(base_runs)
+    print(f"\nWithout checkpoints: {base:.3f} s an epoch (passes: {', '.join(f'{e:.3f}' for e in base_runs)})\n")
+    out = {}
+    for label, rs in results.items():
+        if label != "no checkpoint":
+            epoch = statistics.mean(r["epoch"] for r in rs)
+            out[label] = (epoch, f"{100 * (epoch - base) / base:+.1f}%",
+                          ", ".join(f"{100 * (r['epoch'] - base) / base:+.1f}%" for r in rs))
+    return out
+
+
 def build(params: float):
     layers = max(1, round(params / (WIDTH * WIDTH + WIDTH)))
     torch.manual_seed(0)

@@ -168,20 +168,15 @@ def main() -> None:
                 print(f"  pass {n + 1}, {label}: epoch {r['epoch']:.3f} s", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    base_runs = [r["epoch"] for r in results.pop("no checkpoint")]
-    base = statistics.mean(base_runs)
-    print(f"\nWithout checkpoints: {base:.3f} s an epoch (passes: {', '.join(f'{e:.3f}' for e in base_runs)})\n")
+    summary = bench.against_no_checkpoint(results)
     print("| work at every epoch's end | alone: wall (s) | alone: CPU (s) | work beside training (s) "
           "| epoch (s) | overhead | overhead in each pass |")
     print("|---|---|---|---|---|---|---|")
-    for label, rs in results.items():
+    for label, (epoch, overhead, each) in summary.items():
         wall, cpu = alone.get(label, (None, None))
-        work = [r["persist"] for r in rs if r.get("persist") is not None]
-        epoch = statistics.mean(r["epoch"] for r in rs)
-        each = ", ".join(f"{100 * (r['epoch'] - base) / base:+.1f}%" for r in rs)
+        work = statistics.mean(r["persist"] for r in results[label] if r.get("persist") is not None)
         print(f"| {label} | {'–' if wall is None else f'{wall:.3f}'} | {'–' if cpu is None else f'{cpu:.3f}'} | "
-              f"{statistics.mean(work):.3f} | {epoch:.3f} | {100 * (epoch - base) / base:+.1f}% | {each} |")
-
+              f"{work:.3f} | {epoch:.3f} | {overhead} | {each} |")
 
 if __name__ == "__main__":
     main()

@@ -77,17 +77,13 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
         setting(4 * MiB, 4)()
-    base_runs = [r["epoch"] for r in rows.pop("no checkpoint")]
-    base = statistics.mean(base_runs)
-    print(f"\nWithout checkpoints: {base:.3f} s an epoch (passes: {', '.join(f'{e:.3f}' for e in base_runs)})\n")
+    summary = bench.against_no_checkpoint(rows)
     print("| setting | stall (s) | epoch (s) | overhead | overhead in each pass | persist (s) |")
     print("|---|---|---|---|---|---|")
-    for label, rs in rows.items():
-        epoch = statistics.mean(r["epoch"] for r in rs)
-        each = ", ".join(f"{100 * (r['epoch'] - base) / base:+.1f}%" for r in rs)
-        print(f"| {label} | {statistics.mean(r['stall'] for r in rs):.3f} | {epoch:.3f} | "
-              f"{100 * (epoch - base) / base:+.1f}% | {each} | {statistics.mean(r['persist'] for r in rs):.3f} |")
-
+    for label, (epoch, overhead, each) in summary.items():
+        rs = rows[label]
+        print(f"| {label} | {statistics.mean(r['stall'] for r in rs):.3f} | {epoch:.3f} | {overhead} | {each} | "
+              f"{statistics.mean(r['persist'] for r in rs):.3f} |")
 
 if __name__ == "__main__":
     main()
