@@ -92,9 +92,9 @@ def steps_for(model, opt, seconds: float, batch: int) -> int:
     return max(1, round(seconds / ((time.perf_counter() - t0) / 5)))
 
 
-def alternating_arguments(doc: str, *, params: float, epoch_seconds: float, epochs: int,
-                          passes: int) -> argparse.Namespace:
-    """The command line of the benchmarks whose rows alternate in passes (their defaults given)."""
+def alternating_workload(doc: str, *, params: float, epoch_seconds: float, epochs: int, passes: int):
+    """The command line of the benchmarks whose rows alternate in passes (their defaults given),
+    and the workload it asks for: (arguments, model, optimizer, steps of an epoch)."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--params", type=float, default=params)
     p.add_argument("--device", default="cpu")
@@ -103,7 +103,11 @@ def alternating_arguments(doc: str, *, params: float, epoch_seconds: float, epoc
     p.add_argument("--passes", type=int, default=passes)
     p.add_argument("--batch", type=int, default=96)
     p.add_argument("--dir", type=Path, default=None)
-    return p.parse_args()
+    a = p.parse_args()
+    use_device(a.device)
+    model, opt = build(a.params)
+    train_epoch(model, opt, 1, a.batch)  # the optimizer's state exists
+    return a, model, opt, steps_for(model, opt, a.epoch_seconds, a.batch)
 
 
 def against_no_checkpoint(results: dict[str, list[dict]]) -> dict[str, tuple[float, str, str]]:

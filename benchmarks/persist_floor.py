@@ -132,11 +132,7 @@ class Parts:
 
 
 def main() -> None:
-    a = bench.alternating_arguments(__doc__, params=50e6, epoch_seconds=1.9, epochs=3, passes=3)
-    bench.use_device(a.device)
-    model, opt = bench.build(a.params)
-    bench.train_epoch(model, opt, 1, a.batch)  # the optimizer's state exists
-    steps = bench.steps_for(model, opt, a.epoch_seconds, a.batch)
+    a, model, opt, steps = bench.alternating_workload(__doc__, params=50e6, epoch_seconds=1.9, epochs=3, passes=3)
     nbytes = bench.state_bytes(model, opt)
     root = Path(tempfile.mkdtemp(prefix="cr-floor-", dir=a.dir))
     try:

@@ -53,11 +53,7 @@ SETTINGS = [
 
 
 def main() -> None:
-    a = bench.alternating_arguments(__doc__, params=200e6, epoch_seconds=2.5, epochs=4, passes=2)
-    bench.use_device(a.device)
-    model, opt = bench.build(a.params)
-    bench.train_epoch(model, opt, 1, a.batch)  # the optimizer's state exists
-    steps = bench.steps_for(model, opt, a.epoch_seconds, a.batch)
+    a, model, opt, steps = bench.alternating_workload(__doc__, params=200e6, epoch_seconds=2.5, epochs=4, passes=2)
     root = Path(tempfile.mkdtemp(prefix="cr-settings-", dir=a.dir))
     where = f"{torch.cuda.get_device_name(bench.DEVICE)}" if bench.DEVICE.type == "cuda" else "cpu"
     print(f"{a.params / 1e6:.0f}M parameters ({bench.state_bytes(model, opt) / MiB:.0f} MiB of state) on {where}, "
