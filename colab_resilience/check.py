@@ -39,8 +39,6 @@ import json
 import os
 import random
 import re
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +46,7 @@ from typing import Any, Callable
 
 from . import faults as fault_env
 from .driver import EXIT_OK, RunResult, read_notebook, inject_parameters, run_notebook
+from .tempdirs import TempFolder
 
 MARK = "colab-resilience-check"
 BEFORE = MARK + "-before-training"
@@ -394,7 +393,8 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
         if injected and parameters and "injected-parameters" in cell.get("metadata", {}).get("tags", []):
             cell.metadata[MARK] = "parameters"
     _add_check_cells(nb)
-    work = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="colab-resilience-check-"))
+    own = None if keep else TempFolder("check")
+    work = Path(keep or own.path)
     work.mkdir(parents=True, exist_ok=True)
     cwd = str(folder or os.getcwd())
     place = Folder(Path(cwd))
@@ -462,8 +462,8 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
         note = place.note()
         if note:
             log(note)
-        if not keep:
-            shutil.rmtree(work, ignore_errors=True)
+        if own is not None:
+            own.remove()
 
 
 def _read_timeline(path: Path) -> list[tuple[int, str, float, str]]:

@@ -10,12 +10,11 @@ whether the final weights are identical.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from importlib import resources
 from pathlib import Path
 
 from .driver import EXIT_OK, run_notebook
+from .tempdirs import TempFolder
 
 
 def _result(nb) -> dict:
@@ -39,7 +38,8 @@ def oom_recoveries(nb) -> int:
 
 
 def main(keep: str | None = None) -> int:
-    workdir = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="colab-resilience-demo-"))
+    own = None if keep else TempFolder("demo")
+    workdir = Path(keep or own.path)
     workdir.mkdir(parents=True, exist_ok=True)
     source = resources.files("colab_resilience") / "notebooks" / "demo.ipynb"
     notebook = workdir / "demo.ipynb"
@@ -90,5 +90,5 @@ def main(keep: str | None = None) -> int:
         print(f"  notebooks: {workdir}" if keep else "")
         return EXIT_OK if identical else 1
     finally:
-        if not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+        if own is not None:
+            own.remove()

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +37,7 @@ from .errors import NotebookInputError
 from .replay import MAGIC, is_replay_cell
 from .restart import SUPERVISED_ENV
 from .session import RUN_DIR_ENV
+from .tempdirs import TempFolder
 
 # exit codes of `colab-resilience run` (and the `status` of a RunResult)
 EXIT_OK, EXIT_CELL_FAILED, EXIT_USAGE, EXIT_BUDGET = 0, 1, 2, 3
@@ -142,9 +141,10 @@ def run_notebook(
     cwd = str(cwd or folder or os.getcwd())
     inject_parameters(nb, parameters or {})
     kernel_name = kernel_name or nb.metadata.get("kernelspec", {}).get("name") or "python3"
-    own_run_dir = run_dir is None
-    run_root = Path(tempfile.mkdtemp(prefix="colab-resilience-runs-")) if own_run_dir else Path(run_dir).absolute()
-    sockets = tempfile.mkdtemp(prefix="colab-resilience-")  # 0700: the kernel is ours alone
+    own_run_dir = TempFolder("runs") if run_dir is None else None
+    run_root = Path(own_run_dir.path if own_run_dir else run_dir).absolute()
+    sockets_folder = TempFolder("kernel")  # 0700: the kernel is ours alone
+    sockets = sockets_folder.path
     kernel_env = {**os.environ, **(env or {}), SUPERVISED_ENV: "1", RUN_DIR_ENV: str(run_root)}
     # An async manager: with a blocking one, nbclient's wait for output blocks its event loop and
     # it never notices that the kernel died.
@@ -167,7 +167,7 @@ def run_notebook(
         ) from None
     finally:
         supervisor.close()
-        shutil.rmtree(sockets, ignore_errors=True)
+        sockets_folder.remove()
         result = supervisor.result
         result.seconds = time.perf_counter() - started
         nb.metadata["colab_resilience"] = {
@@ -180,7 +180,7 @@ def run_notebook(
 
             nbformat.write(nb, output)
         if own_run_dir:
-            shutil.rmtree(run_root, ignore_errors=True)
+            own_run_dir.remove()
     return result
 
 

@@ -30,9 +30,7 @@ from __future__ import annotations
 import atexit
 import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 from queue import Empty
 from typing import Any
@@ -45,6 +43,7 @@ from .replay import is_replay_cell
 from .restart import SUPERVISED_ENV
 from .session import RUN_DIR_ENV
 from .standby_driver import NEW_MODULES, Standby
+from .tempdirs import TempFolder
 
 WORKER_ENV = "COLAB_RESILIENCE_WORKER"
 WORKER_OOM_SCORE_ADJ = 500  # before the notebook's kernel (0); after a standby (1000)
@@ -54,9 +53,6 @@ MAGIC_NAME = "_relay"
 MODULES = "colab_resilience_modules"  # the user expression asking for the worker's new imports
 # cells the relay runs itself: turning isolation on or off
 LOCAL = re.compile(r"\s*%resilience\s+isolate\b")
-SOCKETS_PREFIX = "colab-resilience-worker-"  # + the relay's PID: the folder of its workers' sockets
-_SOCKETS_RE = re.compile(re.escape(SOCKETS_PREFIX) + r"[A-Za-z0-9_-]+")
-RELAY_LOCK = "relay.lock"  # in that folder: locked by the relay while it lives
 # the frontend's widget messages, answered by the worker
 COMM_MESSAGES = ("comm_open", "comm_msg", "comm_close", "comm_info_request")
 STATUS = re.compile(r"\s*%resilience(\s+status)?\s*$")
@@ -298,58 +294,6 @@ def relayed_error(content: dict) -> RelayedError:
     return kind(content.get("evalue", ""), list(content.get("traceback", [])))
 
 
-def remove_stale_sockets() -> None:
-    """Remove the socket folders of relays that died without closing (a notebook kernel killed
-    with SIGKILL runs no exit handler; its workers die with it, their sockets stay). A relay holds
-    an ``flock`` on its folder's ``relay.lock`` as long as it lives, and the kernel drops it when
-    the relay dies, however it dies: a folder whose lock can be taken is stale. Only this user's
-    folders of this package's name; never through a link; a folder without the lock file (one
-    being made, or left by an older version) only once it is a minute old."""
-    import fcntl
-    import stat
-
-    tmp = tempfile.gettempdir()
-    try:
-        names = os.listdir(tmp)
-    except OSError:
-        return
-    for name in names:
-        if not _SOCKETS_RE.fullmatch(name):
-            continue
-        path = os.path.join(tmp, name)
-        try:
-            st = os.lstat(path)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-                continue
-            fd = os.open(os.path.join(path, RELAY_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            if time.time() - st.st_mtime > 60:
-                shutil.rmtree(path, ignore_errors=True)
-            continue
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: its relay is alive
-            continue
-        else:
-            shutil.rmtree(path, ignore_errors=True)
-        finally:
-            os.close(fd)
-
-
-def _hold(folder: str) -> int:
-    """Lock ``folder``'s ``relay.lock`` for as long as this process keeps the descriptor. The file
-    is locked under another name, then renamed: no other relay ever finds it unlocked."""
-    import fcntl
-
-    new = os.path.join(folder, f".{RELAY_LOCK}-new")
-    fd = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    os.rename(new, os.path.join(folder, RELAY_LOCK))
-    return fd
-
-
 class Result:
     """The worker's ``execute_result``, displayed by the notebook's kernel as its own."""
 
@@ -370,9 +314,9 @@ class Relay:
         import nbformat
 
         self.session, self.shell = session, session.shell
-        remove_stale_sockets()
-        self.sockets = tempfile.mkdtemp(prefix=f"{SOCKETS_PREFIX}{os.getpid()}-")  # 0700: ours alone
-        self._lock = _hold(self.sockets)  # until this process ends: then a later relay removes it
+        # the workers' sockets (0700: ours alone), held until this process ends, however it ends
+        self.folder = TempFolder("worker", f"{os.getpid()}-")
+        self.sockets = self.folder.path
         env = {**os.environ, SUPERVISED_ENV: "1", WORKER_ENV: "1", RUN_DIR_ENV: str(session.root())}
         self.client = WorkerClient(self.sockets, env, os.getcwd())
         self.client.nb = nbformat.v4.new_notebook()
@@ -405,10 +349,7 @@ class Relay:
 
     def close(self) -> None:
         self.supervisor.close()  # the standby, then the worker
-        shutil.rmtree(self.sockets, ignore_errors=True)
-        if self._lock is not None:
-            os.close(self._lock)
-            self._lock = None
+        self.folder.remove()
 
     def status_line(self) -> str:
         pid = self.client.pid

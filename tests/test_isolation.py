@@ -326,7 +326,7 @@ def test_a_killed_notebook_kernels_worker_sockets_are_removed_by_the_next_relay(
     and other names stay."""
     import tempfile
 
-    from colab_resilience.isolate import _hold
+    from colab_resilience.tempdirs import _hold
 
     tmp = tempfile.gettempdir()
     (stale,) = [n for n in os.listdir(tmp) if n.startswith(f"colab-resilience-worker-{relay.pid}-")]
