@@ -102,7 +102,7 @@ def test_the_demo_passes_though_it_really_runs_out_of_memory_and_writes_in_its_f
     cell.source += "\nstarted = time.time_ns()"
     nbformat.write(nb, folder / "demo.ipynb")
     (folder / "epochs.log").write_text("from before\n")
-    r = check(str(folder / "demo.ipynb"), "--faults", "2", "--seed", "2", "--kernel", harness.KERNEL_NAME,
+    r = check(str(folder / "demo.ipynb"), "--faults", "2", "--seed", "14", "--kernel", harness.KERNEL_NAME,
               "--keep", str(tmp_path / "kept"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert re.search(r"fault 1/2: SIGKILL [0-9.]+ s after safe point 1 of 6: identical \(", r.stdout), r.stdout
