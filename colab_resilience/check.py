@@ -144,7 +144,7 @@ class FaultResult:
     differences: list[str] = field(default_factory=list)
     restarts: int = 0
     seconds: float = 0.0
-    caught: bool = False  # an out-of-memory error the notebook's own code caught: it never reached this package
+    caught: bool = False  # an injected out-of-memory error caught where it was raised: it never reached this package
 
     @property
     def proves(self) -> bool:
@@ -178,8 +178,8 @@ class CheckReport:
         if unfired:
             parts.append(f"{unfired} of {n} faults never fired, even aimed again (try another --seed)")
         if caught:
-            parts.append(f"{caught} of {n} out-of-memory errors were caught by the notebook's own code, even aimed "
-                         "again (try another --seed)")
+            parts.append(f"{caught} of {n} out-of-memory errors were caught where they were raised (by the notebook's "
+                         "code or a library's), even aimed again (try another --seed)")
         return "; ".join(parts) + f" (seed {seed})"
 
 
@@ -439,7 +439,7 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
                     break
                 if result.caught:
                     log(f"  fault {i}/{faults}: {fault.describe(report.safe_points)}: the error, raised at "
-                        f"{fault_env.fired_at(mark)}, was caught there by the notebook's own code and never reached "
+                        f"{fault_env.fired_at(mark)}, was caught there (by the notebook's code or a library's) and never reached "
                         "colab_resilience; aimed at another moment")
                 else:
                     log(f"  fault {i}/{faults}: {fault.describe(report.safe_points)}: never fired (the run went "
@@ -451,7 +451,7 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
             if not result.fired:
                 verdict = "the fault never fired (the run went another way), so this run proves nothing: " + verdict
             elif result.caught:
-                verdict = ("the error was caught by the notebook's own code where it was raised, never reaching "
+                verdict = ("the error was caught where it was raised (by the notebook's code or a library's), never reaching "
                            "colab_resilience, so this run proves nothing: " + verdict)
             log(f"  fault {i}/{faults}: {fault.describe(report.safe_points)}: {verdict} "
                 f"({result.restarts} kernel restart{'s' if result.restarts != 1 else ''}, {result.seconds:.1f} s)")
