@@ -39,11 +39,16 @@ __all__ = [
 
 def load_ipython_extension(ipython) -> None:
     """Register the magics, the configuration and the event callback (idempotent)."""
-    from . import session
+    import os
+
+    from . import session, standby
     from .magics import ResilienceMagics
+    from .restart import SUPERVISED_ENV
 
     if session.is_loaded(ipython):
         return
+    if os.environ.get(SUPERVISED_ENV):  # its driver's standby imports what it imports, and how
+        standby.watch_environment()
     magics = ResilienceMagics(shell=ipython, parent=ipython)
     ipython.register_magics(magics)  # Magics.__init__ already listed it in shell.configurables
     ipython.events.register("post_run_cell", _post_run_cell)

@@ -66,9 +66,11 @@ def expect_reexecution() -> None:
 
 
 def new_modules() -> str:
-    """The installed modules imported since the last call, space-separated (see
-    :func:`colab_resilience.standby.new_modules`)."""
-    return " ".join(standby.new_modules())
+    """The installed modules imported since the last call, with the environment they were
+    imported under, as JSON (see :func:`colab_resilience.standby.new_modules`)."""
+    import json
+
+    return json.dumps(standby.new_modules())
 
 
 def become_standby(whole: bool = False) -> None:
@@ -84,8 +86,8 @@ def become_worker(oom_score_adj: int) -> None:
         priority.set_oom_score_adj(oom_score_adj)
 
 
-def preload(names: list[str]) -> None:
-    standby.preload(names)
+def preload(groups: list) -> None:
+    standby.preload(groups)
 
 
 def adopt_standby(nice: int | None = None) -> None:

@@ -41,6 +41,7 @@ _stop = threading.Event()
 _worker: threading.Thread | None = None
 _saved_adj: str | None = None
 _imported: list[str] = []  # what the standby imported ahead of need (for tests and reports)
+_start_env: dict[str, str] | None = None  # the standby's environment when it was started
 
 
 
@@ -67,33 +68,85 @@ def _roots() -> tuple[str, ...]:
 _seen_count = -1  # len(sys.modules) at the last new_modules()
 
 
-def new_modules() -> list[str]:
+class _EnvironmentAtImport:
+    """(In a working kernel.) A finder that finds nothing: at every import it notes whether the
+    environment changed since the one before, and where in ``sys.modules`` (in import order) the
+    modules imported under the new one begin. A library may read a variable once, when it is
+    imported (``KERAS_BACKEND``, ``JAX_ENABLE_X64``, ``PYTORCH_JIT``, ``TF_CPP_MIN_LOG_LEVEL``),
+    and a notebook sets it just before: the standby must import it under the same environment."""
+
+    def __init__(self):
+        self._raw: dict | None = None
+        self.env = dict(os.environ)
+        self.marks: list[tuple[int, dict[str, str]]] = [(0, self.env)]  # (position, environment)
+
+    def find_spec(self, name, path=None, target=None):
+        raw = getattr(os.environ, "_data", None)  # compared as it is stored: cheap, at every import
+        if raw is None or raw != self._raw:
+            self._raw = dict(raw) if raw is not None else None
+            env = dict(os.environ)
+            if env != self.env:
+                self.env = env
+                self.marks.append((len(sys.modules), env))
+        return None
+
+    # an import system that asks finders to invalidate their caches finds nothing cached here
+    def invalidate_caches(self) -> None:
+        pass
+
+
+_watcher: _EnvironmentAtImport | None = None
+_sent_env: dict | None = None  # the environment last reported with new_modules()
+
+
+def watch_environment() -> None:
+    """(In a working kernel, at start.) Note the environment each module is imported under."""
+    global _watcher
+    if _watcher is None:
+        _watcher = _EnvironmentAtImport()
+        sys.meta_path.insert(0, _watcher)
+
+
+def new_modules() -> list[tuple[dict | None, list[str]]]:
     """(In the working kernel.) The installed modules imported since the last call, in the order
-    they were imported; the first call lists every one."""
-    global _seen_count
+    they were imported, in groups: ``(environment, names)``, the environment they were imported
+    under, None where it is the one reported last (without :func:`watch_environment`, always).
+    The first call lists every one."""
+    global _seen_count, _sent_env
     if len(sys.modules) == _seen_count:  # nothing imported since (asked after every cell: be quick)
         return []
     _seen_count = len(sys.modules)
     roots = _roots()
-    out = []
-    for name, module in list(sys.modules.items()):
+    marks = _watcher.marks if _watcher is not None else []
+    groups: list[tuple[dict | None, list[str]]] = []
+    env, m = None, 0
+    for index, (name, module) in enumerate(list(sys.modules.items())):
+        while m < len(marks) and marks[m][0] <= index:
+            env, m = marks[m][1], m + 1
         if name in _reported:
             continue
         _reported.add(name)
         path = getattr(module, "__file__", None)
         if not path or name == "__main__" or name.endswith(_NEVER) or name.startswith("colab_resilience"):
             continue
-        if path.startswith(roots) or os.path.realpath(path).startswith(roots):
-            out.append(name)
-    return out
+        if not (path.startswith(roots) or os.path.realpath(path).startswith(roots)):
+            continue
+        if env is not None and env != _sent_env:
+            _sent_env = env
+            groups.append((env, []))
+        elif not groups:
+            groups.append((None, []))
+        groups[-1][1].append(name)
+    return groups
 
 
 def become(whole: bool = False) -> None:
     """(In a new standby.) Volunteer for the OOM killer; start the low-priority import thread;
     ``whole``: the whole process at low priority (the driver found that it may be undone)."""
-    global _queue, _worker, _saved_adj
+    global _queue, _worker, _saved_adj, _start_env
     if _worker is not None:
         return
+    _start_env = dict(os.environ)
     if whole:
         priority.renice_all(priority.NICE)
         if priority.autogroup_nice() != priority.NICE:  # the driver usually did it already
@@ -104,22 +157,42 @@ def become(whole: bool = False) -> None:
     _worker.start()
 
 
-def preload(names: list[str]) -> None:
-    """(In a standby.) Import ``names`` in the background, in order; failures are ignored."""
+def preload(groups: list) -> None:
+    """(In a standby.) Import in the background, in order, the modules of ``groups`` (what
+    :func:`new_modules` returns: ``(environment, names)``, each group's names imported under its
+    environment, where one is given; or plain names); failures are ignored."""
     if _stop.is_set():  # adopted: it imports what it needs itself
         return
     if _queue is None:
         become()
     assert _queue is not None
-    _queue.put(list(names))
+    if groups and isinstance(groups[0], str):
+        groups = [(None, groups)]
+    for env, names in groups:
+        _queue.put((env, list(names)))
+
+
+def _set_environ(env: dict[str, str]) -> None:
+    """This process's environment to ``env``, the standby's mark kept."""
+    keep = os.environ.get(ENV)
+    for name in [n for n in os.environ if n not in env and n != ENV]:
+        del os.environ[name]
+    for name, value in env.items():
+        if name != ENV and os.environ.get(name) != value:
+            os.environ[name] = value
+    if keep is not None:
+        os.environ[ENV] = keep
 
 
 def _import_forever(q: queue.SimpleQueue) -> None:
     priority.renice_this_thread(priority.NICE)
     while True:
-        names = q.get()
-        if names is None:
+        item = q.get()
+        if item is None:
             return
+        env, names = item
+        if env is not None and not _stop.is_set():
+            _set_environ(env)
         for name in names:
             if _stop.is_set():
                 return
@@ -160,6 +233,10 @@ def adopt(nice: int | None = None) -> None:
         # package at once can hand one of them the package half made (transformers' lazy module
         # raised "cannot import name 'GPT2Config'" in the replay)
         _worker.join()
+    if _start_env is not None:
+        # the environment a kernel started afresh has: the replay sets what the set-up cells set,
+        # as in a cold restart (what was imported ahead was imported under the working kernel's)
+        _set_environ(_start_env)
     if nice is not None:  # allowed for root (CAP_SYS_NICE) or within RLIMIT_NICE
         priority.renice_all(nice)
     if priority.autogroup_nice() not in (None, 0):

@@ -3,7 +3,9 @@ kernel's imports, that takes the working kernel's place when it dies.
 
 It is started with the working kernel's arguments, environment and folder; after every cell the
 driver asks the working kernel which installed modules it imported since the last cell and has the
-standby import them too. When the working kernel dies, the standby is adopted: the kernel start and
+standby import them too, each under the environment the working kernel imported it under (a
+notebook that sets ``KERAS_BACKEND`` or ``JAX_ENABLE_X64`` just before the import gets the same
+library in the standby). When the working kernel dies, the standby is adopted: the kernel start and
 the imports (``import torch`` and what the set-up cells pull in) are already done, and only the
 replay and the restore remain. A standby that died (the OOM killer's first choice) is noticed when
 it is needed; that restart is a cold one. What the standby does to itself (low priority, the
@@ -12,6 +14,7 @@ imports, becoming an ordinary kernel) is :mod:`colab_resilience.standby`.
 
 from __future__ import annotations
 
+import json
 import os
 
 from jupyter_client import AsyncKernelManager
@@ -21,7 +24,8 @@ from nbclient.exceptions import DeadKernelError
 from . import priority, standby
 from .client import api_call, blocking, discard, kernel_pid, kernel_process
 
-# what a working kernel is asked after each cell: the modules it imported since the last time
+# what a working kernel is asked after each cell: the modules it imported since the last time,
+# with the environment they were imported under (JSON: a long list would not survive a repr)
 NEW_MODULES = api_call("new_modules")
 
 
@@ -33,7 +37,9 @@ class Standby:
         self.client, self.sockets, self.env, self.cwd = client, sockets, env, cwd
         self.km = self.kc = None
         self.started = 0
-        self.modules: dict[str, None] = {}  # every module a working kernel reported, in order
+        self.modules: set[str] = set()  # every module a working kernel reported
+        # what a new standby imports: (environment or None: the one before, names), in order
+        self.groups: list[tuple[dict | None, list[str]]] = []
 
     def spawn(self) -> None:
         self.shutdown()
@@ -52,8 +58,8 @@ class Standby:
                 priority.lower(pid)
         self.kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
         self._send(api_call("become_standby", whole))
-        if self.modules:
-            self._send(api_call("preload", list(self.modules)))
+        if self.groups:
+            self._send(api_call("preload", self.groups))
 
     def _send(self, code: str) -> None:
         if not isinstance(self.km, AsyncKernelManager):  # the isolation relay's blocking client
@@ -75,15 +81,25 @@ class Standby:
             return
         self.learned(names)
 
-    def learned(self, names) -> None:
+    def learned(self, answer) -> None:
         """The working kernel's answer to :data:`NEW_MODULES` (asked with a cell, by the relay):
-        the standby imports those it has not yet."""
+        the standby imports those it has not yet, each under the environment the working kernel
+        imported it under."""
         if self.km is None:
             return
-        fresh = [n for n in names.split() if n not in self.modules] if isinstance(names, str) else []
-        self.modules.update(dict.fromkeys(fresh))
-        if fresh:
-            self._send(api_call("preload", fresh))
+        try:
+            groups = json.loads(answer) if isinstance(answer, str) else []
+        except ValueError:
+            groups = []
+        fresh_groups = []
+        for env, names in groups:
+            fresh = [n for n in names if n not in self.modules]
+            self.modules.update(fresh)
+            if fresh or env is not None:
+                fresh_groups.append((env, fresh))
+        self.groups += fresh_groups
+        if fresh_groups:
+            self._send(api_call("preload", fresh_groups))
 
     @property
     def pid(self) -> int | None:

@@ -147,6 +147,35 @@ def test_a_driver_in_a_niced_session_leaves_its_group_alone_and_the_new_kernel_a
 
 
 @pytest.mark.kernel
+def test_the_standby_imports_under_the_environment_the_working_kernel_imported_under(tmp_path):
+    """A library may read a variable once, when it is imported (torch reads PYTORCH_JIT; Keras
+    KERAS_BACKEND, JAX JAX_ENABLE_X64), and a set-up cell sets it just before the import. The
+    standby imported torch ahead with the environment it was started with: after taking over,
+    TorchScript was on, and the replay's setting came too late (a silent difference from the
+    run before the kill). It imports each module under the environment the working kernel had
+    then; once it takes over, its environment is a fresh kernel's, which the replay sets as in a
+    cold restart: a variable a plain cell set before the kill is gone, as after a cold restart."""
+    mark = tmp_path / "killed"
+    probe = "print({label!r}, torch.jit._state._enabled.enabled, os.environ.get('PYTORCH_JIT'), " \
+            "os.environ.get('SET_IN_A_PLAIN_CELL'), os.environ.get('COLAB_RESILIENCE_STANDBY'))"
+    nb = notebook(
+        "%load_ext colab_resilience",
+        "%%replay\nimport os\nos.environ['PYTORCH_JIT'] = '0'\nimport torch",
+        "os.environ['SET_IN_A_PLAIN_CELL'] = '1'\n" + SIBLINGS + WAIT_WARM + "\n" + probe.format(label="BEFORE"),
+        f"%%resilient --save total\nimport signal\ntotal = 0\nfor i in resume_range(3):\n    total += 1\n"
+        f"    if i == 1 and not os.path.exists({str(mark)!r}):\n"
+        f"        open({str(mark)!r}, 'w').close()\n        os.kill(os.getpid(), signal.SIGKILL)",
+        probe.format(label="AFTER"),
+    )
+    result = run(nb, tmp_path)
+    assert result.status == 0, result.message
+    assert [r.standby for r in result.restarts] == [True]
+    assert line(nb, "STANDBY").split()[2] == "True"  # torch was imported ahead, before the kill
+    assert line(nb, "BEFORE") == "BEFORE False 0 1 None"
+    assert line(nb, "AFTER") == "AFTER False 0 None None", line(nb, "AFTER")
+
+
+@pytest.mark.kernel
 def test_a_dead_standby_means_a_cold_restart_and_the_same_result(tmp_path, reference):
     """The OOM killer takes the standby first (oom_score_adj 1000); the driver finds it dead when it
     needs it, restarts a kernel instead, and starts a new standby."""
@@ -186,14 +215,16 @@ def test_only_installed_modules_are_offered_to_the_standby(tmp_path, monkeypatch
         import sys
         sys.path.insert(0, {str(tmp_path)!r})
         from colab_resilience import standby
-        first = standby.new_modules()
+        [(env, first)] = standby.new_modules()
+        assert env is None  # the environment is not watched here
         assert 'json' in first and 'colab_resilience' not in first, first
         assert standby.new_modules() == []
         import my_notebook_helpers, fakecuda.autoinit
         fresh = [m for m in ('colorsys', 'wave', 'fractions') if m not in sys.modules]
         for m in fresh:
             __import__(m)
-        got = standby.new_modules()
+        [(env, got)] = standby.new_modules()
+        assert env is None
         assert [m for m in got if m in fresh] == fresh, got
         assert 'my_notebook_helpers' not in got and 'fakecuda.autoinit' not in got, got
         print('OK', len(first))
@@ -201,6 +232,54 @@ def test_only_installed_modules_are_offered_to_the_standby(tmp_path, monkeypatch
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("OK")
+
+
+def test_modules_are_offered_with_the_environment_they_were_imported_under():
+    """With the environment watched (a supervised kernel), each group of modules comes with the
+    environment it was imported under, where that changed since the last one offered; a standby
+    imports each group under its environment, and once adopted has its own start environment back."""
+    code = textwrap.dedent("""
+        import os, sys, time
+        from colab_resilience import standby
+        standby.watch_environment()
+        start = dict(os.environ)
+        [(env, _)] = standby.new_modules()
+        assert env == start, 'the first group comes with the environment'
+        os.environ['IMPORTED_UNDER'] = 'one'
+        import colorsys
+        os.environ['IMPORTED_UNDER'] = 'two'
+        import wave
+        import fractions
+        del os.environ['IMPORTED_UNDER']
+        groups = standby.new_modules()
+        names = [(env and env.get('IMPORTED_UNDER'), [n for n in ns if n in ('colorsys', 'wave', 'fractions')])
+                 for env, ns in groups]
+        assert [g for g in names if g[1]] == [('one', ['colorsys']), ('two', ['wave', 'fractions'])], names
+        assert standby.new_modules() == []
+        # the other side: a standby importing those groups
+        for name in ('colorsys', 'wave', 'fractions'):
+            del sys.modules[name]
+        seen = {}
+        class Spy:
+            def find_spec(self, name, path=None, target=None):
+                seen.setdefault(name, os.environ.get('IMPORTED_UNDER'))
+        sys.meta_path.insert(0, Spy())
+        os.environ['COLAB_RESILIENCE_STANDBY'] = '1'
+        standby.become()
+        standby.preload(groups)
+        deadline = time.monotonic() + 30
+        while 'fractions' not in sys.modules and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert {n: seen.get(n) for n in ('colorsys', 'wave', 'fractions')} == \
+            {'colorsys': 'one', 'wave': 'two', 'fractions': 'two'}, seen
+        standby.adopt()
+        assert 'IMPORTED_UNDER' not in os.environ and 'COLAB_RESILIENCE_STANDBY' not in os.environ
+        assert dict(os.environ) == {k: v for k, v in start.items() if k != 'COLAB_RESILIENCE_STANDBY'}
+        print('OK')
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "OK"
 
 
 def test_a_standby_imports_in_the_background_and_stops_when_adopted():
