@@ -39,6 +39,7 @@ class Restart:
     standby: bool = False  # True: the standby kernel took over; False: a kernel was (re)started
     requested: bool = False  # the kernel left on its own request (an OOM past its retries, a plan)
     planned: bool = False  # a planned restart (%restart_after)
+    cold: str | None = None  # why no standby took over, where one was kept and could not
 
     def marker(self) -> str:
         if self.planned:
@@ -51,6 +52,8 @@ class Restart:
             return f"{what} after {self.seconds:.1f} s\n"
         state = f", restored {', '.join(self.restored)} from the finished training" if self.restored else ""
         how = "switched to the standby kernel" if self.standby else "restarted it"
+        if self.cold and not self.standby:
+            how += f" (not the standby kernel: {self.cold})"
         at = _where(self.iteration)
         lost = ""
         if self.unsaved:
@@ -98,10 +101,10 @@ class Death:
 
     def restart(self, cell: int, seconds: float, *, replayed: int = 0, recovered: bool = True,
                 standby: bool = False, restored: list | None = None, unsaved: list | None = None,
-                then: str = "") -> Restart:
+                then: str = "", cold: str | None = None) -> Restart:
         return Restart(cell, f"{self.reason}; then {then}" if then else self.reason, self.exit_code, self.at,
                        replayed, seconds, restored=restored or [], unsaved=unsaved or [], recovered=recovered,
-                       standby=standby, requested=self.requested, planned=self.planned)
+                       standby=standby, requested=self.requested, planned=self.planned, cold=cold)
 
 
 def death_reason(code: int | None, *, oom_killed: bool = False) -> str:

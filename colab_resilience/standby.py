@@ -34,6 +34,8 @@ from . import priority
 # modules that must not be imported ahead of need: they create a CUDA context (GPU memory) on import
 _NEVER = (".autoinit",)
 ENV = "COLAB_RESILIENCE_STANDBY"
+# a standby exits with this code when importing ahead drew from a global random state (see _drew)
+DREW_EXIT = 76
 
 _reported: set[str] = set()
 _queue: queue.SimpleQueue | None = None
@@ -198,11 +200,39 @@ def _import_forever(q: queue.SimpleQueue) -> None:
                 return
             if name in sys.modules or name.endswith(_NEVER):
                 continue
+            before = _random_states()
             try:
                 importlib.import_module(name)
                 _imported.append(name)
             except BaseException:  # an import that only works in its own context: the replay does it
                 pass
+            if _random_states() != before and not _stop.is_set():
+                _drew(name)
+
+
+def _random_states() -> list:
+    """Python's global random state, and NumPy's global one where it exists."""
+    import random
+
+    states: list = [random.getstate()]
+    get = getattr(sys.modules.get("numpy.random"), "get_state", None)
+    if get is not None:
+        try:
+            kind, key, *rest = get()
+            states.append((kind, key.tobytes(), *rest))
+        except Exception:
+            pass
+    return states
+
+
+def _drew(name: str) -> None:
+    """Importing ``name`` drew from a global random state (TensorFlow draws from Python's and
+    NumPy's, Lightning from Python's). In the working kernel that import may have come after the
+    notebook seeded, and then what the notebook drew next depends on it: a replay in this kernel,
+    where the import is already done, would draw other numbers. This standby cannot take over
+    exactly, so it ends, with a code that says why; the driver restarts cold instead, and starts
+    no other standby for the run."""
+    os._exit(DREW_EXIT)
 
 
 def keep_for_adoption(oom_score_adj: int) -> bool:

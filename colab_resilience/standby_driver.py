@@ -38,11 +38,14 @@ class Standby:
         self.km = self.kc = None
         self.started = 0
         self.modules: set[str] = set()  # every module a working kernel reported
+        self.off: str | None = None  # why no standby can be used for this run
         # what a new standby imports: (environment or None: the one before, names), in order
         self.groups: list[tuple[dict | None, list[str]]] = []
 
     def spawn(self) -> None:
         self.shutdown()
+        if self.off:
+            return
         self.started += 1
         km = self.client.new_manager(os.path.join(self.sockets, f"standby-{self.started}"))
         try:
@@ -118,6 +121,10 @@ class Standby:
         except Exception:
             alive = False
         if not alive:
+            process = kernel_process(km)
+            if process is not None and process.poll() == standby.DREW_EXIT:
+                self.off = ("a module the notebook imports draws from Python's or NumPy's global random state when "
+                            "imported, which a kernel that imported it ahead cannot replay")
             discard(km)
             return None
         return km

@@ -380,3 +380,64 @@ def test_colab_resilience_check_passes_the_keras_notebook(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "identical after each of 3 faults" in r.stdout, r.stdout
 
+
+
+STANDBY_DONE = """\
+import os, time
+def standby():  # the driver's live standby kernel: whether it has TensorFlow loaded; None when there is none
+    for entry in os.listdir('/proc'):
+        try:
+            with open(f'/proc/{entry}/stat') as f:
+                fields = f.read().rsplit(')', 1)[1].split()
+            with open(f'/proc/{entry}/environ', 'rb') as f:
+                env = f.read().split(b'\\0')
+            if int(fields[1]) != os.getppid() or fields[0] == 'Z' or b'COLAB_RESILIENCE_STANDBY=1' not in env:
+                continue
+            with open(f'/proc/{entry}/maps') as f:
+                return 'tensorflow' in f.read()
+        except (OSError, ValueError):
+            continue
+    return None
+state, since, deadline = 'none', None, time.monotonic() + 120
+while time.monotonic() < deadline:
+    loaded = standby()
+    if loaded is None:
+        state = 'gone'
+        break
+    since = since or (time.monotonic() if loaded else None)
+    if since and time.monotonic() - since > 10:
+        state = 'alive with tensorflow'
+        break
+    time.sleep(0.1)
+print('STANDBY', state)
+"""
+
+
+def test_a_standby_that_imported_tensorflow_ahead_does_not_take_over_a_seeded_notebook(tmp_path):
+    """TensorFlow draws from NumPy's (and Python's) global random state when imported. A notebook
+    that seeds NumPy, then imports TensorFlow, then draws, gets numbers that depend on that import;
+    a standby that imported TensorFlow ahead and replayed the set-up cells drew others (the data
+    after the restart differed from the data before, and the run said done). The standby ends
+    when an import draws, the restart is cold, says why, and the numbers are the same."""
+    mark = tmp_path / "killed"
+    nb = harness.notebook(
+        "%load_ext colab_resilience",
+        "%%replay\nimport os\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\nimport numpy as np\nnp.random.seed(0)",
+        "%%replay\nimport tensorflow as tf",
+        "%%replay\nx = float(np.random.rand())\nprint('X', x)",
+        STANDBY_DONE,
+        f"%%resilient --save total\nimport signal\ntotal = 0\nfor i in resume_range(3):\n    total += 1\n"
+        f"    if i == 1 and not os.path.exists({str(mark)!r}):\n"
+        f"        open({str(mark)!r}, 'w').close()\n        os.kill(os.getpid(), signal.SIGKILL)",
+        "print('AFTER', x)",
+    )
+    result = harness.run(nb, tmp_path)
+    assert result.status == 0, result.message
+    text = [harness.cell_text(c) for c in nb.cells]
+    assert "STANDBY gone" in text[4], text[4]  # it imported TensorFlow, saw the draw, and ended
+    before = text[3].split()[1]
+    assert text[6].strip() == f"AFTER {before}", text
+    [restart] = result.restarts
+    assert not restart.standby
+    assert ("restarted it (not the standby kernel: a module the notebook imports draws from Python's or NumPy's "
+            "global random state when imported, which a kernel that imported it ahead cannot replay)") in text[5], text[5]

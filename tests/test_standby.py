@@ -282,6 +282,27 @@ def test_modules_are_offered_with_the_environment_they_were_imported_under():
     assert out.stdout.strip() == "OK"
 
 
+def test_a_standby_whose_import_draws_from_a_global_random_state_ends_saying_so(tmp_path):
+    """A module whose import draws from Python's or NumPy's global random state (TensorFlow,
+    Lightning) cannot be imported ahead: a seeded notebook would draw other numbers after the
+    takeover. The standby ends with the exit code that tells the driver so; a module that draws
+    nothing is imported ahead as before."""
+    (tmp_path / "quiet_module.py").write_text("VALUE = 1\n")
+    (tmp_path / "drawing_module.py").write_text("import random\nSALT = random.random()\n")
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(tmp_path)!r})
+        from colab_resilience import standby
+        standby.become()
+        standby.preload(['quiet_module', 'drawing_module', 'colorsys'])
+        time.sleep(30)
+        print('STILL HERE', standby._imported)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == standby.DREW_EXIT, (out.returncode, out.stdout, out.stderr)
+    assert "STILL HERE" not in out.stdout
+
+
 def test_a_standby_imports_in_the_background_and_stops_when_adopted():
     """A standby (oom_score_adj 1000) imports what it is offered in a background thread, skipping
     what does not exist; once adopted it is an ordinary process and imports nothing ahead."""
