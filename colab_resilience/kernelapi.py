@@ -17,6 +17,7 @@ __all__ = [
     "expect_reexecution",
     "new_modules",
     "preload",
+    "stop_standby_imports",
     "rerun_finished",
     "restore_finished_runs",
     "state_digest",
@@ -88,6 +89,10 @@ def become_worker(oom_score_adj: int) -> None:
 
 def preload(groups: list) -> None:
     standby.preload(groups)
+
+
+def stop_standby_imports() -> str:
+    return standby.stop_importing()
 
 
 def adopt_standby(nice: int | None = None) -> None:

@@ -34,8 +34,6 @@ from . import priority
 # modules that must not be imported ahead of need: they create a CUDA context (GPU memory) on import
 _NEVER = (".autoinit",)
 ENV = "COLAB_RESILIENCE_STANDBY"
-# a standby exits with this code when importing ahead drew from a global random state (see _drew)
-DREW_EXIT = 76
 
 _reported: set[str] = set()
 _queue: queue.SimpleQueue | None = None
@@ -44,6 +42,7 @@ _worker: threading.Thread | None = None
 _saved_adj: str | None = None
 _imported: list[str] = []  # what the standby imported ahead of need (for tests and reports)
 _start_env: dict[str, str] | None = None  # the standby's environment when it was started
+_drew_on: str | None = None  # the import ahead that drew from a global random state, if one did
 
 
 
@@ -206,33 +205,31 @@ def _import_forever(q: queue.SimpleQueue) -> None:
                 _imported.append(name)
             except BaseException:  # an import that only works in its own context: the replay does it
                 pass
-            if _random_states() != before and not _stop.is_set():
-                _drew(name)
+            after = _random_states()
+            # a state the import created (NumPy's, seeded from the OS) was drawn from by nothing else yet
+            if any(after[kind] != state for kind, state in before.items()):
+                # In the working kernel that import may have come after the notebook seeded, and
+                # then what the notebook drew next depends on it: a replay here, where the import
+                # is done already, would draw other numbers. This standby cannot take over
+                # exactly (stop_importing says so to the driver): no use importing more.
+                global _drew_on
+                _drew_on = name.partition(".")[0]  # the package the user imports
+                return
 
 
-def _random_states() -> list:
+def _random_states() -> dict:
     """Python's global random state, and NumPy's global one where it exists."""
     import random
 
-    states: list = [random.getstate()]
+    states: dict = {"python": random.getstate()}
     get = getattr(sys.modules.get("numpy.random"), "get_state", None)
     if get is not None:
         try:
             kind, key, *rest = get()
-            states.append((kind, key.tobytes(), *rest))
+            states["numpy"] = (kind, key.tobytes(), *rest)
         except Exception:
             pass
     return states
-
-
-def _drew(name: str) -> None:
-    """Importing ``name`` drew from a global random state (TensorFlow draws from Python's and
-    NumPy's, Lightning from Python's). In the working kernel that import may have come after the
-    notebook seeded, and then what the notebook drew next depends on it: a replay in this kernel,
-    where the import is already done, would draw other numbers. This standby cannot take over
-    exactly, so it ends, with a code that says why; the driver restarts cold instead, and starts
-    no other standby for the run."""
-    os._exit(DREW_EXIT)
 
 
 def keep_for_adoption(oom_score_adj: int) -> bool:
@@ -245,24 +242,32 @@ def keep_for_adoption(oom_score_adj: int) -> bool:
     return True
 
 
+def stop_importing() -> str:
+    """(In a standby about to take over.) Import nothing more ahead, the import under way finished
+    first (two threads importing one package at once can hand one of them the package half made:
+    transformers' lazy module raised "cannot import name 'GPT2Config'" in the replay); return the
+    module whose import drew from Python's or NumPy's global random state ('' where none did):
+    TensorFlow's import draws from both, Lightning's from Python's. Such a standby cannot take
+    over exactly, and the driver restarts cold instead."""
+    global _queue
+    _stop.set()
+    if _queue is not None:
+        _queue.put(None)
+        _queue = None
+    if _worker is not None and _worker is not threading.current_thread():
+        _worker.join()
+    return _drew_on or ""
+
+
 def adopt(nice: int | None = None) -> None:
     """(In the standby that replaces a dead kernel.) Be an ordinary kernel again: the OOM score
     it had, the priority ``nice`` where allowed, the scheduling group's nice value 0 (what the
     session of a freshly started kernel gets, whatever the driver's group has), and no more
     imports (the one under way is waited for: the replay may need it, and must not import beside it)."""
-    global _queue
-    _stop.set()
+    stop_importing()
     os.environ.pop(ENV, None)
     if _saved_adj is not None:
         priority.set_oom_score_adj(_saved_adj)
-    if _queue is not None:
-        _queue.put(None)
-        _queue = None
-    if _worker is not None and _worker is not threading.current_thread():
-        # the import under way finishes before the replay starts: two threads importing one
-        # package at once can hand one of them the package half made (transformers' lazy module
-        # raised "cannot import name 'GPT2Config'" in the replay)
-        _worker.join()
     if _start_env is not None:
         # the environment a kernel started afresh has: the replay sets what the set-up cells set,
         # as in a cold restart (what was imported ahead was imported under the working kernel's)

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from jupyter_client import AsyncKernelManager
-from jupyter_core.utils import run_sync
+from jupyter_core.utils import ensure_async, run_sync
 from nbclient.exceptions import DeadKernelError
 
 from . import priority, standby
-from .client import api_call, blocking, discard, kernel_pid, kernel_process
+from .client import api_call, blocking, discard, expression_value, kernel_pid, kernel_process
 
 # what a working kernel is asked after each cell: the modules it imported since the last time,
 # with the environment they were imported under (JSON: a long list would not survive a repr)
@@ -115,19 +116,64 @@ class Standby:
         self.km = self.kc = None
         if km is None:
             return None
-        kc.stop_channels()
         try:
             alive = blocking(km.is_alive)
         except Exception:
             alive = False
-        if not alive:
-            process = kernel_process(km)
-            if process is not None and process.poll() == standby.DREW_EXIT:
-                self.off = ("a module the notebook imports draws from Python's or NumPy's global random state when "
-                            "imported, which a kernel that imported it ahead cannot replay")
+        drew = self._ask(km, kc, api_call("stop_standby_imports")) if alive else None
+        kc.stop_channels()
+        if drew:
+            self.off = (f"importing {drew} drew from Python's or NumPy's global random state, which a replay in a "
+                        "kernel that imported it ahead cannot draw again")
+        if not alive or drew or drew is None:  # dead, unusable, or not answering: a cold restart
+            try:
+                kernel_process(km).kill()
+            except (AttributeError, OSError):
+                pass
             discard(km)
             return None
         return km
+
+    def _ask(self, km, kc, expression: str, timeout: float = 300.0):
+        """The value of ``expression`` in the standby (``kc``: its shell channel open); None when it
+        died, did not answer in ``timeout`` seconds, or the value is no literal."""
+        from queue import Empty
+
+        def send() -> str:
+            return kc.execute("", silent=True, store_history=False, user_expressions={"v": expression},
+                              allow_stdin=False)
+
+        deadline = time.monotonic() + timeout
+
+        async def answer():
+            msg_id = send()
+            while time.monotonic() < deadline:
+                try:
+                    msg = await ensure_async(kc.get_shell_msg(timeout=0.1))
+                except Empty:
+                    if not await ensure_async(km.is_alive()):
+                        return None
+                    continue
+                if msg.get("parent_header", {}).get("msg_id") == msg_id:
+                    return expression_value(msg)
+            return None
+
+        if not isinstance(km, AsyncKernelManager):  # the isolation relay's blocking client, in a kernel
+            msg_id = send()
+            while time.monotonic() < deadline:
+                try:
+                    msg = kc.get_shell_msg(timeout=0.1)
+                except Empty:
+                    if not km.is_alive():
+                        return None
+                    continue
+                if msg.get("parent_header", {}).get("msg_id") == msg_id:
+                    return expression_value(msg)
+            return None
+        try:  # the client's sockets belong to the driver's event loop
+            return run_sync(answer)()
+        except Exception:
+            return None
 
     def shutdown(self) -> None:
         km, kc = self.km, self.kc
