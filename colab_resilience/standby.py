@@ -43,6 +43,7 @@ _saved_adj: str | None = None
 _imported: list[str] = []  # what the standby imported ahead of need (for tests and reports)
 _start_env: dict[str, str] | None = None  # the standby's environment when it was started
 _drew_on: str | None = None  # the import ahead that drew from a global random state, if one did
+_adopted = False  # it took over: an ordinary kernel now
 
 
 
@@ -236,7 +237,7 @@ def keep_for_adoption(oom_score_adj: int) -> bool:
     """(In a standby.) The OOM score to take when adopted, instead of the one it had before; False
     when this kernel is no standby (any more)."""
     global _saved_adj
-    if _worker is None or _stop.is_set():
+    if _worker is None or _adopted:
         return False
     _saved_adj = oom_score_adj
     return True
@@ -264,6 +265,8 @@ def adopt(nice: int | None = None) -> None:
     it had, the priority ``nice`` where allowed, the scheduling group's nice value 0 (what the
     session of a freshly started kernel gets, whatever the driver's group has), and no more
     imports (the one under way is waited for: the replay may need it, and must not import beside it)."""
+    global _adopted
+    _adopted = True
     stop_importing()
     os.environ.pop(ENV, None)
     if _saved_adj is not None:
