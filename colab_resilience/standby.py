@@ -187,6 +187,7 @@ def _set_environ(env: dict[str, str]) -> None:
 
 
 def _import_forever(q: queue.SimpleQueue) -> None:
+    global _drew_on
     priority.renice_this_thread(priority.NICE)
     while True:
         item = q.get()
@@ -213,7 +214,6 @@ def _import_forever(q: queue.SimpleQueue) -> None:
                 # then what the notebook drew next depends on it: a replay here, where the import
                 # is done already, would draw other numbers. This standby cannot take over
                 # exactly (stop_importing says so to the driver): no use importing more.
-                global _drew_on
                 _drew_on = name.partition(".")[0]  # the package the user imports
                 return
 
