@@ -439,8 +439,8 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
                     break
                 if result.caught:
                     log(f"  fault {i}/{faults}: {fault.describe(report.safe_points)}: the error, raised at "
-                        f"{fault_env.fired_at(mark)}, was caught there (by the notebook's code or a library's) and never reached "
-                        "colab_resilience; aimed at another moment")
+                        f"{fault_env.fired_at(mark)}, was caught there (by the notebook's code or a library's) and "
+                        "never reached colab_resilience; aimed at another moment")
                 else:
                     log(f"  fault {i}/{faults}: {fault.describe(report.safe_points)}: never fired (the run went "
                         "another way, e.g. a planned restart at that safe point); aimed at another moment")
@@ -451,8 +451,8 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
             if not result.fired:
                 verdict = "the fault never fired (the run went another way), so this run proves nothing: " + verdict
             elif result.caught:
-                verdict = ("the error was caught where it was raised (by the notebook's code or a library's), never reaching "
-                           "colab_resilience, so this run proves nothing: " + verdict)
+                verdict = ("the error was caught where it was raised (by the notebook's code or a library's), "
+                           "never reaching colab_resilience, so this run proves nothing: " + verdict)
             log(f"  fault {i}/{faults}: {fault.describe(report.safe_points)}: {verdict} "
                 f"({result.restarts} kernel restart{'s' if result.restarts != 1 else ''}, {result.seconds:.1f} s)")
             for why, names in not_compared(reference, outcome).items():
