@@ -34,6 +34,20 @@ def reference(tmp_path_factory, isolated_jupyter) -> harness.Reference:
 
 
 @pytest.fixture
+def relay(tmp_path, monkeypatch):
+    """A notebook kernel with ``%resilience isolate`` on (tests/test_isolation.py), working in ``tmp_path``."""
+    monkeypatch.chdir(tmp_path)
+    k = harness.Kernel()
+    try:
+        k.ok("%load_ext colab_resilience")
+        r = k.ok("%resilience isolate")
+        assert "isolation on: cells run in worker kernel PID" in r.stdout
+        yield k
+    finally:
+        k.shutdown()
+
+
+@pytest.fixture
 def kernel():
     """A real kernel, started by jupyter_client, with a blocking client."""
     k = harness.Kernel()

@@ -4,7 +4,8 @@ A real CUDA out-of-memory error from torch's caching allocator is caught, what i
 to the device and the cell is retried smaller; CUDA tensors, modules, optimizers and the CUDA random
 state saved in one process come back on the GPU in another, byte for byte; a supervised run on the
 GPU, killed or out of memory mid-epoch, resumes bit-identical, and its standby kernel never opened
-the GPU; GPU memory in use triggers a planned restart.
+the GPU; GPU memory in use triggers a planned restart. With `%resilience isolate`, a worker that dies on the
+GPU is replaced within the same execution, and the notebook's kernel never opens the GPU.
 
 The supervised runs are tests/files/train.ipynb with device="cuda", compared with this module's
 `gpu_reference` (the same notebook on the GPU, uninterrupted: CUDA computes other bits than the CPU).
@@ -17,11 +18,13 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
 
-from harness import Kernel, cell_text, child_env, index, insert, load
+from harness import Kernel, cell_text, child_env, index, insert, load, result, run_interactive
+from test_isolation import holds_torch, running, standby_pid, worker_pid
 from test_standby import SIBLINGS, WAIT_WARM, line, run
 
 
@@ -120,6 +123,10 @@ GPU_OPEN = textwrap.dedent("""\
                 pass
         return found
 """)
+
+_probe = {"os": os}
+exec(GPU_OPEN, _probe)
+gpu_open = _probe["gpu_open"]  # the same, in this process
 
 
 @pytest.fixture
@@ -221,3 +228,34 @@ def test_a_snapshot_of_cuda_tensors_holds_their_values_at_the_safe_point(tmp_pat
     assert all(torch.equal(fresh.state_dict()[k].cpu(), v) for k, v in expected.items())
     assert torch.equal(out["view"].cpu(), expected_view)
     assert torch.equal(fresh_opt.state[fresh.weight]["exp_avg"].cpu(), expected_avg)
+
+
+@pytest.mark.parametrize("fault", ["sigkill", "cuda-oom"])
+def test_an_isolated_worker_that_dies_on_the_gpu_is_replaced_and_the_notebooks_kernel_never_opens_it(
+        gpu_reference, deterministic_cublas, relay, tmp_path, fault):
+    """`%resilience isolate` on a GPU (issue 19): the worker trains on the GPU and is killed
+    (SIGKILL) or runs out of CUDA memory past its retries mid-epoch 2; the warm standby takes over
+    inside the same execution of the training cell and the result is the uninterrupted run's on the
+    GPU, bit for bit. The notebook's kernel never imported torch nor opened the GPU; the standby had
+    imported torch ahead without opening it."""
+    nb = load("train.ipynb", tmp_path, device="cuda", fault=fault, fault_epoch=2, fault_step=4, retries=0,
+              staging="off")
+    first, spare = worker_pid(relay), standby_pid(relay)
+    assert spare is not None
+    run_interactive(relay, nb, start="parameters", stop="train")  # the set-up: the worker's tensors on the GPU
+    deadline = time.monotonic() + 60
+    while not holds_torch(spare) and time.monotonic() < deadline:  # the standby imports torch ahead
+        time.sleep(0.1)
+    assert holds_torch(spare)
+    assert gpu_open(first) and not gpu_open(spare)
+    replies = run_interactive(relay, nb, start="train")
+    train = replies["train"]
+    assert train.status == "ok"
+    why = ["killed by SIGKILL"] if fault == "sigkill" else ["the kernel restarted itself (", "CUDA out of memory"]
+    assert all(w in train.stderr for w in why), train.stderr
+    assert "switched to the standby kernel, replayed 3 cells and resumed at iteration 2" in train.stderr
+    assert result(replies["result"].stdout) == gpu_reference
+    assert "device=cuda:0" in gpu_reference
+    second = worker_pid(relay)
+    assert second == spare and gpu_open(second)
+    assert running(relay.pid) and not holds_torch(relay.pid) and not gpu_open(relay.pid)

@@ -18,20 +18,6 @@ import pytest
 from harness import Kernel, epochs, load, result, run_interactive, strip_ansi
 
 
-@pytest.fixture
-def relay(tmp_path, monkeypatch):
-    """A notebook kernel with isolation on, working in ``tmp_path``."""
-    monkeypatch.chdir(tmp_path)
-    k = Kernel()
-    try:
-        k.ok("%load_ext colab_resilience")
-        r = k.ok("%resilience isolate")
-        assert "isolation on: cells run in worker kernel PID" in r.stdout
-        yield k
-    finally:
-        k.shutdown()
-
-
 def worker_pid(k: Kernel) -> int:
     pid = int(k.ok("import os; print(os.getpid())").stdout.split()[-1])
     assert pid != k.pid
