@@ -132,6 +132,11 @@ class Standby:
                 pass
             discard(km)
             return None
+        # jupyter_client restarts a kernel with the arguments it was first started with: should this
+        # one die and no standby be ready, the kernel started in its place is a working kernel
+        launch = getattr(km, "_launch_args", None)
+        if isinstance(launch, dict) and isinstance(launch.get("env"), dict):
+            launch["env"] = {k: v for k, v in launch["env"].items() if k != standby.ENV}
         return km
 
     def _ask(self, km, kc, expression: str, timeout: float = 300.0):

@@ -154,25 +154,36 @@ def test_the_standby_imports_under_the_environment_the_working_kernel_imported_u
     TorchScript was on, and the replay's setting came too late (a silent difference from the
     run before the kill). It imports each module under the environment the working kernel had
     then; once it takes over, its environment is a fresh kernel's, which the replay sets as in a
-    cold restart: a variable a plain cell set before the kill is gone, as after a cold restart."""
-    mark = tmp_path / "killed"
+    cold restart: a variable a plain cell set before the kill is gone, as after a cold restart.
+    A second kill, with the next standby dead, restarts the kernel that took over cold: it is
+    started with a working kernel's environment, not with the standby's it was first started with."""
+    mark, again = tmp_path / "killed", tmp_path / "killed-again"
     probe = "print({label!r}, torch.jit._state._enabled.enabled, os.environ.get('PYTORCH_JIT'), " \
-            "os.environ.get('SET_IN_A_PLAIN_CELL'), os.environ.get('COLAB_RESILIENCE_STANDBY'))"
+            "os.environ.get('SET_IN_A_PLAIN_CELL'), os.environ.get('COLAB_RESILIENCE_STANDBY'), " \
+            "standby.is_standby(os.getpid()))"
     nb = notebook(
         "%load_ext colab_resilience",
-        "%%replay\nimport os\nos.environ['PYTORCH_JIT'] = '0'\nimport torch",
+        "%%replay\nimport os\nos.environ['PYTORCH_JIT'] = '0'\nimport torch\nfrom colab_resilience import standby",
         "os.environ['SET_IN_A_PLAIN_CELL'] = '1'\n" + SIBLINGS + WAIT_WARM + "\n" + probe.format(label="BEFORE"),
-        f"%%resilient --save total\nimport signal\ntotal = 0\nfor i in resume_range(3):\n    total += 1\n"
+        f"%%resilient --save total\nimport signal\n{SIBLINGS}total = 0\nfor i in resume_range(4):\n    total += 1\n"
         f"    if i == 1 and not os.path.exists({str(mark)!r}):\n"
-        f"        open({str(mark)!r}, 'w').close()\n        os.kill(os.getpid(), signal.SIGKILL)",
+        f"        open({str(mark)!r}, 'w').close()\n        os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"    if i == 2 and not os.path.exists({str(again)!r}):  # in the kernel that took over\n"
+        f"        open({str(again)!r}, 'w').close()\n"
+        "        deadline = time.monotonic() + 90\n"
+        "        while time.monotonic() < deadline and not (siblings() and torch_loaded(siblings()[0])):\n"
+        "            time.sleep(0.1)\n"
+        "        os.kill(siblings()[0], signal.SIGKILL)  # the next standby first, as the OOM killer would\n"
+        "        time.sleep(0.5)\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)",
         probe.format(label="AFTER"),
     )
     result = run(nb, tmp_path)
     assert result.status == 0, result.message
-    assert [r.standby for r in result.restarts] == [True]
+    assert [r.standby for r in result.restarts] == [True, False]
     assert line(nb, "STANDBY").split()[2] == "True"  # torch was imported ahead, before the kill
-    assert line(nb, "BEFORE") == "BEFORE False 0 1 None"
-    assert line(nb, "AFTER") == "AFTER False 0 None None", line(nb, "AFTER")
+    assert line(nb, "BEFORE") == "BEFORE False 0 1 None False"
+    assert line(nb, "AFTER") == "AFTER False 0 None None False", line(nb, "AFTER")
 
 
 @pytest.mark.kernel
