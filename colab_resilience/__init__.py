@@ -48,7 +48,7 @@ def load_ipython_extension(ipython) -> None:
     if session.is_loaded(ipython):
         return
     if os.environ.get(SUPERVISED_ENV):  # its driver's standby imports what it imports, and how
-        standby.watch_environment()
+        standby.watch_environment(ipython)
     magics = ResilienceMagics(shell=ipython, parent=ipython)
     ipython.register_magics(magics)  # Magics.__init__ already listed it in shell.configurables
     ipython.events.register("post_run_cell", _post_run_cell)

@@ -68,7 +68,8 @@ def expect_reexecution() -> None:
 
 def new_modules() -> str:
     """The installed modules imported since the last call, with the environment they were
-    imported under, as JSON (see :func:`colab_resilience.standby.new_modules`)."""
+    imported under and whether the global random states had changed before, as JSON (see
+    :func:`colab_resilience.standby.new_modules`)."""
     import json
 
     return json.dumps(standby.new_modules())

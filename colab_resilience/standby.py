@@ -43,6 +43,8 @@ _saved_adj: str | None = None
 _imported: list[str] = []  # what the standby imported ahead of need (for tests and reports)
 _start_env: dict[str, str] | None = None  # the standby's environment when it was started
 _drew_on: str | None = None  # the import ahead that drew from a global random state, if one did
+_untouched: set[str] = set()  # what the working kernel imported before its random states changed
+_drew_untouched: list[str] = []  # imports ahead that drew, from states the working kernel had not seeded
 _adopted = False  # it took over: an ordinary kernel now
 
 
@@ -75,12 +77,22 @@ class _EnvironmentAtImport:
     environment changed since the one before, and where in ``sys.modules`` (in import order) the
     modules imported under the new one begin. A library may read a variable once, when it is
     imported (``KERAS_BACKEND``, ``JAX_ENABLE_X64``, ``PYTORCH_JIT``, ``TF_CPP_MIN_LOG_LEVEL``),
-    and a notebook sets it just before: the standby must import it under the same environment."""
+    and a notebook sets it just before: the standby must import it under the same environment.
+
+    It also notes which modules were imported before the global random states
+    (:func:`_random_states`) first differed, where an import began, from the ones the kernel
+    started with. An import among those that draws from them (TensorFlow's, Lightning's) drew from
+    states nothing had seeded: a replay in a standby that imported it ahead draws no differently
+    from a cold restart's. After that, the notebook may have seeded them before the import, and a
+    standby that imported it ahead cannot take over exactly."""
 
     def __init__(self):
         self._raw: dict | None = None
         self.env = dict(os.environ)
         self.marks: list[tuple[int, dict[str, str]]] = [(0, self.env)]  # (position, environment)
+        importlib.import_module("random")  # its global state: the kernel's own, not yet drawn from
+        self._start = _random_states()  # NumPy's, where its random module comes later: when it is made
+        self.touched: dict | None = None  # sys.modules when the states were first found changed
 
     def find_spec(self, name, path=None, target=None):
         raw = getattr(os.environ, "_data", None)  # compared as it is stored: cheap, at every import
@@ -90,37 +102,117 @@ class _EnvironmentAtImport:
             if env != self.env:
                 self.env = env
                 self.marks.append((len(sys.modules), env))
+        if self.touched is None:
+            # judged where an import begins in the notebook's code (a module imported within it
+            # shares its judgement: TensorFlow's draws do not count against the keras it imports)
+            if not _within_an_import() and self._random_states_changed():
+                self.touched = dict(sys.modules)
+            elif name == "numpy.random" and "numpy" not in self._start:
+                return self._noting_numpy_random(name, path, target)
         return None
+
+    def restart_random_states(self) -> None:
+        """What the global random states are now is where they start (nothing changed them yet)."""
+        self._start, self.touched = _random_states(), None
+
+    def untouched(self, name: str, module) -> bool:
+        """Whether module ``name`` was imported before the global random states first changed."""
+        return self.touched is None or self.touched.get(name) is module
+
+    def _random_states_changed(self) -> bool:
+        # a NumPy whose random module was made where none noted its state counts as changed
+        return any(state != self._start.get(kind) for kind, state in _random_states().items())
+
+    def _noting_numpy_random(self, name, path, target):
+        """The spec that the finders after this one give ``numpy.random``, its loader noting
+        NumPy's global random state as it is made (seeded from the OS), before any code can draw
+        from it or seed it."""
+        spec = None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                break
+        exec_module = getattr(getattr(spec, "loader", None), "exec_module", None)
+        if exec_module is None:
+            return spec
+
+        def exec_and_note(module):
+            exec_module(module)
+            state = _random_states().get("numpy")
+            if state is not None and "numpy" not in self._start:
+                self._start["numpy"] = state
+
+        try:
+            spec.loader.exec_module = exec_and_note
+        except (AttributeError, TypeError):  # a loader that takes no attributes: NumPy's counts as touched
+            pass
+        return spec
 
     # an import system that asks finders to invalidate their caches finds nothing cached here
     def invalidate_caches(self) -> None:
         pass
 
 
+def _within_an_import() -> bool:
+    """Whether the import under way comes from the body of a module being imported (an import
+    within an import), not from a cell's code or a function it called."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>":
+            spec = getattr(sys.modules.get(frame.f_globals.get("__name__")), "__spec__", None)
+            if getattr(spec, "_initializing", False):
+                return True
+        frame = frame.f_back
+    return False
+
+
 _watcher: _EnvironmentAtImport | None = None
 _sent_env: dict | None = None  # the environment last reported with new_modules()
 
 
-def watch_environment() -> None:
-    """(In a working kernel, at start.) Note the environment each module is imported under."""
+def watch_environment(ipython=None) -> None:
+    """(In a working kernel, at start.) Note the environment each module is imported under, and
+    whether the global random states had changed; with ``ipython``, from its first cell on (what
+    the kernel drew before that, as IPython's banner does to pick a tip for a frontend's
+    kernel_info request, is no notebook's seed)."""
     global _watcher
     if _watcher is None:
         _watcher = _EnvironmentAtImport()
         sys.meta_path.insert(0, _watcher)
+        if ipython is not None:
+            ipython.events.register("pre_run_cell", _first_cell)
 
 
-def new_modules() -> list[tuple[dict | None, list[str]]]:
+def _first_cell(*_info) -> None:
+    """(In a working kernel, as its first cell begins.) The global random states start here."""
+    from IPython import get_ipython
+
+    if _watcher is not None:
+        _watcher.restart_random_states()
+    shell = get_ipython()
+    if shell is not None:
+        try:
+            shell.events.unregister("pre_run_cell", _first_cell)
+        except ValueError:
+            pass
+
+
+def new_modules() -> list[tuple[dict | None, list[str], bool]]:
     """(In the working kernel.) The installed modules imported since the last call, in the order
-    they were imported, in groups: ``(environment, names)``, the environment they were imported
-    under, None where it is the one reported last (without :func:`watch_environment`, always).
-    The first call lists every one."""
+    they were imported, in groups: ``(environment, names, untouched)``, the environment they were
+    imported under (None where it is the one reported last; without :func:`watch_environment`,
+    always), and whether the global random states were still the ones the kernel started with when
+    they were imported (without :func:`watch_environment`, never). The first call lists every one."""
     global _seen_count, _sent_env
     if len(sys.modules) == _seen_count:  # nothing imported since (asked after every cell: be quick)
         return []
     _seen_count = len(sys.modules)
     roots = _roots()
     marks = _watcher.marks if _watcher is not None else []
-    groups: list[tuple[dict | None, list[str]]] = []
+    groups: list[tuple[dict | None, list[str], bool]] = []
     env, m = None, 0
     for index, (name, module) in enumerate(list(sys.modules.items())):
         while m < len(marks) and marks[m][0] <= index:
@@ -128,18 +220,25 @@ def new_modules() -> list[tuple[dict | None, list[str]]]:
         if name in _reported:
             continue
         _reported.add(name)
-        path = getattr(module, "__file__", None)
-        if not path or name == "__main__" or name.endswith(_NEVER) or name.startswith("colab_resilience"):
+        if not _offered(name, module, roots):
             continue
-        if not (path.startswith(roots) or os.path.realpath(path).startswith(roots)):
-            continue
+        untouched = _watcher is not None and _watcher.untouched(name, module)
         if env is not None and env != _sent_env:
             _sent_env = env
-            groups.append((env, []))
-        elif not groups:
-            groups.append((None, []))
+            groups.append((env, [], untouched))
+        elif not groups or groups[-1][2] != untouched:
+            groups.append((None, [], untouched))
         groups[-1][1].append(name)
     return groups
+
+
+def _offered(name: str, module, roots: tuple[str, ...]) -> bool:
+    """Whether a working kernel offers module ``name`` to the standby: installed (under ``roots``),
+    not this package, not one that starts a CUDA context on import."""
+    path = getattr(module, "__file__", None)
+    if not path or name == "__main__" or name.endswith(_NEVER) or name.startswith("colab_resilience"):
+        return False
+    return path.startswith(roots) or os.path.realpath(path).startswith(roots)
 
 
 def become(whole: bool = False) -> None:
@@ -161,17 +260,19 @@ def become(whole: bool = False) -> None:
 
 def preload(groups: list) -> None:
     """(In a standby.) Import in the background, in order, the modules of ``groups`` (what
-    :func:`new_modules` returns: ``(environment, names)``, each group's names imported under its
-    environment, where one is given; or plain names); failures are ignored."""
+    :func:`new_modules` returns: ``(environment, names, untouched)``, each group's names imported
+    under its environment, where one is given; or plain names); failures are ignored."""
     if _stop.is_set():  # adopted: it imports what it needs itself
         return
     if _queue is None:
         become()
     assert _queue is not None
     if groups and isinstance(groups[0], str):
-        groups = [(None, groups)]
-    for env, names in groups:
-        _queue.put((env, list(names)))
+        groups = [(None, groups, False)]
+    for env, names, *untouched in groups:
+        if untouched and untouched[0]:
+            _untouched.update(names)
+        _queue.put((env, list(names), bool(untouched and untouched[0])))
 
 
 def _set_environ(env: dict[str, str]) -> None:
@@ -189,11 +290,12 @@ def _set_environ(env: dict[str, str]) -> None:
 def _import_forever(q: queue.SimpleQueue) -> None:
     global _drew_on
     priority.renice_this_thread(priority.NICE)
+    roots = _roots()
     while True:
         item = q.get()
         if item is None:
             return
-        env, names = item
+        env, names, untouched = item
         if env is not None and not _stop.is_set():
             _set_environ(env)
         for name in names:
@@ -201,7 +303,7 @@ def _import_forever(q: queue.SimpleQueue) -> None:
                 return
             if name in sys.modules or name.endswith(_NEVER):
                 continue
-            before = _random_states()
+            before, present = _random_states(), set(sys.modules)
             try:
                 importlib.import_module(name)
                 _imported.append(name)
@@ -210,10 +312,16 @@ def _import_forever(q: queue.SimpleQueue) -> None:
             after = _random_states()
             # a state the import created (NumPy's, seeded from the OS) was drawn from by nothing else yet
             if any(after[kind] != state for kind, state in before.items()):
-                # In the working kernel that import may have come after the notebook seeded, and
-                # then what the notebook drew next depends on it: a replay here, where the import
-                # is done already, would draw other numbers. This standby cannot take over
-                # exactly (stop_importing says so to the driver): no use importing more.
+                # Where the working kernel imported it (and what it brought along here) before its
+                # random states had changed, it drew from states nothing had seeded, there as here.
+                # Otherwise the notebook may have seeded them before that import, and what it drew
+                # next depends on it: a replay here, where the import is done already, would draw
+                # other numbers. This standby cannot take over exactly (stop_importing says so to
+                # the driver): no use importing more.
+                brought = {n for n in set(sys.modules) - present if _offered(n, sys.modules.get(n), roots)}
+                if untouched and brought <= _untouched | {name}:
+                    _drew_untouched.append(name)
+                    continue
                 _drew_on = name.partition(".")[0]  # the package the user imports
                 return
 
@@ -247,9 +355,10 @@ def stop_importing() -> str:
     """(In a standby about to take over.) Import nothing more ahead, the import under way finished
     first (two threads importing one package at once can hand one of them the package half made:
     transformers' lazy module raised "cannot import name 'GPT2Config'" in the replay); return the
-    module whose import drew from Python's or NumPy's global random state ('' where none did):
-    TensorFlow's import draws from both, Lightning's from Python's. Such a standby cannot take
-    over exactly, and the driver restarts cold instead."""
+    module whose import drew from Python's or NumPy's global random state after the working
+    kernel's had changed, seeded perhaps ('' where none did): TensorFlow's import draws from both,
+    Lightning's from Python's. Such a standby cannot take over exactly, and the driver restarts
+    cold instead."""
     global _queue
     _stop.set()
     if _queue is not None:

@@ -40,8 +40,9 @@ class Standby:
         self.started = 0
         self.modules: set[str] = set()  # every module a working kernel reported
         self.off: str | None = None  # why no standby can be used for this run
-        # what a new standby imports: (environment or None: the one before, names), in order
-        self.groups: list[tuple[dict | None, list[str]]] = []
+        # what a new standby imports: (environment or None: the one before, names, whether the working
+        # kernel imported them before its global random states changed), in order
+        self.groups: list[tuple[dict | None, list[str], bool]] = []
 
     def spawn(self) -> None:
         self.shutdown()
@@ -96,11 +97,11 @@ class Standby:
         except ValueError:
             groups = []
         fresh_groups = []
-        for env, names in groups:
+        for env, names, *untouched in groups:
             fresh = [n for n in names if n not in self.modules]
             self.modules.update(fresh)
             if fresh or env is not None:
-                fresh_groups.append((env, fresh))
+                fresh_groups.append((env, fresh, bool(untouched and untouched[0])))
         self.groups += fresh_groups
         if fresh_groups:
             self._send(api_call("preload", fresh_groups))

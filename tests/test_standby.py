@@ -226,7 +226,8 @@ def test_only_installed_modules_are_offered_to_the_standby(tmp_path, monkeypatch
         import sys
         sys.path.insert(0, {str(tmp_path)!r})
         from colab_resilience import standby
-        [(env, first)] = standby.new_modules()
+        [(env, first, untouched)] = standby.new_modules()
+        assert untouched is False  # not watched: never said to be
         assert env is None  # the environment is not watched here
         assert 'json' in first and 'colab_resilience' not in first, first
         assert standby.new_modules() == []
@@ -234,7 +235,7 @@ def test_only_installed_modules_are_offered_to_the_standby(tmp_path, monkeypatch
         fresh = [m for m in ('colorsys', 'wave', 'fractions') if m not in sys.modules]
         for m in fresh:
             __import__(m)
-        [(env, got)] = standby.new_modules()
+        [(env, got, _)] = standby.new_modules()
         assert env is None
         assert [m for m in got if m in fresh] == fresh, got
         assert 'my_notebook_helpers' not in got and 'fakecuda.autoinit' not in got, got
@@ -254,7 +255,7 @@ def test_modules_are_offered_with_the_environment_they_were_imported_under():
         from colab_resilience import standby
         standby.watch_environment()
         start = dict(os.environ)
-        [(env, _)] = standby.new_modules()
+        [(env, _, _)] = standby.new_modules()
         assert env == start, 'the first group comes with the environment'
         os.environ['IMPORTED_UNDER'] = 'one'
         import colorsys
@@ -264,7 +265,7 @@ def test_modules_are_offered_with_the_environment_they_were_imported_under():
         del os.environ['IMPORTED_UNDER']
         groups = standby.new_modules()
         names = [(env and env.get('IMPORTED_UNDER'), [n for n in ns if n in ('colorsys', 'wave', 'fractions')])
-                 for env, ns in groups]
+                 for env, ns, _ in groups]
         assert [g for g in names if g[1]] == [('one', ['colorsys']), ('two', ['wave', 'fractions'])], names
         assert standby.new_modules() == []
         # the other side: a standby importing those groups
@@ -293,27 +294,93 @@ def test_modules_are_offered_with_the_environment_they_were_imported_under():
     assert out.stdout.strip() == "OK"
 
 
-def test_a_standby_whose_import_draws_from_a_global_random_state_says_so_when_stopped(tmp_path):
+@pytest.mark.parametrize("groups, drew, imported", [
+    ("['quiet_module', 'drawing_module', 'colorsys']", "drawing_module", "quiet_module drawing_module"),
+    ("[(None, ['quiet_module', 'drawing_module'], False), (None, ['colorsys'], True)]", "drawing_module",
+     "quiet_module drawing_module"),
+    ("[(None, ['quiet_module', 'drawing_module', 'colorsys'], True)]", "", "quiet_module drawing_module colorsys"),
+    ("[(None, ['bringing_module'], True), (None, ['wave'], False)]", "bringing_module", "bringing_module"),
+    ("[(None, ['bringing_module', 'wave'], True)]", "", "bringing_module"),
+], ids=["names", "imported-after-a-change", "imported-before-any-change", "brings-one-imported-after",
+        "brings-one-imported-before"])
+def test_a_standby_whose_import_draws_from_a_global_random_state_says_so_when_stopped(tmp_path, groups, drew,
+                                                                                      imported):
     """A module whose import draws from Python's or NumPy's global random state (TensorFlow,
-    Lightning) cannot be imported ahead: a seeded notebook would draw other numbers after the
+    Lightning) cannot be imported ahead where the working kernel imported it after its states had
+    changed (the notebook may have seeded them): a replay would draw other numbers after the
     takeover. The standby stops importing there, and names it when the driver stops its imports
-    before a takeover; one that imported only modules that draw nothing names none."""
+    before a takeover. Where the working kernel imported it before any change, it drew from states
+    nothing had seeded, and the standby goes on, unless the import brought along a module that the
+    working kernel imported after a change (wave here). A standby that imported only modules that
+    draw nothing names none."""
     (tmp_path / "quiet_module.py").write_text("VALUE = 1\n")
     (tmp_path / "drawing_module.py").write_text("import random\nSALT = random.random()\n")
+    (tmp_path / "bringing_module.py").write_text("import random, wave\nSALT = random.random()\n")
     code = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(tmp_path)!r})
         from colab_resilience import standby
         standby.become()
-        standby.preload(['quiet_module', 'drawing_module', 'colorsys'])
+        groups = {groups}
+        last = groups[-1] if isinstance(groups[-1], str) else groups[-1][1][-1]
+        standby.preload(groups)
         deadline = time.monotonic() + 30
-        while 'drawing_module' not in sys.modules and time.monotonic() < deadline:
+        while not (last in sys.modules or standby._drew_on) and time.monotonic() < deadline:
             time.sleep(0.01)
-        print(repr(standby.stop_importing()), standby._imported, 'colorsys' in sys.modules)
+        print(repr(standby.stop_importing()), *standby._imported, sep='\\n')
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["'drawing_module'", "['quiet_module',", "'drawing_module']", "False"], out.stdout
+    assert out.stdout.splitlines() == [repr(drew), *imported.split()], out.stdout
+
+
+def test_modules_imported_before_the_random_states_changed_are_offered_as_untouched(tmp_path):
+    """A working kernel offers each module with whether the global random states were still the
+    ones it started with where the import began: NumPy's as its random module was made; an import
+    that draws does not count against the modules it imports itself, but against every later one;
+    a seed counts as a change."""
+    (tmp_path / "drawing_module.py").write_text("import random\nSALT = random.random()\nimport inner_module\n")
+    (tmp_path / "inner_module.py").write_text("VALUE = 1\n")
+    (tmp_path / "later_module.py").write_text("VALUE = 2\n")
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        from colab_resilience import standby
+        standby.watch_environment()
+        standby.new_modules()
+        import colorsys
+        import numpy.random
+        import wave
+        numpy.random.seed(0)
+        import fractions
+        flags = {{n: u for env, names, u in standby.new_modules() for n in names}}
+        print({{n: flags.get(n) for n in ('colorsys', 'numpy.random', 'wave', 'fractions')}})
+        watched = standby._watcher
+        print(watched.untouched('wave', sys.modules['wave']), watched.untouched('fractions', sys.modules['fractions']))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "{'colorsys': True, 'numpy.random': True, 'wave': True, 'fractions': False}", "True False"], out.stdout
+    code = textwrap.dedent(f"""
+        import sys, random
+        sys.path.insert(0, {str(tmp_path)!r})
+        from colab_resilience import standby
+        standby.watch_environment()
+        import drawing_module
+        import later_module
+        print(*[standby._watcher.untouched(n, sys.modules[n]) for n in ('drawing_module', 'inner_module', 'later_module')])
+        # a seed where nothing drew yet
+        standby._watcher = None
+        sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_EnvironmentAtImport']
+        standby.watch_environment()
+        random.seed(0)
+        import colorsys
+        print(standby._watcher.untouched('colorsys', sys.modules['colorsys']))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["True True False", "False"], out.stdout
 
 
 def test_a_standby_imports_in_the_background_and_stops_when_adopted():
