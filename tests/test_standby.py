@@ -63,6 +63,21 @@ WAIT_WARM = (  # until the standby has torch loaded (the driver sent it the work
 )
 
 
+def python(code: str, **kwargs) -> subprocess.CompletedProcess:
+    """``code`` run by this interpreter in a process of its own, which must succeed."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, **kwargs)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def importable(folder, **modules: str) -> str:
+    """Each of ``modules`` (name: source) written into ``folder``; the lines that make them
+    importable in such a process, with this package's standby module imported."""
+    for name, source in modules.items():
+        (folder / f"{name}.py").write_text(source)
+    return f"import sys, time\nsys.path.insert(0, {str(folder)!r})\nfrom colab_resilience import standby\n"
+
+
 def line(nb, prefix: str) -> str:
     """The first output line of an executed notebook that starts with ``prefix``."""
     return next(l for c in nb.cells for l in cell_text(c).splitlines() if l.startswith(prefix))
@@ -241,8 +256,7 @@ def test_only_installed_modules_are_offered_to_the_standby(tmp_path, monkeypatch
         assert 'my_notebook_helpers' not in got and 'fakecuda.autoinit' not in got, got
         print('OK', len(first))
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    out = python(code)
     assert out.stdout.startswith("OK")
 
 
@@ -289,8 +303,7 @@ def test_modules_are_offered_with_the_environment_they_were_imported_under():
         assert dict(os.environ) == {k: v for k, v in start.items() if k != 'COLAB_RESILIENCE_STANDBY'}
         print('OK')
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    out = python(code)
     assert out.stdout.strip() == "OK"
 
 
@@ -313,13 +326,8 @@ def test_a_standby_whose_import_draws_from_a_global_random_state_says_so_when_st
     nothing had seeded, and the standby goes on, unless the import brought along a module that the
     working kernel imported after a change (wave here). A standby that imported only modules that
     draw nothing names none."""
-    (tmp_path / "quiet_module.py").write_text("VALUE = 1\n")
-    (tmp_path / "drawing_module.py").write_text("import random\nSALT = random.random()\n")
-    (tmp_path / "bringing_module.py").write_text("import random, wave\nSALT = random.random()\n")
-    code = textwrap.dedent(f"""
-        import sys, time
-        sys.path.insert(0, {str(tmp_path)!r})
-        from colab_resilience import standby
+    code = importable(tmp_path, quiet_module="VALUE = 1\n", drawing_module="import random\nSALT = random.random()\n",
+                      bringing_module="import random, wave\nSALT = random.random()\n") + textwrap.dedent(f"""
         standby.become()
         groups = {groups}
         last = groups[-1] if isinstance(groups[-1], str) else groups[-1][1][-1]
@@ -329,8 +337,7 @@ def test_a_standby_whose_import_draws_from_a_global_random_state_says_so_when_st
             time.sleep(0.01)
         print(repr(standby.stop_importing()), *standby._imported, sep='\\n')
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    out = python(code)
     assert out.stdout.splitlines() == [repr(drew), *imported.split()], out.stdout
 
 
@@ -339,13 +346,9 @@ def test_modules_imported_before_the_random_states_changed_are_offered_as_untouc
     ones it started with where the import began: NumPy's as its random module was made; an import
     that draws does not count against the modules it imports itself, but against every later one;
     a seed counts as a change."""
-    (tmp_path / "drawing_module.py").write_text("import random\nSALT = random.random()\nimport inner_module\n")
-    (tmp_path / "inner_module.py").write_text("VALUE = 1\n")
-    (tmp_path / "later_module.py").write_text("VALUE = 2\n")
-    code = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(tmp_path)!r})
-        from colab_resilience import standby
+    header = importable(tmp_path, drawing_module="import random\nSALT = random.random()\nimport inner_module\n",
+                        inner_module="VALUE = 1\n", later_module="VALUE = 2\n")
+    code = header + textwrap.dedent("""
         standby.watch_environment()
         standby.new_modules()
         import colorsys
@@ -353,19 +356,16 @@ def test_modules_imported_before_the_random_states_changed_are_offered_as_untouc
         import wave
         numpy.random.seed(0)
         import fractions
-        flags = {{n: u for env, names, u in standby.new_modules() for n in names}}
-        print({{n: flags.get(n) for n in ('colorsys', 'numpy.random', 'wave', 'fractions')}})
+        flags = {n: u for env, names, u in standby.new_modules() for n in names}
+        print({n: flags.get(n) for n in ('colorsys', 'numpy.random', 'wave', 'fractions')})
         watched = standby._watcher
         print(watched.untouched('wave', sys.modules['wave']), watched.untouched('fractions', sys.modules['fractions']))
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    out = python(code)
     assert out.stdout.splitlines() == [
         "{'colorsys': True, 'numpy.random': True, 'wave': True, 'fractions': False}", "True False"], out.stdout
-    code = textwrap.dedent(f"""
-        import sys, random
-        sys.path.insert(0, {str(tmp_path)!r})
-        from colab_resilience import standby
+    code = header + textwrap.dedent("""
+        import random
         standby.watch_environment()
         import drawing_module
         import later_module
@@ -378,8 +378,7 @@ def test_modules_imported_before_the_random_states_changed_are_offered_as_untouc
         import colorsys
         print(standby._watcher.untouched('colorsys', sys.modules['colorsys']))
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    out = python(code)
     assert out.stdout.splitlines() == ["True True False", "False"], out.stdout
 
 
@@ -404,8 +403,7 @@ def test_a_standby_imports_in_the_background_and_stops_when_adopted():
         assert 'fractions' not in sys.modules
         print('OK')
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    assert python(code).stdout.strip() == "OK"
     assert priority.OOM_SCORE_ADJ == 1000
 
 
@@ -432,8 +430,7 @@ def test_the_standbys_memory_is_not_counted_as_in_use(tmp_path):
             # other processes move memory too: one of five paired readings must show the gap
             print(any(reading(True) < min(reading(False), reading(False)) - share for _ in range(5)))
         """)
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
+        out = python(code, env=env)
         counted, lower = out.stdout.split()
         assert 96 << 20 <= int(counted) < 192 << 20  # the standby's 96 MiB, not the other child's
         assert lower == "True"
