@@ -103,8 +103,8 @@ class _EnvironmentAtImport:
                 self.env = env
                 self.marks.append((len(sys.modules), env))
         if self.touched is None:
-            # judged where an import begins in the notebook's code (a module imported within it
-            # shares its judgement: TensorFlow's draws do not count against the keras it imports)
+            # judged where an import begins in the notebook's code (a module that an installed one
+            # imports shares its judgement: TensorFlow's draws do not count against its keras)
             if not _within_an_import() and self._random_states_changed():
                 self.touched = dict(sys.modules)
             elif name == "numpy.random" and "numpy" not in self._start:
@@ -157,13 +157,17 @@ class _EnvironmentAtImport:
 
 
 def _within_an_import() -> bool:
-    """Whether the import under way comes from the body of a module being imported (an import
-    within an import), not from a cell's code or a function it called."""
+    """Whether the import under way comes from the body of an installed module being imported
+    (which a standby imports whole, this import with it), not from a cell's code, a function it
+    called, or a notebook's own module (which a standby does not import: what that module seeded
+    before this import counts)."""
+    roots = _roots()
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_name == "<module>":
-            spec = getattr(sys.modules.get(frame.f_globals.get("__name__")), "__spec__", None)
-            if getattr(spec, "_initializing", False):
+            name = frame.f_globals.get("__name__")
+            module = sys.modules.get(name)
+            if getattr(getattr(module, "__spec__", None), "_initializing", False) and _offered(name, module, roots):
                 return True
         frame = frame.f_back
     return False

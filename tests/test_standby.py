@@ -343,8 +343,10 @@ def test_a_standby_whose_import_draws_from_a_global_random_state_says_so_when_st
 
 def test_modules_imported_before_the_random_states_changed_are_offered_as_untouched(tmp_path):
     """A working kernel offers each module with whether the global random states were still the
-    ones it started with where the import began: NumPy's as its random module was made; an import
-    that draws does not count against the modules it imports itself, but against every later one;
+    ones it started with where the import began: NumPy's as its random module was made; an
+    installed module's import that draws does not count against the modules it imports itself (a
+    standby imports it whole), but against every later one; what a notebook's own module seeded
+    before it imports an installed one counts (a standby does not import the notebook's module);
     a seed counts as a change."""
     header = importable(tmp_path, drawing_module="import random\nSALT = random.random()\nimport inner_module\n",
                         inner_module="VALUE = 1\n", later_module="VALUE = 2\n")
@@ -364,22 +366,35 @@ def test_modules_imported_before_the_random_states_changed_are_offered_as_untouc
     out = python(code)
     assert out.stdout.splitlines() == [
         "{'colorsys': True, 'numpy.random': True, 'wave': True, 'fractions': False}", "True False"], out.stdout
-    code = header + textwrap.dedent("""
+    (tmp_path / "own").mkdir()  # a notebook's own module: seeds, then imports an installed one
+    (tmp_path / "own" / "seeding_helper.py").write_text("import random\nrandom.seed(0)\nimport colorsys\n")
+    code = header + textwrap.dedent(f"""
         import random
+        installed = standby._roots()
+        standby._roots = lambda: (*installed, {str(tmp_path) + "/"!r})  # its modules as if installed
         standby.watch_environment()
         import drawing_module
         import later_module
         print(*[standby._watcher.untouched(n, sys.modules[n]) for n in ('drawing_module', 'inner_module', 'later_module')])
+        # a notebook's own module that seeds, then imports: the seed counts
+        standby._roots = lambda: installed
+        standby._watcher = None
+        sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_EnvironmentAtImport']
+        standby.watch_environment()
+        sys.path.insert(0, {str(tmp_path / "own")!r})
+        import seeding_helper
+        print(standby._watcher.untouched('colorsys', sys.modules['colorsys']))
         # a seed where nothing drew yet
         standby._watcher = None
         sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_EnvironmentAtImport']
         standby.watch_environment()
-        random.seed(0)
-        import colorsys
-        print(standby._watcher.untouched('colorsys', sys.modules['colorsys']))
+        random.seed(1)  # (the state is seed 0's: the helper above seeded it so)
+        import importlib
+        fresh = next(m for m in ('wave', 'fractions', 'tabnanny', 'colorsys') if m not in sys.modules)
+        print(standby._watcher.untouched(fresh, importlib.import_module(fresh)))
     """)
     out = python(code)
-    assert out.stdout.splitlines() == ["True True False", "False"], out.stdout
+    assert out.stdout.splitlines() == ["True True False", "False", "False"], out.stdout
 
 
 def test_a_standby_imports_in_the_background_and_stops_when_adopted():
