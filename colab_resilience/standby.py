@@ -44,7 +44,6 @@ _imported: list[str] = []  # what the standby imported ahead of need (for tests 
 _start_env: dict[str, str] | None = None  # the standby's environment when it was started
 _drew_on: str | None = None  # the import ahead that drew from a global random state, if one did
 _untouched: set[str] = set()  # what the working kernel imported before its random states changed
-_drew_untouched: list[str] = []  # imports ahead that drew, from states the working kernel had not seeded
 _adopted = False  # it took over: an ordinary kernel now
 
 
@@ -324,7 +323,6 @@ def _import_forever(q: queue.SimpleQueue) -> None:
                 # the driver): no use importing more.
                 brought = {n for n in set(sys.modules) - present if _offered(n, sys.modules.get(n), roots)}
                 if untouched and brought <= _untouched | {name}:
-                    _drew_untouched.append(name)
                     continue
                 _drew_on = name.partition(".")[0]  # the package the user imports
                 return
