@@ -33,16 +33,18 @@ def load(tmp_path, **parameters):
     return harness.load("train_lightning.ipynb", tmp_path, root_dir=str(tmp_path / "out"), **parameters)
 
 
-def twin(tmp_path_factory, workers: int = 0) -> str:
-    """The uninterrupted run (with DataLoader workers, the samples' noise is drawn in them: another run)."""
-    if workers not in _twins:
+def twin(tmp_path_factory, workers: int = 0, **parameters) -> str:
+    """The uninterrupted run (with DataLoader workers, the samples' noise is drawn in them: another
+    run); with ``parameters``, that run of the notebook."""
+    key = (workers, *sorted(parameters.items()))
+    if key not in _twins:
         work = tmp_path_factory.mktemp("lightning-twin")
-        nb = load(work, workers=workers)
+        nb = load(work, workers=workers, **parameters)
         run = harness.run(nb, work, standby=False)
         assert run.status == 0, run.message
-        _twins[workers] = harness.result(nb)
-        assert "step=30 epoch=3" in _twins[workers], _twins[workers]
-    return _twins[workers]
+        _twins[key] = harness.result(nb)
+        assert parameters or "step=30 epoch=3" in _twins[key], _twins[key]
+    return _twins[key]
 
 
 trained_steps = harness.by_kernel  # (kernel, step) for each step begun
@@ -147,6 +149,26 @@ def test_a_kill_in_a_cell_after_the_fit_finds_the_trained_module(tmp_path, tmp_p
     nb = load(tmp_path, fault="sigkill", fault_step="result")
     harness.run_killed_after_training(nb, tmp_path, "the Lightning module, its optimizers, schedulers, loops and callbacks")
     assert [s for _, s in trained_steps(tmp_path / "events.log")] == list(range(1, 31))  # none again
+    assert harness.result(nb) == reference
+
+
+@pytest.mark.parametrize("fault_step", ["end", "result"], ids=["killed-after-fit-returned", "killed-in-the-next-cell"])
+def test_a_fit_that_early_stopping_ended_trains_nothing_more_after_a_kill(tmp_path, tmp_path_factory, fault_step):
+    """EarlyStopping (patience 1) ends the fit after its second epoch of 8, at step 20: it sets the Trainer's
+    should_stop, a flag no checkpoint of Lightning's holds. Killed when fit has returned, or in the
+    next cell, the new kernel's fit loads the run's final state and trains nothing, and the result
+    is the uninterrupted one's (the flag lost, it went on for another epoch, until EarlyStopping
+    stopped it again, and the run said done: step 30 against 20)."""
+    reference = twin(tmp_path_factory, epochs=8, patience=1)
+    assert "step=20 epoch=2" in reference, reference
+    nb = load(tmp_path, fault="sigkill", fault_step=fault_step, epochs=8, patience=1)
+    if fault_step == "result":
+        harness.run_killed_after_training(nb, tmp_path, "the Lightning module, its optimizers, schedulers, loops and "
+                                          "callbacks")
+    else:
+        run, out = harness.run_ok(nb, tmp_path)
+        assert len(run.restarts) == 1 and "the loop had finished" in out, out
+    assert [s for _, s in trained_steps(tmp_path / "events.log")] == list(range(1, 21))  # none again
     assert harness.result(nb) == reference
 
 

@@ -108,6 +108,9 @@ class FitCheckpoint:
             # the callbacks without a state of their own for Lightning to checkpoint: their plain attributes
             "callbacks": {key: plain_attributes(cb)[0] for key, cb in _plain_callbacks(t).items()},
             "finished": self.finished,
+            # a fit that a callback stopped (EarlyStopping): no checkpoint of Lightning's holds the
+            # flag, and a fit restored from one goes on where it had ended
+            "should_stop": t.should_stop,
             "effective_batch": self.effective_batch,
         }
 
@@ -402,6 +405,7 @@ def _resume(trainer: pl.Trainer, state: FitCheckpoint) -> None:
 
     def restore_loops():
         type(connector).restore_loops(connector)
+        trainer.should_stop = bool(loaded.get("should_stop"))
         if state.finished:
             pass
         elif mid_epoch:
