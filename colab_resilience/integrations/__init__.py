@@ -56,15 +56,15 @@ def accumulation_for(batch: int, effective: int) -> tuple[int, str]:
                    f"{batch}): the run goes on with another batch")
 
 
-def _plain(value) -> bool:
+def is_plain(value) -> bool:
     """A value a checkpoint holds as it is: None, a number, a string, a flag, and lists, tuples and
     dicts of them (keyed by such values)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return True
     if isinstance(value, (list, tuple)):
-        return all(_plain(v) for v in value)
+        return all(is_plain(v) for v in value)
     if isinstance(value, dict):
-        return all((k is None or isinstance(k, (bool, int, float, str))) and _plain(v) for k, v in value.items())
+        return all((k is None or isinstance(k, (bool, int, float, str))) and is_plain(v) for k, v in value.items())
     return False
 
 
@@ -75,7 +75,7 @@ def plain_attributes(callback) -> tuple[dict, list[str]]:
     module's ``log`` and ``log_dict``)."""
     import copy
 
-    kept = {name: copy.deepcopy(value) for name, value in _attributes(callback) if _plain(value)}
+    kept = {name: copy.deepcopy(value) for name, value in _attributes(callback) if is_plain(value)}
     return kept, _unplain(callback)
 
 
@@ -87,7 +87,7 @@ def _attributes(callback):
 
 def _unplain(callback) -> list[str]:
     """The names of a callback's attributes that are not plain values (not saved)."""
-    return [name for name, value in _attributes(callback) if not _plain(value)]
+    return [name for name, value in _attributes(callback) if not is_plain(value)]
 
 
 def unsaved_attributes(callbacks: dict, whose: str) -> str | None:
@@ -107,10 +107,12 @@ def unsaved_attributes(callbacks: dict, whose: str) -> str | None:
 def put_attributes(pending: dict, callbacks: dict) -> list[str]:
     """Set the saved attributes ``pending`` (by key) on ``callbacks`` (by key); returns the names of
     those saved whose key this run does not have."""
+    import copy
+
     for key, attributes in pending.items():
         if key in callbacks:
             for name, value in attributes.items():
-                setattr(callbacks[key], name, value)
+                setattr(callbacks[key], name, copy.deepcopy(value))  # (the callback may change it in place)
     return [key.split(":", 1)[1] for key in pending if key not in callbacks]
 
 

@@ -55,7 +55,7 @@ import numpy as np
 
 from ..errors import RunStoppedError
 from ..loops import active_run
-from . import accumulation_for, caller_locals, require_loop, say_outside
+from . import accumulation_for, caller_locals, is_plain, require_loop, say_outside
 from . import every_steps as check_every_steps
 
 STATE = "keras:fit"  # the checkpoint entry holding a fit's state
@@ -294,16 +294,19 @@ def _plain(value):
 
 def _attributes(callback) -> dict[str, Any]:
     """A callback's state: its attributes that are plain values (counters, the best value so
-    far, flags), lists of arrays (``EarlyStopping``'s best weights), and functions of Keras or
-    NumPy by their names (the comparison ``EarlyStopping`` picks at its first epoch, when it
-    also turns ``min_delta`` negative: the one goes with the other)."""
+    far, flags, and lists and dicts of them: a notebook's callback that keeps each epoch's loss),
+    lists of arrays (``EarlyStopping``'s best weights), and functions of Keras or NumPy by their
+    names (the comparison ``EarlyStopping`` picks at its first epoch, when it also turns
+    ``min_delta`` negative: the one goes with the other)."""
+    import copy
+
     values, functions = {}, {}
     for name, value in vars(callback).items():
         if name in _NOT_STATE:
             continue
         value = _plain(value)
-        if value is None or isinstance(value, (bool, int, float, str)):
-            values[name] = value
+        if is_plain(value):
+            values[name] = copy.deepcopy(value)
         elif isinstance(value, list) and value and all(isinstance(a, np.ndarray) for a in value):
             values[name] = [np.array(a, copy=True) for a in value]
         elif _library_function(value) is not None:
@@ -324,8 +327,10 @@ def _library_function(value) -> tuple[str, str] | None:
 
 
 def _set_attributes(callback, saved: dict[str, Any]) -> None:
+    import copy
+
     for name, value in saved["values"].items():
-        setattr(callback, name, value)
+        setattr(callback, name, copy.deepcopy(value))  # (the callback may change it in place)
     for name, (module, function) in saved["functions"].items():
         if module.startswith(_LIBRARIES) and module in sys.modules:  # only what is imported already
             setattr(callback, name, getattr(sys.modules[module], function))
