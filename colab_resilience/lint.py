@@ -14,7 +14,11 @@ from an uninterrupted one, said when the cell first runs in a kernel:
   ``seen.append(x)``) without ``--save``: after a rollback they would not have the values of the
   safe point;
 - gradients accumulated across ``resume_range`` iterations (``zero_grad`` called in only some of
-  them): a checkpoint does not hold gradients, and a rollback clears them.
+  them): a checkpoint does not hold gradients, and a rollback clears them;
+- a ``resume_range`` loop inside a plain ``for`` or ``while`` loop, or wrapped in a call with a
+  state of its own (``enumerate(resume_range(loader))``): those start over when the cell runs
+  again, while ``resume_range`` goes on at its saved step. (A loop wrapped in a progress bar,
+  ``tqdm(resume_range(n))``, is a ``resume_range`` loop for the checks above.)
 
 The analysis reads the code (the AST), not the values: it can miss what a helper function does.
 ``colab-resilience check`` runs the notebook with faults and compares, for what reading cannot see.
@@ -153,6 +157,18 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
             "loop and read after it without --save: a run resumed after the loop's last safe point would not have "
             f"{'it' if len(after) == 1 else 'them'}; add {'it' if len(after) == 1 else 'them'} to --save"
         )
+    if in_plain_loops(tree):
+        lines.append(
+            "colab_resilience: a resume_range loop runs inside a plain for or while loop: after a rollback or a "
+            "restart the plain loop starts over while resume_range goes on at its saved step, so the result would "
+            "differ; make the outer loop a resume_range too (for epoch in resume_range(n))"
+        )
+    for name in wrapped_resume_ranges(tree):
+        lines.append(
+            f"colab_resilience: {name}(resume_range(...)) starts over after a rollback or a restart while "
+            f"resume_range goes on at its saved step, so what {name} gives would differ; put it inside: "
+            f"resume_range({name}(...))"
+        )
     if accumulates_gradients(tree):
         lines.append(
             "colab_resilience: gradients accumulate across resume_range iterations (zero_grad is called in "
@@ -163,11 +179,51 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
     return lines
 
 
-def _resume_loops(tree: ast.AST) -> list[ast.For]:
-    def is_resume_range(call) -> bool:
-        return isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "resume_range"
+def _is_resume_range(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "resume_range"
 
-    return [n for n in ast.walk(tree) if isinstance(n, ast.For) and is_resume_range(n.iter)]
+
+def _resume_loops(tree: ast.AST) -> list[ast.For]:
+    """The loops over ``resume_range(...)``, also where a call wraps it (``tqdm(resume_range(n))``,
+    ``enumerate(resume_range(loader))``)."""
+    return [n for n in ast.walk(tree)
+            if isinstance(n, ast.For) and any(_is_resume_range(c) for c in ast.walk(n.iter))]
+
+
+_PROGRESS_BARS = {"tqdm", "trange", "tqdm_notebook"}  # wrappers that only show the iterations
+
+
+def wrapped_resume_ranges(tree: ast.AST) -> list[str]:
+    """The calls that wrap ``resume_range`` in a loop's header with a state of their own, which
+    starts over when the cell runs again after a rollback or a restart while ``resume_range`` goes
+    on at its saved step (``enumerate`` counts from 0 again, ``zip`` draws its other iterable from
+    its start); progress bars only show the iterations, and are left out."""
+    found: list[str] = []
+    for loop in _resume_loops(tree):
+        if _is_resume_range(loop.iter) or not isinstance(loop.iter, ast.Call):
+            continue
+        name = ast.unparse(loop.iter.func)
+        if name.rpartition(".")[2] not in _PROGRESS_BARS and name not in found:
+            found.append(name)
+    return found
+
+
+def in_plain_loops(tree: ast.AST) -> bool:
+    """Whether a ``resume_range`` loop runs inside a plain ``for`` or ``while`` loop (in the same
+    function): after a rollback or a restart the plain loop starts over from its first iteration,
+    and the position saved holds nothing of it."""
+    loops = set(_resume_loops(tree))
+    for outer in ast.walk(tree):
+        if not isinstance(outer, (ast.For, ast.AsyncFor, ast.While)) or outer in loops:
+            continue
+        todo = [*outer.body, *outer.orelse]
+        while todo:
+            node = todo.pop()
+            if node in loops:
+                return True
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+                todo.extend(ast.iter_child_nodes(node))
+    return False
 
 
 def _walk_body(loop: ast.For):

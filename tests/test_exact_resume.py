@@ -382,3 +382,36 @@ def test_the_first_run_of_a_cell_names_what_would_make_a_resume_differ(ip, tmp_p
     assert "the resume_range loop carries total from one iteration to the next without --save" in out
     assert "loss is set inside a resume_range loop and read after it without --save" in out
     assert "gradients accumulate across resume_range iterations" in out
+
+
+def test_the_first_run_names_a_resume_range_loop_that_something_around_it_would_start_over(ip, tmp_path, capsys):
+    """A resume_range loop inside a plain for loop (after a restart the epoch starts over at 0, the
+    inner loop goes on at its saved step: the run went on in the wrong epoch and said done), or
+    wrapped in enumerate (which counts from 0 again): one line each, said at the first run. A
+    loop wrapped in enumerate or a progress bar is still a resume_range loop for the other checks
+    (the names it carries); the forms that resume exactly say nothing."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell("%%replay\nitems = [1.0, 2.0, 3.0]\ntotal = 0.0\nsteps = 0\ndef tqdm(iterable):\n    return iterable")
+    capsys.readouterr()
+    r = ip.run_cell("%%resilient --save items\n"
+                    "for epoch in range(2):\n"
+                    "    for i, x in enumerate(resume_range(items)):\n"
+                    "        total += i * x\n")
+    assert r.success, r.error_in_exec
+    out = capsys.readouterr().out
+    assert ("a resume_range loop runs inside a plain for or while loop: after a rollback or a restart the plain "
+            "loop starts over while resume_range goes on at its saved step") in out, out
+    assert "enumerate(resume_range(...)) starts over after a rollback or a restart" in out, out
+    assert "put it inside: resume_range(enumerate(...))" in out, out
+    assert "the resume_range loop carries total from one iteration to the next without --save" in out, out
+    r = ip.run_cell("%%resilient --save items\nfor epoch in tqdm(resume_range(2)):\n    steps += 1\n")
+    assert r.success, r.error_in_exec
+    out = capsys.readouterr().out
+    assert "the resume_range loop carries steps from one iteration to the next without --save" in out, out
+    assert "starts over" not in out, out
+    r = ip.run_cell("%%resilient --save items,total\n"
+                    "for epoch in tqdm(resume_range(2)):\n"
+                    "    for i, x in resume_range(enumerate(items)):\n"
+                    "        total += i * x\n")
+    assert r.success, r.error_in_exec
+    assert "colab_resilience: " not in capsys.readouterr().out
