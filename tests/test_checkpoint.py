@@ -441,6 +441,39 @@ def test_in_place_restore_then_training_is_bit_identical(store):
             assert raw(sa[k][f]) == raw(sb[k][f])
 
 
+def test_a_generator_is_restored_in_place_where_a_data_loader_draws_from_it(store):
+    """A torch.Generator handed to a shuffling DataLoader, a NumPy Generator and RandomState, a
+    random.Random: restored into the ones the replayed set-up cells made (not bound to copies,
+    which the DataLoader would never see), each draws what the saved one drew next; the loader's
+    next epoch has the saved run's order."""
+    def build():
+        g = torch.Generator().manual_seed(42)
+        loader = torch.utils.data.DataLoader(list(range(32)), batch_size=8, shuffle=True, generator=g)
+        return {"g": g, "loader": loader, "rng": np.random.default_rng(1), "legacy": np.random.RandomState(2),
+                "py": random.Random(3)}
+
+    def order(ns):
+        return [b.tolist() for b in ns["loader"]]
+
+    ns = build()
+    order(ns)  # an epoch drawn: the generator has moved on
+    ns["rng"].random(3), ns["legacy"].rand(3), ns["py"].random()
+    names = ["g", "rng", "legacy", "py"]
+    store.save(ns, names)
+    saved = ns["g"].get_state()
+    fresh = build()
+    objects = dict(fresh)
+    assert store.load().restore(fresh, names, rng=False) == names
+    assert all(fresh[n] is objects[n] for n in names)  # in place
+    assert order(fresh) == order(ns)
+    assert fresh["rng"].random(4).tolist() == ns["rng"].random(4).tolist()
+    assert fresh["legacy"].rand(4).tolist() == ns["legacy"].rand(4).tolist()
+    assert fresh["py"].random() == ns["py"].random()
+    other: dict = {}
+    assert store.load().restore(other, ["g"], rng=False) == ["g"]  # nothing to restore into: bound to the name
+    assert isinstance(other["g"], torch.Generator) and torch.equal(other["g"].get_state(), saved)
+
+
 def test_restore_into_missing_object_says_so_and_invents_nothing(store):
     """A module's state cannot be restored without a module to put it in: one line says to define it
     in a %%replay cell; nothing is invented; a module of another class or a misspelt name is

@@ -8,7 +8,9 @@ parameters, an optimizer keeps the tensors it is given. Tensors go back to the d
 saved on (the CPU, with a warning, where that device is gone), as Parameters or with
 ``requires_grad`` where they were; views of one storage stay views of one storage. ``pytree``
 values (a flax ``TrainState``, optax states, ``nnx`` objects) are restored into the object of that
-name the set-up cells rebuilt (:mod:`.pytree`). Pickles are
+name the set-up cells rebuilt (:mod:`.pytree`). A random number generator (torch's, NumPy's,
+Python's ``random.Random``) gets its saved state set where the name holds one of its kind (a
+``DataLoader`` given it draws from it). Pickles are
 unpickled only here, after the manifest's signature and the blob's hash were checked.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import difflib
 import json
 import pickle
+import random
 import sys
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -231,7 +234,38 @@ class Checkpoint:
         if e.kind == "pytree":
             namespace[e.name] = pytree.restore_into(e.name, namespace[e.name], self._value(e, place=True))
             return
-        namespace[e.name] = self._value(e, place=True)
+        value = self._value(e, place=True)
+        if not _generator_state_put_back(namespace.get(e.name), value):
+            namespace[e.name] = value
+
+
+def _generator_state_put_back(target: Any, saved: Any) -> bool:
+    """Where ``target`` (what the name holds now) is a random number generator of the saved one's
+    kind, set its state to the saved one's and say so: a generator restored in place. The replayed
+    set-up cells hand the generator they make to others (``DataLoader(..., generator=g)``, a
+    sampler, a function's default), which would go on drawing from it, not from a copy bound to
+    the name. Other values are bound to the name (False)."""
+    if target is None or type(target) is not type(saved):
+        return False
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(target, torch.Generator):
+        if target.device != saved.device:
+            return False
+        target.set_state(saved.get_state())
+        return True
+    if isinstance(target, random.Random):
+        target.setstate(saved.getstate())
+        return True
+    npr = sys.modules.get("numpy.random")
+    if npr is not None and isinstance(target, npr.Generator):
+        if type(target.bit_generator) is not type(saved.bit_generator):
+            return False
+        target.bit_generator.state = saved.bit_generator.state
+        return True
+    if npr is not None and isinstance(target, npr.RandomState):
+        target.set_state(saved.get_state())
+        return True
+    return False
 
 
 def _jax_leaf(d: dict, a: Any) -> Any:
