@@ -15,6 +15,9 @@ from an uninterrupted one, said when the cell first runs in a kernel:
   safe point;
 - gradients accumulated across ``resume_range`` iterations (``zero_grad`` called in only some of
   them): a checkpoint does not hold gradients, and a rollback clears them;
+- objects a ``resume_range`` loop uses without ``--save`` that hold state a method changes in
+  place (a scheduler, an averaged model, a generator): after a rollback they would not be as
+  they were at the safe point;
 - a ``resume_range`` loop inside a plain ``for`` or ``while`` loop, or wrapped in a call with a
   state of its own (``enumerate(resume_range(loader))``): those start over when the cell runs
   again, while ``resume_range`` goes on at its saved step. (A loop wrapped in a progress bar,
@@ -150,6 +153,14 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
             "next without --save: after a rollback or a restart they would not have their values at the safe "
             "point, and the result would differ; add them to --save"
         )
+    stateful = unsaved_state_objects(tree, saved, shell.user_ns)
+    if stateful:
+        lines.append(
+            f"colab_resilience: the resume_range loop uses {', '.join(stateful)} without --save: a state it "
+            "changes in place (a step count, averaged weights, a generator's) would not be back at the safe point "
+            f"after a rollback or a restart, and the result would differ; add {'it' if len(stateful) == 1 else 'them'}"
+            " to --save (or ignore this for one the loop only reads)"
+        )
     after = read_after_loop(tree, saved)
     if after:
         lines.append(
@@ -273,6 +284,44 @@ def carried_names(tree: ast.AST, saved: list[str], namespace=None) -> list[str]:
                 continue
             found.append(name)
     return found
+
+
+def unsaved_state_objects(tree: ast.AST, saved: list[str], namespace) -> list[str]:
+    """``name (type)`` for each object a ``resume_range`` loop's body uses (not one its iterations
+    bind afresh, not one ``--save`` saves) that holds training state a method may change in place:
+    one with a ``state_dict`` (a scheduler, a second model, a ``GradScaler``; a module without
+    parameters or buffers, as a loss function, has none), or a random number generator."""
+    found: list[str] = []
+    for loop in _resume_loops(tree):
+        fresh = bound_names(loop.target) | bound_names(ast.Module(body=loop.body, type_ignores=[]))
+        for node in _walk_body(loop):
+            if not (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)):
+                continue
+            name = node.id
+            if name in fresh or name in saved or name not in namespace or any(f.startswith(name + " ") for f in found):
+                continue
+            if _holds_state(namespace[name]):
+                found.append(f"{name} ({type(namespace[name]).__name__})")
+    return found
+
+
+def _holds_state(value) -> bool:
+    import random
+    import sys
+
+    if isinstance(value, type) or isinstance(value, types.ModuleType):
+        return False
+    torch, npr = sys.modules.get("torch"), sys.modules.get("numpy.random")
+    if isinstance(value, random.Random) or (torch is not None and isinstance(value, torch.Generator)):
+        return True
+    if npr is not None and isinstance(value, (npr.Generator, npr.RandomState)):
+        return True
+    if torch is not None and isinstance(value, torch.nn.Module):
+        return any(True for _ in value.parameters()) or any(True for _ in value.buffers())
+    try:
+        return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+    except Exception:  # a property, or a __getattr__, that raises
+        return False
 
 
 def read_after_loop(tree: ast.AST, saved: list[str]) -> list[str]:

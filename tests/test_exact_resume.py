@@ -384,6 +384,35 @@ def test_the_first_run_of_a_cell_names_what_would_make_a_resume_differ(ip, tmp_p
     assert "gradients accumulate across resume_range iterations" in out
 
 
+def test_the_first_run_names_the_objects_with_a_state_that_the_loop_uses_without_saving_them(ip, tmp_path, capsys):
+    """A scheduler, a torch.Generator and a NumPy Generator the loop uses and --save does not save
+    (their step count, their state went on after the safe point: a rollback or a restart gave the
+    run other learning rates and other draws, and it said done): named in one line at the first
+    run. The saved model, a loss function (no parameters, no state), a name the loop binds itself
+    are not; with them in --save, nothing is said of them."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell("%%replay\nimport numpy as np, torch\nmodel = torch.nn.Linear(2, 1)\n"
+                "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                "sched = torch.optim.lr_scheduler.StepLR(opt, 1)\nloss_fn = torch.nn.MSELoss()\n"
+                "g = torch.Generator().manual_seed(0)\nrng = np.random.default_rng(0)")
+    capsys.readouterr()
+    cell = ("%%resilient --save model,opt\n"
+            "for step in resume_range(3):\n"
+            "    x = torch.randn(4, 2, generator=g) * float(rng.random())\n"
+            "    loss = loss_fn(model(x), torch.zeros(4, 1))\n"
+            "    opt.zero_grad(); loss.backward(); opt.step(); sched.step()\n")
+    r = ip.run_cell(cell)
+    assert r.success, r.error_in_exec
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if "without --save: a state it changes in place" in line]
+    assert len(lines) == 1, out
+    assert lines[0].startswith("colab_resilience: the resume_range loop uses g (Generator), rng (Generator), "
+                               "sched (StepLR) without --save"), lines[0]
+    r = ip.run_cell(cell.replace("--save model,opt", "--save model,opt,sched,g,rng"))
+    assert r.success, r.error_in_exec
+    assert "a state it changes in place" not in capsys.readouterr().out
+
+
 def test_the_first_run_names_a_resume_range_loop_that_something_around_it_would_start_over(ip, tmp_path, capsys):
     """A resume_range loop inside a plain for loop (after a restart the epoch starts over at 0, the
     inner loop goes on at its saved step: the run went on in the wrong epoch and said done), or
