@@ -86,6 +86,7 @@ class FitCheckpoint:
         # loaded: the plain attributes of the callbacks that Lightning does not checkpoint, to be put
         # back where the safe point was taken (as an epoch began, or a batch within one)
         self.callbacks_pending: dict[str, dict] = {}
+        self.module_pending: dict[str, Any] = {}  # loaded: the module's plain attributes, put back with them
         self.callbacks_mid_epoch = False
 
     def state_dict(self) -> dict[str, Any]:
@@ -107,6 +108,8 @@ class FitCheckpoint:
             "results": _dump_results(t) if self.mid_epoch else None,
             # the callbacks without a state of their own for Lightning to checkpoint: their plain attributes
             "callbacks": {key: plain_attributes(cb)[0] for key, cb in _plain_callbacks(t).items()},
+            # the module's own plain attributes (a list of the losses it logged), which no state_dict holds
+            "module": _module_attributes(t.lightning_module)[0],
             "finished": self.finished,
             # a fit that a callback stopped (EarlyStopping): no checkpoint of Lightning's holds the
             # flag, and a fit restored from one goes on where it had ended
@@ -119,12 +122,15 @@ class FitCheckpoint:
         self.finished = bool(state["finished"])
         self.effective_batch = state.get("effective_batch") or self.effective_batch
         self.callbacks_pending = dict(state.get("callbacks") or {})
+        self.module_pending = dict(state.get("module") or {})
         self.callbacks_mid_epoch = bool(state["position"]["mid_epoch"])
 
     def give_callbacks(self) -> list[str]:
         """Put the loaded attributes back into the fit's callbacks that Lightning does not
         checkpoint; returns those saved that this fit does not have at that place."""
         pending, self.callbacks_pending = self.callbacks_pending, {}
+        module, self.module_pending = self.module_pending, {}
+        put_attributes({"module": module}, {"module": self.trainer.lightning_module})
         return put_attributes(pending, _plain_callbacks(self.trainer))
 
     def position(self) -> dict[str, Any]:
@@ -208,7 +214,7 @@ class ResilienceCallback(pl.Callback):
         if state.loaded is not None and self._first == 0:  # saved as the fit began: its module as it was
             pl_module.load_state_dict(state.loaded["checkpoint"]["state_dict"])
             state.loaded = None
-            state.callbacks_pending = {}  # the fit starts over, and its callbacks with it
+            state.callbacks_pending = state.module_pending = {}  # the fit starts over, and its callbacks with it
         elif state.loaded is not None:
             _resume(trainer, state)
         _watch_data(trainer, state, self.every_steps is not None)
@@ -223,6 +229,12 @@ class ResilienceCallback(pl.Callback):
         unsaved = unsaved_attributes(_plain_callbacks(trainer), "the fit's callbacks without a state_dict")
         if unsaved:
             self._run.say_once(unsaved)
+        left = _module_attributes(pl_module)[1]
+        if left:
+            self._run.say_once(
+                f"colab_resilience: the plain attributes of the {type(pl_module).__name__} module go with each "
+                f"checkpoint, but not {', '.join(left)} (not plain values): after a resume they hold what the module "
+                "has in this kernel")
         loaded = self._state.loaded
         if loaded is not None:  # restored: the copy the Trainer loaded from goes
             _put_metrics(trainer, loaded["metrics"])  # as the callbacks saw them at the safe point
@@ -292,7 +304,7 @@ class ResilienceCallback(pl.Callback):
         """The callbacks that Lightning does not checkpoint get the plain attributes they had at the
         safe point, where it was taken (their hooks before this callback's had run then too);
         what the checkpoint holds for a callback this fit does not have is said once."""
-        if self._state is None or not self._state.callbacks_pending:
+        if self._state is None or not (self._state.callbacks_pending or self._state.module_pending):
             return
         missing = self._state.give_callbacks()
         if missing and self._run is not None:
@@ -308,6 +320,16 @@ class ResilienceCallback(pl.Callback):
                              (trainer.fit_loop.epoch_loop, ("on_run_start", "advance", "reset"))):
             for name in names:
                 vars(owner).pop(name, None)
+
+
+def _module_attributes(module: pl.LightningModule) -> tuple[dict, list[str]]:
+    """The module's own public attributes that are plain values (a list it appends each step's
+    loss to, a counter), copied, and the names of its other public ones (not saved); its
+    parameters, buffers and submodules are in its state_dict, its modes in ``carried``, and
+    Lightning's own attributes are private."""
+    kept, left = plain_attributes(module)
+    keep = {name: value for name, value in kept.items() if not name.startswith("_") and name != "training"}
+    return keep, [name for name in left if not name.startswith("_")]
 
 
 def _plain_callbacks(trainer: pl.Trainer) -> dict[str, pl.Callback]:
