@@ -224,7 +224,7 @@ def test_what_the_callback_refuses_where_it_warns_and_where_it_does_nothing(kern
     fit(ckpt_path=...) is refused in one line (the run resumes from its own checkpoints), and so
     is a callback made outside the cell (the cell would not be run as a loop of epochs). Data
     whose order the callback cannot put back is named in one line before training starts, and so
-    is an attribute of a callback without a state_dict that is not a plain value."""
+    is an attribute of a callback without a state_dict, or of the module, that is not a plain value."""
     nb = load(tmp_path, epochs=1)
     harness.run_interactive(kernel, nb, stop="train")
     kernel.ok("from colab_resilience.integrations.lightning import ResilienceCallback\n"
@@ -262,6 +262,11 @@ def test_what_the_callback_refuses_where_it_warns_and_where_it_does_nothing(kern
     assert reply.stdout.count(
         "colab_resilience: the state of the fit's callbacks without a state_dict goes with each checkpoint, but not "
         "Best.best (not plain values): after a resume they hold what the callback has in this kernel") == 1, reply.stdout
+    reply = kernel.ok("%%resilient\nmodel.last = torch.zeros(1)  # a tensor attribute: not in its state_dict\n"
+                      "make(callbacks=[ResilienceCallback()]).fit(model, train_data)")
+    assert reply.stdout.count(
+        "colab_resilience: the plain attributes of the Model module go with each checkpoint, but not last (not plain "
+        "values): after a resume they hold what the module has in this kernel") == 1, reply.stdout
 
 
 def test_colab_resilience_check_passes_the_lightning_notebook(tmp_path):
