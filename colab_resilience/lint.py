@@ -277,8 +277,12 @@ def carried_names(tree: ast.AST, saved: list[str], namespace=None) -> list[str]:
             elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                   and node.func.attr in _MUTATORS and isinstance(node.func.value, ast.Name)):
                 changed.append(node.func.value.id)
-        for name in changed:
-            if name in fresh or name in saved or name in found:
+        # read in an iteration before it is set for sure in it (best = loss under an if, after
+        # `if loss < best`): the value read is the last iteration's
+        early = _read_before_set(loop.body, bound_names(ast.Module(body=loop.body, type_ignores=[])),
+                                 bound_names(loop.target))
+        for name in changed + early:
+            if (name in fresh and name not in early) or name in saved or name in found:
                 continue
             if namespace is not None and name in namespace and not _is_state(namespace[name]):
                 continue
@@ -322,6 +326,88 @@ def _holds_state(value) -> bool:
         return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
     except Exception:  # a property, or a __getattr__, that raises
         return False
+
+
+def _loads(node: ast.AST) -> list[str]:
+    """The names ``node`` reads, not within a function, a lambda or a class it defines, nor a
+    comprehension's own variables."""
+    if isinstance(node, ast.Name):
+        return [node.id] if isinstance(node.ctx, ast.Load) else []
+    found = [name for child in ast.iter_child_nodes(node)
+             if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef))
+             for name in _loads(child)]
+    if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+        own = set().union(*(bound_names(g.target) for g in node.generators))
+        found = [name for name in found if name not in own]
+    return found
+
+
+def _read_before_set(body: list[ast.stmt], assigned: set[str], definite: set[str]) -> list[str]:
+    """The names of ``assigned`` that ``body`` may read before it has set them for sure (on every
+    path: a name set in only one branch of an ``if`` is not; a loop's body is taken to run, and a
+    ``try``'s to end), ``definite`` being set already."""
+    found: list[str] = []
+
+    def read(node) -> None:
+        for name in _loads(node):
+            if name in assigned and name not in definite and name not in found:
+                found.append(name)
+
+    def block(stmts: list[ast.stmt], sure: set[str]) -> set[str]:
+        nonlocal definite
+        outer, definite = definite, set(sure)
+        try:
+            for stmt in stmts:
+                statement(stmt)
+            return definite
+        finally:
+            definite = outer
+
+    def statement(stmt: ast.stmt) -> None:
+        nonlocal definite
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            for d in stmt.decorator_list:
+                read(d)
+            definite = definite | {stmt.name}
+        elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            if stmt.value is not None:
+                read(stmt.value)
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            for target in targets:
+                if isinstance(stmt, ast.AugAssign) and isinstance(target, ast.Name):  # x += 1 reads x
+                    read(ast.Name(id=target.id, ctx=ast.Load()))
+                elif not isinstance(target, ast.Name):
+                    read(target)  # x[i] = ..., x.a = ...: x is read
+            definite = definite | bound_names(ast.Module(body=[stmt], type_ignores=[]))
+        elif isinstance(stmt, ast.If):
+            read(stmt.test)
+            definite = block(stmt.body, definite) & block(stmt.orelse, definite)
+        elif isinstance(stmt, (ast.For, ast.AsyncFor)):  # taken to run once at least (a loader's batches)
+            read(stmt.iter)
+            definite = block(stmt.body, definite | bound_names(stmt.target))
+            block(stmt.orelse, definite)
+        elif isinstance(stmt, ast.While):
+            read(stmt.test)
+            definite = block(stmt.body, definite)
+            block(stmt.orelse, definite)
+        elif isinstance(stmt, (ast.With, ast.AsyncWith)):
+            for item in stmt.items:
+                read(item.context_expr)
+                if item.optional_vars is not None:
+                    definite = definite | bound_names(item.optional_vars)
+            definite = block(stmt.body, definite)
+        elif isinstance(stmt, ast.Try) or type(stmt).__name__ == "TryStar":  # taken to run whole
+            definite = block(stmt.body, definite)
+            for handler in stmt.handlers:
+                block(handler.body, definite)
+            block(stmt.orelse, definite)
+            definite = block(stmt.finalbody, definite)
+        else:
+            read(stmt)
+            definite = definite | bound_names(ast.Module(body=[stmt], type_ignores=[]))
+
+    block(body, definite)
+    return found
 
 
 def read_after_loop(tree: ast.AST, saved: list[str]) -> list[str]:

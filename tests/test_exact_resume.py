@@ -384,6 +384,34 @@ def test_the_first_run_of_a_cell_names_what_would_make_a_resume_differ(ip, tmp_p
     assert "gradients accumulate across resume_range iterations" in out
 
 
+def test_the_first_run_names_what_early_stopping_carries_though_it_is_set_in_the_loop(ip, tmp_path, capsys):
+    """Early stopping as it is written by hand: the best loss and the count of epochs without a
+    better one are set inside the loop, but only under an if, and read before: their values come
+    from the iteration before (a resume without them stopped at another epoch, and said done).
+    They are named at the first run; a name the iteration sets before it reads it on every path
+    (the loss of the epoch's last batch, a comprehension's own variable) is not."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell("%%replay\nlosses = [5.0, 4.0, 4.5, 4.2, 4.1, 3.0]\nbatches = [[1.0, 2.0], [3.0]]")
+    capsys.readouterr()
+    r = ip.run_cell("%%resilient --save losses\n"
+                    "best, bad = float('inf'), 0\n"
+                    "for epoch in resume_range(len(losses)):\n"
+                    "    for batch in batches:\n"
+                    "        last = sum(b * 2 for b in batch)\n"
+                    "    scaled = [v * last for v in batch]\n"
+                    "    if losses[epoch] < best:\n"
+                    "        best, bad = losses[epoch], 0\n"
+                    "    else:\n"
+                    "        bad += 1\n"
+                    "        if bad >= 2:\n"
+                    "            break\n")
+    assert r.success, r.error_in_exec
+    out = capsys.readouterr().out
+    assert ("colab_resilience: the resume_range loop carries bad, best from one iteration to the next without "
+            "--save") in out, out
+    assert "last" not in out and " v," not in out, out
+
+
 def test_the_first_run_names_the_objects_with_a_state_that_the_loop_uses_without_saving_them(ip, tmp_path, capsys):
     """A scheduler, a torch.Generator and a NumPy Generator the loop uses and --save does not save
     (their step count, their state went on after the safe point: a rollback or a restart gave the
