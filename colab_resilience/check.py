@@ -215,7 +215,13 @@ def choose_faults(timeline: list[tuple[int, str, float, str]], count: int, seed:
     return out
 
 
+# the folder ipykernel compiles each cell into, named by the kernel's process: in a warning's
+# location (/tmp/ipykernel_4242/1234567.py:3: UserWarning), it differs from kernel to kernel
+_KERNEL_FOLDER = re.compile(r"ipykernel_\d+")
+
+
 def _lines(cell) -> list[str]:
+    """What a cell printed, line by line (the kernel's own folder in a path as ``ipykernel_PID``)."""
     text = []
     for out in cell.get("outputs", []):
         kind = out.get("output_type")
@@ -225,7 +231,7 @@ def _lines(cell) -> list[str]:
             text.append(str(out.get("data", {}).get("text/plain", "")) + "\n")
         elif kind == "error":
             text.append(f"{out.get('ename')}: {out.get('evalue')}\n")
-    return "".join(text).splitlines()
+    return _KERNEL_FOLDER.sub("ipykernel_PID", "".join(text)).splitlines()
 
 
 def _digests(cell, mark: str) -> dict[str, list]:

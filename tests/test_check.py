@@ -229,3 +229,24 @@ def test_an_oom_the_notebook_catches_itself_proves_nothing_and_is_said_so(tmp_pa
     assert r.stdout.splitlines()[-1].endswith(
         "1 of 2 out-of-memory errors were caught where they were raised (by the notebook's code or a library's), even "
         "aimed again (try another --seed) (seed 0)"), r.stdout
+
+
+def test_a_warning_whose_location_names_the_kernels_folder_is_the_same_output_in_every_kernel(tmp_path):
+    """A warning raised by a cell after the training prints where it was raised: a file in the
+    folder ipykernel compiles cells into, named by the kernel's process (/tmp/ipykernel_4242/...),
+    which differs in the kernel that took over. That is no difference in what the cell printed:
+    check compares the lines with the folder as ipykernel_PID, and calls the run identical (it
+    said the cell's output differed, every variable the same)."""
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": harness.KERNEL_NAME, "language": "python",
+                                                           "display_name": "tests"}})
+    nb.cells = [nbformat.v4.new_code_cell("%load_ext colab_resilience"),
+                nbformat.v4.new_code_cell("%%replay\nimport sys, time, warnings\nwarnings.simplefilter('always')\n"
+                                          "total = 0"),
+                nbformat.v4.new_code_cell("%%resilient --save total\nfor i in resume_range(4):\n    total += i\n"
+                                          "    time.sleep(0.05)"),
+                nbformat.v4.new_code_cell("warnings.warn(f'total is {total}')\nsys.stderr.flush()")]
+    path = tmp_path / "warns.ipynb"
+    nbformat.write(nb, path)
+    r = check(str(path), "--faults", "1", "--seed", "0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SIGKILL" in r.stdout and ": identical (1 kernel restart" in r.stdout, r.stdout
