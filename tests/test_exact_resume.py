@@ -384,16 +384,25 @@ def test_the_first_run_of_a_cell_names_what_would_make_a_resume_differ(ip, tmp_p
     assert "gradients accumulate across resume_range iterations" in out
 
 
+def said_at_first_run(ip, tmp_path, capsys, replay: str, cell: str) -> str:
+    """What a %%resilient ``cell`` prints at its first run, after the %%replay cell ``replay``."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell("%%replay\n" + replay)
+    capsys.readouterr()
+    r = ip.run_cell(cell)
+    assert r.success, r.error_in_exec
+    return capsys.readouterr().out
+
+
 def test_the_first_run_names_what_early_stopping_carries_though_it_is_set_in_the_loop(ip, tmp_path, capsys):
     """Early stopping as it is written by hand: the best loss and the count of epochs without a
     better one are set inside the loop, but only under an if, and read before: their values come
     from the iteration before (a resume without them stopped at another epoch, and said done).
     They are named at the first run; a name the iteration sets before it reads it on every path
     (the loss of the epoch's last batch, a comprehension's own variable) is not."""
-    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
-    ip.run_cell("%%replay\nlosses = [5.0, 4.0, 4.5, 4.2, 4.1, 3.0]\nbatches = [[1.0, 2.0], [3.0]]")
-    capsys.readouterr()
-    r = ip.run_cell("%%resilient --save losses\n"
+    out = said_at_first_run(ip, tmp_path, capsys,
+                            "losses = [5.0, 4.0, 4.5, 4.2, 4.1, 3.0]\nbatches = [[1.0, 2.0], [3.0]]",
+                            "%%resilient --save losses\n"
                     "best, bad = float('inf'), 0\n"
                     "for epoch in resume_range(len(losses)):\n"
                     "    for batch in batches:\n"
@@ -405,8 +414,6 @@ def test_the_first_run_names_what_early_stopping_carries_though_it_is_set_in_the
                     "        bad += 1\n"
                     "        if bad >= 2:\n"
                     "            break\n")
-    assert r.success, r.error_in_exec
-    out = capsys.readouterr().out
     assert ("colab_resilience: the resume_range loop carries bad, best from one iteration to the next without "
             "--save") in out, out
     assert "last" not in out and " v," not in out, out
@@ -418,20 +425,15 @@ def test_the_first_run_names_the_objects_with_a_state_that_the_loop_uses_without
     run other learning rates and other draws, and it said done): named in one line at the first
     run. The saved model, a loss function (no parameters, no state), a name the loop binds itself
     are not; with them in --save, nothing is said of them."""
-    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
-    ip.run_cell("%%replay\nimport numpy as np, torch\nmodel = torch.nn.Linear(2, 1)\n"
-                "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-                "sched = torch.optim.lr_scheduler.StepLR(opt, 1)\nloss_fn = torch.nn.MSELoss()\n"
-                "g = torch.Generator().manual_seed(0)\nrng = np.random.default_rng(0)")
-    capsys.readouterr()
     cell = ("%%resilient --save model,opt\n"
             "for step in resume_range(3):\n"
             "    x = torch.randn(4, 2, generator=g) * float(rng.random())\n"
             "    loss = loss_fn(model(x), torch.zeros(4, 1))\n"
             "    opt.zero_grad(); loss.backward(); opt.step(); sched.step()\n")
-    r = ip.run_cell(cell)
-    assert r.success, r.error_in_exec
-    out = capsys.readouterr().out
+    out = said_at_first_run(ip, tmp_path, capsys, "import numpy as np, torch\nmodel = torch.nn.Linear(2, 1)\n"
+                            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                            "sched = torch.optim.lr_scheduler.StepLR(opt, 1)\nloss_fn = torch.nn.MSELoss()\n"
+                            "g = torch.Generator().manual_seed(0)\nrng = np.random.default_rng(0)", cell)
     lines = [line for line in out.splitlines() if "without --save: a state it changes in place" in line]
     assert len(lines) == 1, out
     assert lines[0].startswith("colab_resilience: the resume_range loop uses g (Generator), rng (Generator), "
@@ -447,15 +449,12 @@ def test_the_first_run_names_a_resume_range_loop_that_something_around_it_would_
     wrapped in enumerate (which counts from 0 again): one line each, said at the first run. A
     loop wrapped in enumerate or a progress bar is still a resume_range loop for the other checks
     (the names it carries); the forms that resume exactly say nothing."""
-    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
-    ip.run_cell("%%replay\nitems = [1.0, 2.0, 3.0]\ntotal = 0.0\nsteps = 0\ndef tqdm(iterable):\n    return iterable")
-    capsys.readouterr()
-    r = ip.run_cell("%%resilient --save items\n"
-                    "for epoch in range(2):\n"
-                    "    for i, x in enumerate(resume_range(items)):\n"
-                    "        total += i * x\n")
-    assert r.success, r.error_in_exec
-    out = capsys.readouterr().out
+    out = said_at_first_run(ip, tmp_path, capsys,
+                            "items = [1.0, 2.0, 3.0]\ntotal = 0.0\nsteps = 0\ndef tqdm(iterable):\n    return iterable",
+                            "%%resilient --save items\n"
+                            "for epoch in range(2):\n"
+                            "    for i, x in enumerate(resume_range(items)):\n"
+                            "        total += i * x\n")
     assert ("a resume_range loop runs inside a plain for or while loop: after a rollback or a restart the plain "
             "loop starts over while resume_range goes on at its saved step") in out, out
     assert "enumerate(resume_range(...)) starts over after a rollback or a restart" in out, out
