@@ -11,7 +11,8 @@ from an uninterrupted one, said when the cell first runs in a kernel:
 - names the cell reads that neither ``--save`` nor a ``%%replay`` cell would bring back after a
   restart;
 - names a ``resume_range`` loop carries from one iteration to the next (``running += loss``,
-  ``seen.append(x)``) without ``--save``: after a rollback they would not have the values of the
+  ``seen.append(x)``, or a name an iteration reads before it sets it on every path: a best loss
+  set under an ``if``) without ``--save``: after a rollback they would not have the values of the
   safe point;
 - gradients accumulated across ``resume_range`` iterations (``zero_grad`` called in only some of
   them): a checkpoint does not hold gradients, and a rollback clears them;
