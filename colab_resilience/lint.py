@@ -34,9 +34,11 @@ import ast
 import builtins
 import difflib
 import io
+import sys
 import types
 
 from . import replay
+from .checkpoints.rng import is_generator
 from .errors import OptionError
 from .recovery import set_shrink_value, shrink_value
 
@@ -70,6 +72,11 @@ def bound_names(tree: ast.AST | None, *, arguments: bool = False) -> set[str]:
         elif arguments and isinstance(node, ast.arg):
             names.add(node.arg)
     return names
+
+
+def _bound_in(stmts: list[ast.stmt]) -> set[str]:
+    """The names ``stmts`` bind (see :func:`bound_names`)."""
+    return bound_names(ast.Module(body=stmts, type_ignores=[]))
 
 
 def _user_variables(shell) -> list[str]:
@@ -280,7 +287,7 @@ def carried_names(tree: ast.AST, saved: list[str], namespace=None) -> list[str]:
                 changed.append(node.func.value.id)
         # read in an iteration before it is set for sure in it (best = loss under an if, after
         # `if loss < best`): the value read is the last iteration's
-        early = _read_before_set(loop.body, bound_names(ast.Module(body=loop.body, type_ignores=[])),
+        early = _read_before_set(loop.body, _bound_in(loop.body),
                                  bound_names(loop.target))
         for name in changed + early:
             if (name in fresh and name not in early) or name in saved or name in found:
@@ -298,7 +305,7 @@ def unsaved_state_objects(tree: ast.AST, saved: list[str], namespace) -> list[st
     parameters or buffers, as a loss function, has none), or a random number generator."""
     found: list[str] = []
     for loop in _resume_loops(tree):
-        fresh = bound_names(loop.target) | bound_names(ast.Module(body=loop.body, type_ignores=[]))
+        fresh = bound_names(loop.target) | _bound_in(loop.body)
         for node in _walk_body(loop):
             if not (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)):
                 continue
@@ -311,16 +318,11 @@ def unsaved_state_objects(tree: ast.AST, saved: list[str], namespace) -> list[st
 
 
 def _holds_state(value) -> bool:
-    import random
-    import sys
-
     if isinstance(value, type) or isinstance(value, types.ModuleType):
         return False
-    torch, npr = sys.modules.get("torch"), sys.modules.get("numpy.random")
-    if isinstance(value, random.Random) or (torch is not None and isinstance(value, torch.Generator)):
+    if is_generator(value):
         return True
-    if npr is not None and isinstance(value, (npr.Generator, npr.RandomState)):
-        return True
+    torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.nn.Module):
         return any(True for _ in value.parameters()) or any(True for _ in value.buffers())
     try:
@@ -349,63 +351,53 @@ def _read_before_set(body: list[ast.stmt], assigned: set[str], definite: set[str
     ``try``'s to end), ``definite`` being set already."""
     found: list[str] = []
 
-    def read(node) -> None:
+    def read(node, sure: set[str]) -> None:
         for name in _loads(node):
-            if name in assigned and name not in definite and name not in found:
+            if name in assigned and name not in sure and name not in found:
                 found.append(name)
 
     def block(stmts: list[ast.stmt], sure: set[str]) -> set[str]:
-        nonlocal definite
-        outer, definite = definite, set(sure)
-        try:
-            for stmt in stmts:
-                statement(stmt)
-            return definite
-        finally:
-            definite = outer
+        for stmt in stmts:
+            sure = statement(stmt, sure)
+        return sure
 
-    def statement(stmt: ast.stmt) -> None:
-        nonlocal definite
+    def statement(stmt: ast.stmt, sure: set[str]) -> set[str]:
+        """What is set for sure after ``stmt``, its reads checked against ``sure``."""
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            for d in stmt.decorator_list:
-                read(d)
-            definite = definite | {stmt.name}
-        elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for decorator in stmt.decorator_list:
+                read(decorator, sure)
+            return sure | {stmt.name}
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             if stmt.value is not None:
-                read(stmt.value)
-            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-            for target in targets:
+                read(stmt.value, sure)
+            for target in stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]:
                 if isinstance(stmt, ast.AugAssign) and isinstance(target, ast.Name):  # x += 1 reads x
-                    read(ast.Name(id=target.id, ctx=ast.Load()))
+                    read(ast.Name(id=target.id, ctx=ast.Load()), sure)
                 elif not isinstance(target, ast.Name):
-                    read(target)  # x[i] = ..., x.a = ...: x is read
-            definite = definite | bound_names(ast.Module(body=[stmt], type_ignores=[]))
-        elif isinstance(stmt, ast.If):
-            read(stmt.test)
-            definite = block(stmt.body, definite) & block(stmt.orelse, definite)
-        elif isinstance(stmt, (ast.For, ast.AsyncFor)):  # taken to run once at least (a loader's batches)
-            read(stmt.iter)
-            definite = block(stmt.body, definite | bound_names(stmt.target))
-            block(stmt.orelse, definite)
-        elif isinstance(stmt, ast.While):
-            read(stmt.test)
-            definite = block(stmt.body, definite)
-            block(stmt.orelse, definite)
-        elif isinstance(stmt, (ast.With, ast.AsyncWith)):
+                    read(target, sure)  # x[i] = ..., x.a = ...: x is read
+            return sure | _bound_in([stmt])
+        if isinstance(stmt, ast.If):
+            read(stmt.test, sure)
+            return block(stmt.body, sure) & block(stmt.orelse, sure)
+        if isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)):  # taken to run once at least (a loader's batches)
+            read(stmt.test if isinstance(stmt, ast.While) else stmt.iter, sure)
+            after = block(stmt.body, sure if isinstance(stmt, ast.While) else sure | bound_names(stmt.target))
+            block(stmt.orelse, after)
+            return after
+        if isinstance(stmt, (ast.With, ast.AsyncWith)):
             for item in stmt.items:
-                read(item.context_expr)
+                read(item.context_expr, sure)
                 if item.optional_vars is not None:
-                    definite = definite | bound_names(item.optional_vars)
-            definite = block(stmt.body, definite)
-        elif isinstance(stmt, ast.Try) or type(stmt).__name__ == "TryStar":  # taken to run whole
-            definite = block(stmt.body, definite)
+                    sure = sure | bound_names(item.optional_vars)
+            return block(stmt.body, sure)
+        if isinstance(stmt, ast.Try) or type(stmt).__name__ == "TryStar":  # taken to run whole
+            after = block(stmt.body, sure)
             for handler in stmt.handlers:
-                block(handler.body, definite)
-            block(stmt.orelse, definite)
-            definite = block(stmt.finalbody, definite)
-        else:
-            read(stmt)
-            definite = definite | bound_names(ast.Module(body=[stmt], type_ignores=[]))
+                block(handler.body, after)
+            block(stmt.orelse, after)
+            return block(stmt.finalbody, after)
+        read(stmt, sure)
+        return sure | _bound_in([stmt])
 
     block(body, definite)
     return found
@@ -421,7 +413,7 @@ def read_after_loop(tree: ast.AST, saved: list[str]) -> list[str]:
         for i, stmt in enumerate(block):
             if stmt not in _resume_loops(stmt) or not isinstance(stmt, ast.For):
                 continue
-            inside = bound_names(ast.Module(body=stmt.body, type_ignores=[])) - set(saved)
+            inside = _bound_in(stmt.body) - set(saved)
             rebound: set[str] = set()
             for later in block[i + 1:]:
                 for node in ast.walk(later):

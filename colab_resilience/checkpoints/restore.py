@@ -29,7 +29,7 @@ from typing import Any, MutableMapping, Sequence
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointWarning
 from . import blobs, codec, hashing, pytree, tensorfile
 from .manifest import Entry, Manifest
-from .rng import restore_rng
+from .rng import is_generator, restore_rng
 from .values import first_line, type_name
 
 
@@ -245,7 +245,7 @@ def _generator_state_put_back(target: Any, saved: Any) -> bool:
     set-up cells hand the generator they make to others (``DataLoader(..., generator=g)``, a
     sampler, a function's default), which would go on drawing from it, not from a copy bound to
     the name. Other values are bound to the name (False)."""
-    if target is None or type(target) is not type(saved):
+    if type(target) is not type(saved) or not is_generator(target):
         return False
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(target, torch.Generator):
@@ -256,16 +256,13 @@ def _generator_state_put_back(target: Any, saved: Any) -> bool:
     if isinstance(target, random.Random):
         target.setstate(saved.getstate())
         return True
-    npr = sys.modules.get("numpy.random")
-    if npr is not None and isinstance(target, npr.Generator):
+    if hasattr(target, "bit_generator"):  # NumPy's Generator
         if type(target.bit_generator) is not type(saved.bit_generator):
             return False
         target.bit_generator.state = saved.bit_generator.state
         return True
-    if npr is not None and isinstance(target, npr.RandomState):
-        target.set_state(saved.get_state())
-        return True
-    return False
+    target.set_state(saved.get_state())  # NumPy's RandomState
+    return True
 
 
 def _jax_leaf(d: dict, a: Any) -> Any:

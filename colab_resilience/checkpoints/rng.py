@@ -22,6 +22,16 @@ from typing import Any, Mapping
 from ..errors import CheckpointWarning
 
 
+def is_generator(value: Any) -> bool:
+    """Whether ``value`` is a random number generator of its own: torch's ``Generator``, NumPy's
+    ``Generator`` or ``RandomState``, Python's ``random.Random``."""
+    import random
+
+    torch, npr = sys.modules.get("torch"), sys.modules.get("numpy.random")
+    return (isinstance(value, random.Random) or (torch is not None and isinstance(value, torch.Generator))
+            or (npr is not None and isinstance(value, (npr.Generator, npr.RandomState))))
+
+
 def capture_rng() -> dict[str, Any]:
     """The random-number states: Python, NumPy (if imported), torch CPU and initialised CUDA."""
     import random
