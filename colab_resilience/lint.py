@@ -38,7 +38,7 @@ import sys
 import types
 
 from . import replay
-from .checkpoints.rng import is_generator
+from .checkpoints.values import holds_state
 from .errors import OptionError
 from .recovery import set_shrink_value, shrink_value
 
@@ -312,23 +312,9 @@ def unsaved_state_objects(tree: ast.AST, saved: list[str], namespace) -> list[st
             name = node.id
             if name in fresh or name in saved or name not in namespace or any(f.startswith(name + " ") for f in found):
                 continue
-            if _holds_state(namespace[name]):
+            if holds_state(namespace[name]):
                 found.append(f"{name} ({type(namespace[name]).__name__})")
     return found
-
-
-def _holds_state(value) -> bool:
-    if isinstance(value, type) or isinstance(value, types.ModuleType):
-        return False
-    if is_generator(value):
-        return True
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.nn.Module):
-        return any(True for _ in value.parameters()) or any(True for _ in value.buffers())
-    try:
-        return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
-    except Exception:  # a property, or a __getattr__, that raises
-        return False
 
 
 def _loads(node: ast.AST) -> list[str]:

@@ -140,6 +140,16 @@ class Saver:
             self._failed(e)
             return False
         self._count(snap.stall, snap.staged, snap.written_through)
+        for p in snap.prepared:
+            if p.cut_off:
+                them = " and ".join(p.cut_off)
+                one = len(p.cut_off) == 1
+                self._once(f"cut_off:{p.name}:{them}", (
+                    f"colab_resilience: {p.name!r} holds {them}, which {'is' if one else 'are'} not in --save: "
+                    f"after a restore it would hold {'a copy of it' if one else 'copies of them'}, cut off from "
+                    f"{them} (code that uses {them} would go on from the replayed state); add {them} to --save: "
+                    f"{'it is' if one else 'they are'} restored in place and {p.name!r} holds "
+                    f"{'it' if one else 'them'} again"))
         if self.staging is None:
             try:
                 self._persist(snap, info)

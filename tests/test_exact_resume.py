@@ -126,6 +126,64 @@ def test_a_rollback_clears_gradients_and_puts_modes_back(ip, tmp_path):
     assert ip.user_ns["seen"] == [(0, True, False, True), (1, True, False, True), (1, True, False, True)]
 
 
+
+_TRAINER = ("import torch\nfrom payloads import Opaque\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(4, 1)\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\n"
+            "trainer = Opaque(model)\ntrainer.opt, trainer.params, trainer.steps = opt, list(model.parameters()), 0\n"
+            "x = torch.randn(8, 4)\nfail = [True]")
+_TRAIN_THROUGH_IT = ("for epoch in resume_range(4):\n"
+                     "    trainer.opt.zero_grad(); trainer.v(x).pow(2).mean().backward(); trainer.opt.step()\n"
+                     "    trainer.steps += 1\n"
+                     "    if epoch == 2 and fail:\n"
+                     "        fail.clear(); raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')\n")
+
+
+def test_a_pickled_object_that_holds_the_model_holds_it_again_after_a_rollback(ip, tmp_path, capsys):
+    """A trainer object (pickled) that holds the model, its optimizer and its parameters, saved
+    with them, trains through them; an OOM in epoch 2 rolls back to the safe point. The restored
+    trainer holds the restored model and optimizer, not copies: the run ends bit for bit as its
+    uninterrupted twin (before, the retry trained a copy, and `model` stayed where the rollback
+    left it: it said done with other weights). Saved without them, the first save says, in one
+    line, that the trainer would come back holding copies."""
+    import torch
+
+    from payloads import raw
+
+    twin: dict = {}
+    exec(_TRAINER, twin)
+    exec(_TRAIN_THROUGH_IT.replace("resume_range", "range").replace("fail", "[]"), twin)
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell("%%replay\n" + _TRAINER)
+    r = ip.run_cell("%%resilient --save trainer,model,opt\n" + _TRAIN_THROUGH_IT)
+    assert r.success, r.error_in_exec
+    ns = ip.user_ns
+    assert "retry" in capsys.readouterr().out
+    assert ns["trainer"].v is ns["model"] and ns["trainer"].opt is ns["opt"]
+    assert ns["trainer"].params[0] is ns["model"].weight and ns["trainer"].steps == 4
+    assert raw(ns["model"].weight) == raw(twin["model"].weight) and raw(ns["model"].bias) == raw(twin["model"].bias)
+    assert all(torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+               for a, b in zip(ns["opt"].state.values(), twin["opt"].state.values()))
+    out = said_at_first_run(ip, tmp_path, capsys, _TRAINER,
+                            "%%resilient --save trainer\n" + _TRAIN_THROUGH_IT.replace("fail", "[]"))
+    assert ("colab_resilience: 'trainer' holds model and opt, which are not in --save: after a restore it would "
+            "hold copies of them, cut off from model and opt") in out, out
+    assert "add model and opt to --save" in out, out
+
+
+def test_two_pickled_objects_that_hold_each_other_are_refused_at_the_first_safe_point(ip, tmp_path):
+    """Two saved objects, each pickled, that hold each other: neither could be unpickled first,
+    and restoring them as two copies would cut them apart. The first safe point stops the cell
+    with one line that says what to save instead; nothing is written."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell("%%replay\nfrom payloads import Opaque\na = Opaque(None)\nb = Opaque(a)\na.v = b")
+    r = ip.run_cell("%%resilient --save a,b\nfor i in resume_range(2):\n    pass\n")
+    message = str(r.error_in_exec)
+    assert not r.success and "\n" not in message, message
+    assert message.startswith("colab_resilience: cannot save 'b': it and 'a' hold each other"), message
+    assert "save only one of them" in message, message
+
+
+
 # -- checkpoint() ------------------------------------------------------------------------------------
 
 
@@ -471,3 +529,4 @@ def test_the_first_run_names_a_resume_range_loop_that_something_around_it_would_
                     "        total += i * x\n")
     assert r.success, r.error_in_exec
     assert "colab_resilience: " not in capsys.readouterr().out
+

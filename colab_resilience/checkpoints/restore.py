@@ -17,6 +17,7 @@ unpickled only here, after the manifest's signature and the blob's hash were che
 from __future__ import annotations
 
 import difflib
+import io
 import json
 import pickle
 import random
@@ -30,7 +31,7 @@ from ..errors import CheckpointCorruptError, CheckpointError, CheckpointWarning
 from . import blobs, codec, hashing, pytree, tensorfile
 from .manifest import Entry, Manifest
 from .rng import is_generator, restore_rng
-from .values import first_line, type_name
+from .values import REF, first_line, type_name
 
 
 class LoadedBlob:
@@ -143,12 +144,13 @@ class Checkpoint:
             ))
         for message in problems.values():
             warnings.warn(message, CheckpointWarning, stacklevel=2)
+        restoring = _Restoring(self, namespace, [n for n in wanted if n not in problems])
         restored = []
         for n in wanted:
             if n in problems:
                 continue
             try:
-                self._restore_one(self._entries[n], namespace)
+                restoring.restore(n)
             except CheckpointError as err:
                 if strict:
                     raise
@@ -193,11 +195,13 @@ class Checkpoint:
             )
         return None
 
-    def _value(self, e: LoadedBlob, place: bool, *, private: bool = True) -> Any:
+    def _value(self, e: LoadedBlob, place: bool, *, private: bool = True, restoring: _Restoring | None = None) -> Any:
         got = e.take(private=private)
         if e.format == "pickle":
             try:
-                return pickle.loads(got[0])
+                return _Unpickler(io.BytesIO(got[0]), e.name, restoring).load()
+            except CheckpointError:
+                raise
             except Exception as err:
                 raise CheckpointError(
                     f"colab_resilience: cannot restore {e.name!r}: unpickling failed ({first_line(err)}); "
@@ -208,13 +212,13 @@ class Checkpoint:
             leaves = _place_leaves(e.name, descs, leaves)
         return codec.decode(tree, leaves)
 
-    def _restore_one(self, e: LoadedBlob, namespace: MutableMapping[str, Any]) -> None:
+    def _restore_one(self, e: LoadedBlob, namespace: MutableMapping[str, Any], restoring: _Restoring) -> None:
         if e.kind == "state_dict":
             target = namespace[e.name]
             torch = sys.modules.get("torch")
             # a module copies what it is given into its own tensors; an optimizer keeps them
             copies = torch is not None and isinstance(target, torch.nn.Module)
-            value = self._value(e, place=False, private=not copies)
+            value = self._value(e, place=False, private=not copies, restoring=restoring)
             try:
                 result = target.load_state_dict(value)
             except Exception as err:
@@ -234,9 +238,70 @@ class Checkpoint:
         if e.kind == "pytree":
             namespace[e.name] = pytree.restore_into(e.name, namespace[e.name], self._value(e, place=True))
             return
-        value = self._value(e, place=True)
+        value = self._value(e, place=True, restoring=restoring)
         if not _generator_state_put_back(namespace.get(e.name), value):
             namespace[e.name] = value
+
+
+class _Restoring:
+    """One restore: the names it puts back, each once, in the order their pickles need (a pickle
+    that refers to another saved name gets the object restored under that name: see
+    :class:`.values.Shared`)."""
+
+    def __init__(self, ckpt: Checkpoint, namespace: MutableMapping[str, Any], names: Sequence[str]):
+        self.ckpt, self.namespace = ckpt, namespace
+        self.pending = dict.fromkeys(names)
+        self.busy: set[str] = set()
+
+    def restore(self, name: str) -> None:
+        if name not in self.pending:
+            return  # restored already, for a pickle that refers to it
+        self.busy.add(name)
+        try:
+            self.ckpt._restore_one(self.ckpt._entries[name], self.namespace, self)
+        finally:
+            self.busy.discard(name)
+        del self.pending[name]
+
+    def referred(self, holder: str, name: str, key: Sequence[str]) -> Any:
+        """The object ``holder``'s pickle refers to: what ``name`` holds once restored (a tensor
+        ``key`` of its state dict)."""
+        entry = self.ckpt._entries.get(name)
+        if entry is None:
+            raise CheckpointError(
+                f"colab_resilience: cannot restore {holder!r}: it holds {name!r}, which is not in checkpoint "
+                f"{self.ckpt.checkpoint_id}; restore it from the checkpoint it was saved in")
+        if name in self.busy and entry.kind == "pickle":
+            raise CheckpointError(f"colab_resilience: cannot restore {holder!r}: it and {name!r} hold each other")
+        if name in self.pending and name not in self.busy:
+            self.restore(name)
+        if name not in self.namespace:
+            raise CheckpointError(
+                f"colab_resilience: cannot restore {holder!r}: it holds {name!r}, and no variable {name!r} "
+                f"exists now; restore {name!r} with it, or build it in a %%replay cell")
+        obj = self.namespace[name]
+        for k in key:
+            try:
+                obj = obj.state_dict(keep_vars=True)[k]
+            except Exception:
+                raise CheckpointError(
+                    f"colab_resilience: cannot restore {holder!r}: it holds the tensor {k!r} of {name!r}, which "
+                    f"{name!r} has no more (it holds a {type(self.namespace[name]).__name__} now)") from None
+        return obj
+
+
+class _Unpickler(pickle.Unpickler):
+    """Unpickles a saved value; its references to other saved names resolve to what the restore
+    puts back under them."""
+
+    def __init__(self, f, name: str, restoring: _Restoring | None):
+        super().__init__(f)
+        self.name, self.restoring = name, restoring
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) >= 2 and pid[0] == REF and self.restoring is not None):
+            raise pickle.UnpicklingError(f"a reference this restore cannot resolve: {pid!r}")
+        return self.restoring.referred(self.name, pid[1], pid[2:])
 
 
 def _generator_state_put_back(target: Any, saved: Any) -> bool:

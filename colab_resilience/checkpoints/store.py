@@ -173,16 +173,19 @@ class CheckpointStore:
         device_copy = staging.device_copy if staging is not None else None
         if staging is not None:
             staging.begin()
+        shared = values.Shared(namespace, names)
         try:
             try:
                 for name in names:
                     try:
-                        prepared.append(values.prepare(name, namespace[name], device_copy))
+                        p = values.prepare(name, namespace[name], device_copy, shared)
+                        values.no_cycle(p, prepared, namespace)
                     except UnsaveableValueError as e:
                         if strict:
                             raise
                         skipped[name] = str(e)
                         continue
+                    prepared.append(p)
                     if staging is None:
                         hashing_now[len(prepared) - 1] = self._hash_job(prepared[-1], pool)
             finally:

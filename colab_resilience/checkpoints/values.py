@@ -22,6 +22,13 @@ the package's OOM handling; so do KeyboardInterrupt and SystemExit.
 
 Pickles keep a NumPy masked array exactly (:func:`_reduce_masked_array`): NumPy's own pickling
 turns "no mask" into a full False mask and drops the hard-mask flag.
+
+A pickled value keeps the objects it shares with the other names of its save (:class:`Shared`):
+where it reaches the object another saved name holds (``trainer.model is model``, both saved), or a
+tensor of a saved module (``trainer.params``), the pickle holds a reference to that name, and the
+restore puts the restored object there, not a copy cut off from it. Where it reaches the object of
+a name that is not saved (and has a state: a module, an optimizer, a tensor, an array, a random
+number generator), :attr:`Prepared.cut_off` names it, for the save to say so once.
 """
 
 from __future__ import annotations
@@ -36,11 +43,12 @@ import sys
 import threading
 import types
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..errors import NotPlainError, UnsaveableValueError
 from ..oom import is_oom
 from . import codec, pytree, tensorfile
+from .rng import is_generator
 from .tensorfile import Payload
 
 
@@ -54,6 +62,8 @@ class Prepared:
     type_name: str
     format: str
     payload: Payload
+    refs: tuple[str, ...] = ()  # the other saved names a pickle refers to (:class:`Shared`)
+    cut_off: tuple[str, ...] = ()  # names not saved whose object the pickle holds a copy of
 
 
 def type_name(value: Any) -> str:
@@ -72,13 +82,130 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
-def prepare(name: str, value: Any, device_copy=None) -> Prepared:
+REF = "colab_resilience"  # the first item of a pickle's reference to another saved name
+
+
+class Shared:
+    """What the other names of one save hold, for its pickles (see the module docstring): the
+    objects of the saved names (``name -> object``) and of the rest of ``namespace``. Looked at
+    only once a value is pickled (most saves pickle nothing)."""
+
+    def __init__(self, namespace: Mapping[str, Any], names: Sequence[str]):
+        self._namespace, self._names = namespace, names
+        self._saved: dict[int, tuple[Any, tuple]] | None = None
+        self._elsewhere: dict[int, tuple[Any, str]] = {}
+
+    def _look(self) -> None:
+        saved: dict[int, tuple[Any, tuple]] = {}
+        torch = sys.modules.get("torch")
+        for n in self._names:
+            obj = self._namespace[n]
+            if not n.isidentifier() or _immutable(obj):
+                continue
+            saved.setdefault(id(obj), (obj, (n,)))
+            if torch is not None and isinstance(obj, torch.nn.Module):
+                try:  # a module is restored in place: its own tensors are the ones to refer to
+                    tensors = obj.state_dict(keep_vars=True)
+                except Exception:
+                    tensors = {}
+                for key, t in tensors.items():
+                    if isinstance(t, torch.Tensor):
+                        saved.setdefault(id(t), (t, (n, key)))
+        for n, obj in list(self._namespace.items()):
+            if (isinstance(n, str) and n.isidentifier() and not n.startswith("_") and n not in self._names
+                    and id(obj) not in saved and _has_state(obj)):
+                self._elsewhere.setdefault(id(obj), (obj, n))
+        self._saved = saved
+
+    def pickler(self, f, name: str, root: Any) -> pickle.Pickler:
+        """A pickler of ``root`` (saved as ``name``) that refers to the objects of the other saved
+        names; its ``refs`` and ``cut_off`` say what it met."""
+        if self._saved is None:
+            self._look()
+        return _SharingPickler(f, name, root, self._saved, self._elsewhere)
+
+
+class _SharingPickler(pickle.Pickler):
+    def __init__(self, f, name, root, saved, elsewhere):
+        super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
+        self.name, self.root, self.saved, self.elsewhere = name, root, saved, elsewhere
+        self.refs: dict[str, None] = {}
+        self.cut_off: dict[str, None] = {}
+
+    def persistent_id(self, obj):
+        if obj is self.root:
+            return None
+        hit = self.saved.get(id(obj))
+        if hit is not None and hit[0] is obj and hit[1][0] != self.name:
+            self.refs[hit[1][0]] = None
+            return (REF, *hit[1])
+        hit = self.elsewhere.get(id(obj))
+        if hit is not None and hit[0] is obj:
+            self.cut_off[hit[1]] = None
+        return None
+
+
+def no_cycle(p: Prepared, before: Sequence[Prepared], namespace: Mapping[str, Any]) -> None:
+    """UnsaveableValueError where ``p``'s pickle and those prepared ``before`` it refer to one
+    another in a ring: each is unpickled into a new object, so none could be made first (a value
+    restored in place can, it exists already)."""
+    if p.kind != "pickle" or not p.refs:
+        return
+    pickles = {q.name: q.refs for q in before if q.kind == "pickle"}
+    seen, todo = set(), list(p.refs)
+    while todo:
+        n = todo.pop()
+        if n == p.name:
+            ring = " and ".join(repr(q) for q in p.refs if q in pickles)
+            reason = f"it and {ring} hold each other, and each is pickled, so neither could be unpickled first"
+            raise UnsaveableValueError(
+                f"colab_resilience: cannot save {p.name!r}: {reason}; save only one of them (the other "
+                f"comes back inside it, as it was), or rebuild one in a %%replay cell", p.name,
+                type_name(namespace[p.name]), reason)
+        if n in pickles and n not in seen:
+            seen.add(n)
+            todo.extend(pickles[n])
+
+
+def _immutable(obj: Any) -> bool:
+    """A value whose identity nothing can observe through a change (small ints are shared)."""
+    return isinstance(obj, (int, float, complex, str, bytes, bool, type(None), tuple, frozenset, range,
+                            type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType))
+
+
+def holds_state(value: Any) -> bool:
+    """Whether ``value`` holds a state that methods change in place: a random number generator, a
+    module with parameters or buffers (not a loss function), anything with a state dict."""
+    if isinstance(value, (type, types.ModuleType)):
+        return False
+    if is_generator(value):
+        return True
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.nn.Module):
+        return any(True for _ in value.parameters()) or any(True for _ in value.buffers())
+    try:
+        return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+    except Exception:  # a property, or a __getattr__, that raises
+        return False
+
+
+def _has_state(obj: Any) -> bool:
+    """An object whose copy, once cut off from it, would go its own way: a tensor, an array, or
+    what :func:`holds_state`."""
+    torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
+    if (torch is not None and isinstance(obj, torch.Tensor)) or (np is not None and isinstance(obj, np.ndarray)):
+        return True
+    return holds_state(obj)
+
+
+def prepare(name: str, value: Any, device_copy=None, shared: Shared | None = None) -> Prepared:
     """The blob for ``value``, saved under ``name``; raises UnsaveableValueError, whatever
     inspecting or encoding the value raised, except an out-of-memory error (and KeyboardInterrupt
     or SystemExit), which propagates as it is. ``device_copy``: how CUDA tensors are copied to
-    the host (see :func:`.tensorfile.payload`)."""
+    the host (see :func:`.tensorfile.payload`); ``shared``: what the other names of the save hold
+    (a pickle refers to them)."""
     try:
-        return _prepare(name, value, device_copy)
+        return _prepare(name, value, device_copy, shared)
     except UnsaveableValueError:
         raise
     except Exception as e:
@@ -86,7 +213,7 @@ def prepare(name: str, value: Any, device_copy=None) -> Prepared:
         raise unsaveable(name, value, f"looking at it raised {first_line(e)}") from None
 
 
-def _prepare(name: str, value: Any, device_copy) -> Prepared:
+def _prepare(name: str, value: Any, device_copy, shared: Shared | None) -> Prepared:
     try:
         sd_fn = getattr(value, "state_dict", None)
         stateful = (callable(sd_fn) and callable(getattr(value, "load_state_dict", None))
@@ -100,7 +227,7 @@ def _prepare(name: str, value: Any, device_copy) -> Prepared:
         except Exception as e:
             _unless_oom(e)
             raise unsaveable(name, value, f"its state_dict() failed: {first_line(e)}") from None
-        return encode(name, "state_dict", type_name(value), sd, value, device_copy)
+        return encode(name, "state_dict", type_name(value), sd, value, device_copy, shared)
     reason = unsaveable_reason(value)
     if reason:
         raise unsaveable(name, value, reason)
@@ -111,7 +238,7 @@ def _prepare(name: str, value: Any, device_copy) -> Prepared:
         kind = "ndarray"
     else:
         kind = "value"
-    return encode(name, kind, type_name(value), value, device_copy=device_copy)
+    return encode(name, kind, type_name(value), value, device_copy=device_copy, shared=shared)
 
 
 def _unless_oom(e: Exception) -> None:
@@ -120,7 +247,8 @@ def _unless_oom(e: Exception) -> None:
         raise e
 
 
-def encode(name: str, kind: str, of_type: str, value: Any, owner: Any = None, device_copy=None) -> Prepared:
+def encode(name: str, kind: str, of_type: str, value: Any, owner: Any = None, device_copy=None,
+           shared: Shared | None = None) -> Prepared:
     """``value`` as tagged JSON, as safetensors if it holds tensors or arrays, else pickled.
     ``of_type`` is what the manifest records as its type; ``owner`` the object the value was taken
     from (the error names its type if pickling fails). Whatever the tagged JSON or safetensors
@@ -147,24 +275,24 @@ def encode(name: str, kind: str, of_type: str, value: Any, owner: Any = None, de
                                 else Payload([codec.json_bytes(encoded)]))
         except (NotPlainError, RecursionError):
             pass
+    f = io.BytesIO()
+    pickler = (shared.pickler(f, name, value if owner is None else owner)
+               if shared is not None and name.isidentifier() else pickle.Pickler(f, protocol=pickle.HIGHEST_PROTOCOL))
     try:
-        data = dumps(value)
+        dump(pickler, value)
     except Exception as e:
         _unless_oom(e)
         raise unsaveable(name, value if owner is None else owner, f"pickle failed: {first_line(e)}") from None
-    return Prepared(name, kind if kind == "state_dict" else "pickle", of_type, "pickle", Payload([data]))
+    return Prepared(name, kind if kind == "state_dict" else "pickle", of_type, "pickle", Payload([f.getvalue()]),
+                    refs=tuple(getattr(pickler, "refs", ())), cut_off=tuple(getattr(pickler, "cut_off", ())))
 
 
-def dumps(value: Any) -> bytes:
-    """``pickle.dumps(value)``, with NumPy masked arrays kept exactly (:func:`_reduce_masked_array`)."""
+def dump(pickler: pickle.Pickler, value: Any) -> None:
+    """``pickler.dump(value)``, with NumPy masked arrays kept exactly (:func:`_reduce_masked_array`)."""
     ma = sys.modules.get("numpy.ma")  # a masked array exists only if numpy.ma was imported
-    if ma is None:
-        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    f = io.BytesIO()
-    pickler = pickle.Pickler(f, protocol=pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table = {**copyreg.dispatch_table, ma.MaskedArray: _reduce_masked_array}
+    if ma is not None:
+        pickler.dispatch_table = {**copyreg.dispatch_table, ma.MaskedArray: _reduce_masked_array}
     pickler.dump(value)
-    return f.getvalue()
 
 
 def _reduce_masked_array(a):
