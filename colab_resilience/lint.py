@@ -14,6 +14,8 @@ from an uninterrupted one, said when the cell first runs in a kernel:
   ``seen.append(x)``, or a name an iteration reads before it sets it on every path: a best loss
   set under an ``if``) without ``--save``: after a rollback they would not have the values of the
   safe point;
+- an iterator made before a ``resume_range`` loop that the loop draws from with ``next()``: no
+  checkpoint holds its position;
 - gradients accumulated across ``resume_range`` iterations (``zero_grad`` called in only some of
   them): a checkpoint does not hold gradients, and a rollback clears them;
 - objects a ``resume_range`` loop uses without ``--save`` that hold state a method changes in
@@ -155,6 +157,15 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
             "%%replay cell would bring back after a restart; add them to --save or define them in a %%replay cell"
         )
     carried = carried_names(tree, saved, shell.user_ns)
+    iterators = [n for n in carried if n in drawn_with_next(tree)]
+    carried = [n for n in carried if n not in iterators]
+    if iterators:
+        lines.append(
+            f"colab_resilience: the resume_range loop draws from {', '.join(iterators)} with next(), made before "
+            "it: no checkpoint can hold an iterator's position, so after a rollback or a restart it would not be "
+            "where it was at the safe point, and the result would differ; iterate with resume_range instead "
+            "(for batch in resume_range(loader)), or make the iterator inside the loop"
+        )
     if carried:
         lines.append(
             f"colab_resilience: the resume_range loop carries {', '.join(carried)} from one iteration to the "
@@ -285,6 +296,8 @@ def carried_names(tree: ast.AST, saved: list[str], namespace=None) -> list[str]:
             elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                   and node.func.attr in _MUTATORS and isinstance(node.func.value, ast.Name)):
                 changed.append(node.func.value.id)
+            elif _next_of(node):
+                changed.append(_next_of(node))
         # read in an iteration before it is set for sure in it (best = loss under an if, after
         # `if loss < best`): the value read is the last iteration's
         early = _read_before_set(loop.body, _bound_in(loop.body),
@@ -296,6 +309,20 @@ def carried_names(tree: ast.AST, saved: list[str], namespace=None) -> list[str]:
                 continue
             found.append(name)
     return found
+
+
+def _next_of(node: ast.AST) -> str | None:
+    """The name ``next(name)`` or ``next(name, default)`` draws from."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "next"
+            and node.args and isinstance(node.args[0], ast.Name)):
+        return node.args[0].id
+    return None
+
+
+def drawn_with_next(tree: ast.AST) -> set[str]:
+    """Names a ``resume_range`` loop calls ``next()`` on: iterators, whose position no checkpoint
+    can hold."""
+    return {name for loop in _resume_loops(tree) for node in _walk_body(loop) if (name := _next_of(node))}
 
 
 def unsaved_state_objects(tree: ast.AST, saved: list[str], namespace) -> list[str]:

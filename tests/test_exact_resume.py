@@ -530,3 +530,26 @@ def test_the_first_run_names_a_resume_range_loop_that_something_around_it_would_
     assert r.success, r.error_in_exec
     assert "colab_resilience: " not in capsys.readouterr().out
 
+
+def test_the_first_run_names_an_iterator_made_before_the_loop_that_it_draws_from_with_next(ip, tmp_path, capsys):
+    """`batches = iter(loader)` before the loop, `next(batches)` in it: no checkpoint holds an
+    iterator's position (an OOM retry drew the batch after the failed one, a restart started the
+    iterator over, and the run said done). Named at the first run, with what resumes exactly;
+    an iterator the loop makes itself is not named."""
+    out = said_at_first_run(ip, tmp_path, capsys, "data = [1.0, 2.0, 3.0, 4.0]\ntotal = [0.0]",
+                            "%%resilient --save total\n"
+                            "batches = iter(data)\n"
+                            "for step in resume_range(2):\n"
+                            "    total[0] += next(batches) + next(batches, 0.0)\n")
+    lines = [line for line in out.splitlines() if "next()" in line]
+    assert lines == ["colab_resilience: the resume_range loop draws from batches with next(), made before it: no "
+                     "checkpoint can hold an iterator's position, so after a rollback or a restart it would not be "
+                     "where it was at the safe point, and the result would differ; iterate with resume_range "
+                     "instead (for batch in resume_range(loader)), or make the iterator inside the loop"], out
+    assert "carries" not in out, out  # not told to --save what cannot be saved
+    r = ip.run_cell("%%resilient --save total\n"
+                    "for epoch in resume_range(2):\n"
+                    "    batches = iter(data)\n"
+                    "    total[0] += next(batches)\n")
+    assert r.success, r.error_in_exec
+    assert "colab_resilience: " not in capsys.readouterr().out
