@@ -121,6 +121,20 @@ class RunStoppedError(ResilienceError, RuntimeError):
     cannot be restarted. The message says which, and what to do."""
 
 
+class RetryNotExactError(ResilienceError, RuntimeError):
+    """An in-process retry cannot repeat what the failed attempt did: a ``resume_range`` loop goes
+    on over an iterator an earlier attempt drew from (made outside the cell), whose items up to
+    the safe point are gone. The run goes on in a restarted kernel instead, where the set-up cells
+    make the iterator afresh. ``label``: the reason, in a few words."""
+
+    def __init__(self, message: str, label: str):
+        super().__init__(message)
+        self.label = label
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.label))
+
+
 class NotLoadedError(ResilienceError, RuntimeError):
     """The extension is not loaded in this IPython (``%load_ext colab_resilience``)."""
 

@@ -27,13 +27,16 @@ cell restarted from its first line cannot resume in the middle of its code.
 
 from __future__ import annotations
 
+import gc
 import operator
 import sys
+import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 from .checkpoints import capture_rng, restore_rng
-from .errors import RunStoppedError, UnsafeCheckpointError
+from .errors import RetryNotExactError, RunStoppedError, UnsafeCheckpointError
 
 LOOP_RNG = "loops:rng"  # the checkpoint entry holding the outer loops' random states
 
@@ -81,6 +84,28 @@ def _items(args: tuple) -> Any:
     return range(*(operator.index(a) for a in args))
 
 
+def _own_iterator(x: Any) -> bool:
+    try:
+        return hasattr(type(x), "__next__") and iter(x) is x
+    except Exception:
+        return False
+
+
+def _iterators_in(items: Any, depth: int = 3) -> list[Any]:
+    """The iterators (iterables that are their own iterator: generators) a loop over ``items``
+    draws from: ``items`` itself, and those inside Python's iterator wrappers (``enumerate(gen)``,
+    ``zip``, ``map``, ``itertools``)."""
+    if not _own_iterator(items):
+        return []
+    found = [items]
+    if depth and type(items).__module__ in ("builtins", "itertools") and not isinstance(items, types.GeneratorType):
+        inner = gc.get_referents(items)
+        inner += [x for t in inner if type(t) is tuple for x in t]  # zip and map hold theirs in a tuple
+        for x in inner:
+            found += [y for y in _iterators_in(x, depth - 1) if all(y is not f for f in found)]
+    return found
+
+
 def _describe(items: Any, index: int) -> str:
     describe = getattr(items, "describe", None)  # a framework's epochs name themselves ("epoch 2/4")
     if callable(describe):
@@ -99,9 +124,16 @@ class Loops:
         self.top = 0  # loops started at the top level of this attempt
         self.plan: Plan | None = None
         self.save_requested = False
+        # iterators (an iterable that is its own iterator: a generator) the loops drew from, in
+        # this attempt and in the earlier ones of this kernel: id -> a weak (or, at the top
+        # level, strong) reference
+        self._drawn: dict[int, Any] = {}
+        self._drawn_before: dict[int, Any] = {}
 
     def reset(self) -> None:
         """Before each attempt of the cell."""
+        self._drawn_before.update(self._drawn)
+        self._drawn = {}
         self.frames.clear()
         self.top = 0
         self.plan = None
@@ -168,6 +200,8 @@ class Loops:
             source: Iterable = (items[i] for i in range(start, len(items)))
         else:
             source = iter(items)
+            for it in _iterators_in(items):
+                self._draw_once(it, len(self.frames) == 1)
             for _ in range(start):  # drawn again from a fresh iterator: the same order, the same data
                 if next(source, _END) is _END:
                     break
@@ -190,6 +224,26 @@ class Loops:
                 )
             index += 1
             self.safe_point(frame, index, last=length is not None and index == length)
+
+    def _draw_once(self, items: Any, top: bool) -> None:
+        """Note an iterator a loop draws from; RetryNotExactError where an earlier attempt in this
+        kernel drew from it (made outside the cell, by a %%replay cell): the items it gave are
+        gone, so skipping to the safe point would skip others, and a generator an OOM was raised
+        in has ended. A restarted kernel's set-up cells make it afresh."""
+        earlier = self._drawn_before.get(id(items))
+        if earlier is not None and (earlier() if isinstance(earlier, weakref.ref) else earlier) is items:
+            what = f"a {type(items).__name__}"
+            raise RetryNotExactError(
+                f"colab_resilience: resume_range goes on over {what} an earlier attempt drew from (made outside "
+                "the cell): its items up to the safe point are gone, so a retry in this kernel would skip others; "
+                "a restarted kernel's set-up cells make it afresh (to retry in place, make it in the cell, above "
+                "the loop)",
+                f"the retry cannot draw again from {what} made outside the cell")
+        try:
+            self._drawn[id(items)] = weakref.ref(items)
+        except TypeError:  # no weak references (map, zip): held while the run lasts, at the top level only
+            if top:
+                self._drawn[id(items)] = items
 
     def safe_point(self, frame: Frame, next_index: int, *, last: bool) -> None:
         """The end of ``frame``'s iteration: save if due (or asked for), restart if planned."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, MutableMapping
 
 from . import faults, oom
+from .errors import RetryNotExactError
 from .execution import compile_body, render, reraise, run_body
 from .memory import format_bytes, memory_in_use
 
@@ -127,6 +128,8 @@ class Recovery:
             exc, tb = failure.exc, failure.tb
             del failure
             verdict = oom.classify(exc)
+            if isinstance(exc, RetryNotExactError):  # this retry cannot go on exactly: a restart can
+                verdict = oom.OOMVerdict(oom.RESTART, exc.label, exc)
             if verdict is None:
                 reraise(self.shell, exc, tb)
             faults.reached()
@@ -182,6 +185,8 @@ class Recovery:
 
     def summary(self, verdict: oom.OOMVerdict) -> str:
         o = self.outcome
+        if isinstance(verdict.exc, RetryNotExactError):
+            return str(verdict.exc)
         if verdict.needs_restart:
             return (
                 f"{PREFIX} {verdict.label}: the CUDA context cannot recover in this process, so no "

@@ -184,6 +184,52 @@ def test_two_pickled_objects_that_hold_each_other_are_refused_at_the_first_safe_
 
 
 
+def _generator_notebook(where: str, mark):
+    """A model trained on the batches of a generator that a %%replay cell makes (it cannot be
+    made again in the same kernel), iterated as resume_range(enumerate(gen)); a
+    torch.OutOfMemoryError, once, inside the generator or in the loop's body (``where``)."""
+    oom = ("open(MARK, 'w').close(); raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')")
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        f"%%replay\nimport os, torch\nMARK, WHERE = {str(mark)!r}, {where!r}\n"
+        "def batches():\n"
+        "    g = torch.Generator().manual_seed(0)\n"
+        "    for i in range(6):\n"
+        "        if WHERE == 'generator' and i == 3 and not os.path.exists(MARK):\n"
+        f"            {oom}\n"
+        "        yield torch.randn(4, 3, generator=g)\n"
+        "gen = batches()\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(3, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nseen = []",
+        "%%resilient --save model,opt,seen\n"
+        "for i, x in resume_range(enumerate(gen)):\n"
+        "    opt.zero_grad(); model(x).pow(2).mean().backward(); opt.step(); seen.append(i)\n"
+        "    if WHERE == 'loop' and i == 2 and not os.path.exists(MARK):\n"
+        f"        {oom}\n",
+        "print('RESULT', seen, model.weight.detach().numpy().tobytes().hex(), model.bias.item().hex())",
+    )
+
+
+@pytest.mark.parametrize("where", ["generator", "loop"])
+def test_an_oom_with_a_generator_from_a_set_up_cell_goes_on_in_a_restarted_kernel(tmp_path, where):
+    """A generator made by a %%replay cell, drawn by the loop: an OOM in it (which ends it) or in
+    the loop's body. A retry in the same kernel would go on over the generator the failed attempt
+    drew from: the first ended the loop early, the second skipped batches, and both said done
+    with other weights. The run goes on in a restarted kernel instead, where the %%replay cell
+    makes the generator afresh, and ends bit for bit as its uninterrupted twin."""
+    (tmp_path / "twin").mkdir()
+    (tmp_path / "twin" / "m").touch()  # the fault has struck already: none
+    twin = _generator_notebook(where, tmp_path / "twin" / "m")
+    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    nb = _generator_notebook(where, tmp_path / "m")
+    run = harness.run(nb, tmp_path, standby=False)
+    assert run.status == 0, run.message
+    text = harness.cell_text(nb.cells[2])
+    assert "(the retry cannot draw again from a generator made outside the cell)" in text, text
+    assert len(run.restarts) == 1, text
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).startswith("RESULT [0, 1, 2, 3, 4, 5] ")
+
+
 # -- checkpoint() ------------------------------------------------------------------------------------
 
 
