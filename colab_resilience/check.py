@@ -87,9 +87,15 @@ class Folder:
     its top-level entries when the check began, and which of them a run created or changed. The
     check writes nothing there; it says what the runs wrote, since each later run found it."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, ignore: Path | None = None):
         self.path = path
         self.found = self._entries()
+        # the check's own --keep folder, where it is in the notebook's folder
+        try:
+            inside = Path(os.path.abspath(ignore)).relative_to(os.path.abspath(path)).parts if ignore else ()
+        except ValueError:
+            inside = ()
+        self.ignored = inside[0] if inside else None
         self.written: list[str] = []  # created or changed by a run, in the order first seen
 
     def _entries(self) -> dict[str, tuple]:
@@ -101,7 +107,7 @@ class Folder:
 
     def after_run(self) -> None:
         for name, key in self._entries().items():
-            if self.found.get(name) != key and name not in self.written:
+            if self.found.get(name) != key and name not in self.written and name != self.ignored:
                 self.written.append(name)
 
     def note(self) -> str | None:
@@ -135,6 +141,7 @@ class Outcome:
     before: dict[str, list] = field(default_factory=dict)  # the digests just before the training
     set_up: frozenset[str] = frozenset()  # the names only set-up cells bind (see set_up_names)
     training: int = 0  # the first %%resilient cell's number: the cells before it ran before any fault
+    sources: dict[int, str] = field(default_factory=dict)  # each code cell's first line
 
 
 @dataclass
@@ -251,8 +258,10 @@ def _outcome(result: RunResult, set_up: frozenset[str] = frozenset()) -> Outcome
     outputs = {i: _lines(c) for i, c in enumerate(mine) if c.get("cell_type") == "code"}
     training = next((i for i, c in enumerate(mine) if c.get("cell_type") == "code"
                      and "".join(c.get("source", "")).lstrip().startswith("%%resilient")), 0)
+    sources = {i: next((ln for ln in "".join(c.get("source", "")).splitlines() if ln.strip()), "")
+               for i, c in enumerate(mine) if c.get("cell_type") == "code"}
     return Outcome(result, _digests(by_role.get("after", {}), MARK), outputs,
-                   _digests(by_role.get("before", {}), BEFORE), set_up, training)
+                   _digests(by_role.get("before", {}), BEFORE), set_up, training, sources)
 
 
 def _first_resilient(nb) -> int | None:
@@ -272,14 +281,13 @@ def _add_check_cells(nb) -> None:
     nb.cells.append(nbformat.v4.new_code_cell(CHECK_CELL, metadata={MARK: "after"}))
 
 
-def _same_output(reference: list[str], faulted: list[str]) -> bool:
-    """Whether a cell printed what it printed uninterrupted: exactly, or, where it was recovered
+def _output_difference(reference: list[str], faulted: list[str]) -> str | None:
+    """How a cell's printed lines differ from what it printed uninterrupted (the first line that
+    does not fit, quoted), or None where they are the same: exactly, or, where it was recovered
     (its own lines of this package split it into parts), every part a run of the uninterrupted
     lines and the last part their end."""
     ours = [line.startswith("colab_resilience:") for line in faulted]
     reference = [line for line in reference if not line.startswith("colab_resilience:")]
-    if not any(ours):
-        return faulted == reference
     parts, part = [], []
     for line, mine in zip(faulted, ours):
         if mine:
@@ -292,8 +300,26 @@ def _same_output(reference: list[str], faulted: list[str]) -> bool:
     def within(p: list[str]) -> bool:
         return not p or any(reference[i:i + len(p)] == p for i in range(len(reference) - len(p) + 1))
 
+    if not any(ours):
+        if faulted == reference:
+            return None
+        at = next((i for i, (a, b) in enumerate(zip(reference, faulted)) if a != b), min(len(reference), len(faulted)))
+        if at < len(faulted):
+            return f"first at {_quote(faulted[at])}"
+        return f"it ends before {_quote(reference[at])}"
+    for p in parts:
+        if not within(p):
+            fits = max(n for n in range(len(p)) if within(p[:n]))
+            return f"first at {_quote(p[fits])}"
     last = parts[-1]
-    return all(within(p) for p in parts) and (not last or reference[len(reference) - len(last):] == last)
+    if last and reference[len(reference) - len(last):] != last:
+        return f"it ends otherwise, at {_quote(last[-1])}"
+    return None
+
+
+def _quote(line: str, most: int = 80) -> str:
+    line = line.strip()
+    return repr(line if len(line) <= most else line[:most - 3] + "...")
 
 
 def compare(reference: Outcome, faulted: Outcome) -> list[str]:
@@ -311,8 +337,11 @@ def compare(reference: Outcome, faulted: Outcome) -> list[str]:
             values = f" (uninterrupted {a[1]}, faulted {b[1]})" if a[1] is not None and b[1] is not None else ""
             found.append(f"{name} differs{values}")
     for index, lines in reference.outputs.items():
-        if index >= reference.training and not _same_output(lines, faulted.outputs.get(index, [])):
-            found.append(f"the printed output of cell {index} differs")
+        how = _output_difference(lines, faulted.outputs.get(index, [])) if index >= reference.training else None
+        if how is not None:
+            source = reference.sources.get(index, "")
+            found.append(f"the printed output of cell {index}{f' ({_quote(source, 40)})' if source else ''} "
+                         f"differs, {how}")
     return found
 
 
@@ -403,7 +432,7 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
     work = Path(keep or own.path)
     work.mkdir(parents=True, exist_ok=True)
     cwd = str(folder or os.getcwd())
-    place = Folder(Path(cwd))
+    place = Folder(Path(cwd), ignore=work)
 
     def run(name: str, env: dict, standby: bool = standby) -> RunResult:
         try:
@@ -430,6 +459,8 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
             report.broken = "the notebook has no %%resilient cell with a safe point: nothing to check"
             return report
         log(f"colab-resilience check: {notebook}: {report.safe_points} safe points, uninterrupted in {seconds:.1f} s")
+        for line in warned(reference):
+            log(f"  its first run said: {line}")
         for i, fault in enumerate(choose_faults(timeline, faults, seed), 1):
             for attempt in range(1 + REAIM):
                 if attempt:  # the same kind at another moment
@@ -470,6 +501,14 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
             log(note)
         if own is not None:
             own.remove()
+
+
+def warned(outcome: Outcome) -> list[str]:
+    """The lines of this package the run printed from its first ``%%resilient`` cell on, each once:
+    what it said, at the first run, would make a resumed run differ."""
+    lines = [line for index, printed in sorted(outcome.outputs.items()) if index >= outcome.training
+             for line in printed if line.startswith("colab_resilience:") and "runs are kept in" not in line]
+    return list(dict.fromkeys(lines))
 
 
 def _read_timeline(path: Path) -> list[tuple[int, str, float, str]]:

@@ -144,6 +144,8 @@ def _walk(value, h, seen: set, depth: int) -> None:
     leaves, the attributes of objects (each object once; code by its name only)."""
     import types
 
+    import random
+
     h.update(type(value).__qualname__.encode())
     torch, np = __import__("sys").modules.get("torch"), __import__("sys").modules.get("numpy")
     if torch is not None and isinstance(value, torch.Tensor):
@@ -172,6 +174,9 @@ def _walk(value, h, seen: set, depth: int) -> None:
     checkpoint = _lightning_checkpoint(value)
     if checkpoint is not None:  # a Lightning Trainer is what its checkpoint holds (it keeps clock readings)
         _walk(checkpoint, h, seen, depth + 1)
+        return
+    if isinstance(value, random.Random):  # its state is not in its __dict__
+        _walk(value.getstate(), h, seen, depth + 1)
         return
     if isinstance(value, dict):
         for k in sorted(value, key=repr):

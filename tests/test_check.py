@@ -42,10 +42,16 @@ def test_a_notebook_that_resumes_exactly_passes_every_kind_of_fault():
 
 def test_a_loop_that_mutates_an_unsaved_global_fails_naming_it():
     """steps_done is counted by the loop and not saved: after a restart or a rollback it is wrong,
-    and check names it with both values: exit status 1."""
+    and check names it with both values, and the cell that printed it otherwise by its first line
+    and the first line it printed otherwise: exit status 1. What the first run said would make a
+    resumed run differ is shown first."""
     r = check(str(harness.FILES / "check_unsaved.ipynb"), "--faults", "2", "--seed", "0")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "DIFFERS: steps_done differs (uninterrupted 12, faulted " in r.stdout
+    assert ("the printed output of cell 5 (\"print('steps done:', steps_done)\") differs, first at 'steps done: "
+            in r.stdout), r.stdout
+    assert ("\n  its first run said: colab_resilience: the resume_range loop carries steps_done from one iteration "
+            "to the next without --save") in r.stdout, r.stdout
     assert r.stdout.splitlines()[-1].endswith("faulted runs differ (seed 0)")
 
 
@@ -103,7 +109,8 @@ def test_the_demo_passes_though_it_really_runs_out_of_memory_and_writes_in_its_f
     nbformat.write(nb, folder / "demo.ipynb")
     (folder / "epochs.log").write_text("from before\n")
     r = check(str(folder / "demo.ipynb"), "--faults", "2", "--seed", "14", "--kernel", harness.KERNEL_NAME,
-              "--keep", str(tmp_path / "kept"))
+              "--keep", str(folder / "kept"))  # check's own folder: not named as the runs'
+
     assert r.returncode == 0, r.stdout + r.stderr
     assert re.search(r"fault 1/2: SIGKILL [0-9.]+ s after safe point 1 of 6: identical \(", r.stdout), r.stdout
     assert "an out-of-memory error" in r.stdout
@@ -112,8 +119,8 @@ def test_the_demo_passes_though_it_really_runs_out_of_memory_and_writes_in_its_f
     assert recomputed and all({"started"} <= set(n.split(", ")) <= {"started", "data"} for n in recomputed), r.stdout
     assert (f"colab-resilience check: the runs wrote epochs.log, killed-once in {folder}: each run after the first "
             "found what the earlier ones had left there") in r.stdout, r.stdout
-    assert sorted(p.name for p in folder.iterdir()) == ["demo.ipynb", "epochs.log", "killed-once"]
-    uninterrupted = nbformat.read(tmp_path / "kept" / "uninterrupted.ipynb", 4)
+    assert sorted(p.name for p in folder.iterdir()) == ["demo.ipynb", "epochs.log", "kept", "killed-once"]
+    uninterrupted = nbformat.read(folder / "kept" / "uninterrupted.ipynb", 4)
     printed = "".join(o.get("text", "") for c in uninterrupted.cells for o in c.get("outputs", []))
     assert "batch_size 8192 → 4096" in printed and "batch_size 4096 → 2048" in printed  # a real OOM, twice
     assert '"batch_size": 2048' in printed
@@ -250,3 +257,18 @@ def test_a_warning_whose_location_names_the_kernels_folder_is_the_same_output_in
     r = check(str(path), "--faults", "1", "--seed", "0")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SIGKILL" in r.stdout and ": identical (1 kernel restart" in r.stdout, r.stdout
+
+
+def test_a_python_random_generator_is_compared_by_its_state(ip):
+    """A random.Random in the notebook is digested by its state: one that drew more is another
+    value (it was digested by its __dict__, which holds none of its state: check called a run
+    that drew differently identical). Two with the same state digest the same."""
+    import random
+
+    from colab_resilience.kernelapi import state_digest
+
+    ip.user_ns.update(a=random.Random(0), b=random.Random(0))
+    first = state_digest()
+    assert first["a"] == first["b"]
+    ip.user_ns["a"].random()
+    assert state_digest()["a"] != first["a"]
