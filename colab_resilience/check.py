@@ -492,6 +492,10 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
                            "never reaching colab_resilience, so this run proves nothing: " + verdict)
             log(f"  fault {i}/{faults}: {fault.describe(report.safe_points)}: {verdict} "
                 f"({result.restarts} kernel restart{'s' if result.restarts != 1 else ''}, {result.seconds:.1f} s)")
+            if result.differences:  # what the package said in that run, and not uninterrupted
+                for line in warned(outcome, since=0):
+                    if line not in warned(reference, since=0):
+                        log(f"    it said: {line}")
             for why, names in not_compared(reference, outcome).items():
                 log(f"    not compared: {', '.join(names)} ({why})")
         return report
@@ -503,10 +507,11 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
             own.remove()
 
 
-def warned(outcome: Outcome) -> list[str]:
-    """The lines of this package the run printed from its first ``%%resilient`` cell on, each once:
-    what it said, at the first run, would make a resumed run differ."""
-    lines = [line for index, printed in sorted(outcome.outputs.items()) if index >= outcome.training
+def warned(outcome: Outcome, since: int | None = None) -> list[str]:
+    """The lines of this package the run printed, each once, from its first ``%%resilient`` cell
+    on (or from cell ``since``): uninterrupted, what it said would make a resumed run differ."""
+    first = outcome.training if since is None else since
+    lines = [line for index, printed in sorted(outcome.outputs.items()) if index >= first
              for line in printed if line.startswith("colab_resilience:") and "runs are kept in" not in line]
     return list(dict.fromkeys(lines))
 

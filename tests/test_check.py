@@ -44,7 +44,7 @@ def test_a_loop_that_mutates_an_unsaved_global_fails_naming_it():
     """steps_done is counted by the loop and not saved: after a restart or a rollback it is wrong,
     and check names it with both values, and the cell that printed it otherwise by its first line
     and the first line it printed otherwise: exit status 1. What the first run said would make a
-    resumed run differ is shown first."""
+    resumed run differ is shown first, and under a run that differs, what the package said in it."""
     r = check(str(harness.FILES / "check_unsaved.ipynb"), "--faults", "2", "--seed", "0")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "DIFFERS: steps_done differs (uninterrupted 12, faulted " in r.stdout
@@ -52,6 +52,7 @@ def test_a_loop_that_mutates_an_unsaved_global_fails_naming_it():
             in r.stdout), r.stdout
     assert ("\n  its first run said: colab_resilience: the resume_range loop carries steps_done from one iteration "
             "to the next without --save") in r.stdout, r.stdout
+    assert "\n    it said: colab_resilience: the kernel died (killed by SIGKILL)" in r.stdout, r.stdout  # that run's
     assert r.stdout.splitlines()[-1].endswith("faulted runs differ (seed 0)")
 
 
