@@ -7,6 +7,8 @@ calls one of them. Each takes and returns plain values (literals).
 
 from __future__ import annotations
 
+import re
+
 from . import standby
 
 __all__ = [
@@ -104,7 +106,9 @@ def state_digest() -> dict[str, list]:
     """For ``colab-resilience check``: every variable of the notebook as ``[digest, preview]``:
     a BLAKE3 of the bytes a checkpoint would hold for it (the same bytes for the same value),
     and a short repr for plain scalars (else None). Modules, functions, classes and IPython's
-    own names are left out; a value that cannot be saved is digested by its type."""
+    own names are left out; a value that cannot be saved is digested by its type. A number that a
+    dict names as a time or a rate (``train_runtime``, ``eval_samples_per_second``: the metrics a
+    Hugging Face ``Trainer`` returns) is digested as "a time": it differs between any two runs."""
     import types
 
     import blake3
@@ -129,7 +133,8 @@ def state_digest() -> dict[str, list]:
             out[name] = [f"error:{type(e).__name__}", None]
             continue
         h = blake3.blake3()
-        if prepared.format == "pickle":  # a pickle's bytes differ from process to process
+        # a pickle's bytes differ from process to process; a time measured differs from run to run
+        if prepared.format == "pickle" or _holds_a_time(value):
             _walk(value, h, set(), 0)
         else:  # safetensors and tagged JSON: the same bytes for the same value
             for segment in prepared.payload.segments:
@@ -181,6 +186,9 @@ def _walk(value, h, seen: set, depth: int) -> None:
     if isinstance(value, dict):
         for k in sorted(value, key=repr):
             h.update(repr(k).encode())
+            if _is_a_time(k, value[k]):
+                h.update(b"<a time>")
+                continue
             _walk(value[k], h, seen, depth + 1)
     elif isinstance(value, (list, tuple)):
         for v in value:
@@ -192,6 +200,26 @@ def _walk(value, h, seen: set, depth: int) -> None:
         _walk(vars(value), h, seen, depth + 1)
     else:
         _walk_reduced(value, h, seen, depth)
+
+
+_TIME = re.compile(r"(^|_)(runtime|time|seconds|duration)$|_per_second$")
+
+
+def _is_a_time(key, value) -> bool:
+    """A number a dict names as a time or a rate (``train_runtime``, ``samples_per_second``)."""
+    return (isinstance(key, str) and isinstance(value, (int, float)) and not isinstance(value, bool)
+            and _TIME.search(key) is not None)
+
+
+def _holds_a_time(value, depth: int = 0) -> bool:
+    """Whether a plain value holds a number named as a time (see :func:`_is_a_time`)."""
+    if depth > 4:
+        return False
+    if isinstance(value, dict):
+        return any(_is_a_time(k, v) or _holds_a_time(v, depth + 1) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_a_time(v, depth + 1) for v in value[:1000])
+    return False
 
 
 def _walk_reduced(value, h, seen: set, depth: int) -> None:

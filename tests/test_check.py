@@ -273,3 +273,21 @@ def test_a_python_random_generator_is_compared_by_its_state(ip):
     assert first["a"] == first["b"]
     ip.user_ns["a"].random()
     assert state_digest()["a"] != first["a"]
+
+
+def test_a_time_a_trainer_measured_is_not_a_difference_and_the_rest_of_its_metrics_are(ip):
+    """What Hugging Face's `trainer.train()` and `evaluate()` return holds the run's wall-clock
+    time and rates (`train_runtime`, `train_samples_per_second`): they differ between any two
+    runs, and `out = trainer.train()` made every check of such a notebook say "out differs".
+    Numbers a dict names as a time or a rate are digested as "a time"; its loss is compared."""
+    from colab_resilience.kernelapi import state_digest
+
+    def metrics(runtime, loss):
+        return {"train_runtime": runtime, "train_samples_per_second": 40 / runtime, "train_steps_per_second": 10 / runtime,
+                "total_flos": 1234.0, "train_loss": loss, "epoch": 3.0}
+
+    ip.user_ns.update(a=(30, 0.5, metrics(1.5, 0.5)), b=(30, 0.5, metrics(2.7, 0.5)), c=(30, 0.5, metrics(1.5, 0.6)),
+                      d=metrics(1.5, 0.5), e=metrics(2.7, 0.5), f=metrics(2.7, 0.6))
+    digest = state_digest()
+    assert digest["a"] == digest["b"] != digest["c"]
+    assert digest["d"] == digest["e"] != digest["f"]
