@@ -16,6 +16,8 @@ from an uninterrupted one, said when the cell first runs in a kernel:
   safe point;
 - an iterator made before a ``resume_range`` loop that the loop draws from with ``next()``: no
   checkpoint holds its position;
+- in a cell that trains through a framework's loop (a ``ResilienceCallback``), names that its
+  callbacks (functions and lambdas defined in the cell) change in place without ``--save``;
 - gradients accumulated across ``resume_range`` iterations (``zero_grad`` called in only some of
   them): a checkpoint does not hold gradients, and a rollback clears them;
 - objects a ``resume_range`` loop uses without ``--save`` that hold state a method changes in
@@ -172,6 +174,15 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
             "next without --save: after a rollback or a restart they would not have their values at the safe "
             "point, and the result would differ; add them to --save"
         )
+    by_callbacks = changed_by_callbacks(tree, saved, shell.user_ns)
+    if by_callbacks:
+        one = len(by_callbacks) == 1
+        lines.append(
+            f"colab_resilience: code the fit calls (a callback) changes {', '.join(by_callbacks)} without --save: "
+            "after a rollback or a restart the fit goes on from its safe point, but "
+            f"{'it' if one else 'they'} would not be back at it, and the result would differ; add "
+            f"{'it' if one else 'them'} to --save"
+        )
     stateful = unsaved_state_objects(tree, saved, shell.user_ns)
     if stateful:
         lines.append(
@@ -309,6 +320,66 @@ def carried_names(tree: ast.AST, saved: list[str], namespace=None) -> list[str]:
                 continue
             found.append(name)
     return found
+
+
+def _uses_a_trainer(tree: ast.AST) -> bool:
+    """Whether the cell trains through a framework's loop that resumes at its own safe points: it
+    names a ``ResilienceCallback`` (Keras, Hugging Face, Lightning)."""
+    return any((isinstance(n, ast.Name) and n.id == "ResilienceCallback")
+               or (isinstance(n, ast.Attribute) and n.attr == "ResilienceCallback")
+               or (isinstance(n, ast.alias) and n.name == "ResilienceCallback") for n in ast.walk(tree))
+
+
+def changed_by_callbacks(tree: ast.AST, saved: list[str], namespace=None) -> list[str]:
+    """Names that functions and lambdas defined in a cell that trains through a framework's loop
+    change in place (``lambda epoch, logs: losses.append(logs["loss"])``, a callback's method),
+    that are not theirs (nor a function's around them) and that ``--save`` does not save. The
+    framework calls them at each epoch or step and goes on from its own safe point after a
+    rollback or a restart; what they changed outside it is not put back."""
+    if not _uses_a_trainer(tree):
+        return []
+    found: set[str] = set()
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+
+    def scope(node: ast.AST):  # the nodes of a function's own code, not of functions inside it
+        for child in ast.iter_child_nodes(node):
+            yield child
+            if not isinstance(child, (*functions, ast.ClassDef)):
+                yield from scope(child)
+
+    def visit(node: ast.AST, outer: set[str]) -> None:
+        for fn in scope(node):
+            if isinstance(fn, ast.ClassDef):
+                visit(fn, outer)
+            if not isinstance(fn, functions):
+                continue
+            body = fn.body if isinstance(fn.body, list) else [ast.Expr(fn.body)]
+            nodes = list(scope(fn))
+            declared = {n for x in nodes if isinstance(x, (ast.Global, ast.Nonlocal)) for n in x.names}
+            own = (outer | bound_names(fn.args, arguments=True) | _bound_in(body)) - declared
+            for x in nodes:
+                for name in _changed_in_place(x, declared):
+                    if name not in own and name not in saved and not (
+                            namespace is not None and name in namespace and not _is_state(namespace[name])):
+                        found.add(name)
+            visit(fn, own)
+
+    visit(tree, set())
+    return sorted(found)
+
+
+def _changed_in_place(node: ast.AST, declared: set[str]) -> list[str]:
+    """The names ``node`` changes in place (a container method, an item or an attribute set), or
+    rebinds where they are declared ``global`` or ``nonlocal``."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS
+            and isinstance(node.func.value, ast.Name)):
+        return [node.func.value.id]
+    if isinstance(node, (ast.Assign, ast.AugAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return [t.value.id if isinstance(t, (ast.Subscript, ast.Attribute)) else t.id for t in targets
+                if (isinstance(t, (ast.Subscript, ast.Attribute)) and isinstance(t.value, ast.Name))
+                or (isinstance(t, ast.Name) and t.id in declared)]
+    return []
 
 
 def _next_of(node: ast.AST) -> str | None:

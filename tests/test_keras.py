@@ -131,7 +131,7 @@ def test_a_keras_fit_killed_or_out_of_memory_mid_epoch_goes_on_at_that_epoch_bit
     run, out = harness.run_ok(nb, tmp_path)
     if fault == "sigkill" or retries == 0:
         assert len(run.restarts) == 1, out
-        assert "restored the Keras model, its optimizer, the epochs' logs and the state of Fault in " in out, out
+        assert "restored epochs_seen, the Keras model, its optimizer, the epochs' logs and the state of Fault in " in out, out
         assert trained_epochs(tmp_path / "events.log") == [(0, 0), (0, 1), (1, 1), (1, 2), (1, 3)]
     else:
         assert not run.restarts and "OOM (TensorFlow resources exhausted)" in out and "retry 1/2" in out, out
@@ -331,7 +331,7 @@ def test_a_keras_fit_killed_in_a_kernel_goes_on_when_its_cell_runs_again(kernel,
     reference = twin(tmp_path_factory)
     nb = harness.load("train_keras.ipynb", tmp_path, fault="sigkill")
     out = harness.killed_and_rerun(kernel, nb)
-    assert "replayed 3 cells, restored the Keras model, its optimizer, the epochs' logs and the state of Fault in " \
+    assert "replayed 3 cells, restored epochs_seen, the Keras model, its optimizer, the epochs' logs and the state of Fault in " \
            in out, out
     assert "continuing at epoch 2/4" in out
     assert harness.result(kernel.ok(harness.user_cell(nb, "result")).stdout) == reference
@@ -358,6 +358,25 @@ def test_where_a_resume_cannot_be_identical_the_callback_says_so_once_before_tra
     died = next(i for i, line in enumerate(lines) if line.startswith("colab_resilience: the kernel died"))
     assert lines.index(said) < died, out  # before the fault in epoch 1: when training started
     assert "continuing at epoch 2/4" in out and "epochs=[0, 1, 2, 3]" in harness.result(nb)
+
+
+@pytest.mark.kernel
+def test_a_list_a_lambda_callback_changes_without_save_is_named_at_the_first_run(tmp_path, tmp_path_factory):
+    """The training cell's LambdaCallback appends each finished epoch to a list the set-up cell
+    made. The fit goes on from its safe point after a kill, but that list came back as the
+    replayed set-up cell made it (empty: `seen=[1, 2, 3]`, not `[0, 1, 2, 3]`), and the run said
+    done. Without --save for it, the cell's first run names it, in one line, before training; with
+    it (the notebook's default, in every other test here), a killed fit ends with the twin's list."""
+    nb = harness.load("train_keras.ipynb", tmp_path, save="")
+    run, out = harness.run_ok(nb, tmp_path)
+    assert ("colab_resilience: code the fit calls (a callback) changes epochs_seen without --save: after a rollback "
+            "or a restart the fit goes on from its safe point, but it would not be back at it, and the result would "
+            "differ; add it to --save") in out.splitlines(), out
+    (tmp_path / "saved").mkdir()
+    nb = harness.load("train_keras.ipynb", tmp_path / "saved", fault="sigkill")
+    run, out = harness.run_ok(nb, tmp_path / "saved")
+    assert "code the fit calls" not in out and "seen=[0, 1, 2, 3]" in harness.result(nb), out
+    assert harness.result(nb) == twin(tmp_path_factory)
 
 
 @pytest.mark.kernel

@@ -108,7 +108,8 @@ class FitState:
     @property
     def label(self) -> str:
         """What a resume says it restored."""
-        names = sorted({key.split(":", 1)[1] for key in self.callbacks})
+        # a callback without a state of its own (a LambdaCallback) is not named as restored
+        names = sorted({key.split(":", 1)[1] for key, cb in self.callbacks.items() if _keeps_state(cb)})
         if not names:
             return "the Keras model, its optimizer and the epochs' logs"
         return f"the Keras model, its optimizer, the epochs' logs and the state of {', '.join(names)}"
@@ -276,7 +277,7 @@ def _accumulate(optimizer, steps: int, saved_steps: int, saved: list) -> bool:
     return changed
 
 
-_NOT_STATE = {"model", "params", "validation_data"}
+_NOT_STATE = {"model", "_model", "params", "validation_data"}
 
 
 def _stateful(callbacks: list) -> dict[str, Any]:
@@ -290,6 +291,14 @@ def _stateful(callbacks: list) -> dict[str, Any]:
 def _plain(value):
     """A NumPy scalar as the Python number it holds; other values as they are."""
     return value.item() if isinstance(value, np.generic) else value
+
+
+def _keeps_state(callback) -> bool:
+    """Whether :func:`_attributes` finds anything in ``callback``."""
+    return any(name not in _NOT_STATE and (is_plain(_plain(value)) or _library_function(value) is not None
+                                           or (isinstance(value, list) and value
+                                               and all(isinstance(a, np.ndarray) for a in value)))
+               for name, value in vars(callback).items())
 
 
 def _attributes(callback) -> dict[str, Any]:
