@@ -18,11 +18,14 @@ from an uninterrupted one, said when the cell first runs in a kernel:
   checkpoint holds its position;
 - in a cell that trains through a framework's loop (a ``ResilienceCallback``), names that its
   callbacks (functions and lambdas defined in the cell) change in place without ``--save``;
+- ``--save`` names the code above an inner ``resume_range`` loop reads and the inner loop changes
+  (a generator, a JAX key): a resume inside the iteration runs that code with the inner safe
+  point's value;
 - gradients accumulated across ``resume_range`` iterations (``zero_grad`` called in only some of
   them): a checkpoint does not hold gradients, and a rollback clears them;
 - objects a ``resume_range`` loop uses without ``--save`` that hold state a method changes in
   place (a scheduler, an averaged model, a generator): after a rollback they would not be as
-  they were at the safe point;
+  they were at the safe point (those the cell makes above the loop: :func:`at_loop_start`);
 - a ``resume_range`` loop inside a plain ``for`` or ``while`` loop, or wrapped in a call with a
   state of its own (``enumerate(resume_range(loader))``): those start over when the cell runs
   again, while ``resume_range`` goes on at its saved step. (A loop wrapped in a progress bar,
@@ -42,6 +45,7 @@ import sys
 import types
 
 from . import replay
+from .checkpoints.rng import is_generator
 from .checkpoints.values import holds_state
 from .errors import OptionError
 from .recovery import set_shrink_value, shrink_value
@@ -174,6 +178,16 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
             "next without --save: after a rollback or a restart they would not have their values at the safe "
             "point, and the result would differ; add them to --save"
         )
+    above = read_above_inner(tree, saved, shell.user_ns)
+    if above:
+        one = len(above) == 1
+        lines.append(
+            f"colab_resilience: the code above an inner resume_range loop reads {', '.join(above)}, which the inner "
+            f"loop changes: a resume inside the iteration runs that code again with the inner safe point's "
+            f"{'value' if one else 'values'}, not the {'one' if one else 'ones'} the iteration began with, and the "
+            "result would differ; derive what it draws there from the epoch (jax.random.fold_in(key, epoch), "
+            "g.manual_seed(seed + epoch)), or move it into the inner loop"
+        )
     by_callbacks = changed_by_callbacks(tree, saved, shell.user_ns)
     if by_callbacks:
         one = len(by_callbacks) == 1
@@ -185,12 +199,7 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
         )
     stateful = unsaved_state_objects(tree, saved, shell.user_ns)
     if stateful:
-        lines.append(
-            f"colab_resilience: the resume_range loop uses {', '.join(stateful)} without --save: a state it "
-            "changes in place (a step count, averaged weights, a generator's) would not be back at the safe point "
-            f"after a rollback or a restart, and the result would differ; add {'it' if len(stateful) == 1 else 'them'}"
-            " to --save (or ignore this for one the loop only reads)"
-        )
+        lines.append(_state_objects_line(stateful))
     after = read_after_loop(tree, saved)
     if after:
         lines.append(
@@ -272,6 +281,28 @@ def _walk_body(loop: ast.For):
         yield from ast.walk(stmt)
 
 
+def _state_objects_line(stateful: list[str]) -> str:
+    return (
+        f"colab_resilience: the resume_range loop uses {', '.join(stateful)} without --save: a state it "
+        "changes in place (a step count, averaged weights, a generator's) would not be back at the safe point "
+        f"after a rollback or a restart, and the result would differ; add {'it' if len(stateful) == 1 else 'them'}"
+        " to --save (or ignore this for one the loop only reads)"
+    )
+
+
+def at_loop_start(shell, body: str, saved: list[str], known: set[str]) -> list[str]:
+    """What :func:`warnings` can tell only once the cell's code above its first loop has run: the
+    objects with a state that the cell made there (``sched = OneCycleLR(...)``; not one of
+    ``known``, the names there were when the cell began) and the loop uses without ``--save``.
+    The cell makes them afresh after a restart, at their first step, while the model and the
+    optimizer come back at the safe point's."""
+    tree = _parse(shell, body)
+    if tree is None:
+        return []
+    stateful = [f for f in unsaved_state_objects(tree, saved, shell.user_ns) if f.split(" ", 1)[0] not in known]
+    return [_state_objects_line(stateful)] if stateful else []
+
+
 def _is_state(value) -> bool:
     """Whether a value can be training state (not a module, a file, a progress bar or a logger)."""
     if isinstance(value, (types.ModuleType, io.IOBase)):
@@ -291,6 +322,9 @@ def carried_names(tree: ast.AST, saved: list[str], namespace=None) -> list[str]:
         for node in _walk_body(loop):
             if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
                 changed.append(node.target.id)
+            elif (isinstance(node, ast.AugAssign) and isinstance(node.target, (ast.Subscript, ast.Attribute))
+                  and isinstance(node.target.value, ast.Name)):  # stats["steps"] += 1
+                changed.append(node.target.value.id)
             elif isinstance(node, ast.Assign):
                 reads = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
                 for target in node.targets:
@@ -305,8 +339,8 @@ def carried_names(tree: ast.AST, saved: list[str], namespace=None) -> list[str]:
                           else [i.optional_vars for i in node.items if i.optional_vars is not None]):
                     fresh |= bound_names(t)
             elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                  and node.func.attr in _MUTATORS and isinstance(node.func.value, ast.Name)):
-                changed.append(node.func.value.id)
+                  and _changes_in_place(node.func.attr) and isinstance(_receiver(node.func), ast.Name)):
+                changed.append(_receiver(node.func).id)
             elif _next_of(node):
                 changed.append(_next_of(node))
         # read in an iteration before it is set for sure in it (best = loss under an if, after
@@ -382,6 +416,61 @@ def _changed_in_place(node: ast.AST, declared: set[str]) -> list[str]:
     return []
 
 
+def read_above_inner(tree: ast.AST, saved: list[str], namespace=None) -> list[str]:
+    """``--save`` names that the code of an outer ``resume_range`` iteration reads above its inner
+    ``resume_range`` loop, and that the inner loop changes (rebinds, changes in place, or draws
+    from: a random number generator, a JAX key split there). A resume inside the iteration runs
+    that code again with the inner safe point's value, not the one the iteration began with.
+    Changing such a name in place there (``log["lr"].append(lr)``) is no read: the safe point's
+    contents are put back when the inner loop resumes."""
+    found: list[str] = []
+    loops = set(_resume_loops(tree))
+    for outer in loops:
+        for k, stmt in enumerate(outer.body):
+            inner = [n for n in ast.walk(stmt) if n in loops]
+            if not inner:
+                continue
+            changed = _bound_in(inner[0].body) | {
+                name for node in _walk_body(inner[0]) for name in _changed_in_place(node, set())} | {
+                n.id for node in _walk_body(inner[0]) if isinstance(node, ast.Call) and _changes_in_place(
+                    getattr(node.func, "attr", "")) for n in [_receiver(node.func)] if isinstance(n, ast.Name)}
+            drawn = {n.id for n in _walk_body(inner[0]) if isinstance(n, ast.Name) and namespace is not None
+                     and n.id in namespace and is_generator(namespace[n.id])}
+            for above in outer.body[:k]:
+                for name in _reads_not_changing(above):
+                    if name in saved and (name in changed or name in drawn) and name not in found:
+                        found.append(name)
+            break
+    return found
+
+
+def _reads_not_changing(stmt: ast.stmt) -> list[str]:
+    """The names ``stmt`` reads, but for the receiver of a statement that only changes it in place
+    (``log["lr"].append(lr)``, ``counts[k] += 1``)."""
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute) \
+            and _changes_in_place(stmt.value.func.attr):
+        receiver = stmt.value.func.value
+        while isinstance(receiver, (ast.Subscript, ast.Attribute)):
+            receiver = receiver.value
+        skip = receiver if isinstance(receiver, ast.Name) else None
+        return [n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n is not skip]
+    return [n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+
+
+def _changes_in_place(method: str) -> bool:
+    """A container's method that changes it (``append``), or a tensor's in-place one (``mul_``)."""
+    return method in _MUTATORS or (method.endswith("_") and not method.startswith("_"))
+
+
+def _receiver(func: ast.Attribute) -> ast.AST:
+    """What a chain of calls of in-place methods changes: ``smooth`` in ``smooth.mul_(0.9).add_(x)``."""
+    node = func.value
+    while (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+           and _changes_in_place(node.func.attr)):
+        node = node.func.value
+    return node
+
+
 def _next_of(node: ast.AST) -> str | None:
     """The name ``next(name)`` or ``next(name, default)`` draws from."""
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "next"
@@ -402,13 +491,18 @@ def unsaved_state_objects(tree: ast.AST, saved: list[str], namespace) -> list[st
     one with a ``state_dict`` (a scheduler, a second model, a ``GradScaler``; a module without
     parameters or buffers, as a loss function, has none), or a random number generator."""
     found: list[str] = []
+    torch = sys.modules.get("torch")
+    # a part of a saved model (its backbone) is saved with it
+    parts = {id(m) for n in saved if torch is not None and isinstance(namespace.get(n), torch.nn.Module)
+             for m in namespace[n].modules()}
     for loop in _resume_loops(tree):
         fresh = bound_names(loop.target) | _bound_in(loop.body)
         for node in _walk_body(loop):
             if not (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)):
                 continue
             name = node.id
-            if name in fresh or name in saved or name not in namespace or any(f.startswith(name + " ") for f in found):
+            if (name in fresh or name in saved or name not in namespace or id(namespace[name]) in parts
+                    or any(f.startswith(name + " ") for f in found)):
                 continue
             if holds_state(namespace[name]):
                 found.append(f"{name} ({type(namespace[name]).__name__})")

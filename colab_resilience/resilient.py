@@ -72,9 +72,11 @@ def execute(session, line: str, body: str, options: Options) -> None:
         lint.check_options(shell, options.names, options.shrink, body)
         if key not in session.linted:  # once per cell and kernel: after a restart, said again
             session.linted.add(key)
-            for line in lint.warnings(shell, body, options.names + shrink_names,
-                                      [c.source for c in session.replay_log.cells]):
+            saved = options.names + shrink_names
+            for line in lint.warnings(shell, body, saved, [c.source for c in session.replay_log.cells]):
                 session.say(line)
+            known = set(shell.user_ns)
+            run.at_loop_start = lambda: lint.at_loop_start(shell, body, saved, known)
     except OptionError:
         run.finish("failed")
         raise

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, MutableMapping
 
 from . import carried, faults, fsutil, loops, memory, restart
-from .checkpoints import Checkpoint, CheckpointStore
+from .checkpoints import Checkpoint, CheckpointStore, capture_rng, restore_rng
 from .checkpoints.staging import Budget
 from .errors import CheckpointError, JournalError, NoCheckpointError, RunStoppedError
 from .journal import Journal, ReplayCell, RestartPolicy, merge_replay_cells
@@ -165,6 +165,9 @@ class Run:
         self.safe_points = 0
         self.iteration: str | None = None  # the iteration in progress, for people ("2, item 3")
         self.loops = Loops(self)
+        self._rng_at_start: dict | None = None  # the random state the cell's first attempt in this kernel began with
+        # what the first loop start has to say of the code above it (lint.at_loop_start), once
+        self.at_loop_start: Callable[[], list[str]] | None = None
         self._saved_point = -1  # the safe point the last successful save was made at
         self._names_at_checkpoint: set[str] | None = None  # the namespace's names then
         self._said: set = set()  # names already reported as missing
@@ -334,11 +337,17 @@ class Run:
 
     def arrive(self, plan: Plan, at_text: str) -> None:
         """At the loop the saved position ends in: the names the code above it rebound get their
-        saved values again, the carried state and the random state become the safe point's."""
+        saved values again, the lists, dicts, sets and generators it may have changed in place
+        their saved contents, the carried state and the random state become the safe point's."""
         ns, ckpt = self.shell.user_ns, plan.checkpoint
         rebound = [n for n, value in plan.restored.items() if ns.get(n) is not value]
         if rebound:
             ckpt.restore(ns, rebound, rng=False, strict=False)
+        if len(plan.position) > 1:
+            # the code above the inner loop ran with the restored values and may have changed them
+            # in place (a log appended to, a generator drawn from): the safe point's again, in the
+            # same objects
+            ckpt.put_back_in_place(ns, [n for n in plan.restored if n not in rebound])
         carried.apply(ns, list(plan.restored), _meta(ckpt).get("carried", {}))
         ckpt.restore(ns, [], rng=True)
         note = self._take_note()
@@ -371,6 +380,14 @@ class Run:
         died after the final save, before the run could say it was done), and running it again
         would train on top of its own result."""
         self.loops.reset()
+        # a retry in this kernel runs the cell's code from its first line, as the first attempt
+        # did, so it starts from the random state that attempt began with: the code above the
+        # first loop (perm = torch.randperm(n)) and a shuffling loader's iter() draw what they drew
+        # then (they drew on from where the failed attempt had left the state)
+        if self._rng_at_start is None:
+            self._rng_at_start = capture_rng()
+        else:
+            restore_rng(self._rng_at_start)
         if self.uses_loop:
             return True
         if self.resuming:
@@ -410,6 +427,9 @@ class Run:
     def first_safe_point(self) -> None:
         """The start of the first loop (or of a cell without one): where a rollback of the first
         iteration goes."""
+        tell, self.at_loop_start = self.at_loop_start, None
+        for line in tell() if tell is not None else []:
+            self.say(line)
         faults.safe_point("before")
         self.save_position([(0, 0)], [], force=True)
         faults.safe_point("after")

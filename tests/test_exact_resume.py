@@ -184,6 +184,37 @@ def test_two_pickled_objects_that_hold_each_other_are_refused_at_the_first_safe_
 
 
 
+
+def test_an_oom_retry_draws_what_the_first_attempt_drew_above_the_loop_and_for_a_shuffling_loader(ip, tmp_path):
+    """A permutation drawn once above the loop, and a shuffling DataLoader iterated by the top
+    level resume_range (one pass): an OOM at the third batch is retried in the kernel. The retry
+    runs the cell from its first line: it must draw the same permutation and the same batch order
+    as the first attempt did, from the random state the cell began with. It drew on from where the
+    failed attempt had left the state, and said only "continuing at item 2": other batches, mixed
+    from two permutations. Bit for bit as the uninterrupted twin."""
+    import torch
+
+    set_up = ("import torch\ntorch.manual_seed(0)\nfired = [False]\n"
+              "loader = torch.utils.data.DataLoader(list(range(16)), batch_size=4, shuffle=True)")
+    twin: dict = {}
+    exec(set_up + "\nperm = torch.randperm(100)\nseen = [b.tolist() for b in loader]\n"
+         "order = [int(perm[i]) for i in range(4)]", twin)
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell("%%replay\n" + set_up)
+    r = ip.run_cell("%%resilient --save order,seen\n"
+                    "order, seen = [], []\n"
+                    "perm = torch.randperm(100)\n"
+                    "for xb in resume_range(loader):\n"
+                    "    order.append(int(perm[len(seen)])); seen.append(xb.tolist())\n"
+                    "    if len(seen) == 3 and not fired[0]:\n"
+                    "        fired[0] = True\n"
+                    "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')\n")
+    assert r.success, r.error_in_exec
+    assert ip.user_ns["fired"] == [True]
+    assert ip.user_ns["seen"] == twin["seen"] and ip.user_ns["order"] == twin["order"]
+    assert torch.equal(ip.user_ns["perm"], twin["perm"])
+
+
 def _generator_notebook(where: str, mark):
     """A model trained on the batches of a generator that a %%replay cell makes (it cannot be
     made again in the same kernel), iterated as resume_range(enumerate(gen)); a
@@ -599,3 +630,72 @@ def test_the_first_run_names_an_iterator_made_before_the_loop_that_it_draws_from
                     "    total[0] += next(batches)\n")
     assert r.success, r.error_in_exec
     assert "colab_resilience: " not in capsys.readouterr().out
+
+
+def test_the_first_run_names_a_dicts_counter_a_tensor_changed_in_place_and_a_scheduler_the_cell_makes(
+        ip, tmp_path, capsys):
+    """A step counter kept in a dict (`stats["steps"] += 1`), a running mean kept in a tensor by
+    its in-place methods (`smooth.mul_(0.9).add_(loss)`), and a OneCycleLR the cell itself makes
+    above its loop, none saved: after a restart the cell makes them afresh while the model and the
+    optimizer come back at the safe point's, and the run said done with other values and other
+    learning rates. The first two are named at the first run, the scheduler once the code above
+    the loop has made it (at the loop start). The saved model's own part (`backbone = model[0]`)
+    is saved with it, and not named."""
+    out = said_at_first_run(ip, tmp_path, capsys,
+                            "import torch\nmodel = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))\n"
+                            "backbone = model[0]\nopt = torch.optim.SGD(model.parameters(), lr=0.1)",
+                            "%%resilient --save model,opt\n"
+                            "stats, smooth = {'steps': 0}, torch.zeros(())\n"
+                            "sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=3)\n"
+                            "for step in resume_range(3):\n"
+                            "    loss = model[1](backbone(torch.ones(1, 2))).sum()\n"
+                            "    opt.zero_grad(); loss.backward(); opt.step(); sched.step()\n"
+                            "    stats['steps'] += 1\n"
+                            "    smooth.mul_(0.9).add_(loss.detach())\n")
+    assert ("colab_resilience: the resume_range loop carries stats, smooth from one iteration to the next without "
+            "--save") in out, out
+    assert "colab_resilience: the resume_range loop uses sched (OneCycleLR) without --save" in out, out
+    assert "backbone" not in out, out
+
+
+def test_what_the_code_above_an_inner_loop_appended_is_not_doubled_by_a_rollback_inside_the_iteration(ip, tmp_path):
+    """A saved log that each epoch appends to above its inner loop: an OOM in the inner loop of
+    epoch 1 rolls back to its last step; the cell runs again, and the code above the inner loop
+    appends epoch 1 a second time to the restored log (`epochs: [0, 1, 1, 2]`), and the run said
+    done. Where the inner loop resumes, the lists, dicts and sets restored get the safe point's
+    contents again, in the same objects."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell("%%replay\nimport torch\nlog = {'epochs': [], 'steps': []}\nfired = [False]")
+    r = ip.run_cell("%%resilient --save log\n"
+                    "for epoch in resume_range(3):\n"
+                    "    log['epochs'].append(epoch)\n"
+                    "    for i in resume_range(4):\n"
+                    "        log['steps'].append((epoch, i))\n"
+                    "        if (epoch, i) == (1, 2) and not fired[0]:\n"
+                    "            fired[0] = True\n"
+                    "            raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')\n")
+    assert r.success, r.error_in_exec
+    assert ip.user_ns["fired"] == [True]
+    assert ip.user_ns["log"] == {"epochs": [0, 1, 2], "steps": [(e, i) for e in range(3) for i in range(4)]}
+
+
+def test_the_first_run_names_a_saved_generator_or_key_the_code_above_an_inner_loop_draws_from(ip, tmp_path, capsys):
+    """A saved torch.Generator drawn from above the inner loop (a permutation per epoch) and inside
+    it, and a key split above the inner loop and in it: a resume inside the epoch runs the code
+    above again with the inner safe point's generator and key, and draws another permutation.
+    Named at the first run, with the forms that resume exactly; appending to a saved log there
+    is not named (its contents are put back)."""
+    out = said_at_first_run(ip, tmp_path, capsys,
+                            "import torch\ng = torch.Generator().manual_seed(0)\nkey = [0]\nlog = []",
+                            "%%resilient --save g,key,log\n"
+                            "for epoch in resume_range(2):\n"
+                            "    perm = torch.randperm(4, generator=g)\n"
+                            "    key, sub = key + [1], key\n"
+                            "    log.append(epoch)\n"
+                            "    for i in resume_range(perm.tolist()):\n"
+                            "        noise = torch.randn(1, generator=g)\n"
+                            "        key = key + [i]\n")
+    assert ("colab_resilience: the code above an inner resume_range loop reads g, key, which the inner loop changes: "
+            "a resume inside the iteration runs that code again with the inner safe point's values") in out, out
+    assert "jax.random.fold_in(key, epoch), g.manual_seed(seed + epoch)" in out, out
+    assert "log" not in out.split("reads", 1)[1].split("which", 1)[0], out

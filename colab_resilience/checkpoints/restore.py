@@ -161,6 +161,28 @@ class Checkpoint:
             restore_rng(self._value(self._rng, place=False))
         return restored
 
+    def put_back_in_place(self, namespace: MutableMapping[str, Any], names: Sequence[str]) -> list[str]:
+        """Set the saved contents into the objects ``names`` hold now, where that keeps them the
+        same objects: a list, a dict or a set of the saved one's type (its items), a random number
+        generator (its state). Others are left as they are. Returns the names put back."""
+        done = []
+        for n in names:
+            e = self._entries.get(n)
+            target = namespace.get(n)
+            if e is None or not (type(target) in (list, dict, set) or is_generator(target)):
+                continue
+            value = self._value(e, place=True, restoring=_Restoring(self, namespace, []))
+            if type(target) is type(value) and type(value) in (list, dict, set):
+                if isinstance(target, list):
+                    target[:] = value
+                else:
+                    target.clear()
+                    target.update(value)
+            elif not _generator_state_put_back(target, value):
+                continue
+            done.append(n)
+        return done
+
     def _problem(self, n: str, namespace: MutableMapping[str, Any]) -> str | None:
         """Why ``n`` cannot be restored into ``namespace`` (one line), or None."""
         e = self._entries.get(n)
