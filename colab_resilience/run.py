@@ -58,14 +58,16 @@ def open_store(run_dir: Path, key: bytes, *, keep_first: bool = False) -> Checkp
 
 
 def restore_latest(store: CheckpointStore, namespace: MutableMapping, names: Iterable[str],
-                   *, trust: bool = False, rng: bool = True, oldest: bool = False) -> tuple[Checkpoint, list[str]]:
+                   *, trust: bool = False, rng: bool = True, oldest: bool = False,
+                   strict: bool = False) -> tuple[Checkpoint, list[str]]:
     """Restore ``names`` from the newest loadable checkpoint of ``store`` into ``namespace``
     (in place where they were saved by ``state_dict``; with ``rng``, the random-number states
     too; with ``oldest``, from the run's first checkpoint). Returns the checkpoint and the names
-    restored; :class:`NoCheckpointError` when there is none."""
+    restored; :class:`NoCheckpointError` when there is none. A name that cannot be restored is
+    a warning, or with ``strict`` a :class:`CheckpointError`."""
     ckpt = store.load(trust=trust, oldest=oldest)
     wanted = set(names)
-    return ckpt, ckpt.restore(namespace, [n for n in ckpt.names if n in wanted], rng=rng, strict=False)
+    return ckpt, ckpt.restore(namespace, [n for n in ckpt.names if n in wanted], rng=rng, strict=strict)
 
 
 def finished_run(root: Path, run_id: str) -> Journal | None:
@@ -270,11 +272,18 @@ class Run:
         # back to its start (the random state of then), never on from a later safe point
         from_start = self.after_restart and not self.names and not self.extras
         try:
-            ckpt, restored = restore_latest(self.store, ns, self.names, rng=False, oldest=from_start)
+            ckpt, restored = restore_latest(self.store, ns, self.names, rng=False, oldest=from_start, strict=True)
         except NoCheckpointError:
             self.say(f"colab_resilience: run {self.run_id}: no checkpoint yet, {where} starts from the beginning")
             self.resuming = False
             return None
+        except CheckpointError as e:
+            # the run would go on past work whose state did not come back (an optimizer the set-up
+            # cells now build with other parameter groups): it stops instead
+            raise RunStoppedError(
+                f"colab_resilience: run {self.run_id}: {str(e).splitlines()[0].removeprefix('colab_resilience: ')}; "
+                "what was finished cannot be skipped without it: build it as it was saved, or run "
+                "`%resilience reset` to start the run afresh") from None
         self._restore_extras(ckpt)
         carried.apply(ns, restored, _meta(ckpt).get("carried", {}))
         self.resuming = False

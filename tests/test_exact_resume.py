@@ -699,3 +699,31 @@ def test_the_first_run_names_a_saved_generator_or_key_the_code_above_an_inner_lo
             "a resume inside the iteration runs that code again with the inner safe point's values") in out, out
     assert "jax.random.fold_in(key, epoch), g.manual_seed(seed + epoch)" in out, out
     assert "log" not in out.split("reads", 1)[1].split("which", 1)[0], out
+
+
+def test_a_saved_optimizer_that_cannot_be_restored_stops_the_run_instead_of_training_on_without_it(ip, tmp_path):
+    """The head's optimizer, made in the cell, gains the backbone's parameters at epoch 1; an OOM
+    in epoch 2 is retried, and the retry's optimizer (made again above the loop, one parameter
+    group) cannot take the saved one's two. That was a warning, and the retry trained on from
+    epoch 2 with a fresh head-only optimizer, and said done. Now the run stops there, in one line
+    that names the name and why, and what to do."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell("%%replay\nimport torch\nhead, backbone = torch.nn.Linear(2, 1), torch.nn.Linear(2, 2)\nfired = [False]\n"
+                "epochs = []")
+    r = ip.run_cell("%%resilient --save head,backbone,opt,epochs\n"
+                    "opt = torch.optim.SGD(head.parameters(), lr=0.1)\n"
+                    "for epoch in resume_range(3):\n"
+                    "    if epoch == 1:\n"
+                    "        opt.add_param_group({'params': backbone.parameters()})\n"
+                    "    if epoch == 2 and not fired[0]:\n"
+                    "        fired[0] = True\n"
+                    "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')\n"
+                    "    epochs.append(epoch)\n")
+    assert not r.success
+    message = str(r.error_in_exec)
+    assert "\n" not in message and message.startswith("colab_resilience: run "), message
+    assert (": cannot restore 'opt' in place: load_state_dict failed (ValueError: loaded state dict has a different "
+            "number of parameter groups)") in message, message
+    assert message.endswith("what was finished cannot be skipped without it: build it as it was saved, or run "
+                            "`%resilience reset` to start the run afresh"), message
+    assert ip.user_ns["epochs"] == [0, 1]
