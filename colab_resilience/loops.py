@@ -112,6 +112,11 @@ def _describe(items: Any, index: int) -> str:
         return describe(index)
     if isinstance(items, range):
         return str(items[index]) if index < len(items) else "the end"
+    try:
+        if index >= len(items):  # a loader whose last batch was the safe point's
+            return "the end"
+    except Exception:  # no length (a generator), or one that fails
+        pass
     return f"item {index}"
 
 

@@ -727,3 +727,21 @@ def test_a_saved_optimizer_that_cannot_be_restored_stops_the_run_instead_of_trai
     assert message.endswith("what was finished cannot be skipped without it: build it as it was saved, or run "
                             "`%resilience reset` to start the run afresh"), message
     assert ip.user_ns["epochs"] == [0, 1]
+
+
+def test_a_rollback_to_the_end_of_an_inner_loop_over_a_list_says_the_end(ip, tmp_path, capsys):
+    """The last safe point was the inner loop's last item: the rollback goes on at its end, and
+    says so (it said "item 2" of a list of two)."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell("%%replay\nimport torch\nfired = [False]\nseen = []")
+    capsys.readouterr()
+    r = ip.run_cell("%%resilient --save seen\n"
+                    "for epoch in resume_range(2):\n"
+                    "    for x in resume_range([1, 2]):\n"
+                    "        seen.append((epoch, x))\n"
+                    "    if not fired[0]:\n"
+                    "        fired[0] = True\n"
+                    "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')\n")
+    assert r.success, r.error_in_exec
+    assert "rolled back to the last safe point; continuing at 0, the end" in capsys.readouterr().out
+    assert ip.user_ns["seen"] == [(0, 1), (0, 2), (1, 1), (1, 2)]
