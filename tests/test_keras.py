@@ -69,6 +69,31 @@ def test_a_fits_state_is_saved_and_assigned_into_the_rebuilt_model_and_optimizer
     assert values(fresh.variables) == values(model.variables)
 
 
+def test_a_keras_model_or_optimizer_in_save_is_refused_and_check_still_compares_its_variables(tmp_path, ip):
+    """`--save model,opt` with a custom GradientTape loop: pickled, they came back as new objects,
+    the optimizer without its variables (Keras printed "Skipping variable loading for optimizer")
+    while the resume said "restored model, opt", and the run went on from other moments; an OOM
+    retry diverged too. Refused at the first save, in one line that says what restores them in
+    place. colab-resilience check still compares a model by what its variables hold."""
+    from colab_resilience.errors import UnsaveableValueError
+    from colab_resilience.kernelapi import state_digest
+
+    model = build()
+    store = CheckpointStore(tmp_path, run_id="keras", key=b"k" * 32)
+    for name, value in {"model": model, "opt": model.optimizer, "layer": model.layers[0]}.items():
+        with pytest.raises(UnsaveableValueError) as e:
+            store.save({name: value}, [name], strict=True)
+        message = str(e.value)
+        assert "\n" not in message and message.startswith(f"colab_resilience: cannot save {name!r}: "), message
+        assert "a Keras model, layer or optimizer comes back from a pickle as a new object" in message, message
+        assert "ResilienceCallback none is needed in --save" in message, message
+    x = np.ones((4, 4), "float32")
+    ip.user_ns.update(a=build(), b=build(), c=build())
+    ip.user_ns["c"].fit(x, x[:, :1], epochs=1, verbose=0)
+    digest = state_digest()
+    assert digest["a"] == digest["b"] != digest["c"]
+
+
 def test_a_model_built_otherwise_is_refused_in_one_line_and_left_as_it_was(tmp_path):
     store = CheckpointStore(tmp_path, run_id="keras", key=b"k" * 32)
     store.save({STATE: FitState(build())}, [STATE], strict=True)

@@ -345,6 +345,13 @@ def unsaveable_reason(value: Any) -> str | None:
         return "a module is imported again, not saved; import it in a %%replay cell"
     if isinstance(value, (types.FrameType, types.TracebackType)):
         return "a frame belongs to running code"
+    keras = sys.modules.get("keras")
+    if (keras is not None and hasattr(keras, "Layer") and hasattr(keras, "optimizers")
+            and isinstance(value, (keras.Layer, keras.optimizers.Optimizer))):
+        return ("a Keras model, layer or optimizer comes back from a pickle as a new object, cut off from the "
+                "training, an optimizer without its variables; with model.fit and "
+                "colab_resilience.integrations.keras.ResilienceCallback none is needed in --save, their "
+                "variables are restored in place")
     tp = type(value)
     if hasattr(tp, "__next__") and hasattr(tp, "__iter__"):
         try:
