@@ -180,22 +180,19 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
         )
     above = read_above_inner(tree, saved, shell.user_ns)
     if above:
-        one = len(above) == 1
         lines.append(
             f"colab_resilience: the code above an inner resume_range loop reads {', '.join(above)}, which the inner "
             f"loop changes: a resume inside the iteration runs that code again with the inner safe point's "
-            f"{'value' if one else 'values'}, not the {'one' if one else 'ones'} the iteration began with, and the "
-            "result would differ; derive what it draws there from the epoch (jax.random.fold_in(key, epoch), "
+            f"{_one(above, 'value', 'values')}, not the {_one(above, 'one', 'ones')} the iteration began with, and "
+            "the result would differ; derive what it draws there from the epoch (jax.random.fold_in(key, epoch), "
             "g.manual_seed(seed + epoch)), or move it into the inner loop"
         )
     by_callbacks = changed_by_callbacks(tree, saved, shell.user_ns)
     if by_callbacks:
-        one = len(by_callbacks) == 1
         lines.append(
             f"colab_resilience: code the fit calls (a callback) changes {', '.join(by_callbacks)} without --save: "
-            "after a rollback or a restart the fit goes on from its safe point, but "
-            f"{'it' if one else 'they'} would not be back at it, and the result would differ; add "
-            f"{'it' if one else 'them'} to --save"
+            f"after a rollback or a restart the fit goes on from its safe point, but {_one(by_callbacks, 'it', 'they')} "
+            f"would not be back at it, and the result would differ; add {_one(by_callbacks, 'it', 'them')} to --save"
         )
     stateful = unsaved_state_objects(tree, saved, shell.user_ns)
     if stateful:
@@ -281,11 +278,16 @@ def _walk_body(loop: ast.For):
         yield from ast.walk(stmt)
 
 
+def _one(names: list, one: str, many: str) -> str:
+    """``one`` for a single name, else ``many`` (it, them)."""
+    return one if len(names) == 1 else many
+
+
 def _state_objects_line(stateful: list[str]) -> str:
     return (
         f"colab_resilience: the resume_range loop uses {', '.join(stateful)} without --save: a state it "
         "changes in place (a step count, averaged weights, a generator's) would not be back at the safe point "
-        f"after a rollback or a restart, and the result would differ; add {'it' if len(stateful) == 1 else 'them'}"
+        f"after a rollback or a restart, and the result would differ; add {_one(stateful, 'it', 'them')}"
         " to --save (or ignore this for one the loop only reads)"
     )
 

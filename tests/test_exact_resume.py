@@ -31,6 +31,13 @@ def twin(tmp_path_factory, name: str, **parameters) -> str:
     return _twins[key]
 
 
+def oom_once(indent: str, when: str) -> str:
+    """Cell lines that raise a CUDA out-of-memory error once, where ``when`` holds (``fired``: a
+    list the set-up cell makes)."""
+    return (f"{indent}if {when} and not fired[0]:\n{indent}    fired[0] = True\n"
+            f"{indent}    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')\n")
+
+
 def cell_out(nb, cell_id: str) -> str:
     return harness.cell_text(nb.cells[harness.index(nb, cell_id)])
 
@@ -206,9 +213,7 @@ def test_an_oom_retry_draws_what_the_first_attempt_drew_above_the_loop_and_for_a
                     "perm = torch.randperm(100)\n"
                     "for xb in resume_range(loader):\n"
                     "    order.append(int(perm[len(seen)])); seen.append(xb.tolist())\n"
-                    "    if len(seen) == 3 and not fired[0]:\n"
-                    "        fired[0] = True\n"
-                    "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')\n")
+                    + oom_once("    ", "len(seen) == 3"))
     assert r.success, r.error_in_exec
     assert ip.user_ns["fired"] == [True]
     assert ip.user_ns["seen"] == twin["seen"] and ip.user_ns["order"] == twin["order"]
@@ -671,9 +676,7 @@ def test_what_the_code_above_an_inner_loop_appended_is_not_doubled_by_a_rollback
                     "    log['epochs'].append(epoch)\n"
                     "    for i in resume_range(4):\n"
                     "        log['steps'].append((epoch, i))\n"
-                    "        if (epoch, i) == (1, 2) and not fired[0]:\n"
-                    "            fired[0] = True\n"
-                    "            raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')\n")
+                    + oom_once("        ", "(epoch, i) == (1, 2)"))
     assert r.success, r.error_in_exec
     assert ip.user_ns["fired"] == [True]
     assert ip.user_ns["log"] == {"epochs": [0, 1, 2], "steps": [(e, i) for e in range(3) for i in range(4)]}
@@ -715,10 +718,7 @@ def test_a_saved_optimizer_that_cannot_be_restored_stops_the_run_instead_of_trai
                     "for epoch in resume_range(3):\n"
                     "    if epoch == 1:\n"
                     "        opt.add_param_group({'params': backbone.parameters()})\n"
-                    "    if epoch == 2 and not fired[0]:\n"
-                    "        fired[0] = True\n"
-                    "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')\n"
-                    "    epochs.append(epoch)\n")
+                    + oom_once("    ", "epoch == 2") + "    epochs.append(epoch)\n")
     assert not r.success
     message = str(r.error_in_exec)
     assert "\n" not in message and message.startswith("colab_resilience: run "), message
@@ -739,9 +739,7 @@ def test_a_rollback_to_the_end_of_an_inner_loop_over_a_list_says_the_end(ip, tmp
                     "for epoch in resume_range(2):\n"
                     "    for x in resume_range([1, 2]):\n"
                     "        seen.append((epoch, x))\n"
-                    "    if not fired[0]:\n"
-                    "        fired[0] = True\n"
-                    "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')\n")
+                    + oom_once("    ", "True"))
     assert r.success, r.error_in_exec
     assert "rolled back to the last safe point; continuing at 0, the end" in capsys.readouterr().out
     assert ip.user_ns["seen"] == [(0, 1), (0, 2), (1, 1), (1, 2)]
