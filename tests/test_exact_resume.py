@@ -31,6 +31,16 @@ def twin(tmp_path_factory, name: str, **parameters) -> str:
     return _twins[key]
 
 
+def retried(ip, tmp_path, replay: str, cell: str) -> None:
+    """Run the %%replay cell ``replay``, then the %%resilient ``cell``, which raises its one OOM
+    (:func:`oom_once`) and must end well after the retry."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell("%%replay\n" + replay)
+    r = ip.run_cell(cell)
+    assert r.success, r.error_in_exec
+    assert ip.user_ns["fired"] == [True]
+
+
 def oom_once(indent: str, when: str) -> str:
     """Cell lines that raise a CUDA out-of-memory error once, where ``when`` holds (``fired``: a
     list the set-up cell makes)."""
@@ -206,16 +216,12 @@ def test_an_oom_retry_draws_what_the_first_attempt_drew_above_the_loop_and_for_a
     twin: dict = {}
     exec(set_up + "\nperm = torch.randperm(100)\nseen = [b.tolist() for b in loader]\n"
          "order = [int(perm[i]) for i in range(4)]", twin)
-    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
-    ip.run_cell("%%replay\n" + set_up)
-    r = ip.run_cell("%%resilient --save order,seen\n"
-                    "order, seen = [], []\n"
-                    "perm = torch.randperm(100)\n"
-                    "for xb in resume_range(loader):\n"
-                    "    order.append(int(perm[len(seen)])); seen.append(xb.tolist())\n"
-                    + oom_once("    ", "len(seen) == 3"))
-    assert r.success, r.error_in_exec
-    assert ip.user_ns["fired"] == [True]
+    retried(ip, tmp_path, set_up, "%%resilient --save order,seen\n"
+            "order, seen = [], []\n"
+            "perm = torch.randperm(100)\n"
+            "for xb in resume_range(loader):\n"
+            "    order.append(int(perm[len(seen)])); seen.append(xb.tolist())\n"
+            + oom_once("    ", "len(seen) == 3"))
     assert ip.user_ns["seen"] == twin["seen"] and ip.user_ns["order"] == twin["order"]
     assert torch.equal(ip.user_ns["perm"], twin["perm"])
 
@@ -534,6 +540,14 @@ def said_at_first_run(ip, tmp_path, capsys, replay: str, cell: str) -> str:
     return capsys.readouterr().out
 
 
+def says_nothing(ip, capsys, cell: str) -> None:
+    """The %%resilient ``cell`` runs and this package says nothing of it."""
+    r = ip.run_cell(cell)
+    assert r.success, r.error_in_exec
+    out = capsys.readouterr().out
+    assert "colab_resilience: " not in out, out
+
+
 def test_the_first_run_names_what_early_stopping_carries_though_it_is_set_in_the_loop(ip, tmp_path, capsys):
     """Early stopping as it is written by hand: the best loss and the count of epochs without a
     better one are set inside the loop, but only under an if, and read before: their values come
@@ -605,12 +619,10 @@ def test_the_first_run_names_a_resume_range_loop_that_something_around_it_would_
     out = capsys.readouterr().out
     assert "the resume_range loop carries steps from one iteration to the next without --save" in out, out
     assert "starts over" not in out, out
-    r = ip.run_cell("%%resilient --save items,total\n"
-                    "for epoch in tqdm(resume_range(2)):\n"
-                    "    for i, x in resume_range(enumerate(items)):\n"
-                    "        total += i * x\n")
-    assert r.success, r.error_in_exec
-    assert "colab_resilience: " not in capsys.readouterr().out
+    says_nothing(ip, capsys, "%%resilient --save items,total\n"
+                 "for epoch in tqdm(resume_range(2)):\n"
+                 "    for i, x in resume_range(enumerate(items)):\n"
+                 "        total += i * x\n")
 
 
 def test_the_first_run_names_an_iterator_made_before_the_loop_that_it_draws_from_with_next(ip, tmp_path, capsys):
@@ -629,12 +641,10 @@ def test_the_first_run_names_an_iterator_made_before_the_loop_that_it_draws_from
                      "where it was at the safe point, and the result would differ; iterate with resume_range "
                      "instead (for batch in resume_range(loader)), or make the iterator inside the loop"], out
     assert "carries" not in out, out  # not told to --save what cannot be saved
-    r = ip.run_cell("%%resilient --save total\n"
-                    "for epoch in resume_range(2):\n"
-                    "    batches = iter(data)\n"
-                    "    total[0] += next(batches)\n")
-    assert r.success, r.error_in_exec
-    assert "colab_resilience: " not in capsys.readouterr().out
+    says_nothing(ip, capsys, "%%resilient --save total\n"
+                 "for epoch in resume_range(2):\n"
+                 "    batches = iter(data)\n"
+                 "    total[0] += next(batches)\n")
 
 
 def test_the_first_run_names_a_dicts_counter_a_tensor_changed_in_place_and_a_scheduler_the_cell_makes(
@@ -669,16 +679,13 @@ def test_what_the_code_above_an_inner_loop_appended_is_not_doubled_by_a_rollback
     appends epoch 1 a second time to the restored log (`epochs: [0, 1, 1, 2]`), and the run said
     done. Where the inner loop resumes, the lists, dicts and sets restored get the safe point's
     contents again, in the same objects."""
-    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
-    ip.run_cell("%%replay\nimport torch\nlog = {'epochs': [], 'steps': []}\nfired = [False]")
-    r = ip.run_cell("%%resilient --save log\n"
-                    "for epoch in resume_range(3):\n"
-                    "    log['epochs'].append(epoch)\n"
-                    "    for i in resume_range(4):\n"
-                    "        log['steps'].append((epoch, i))\n"
-                    + oom_once("        ", "(epoch, i) == (1, 2)"))
-    assert r.success, r.error_in_exec
-    assert ip.user_ns["fired"] == [True]
+    retried(ip, tmp_path, "import torch\nlog = {'epochs': [], 'steps': []}\nfired = [False]",
+            "%%resilient --save log\n"
+            "for epoch in resume_range(3):\n"
+            "    log['epochs'].append(epoch)\n"
+            "    for i in resume_range(4):\n"
+            "        log['steps'].append((epoch, i))\n"
+            + oom_once("        ", "(epoch, i) == (1, 2)"))
     assert ip.user_ns["log"] == {"epochs": [0, 1, 2], "steps": [(e, i) for e in range(3) for i in range(4)]}
 
 
