@@ -274,6 +274,7 @@ class _Restoring:
         self.ckpt, self.namespace = ckpt, namespace
         self.pending = dict.fromkeys(names)
         self.busy: set[str] = set()
+        self._tensors: dict[str, dict] = {}  # name -> its module's state_dict(keep_vars=True), once
 
     def restore(self, name: str) -> None:
         if name not in self.pending:
@@ -304,7 +305,9 @@ class _Restoring:
         obj = self.namespace[name]
         for k in key:
             try:
-                obj = obj.state_dict(keep_vars=True)[k]
+                if name not in self._tensors:
+                    self._tensors[name] = obj.state_dict(keep_vars=True)
+                obj = self._tensors[name][k]
             except Exception:
                 raise CheckpointError(
                     f"colab_resilience: cannot restore {holder!r}: it holds the tensor {k!r} of {name!r}, which "
