@@ -508,10 +508,11 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
 
 
 def warned(outcome: Outcome, since: int | None = None) -> list[str]:
-    """The lines of this package the run printed, each once, from its first ``%%resilient`` cell
-    on (or from cell ``since``): uninterrupted, what it said would make a resumed run differ."""
-    first = outcome.training if since is None else since
-    lines = [line for index, printed in sorted(outcome.outputs.items()) if index >= first
+    """The lines of this package the run printed, each once: by its ``%%resilient`` cells (what,
+    uninterrupted, it said would make a resumed run differ; not what ``%resilience status``
+    prints in another cell), or by every cell from cell ``since`` on."""
+    lines = [line for index, printed in sorted(outcome.outputs.items())
+             if (index >= since if since is not None else outcome.sources.get(index, "").startswith("%%resilient"))
              for line in printed if line.startswith("colab_resilience:") and "runs are kept in" not in line]
     return list(dict.fromkeys(lines))
 
