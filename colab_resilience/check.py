@@ -285,30 +285,38 @@ def _output_difference(reference: list[str], faulted: list[str]) -> str | None:
     """How a cell's printed lines differ from what it printed uninterrupted (the first line that
     does not fit, quoted), or None where they are the same: exactly, or, where it was recovered
     (its own lines of this package split it into parts), every part a run of the uninterrupted
-    lines and the last part their end."""
-    ours = [line.startswith("colab_resilience:") for line in faulted]
+    lines and the last part their end. A part's last line may be cut short: the fault came while
+    the line was printed (``0`` of ``0 2.31``, then ``colab_resilience: OOM ...`` on that line)."""
     reference = [line for line in reference if not line.startswith("colab_resilience:")]
-    parts, part = [], []
-    for line, mine in zip(faulted, ours):
-        if mine:
-            parts.append(part)
-            part = []
-        else:
+    parts, part, cut = [], [], []
+    for line in faulted:
+        at = line.find("colab_resilience: ")
+        if at == -1:
             part.append(line)
+            continue
+        if at > 0:
+            part.append(line[:at])
+        parts.append(part)
+        cut.append(at > 0)
+        part = []
     parts.append(part)
+    cut.append(False)
 
-    def within(p: list[str]) -> bool:
-        return not p or any(reference[i:i + len(p)] == p for i in range(len(reference) - len(p) + 1))
+    def within(p: list[str], short: bool = False) -> bool:
+        n = len(p)
+        return not p or any(reference[i:i + n - 1] == p[:-1] and (
+            reference[i + n - 1] == p[-1] or short and reference[i + n - 1].startswith(p[-1]))
+            for i in range(len(reference) - n + 1))
 
-    if not any(ours):
+    if len(parts) == 1:  # nothing of ours: no recovery in this cell
         if faulted == reference:
             return None
         at = next((i for i, (a, b) in enumerate(zip(reference, faulted)) if a != b), min(len(reference), len(faulted)))
         if at < len(faulted):
             return f"first at {_quote(faulted[at])}"
         return f"it ends before {_quote(reference[at])}"
-    for p in parts:
-        if not within(p):
+    for p, short in zip(parts, cut):
+        if not within(p, short):
             fits = max(n for n in range(len(p)) if within(p[:n]))
             return f"first at {_quote(p[fits])}"
     last = parts[-1]

@@ -218,7 +218,7 @@ def resume(session, run_dir: Path, *, trust: bool = False) -> None:
         replayed = replay.replay(session.shell, j.replay_cells, session.replay_log, session.say)
         restored: list[str] = []
         try:
-            _, restored = restore_latest(store, session.shell.user_ns, j.names)
+            _, restored = restore_latest(store, session.shell.user_ns, j.names, in_place=_kept(session, j))
         except ResilienceError as e:
             session.say(str(e).splitlines()[0])
         j.status = "pending"
@@ -263,7 +263,8 @@ def restore_finished_runs(session, dead_pid: int | None = None, rerun_source: st
         if j.framework:  # running its cell again (rerun_finished) puts back its names too
             continue
         try:
-            ckpt, got = restore_latest(open_store(run_dir, key), session.shell.user_ns, j.names)
+            ckpt, got = restore_latest(open_store(run_dir, key), session.shell.user_ns, j.names,
+                                       in_place=_kept(session, j))
             got += put_back_left(ckpt, session.shell.user_ns)
         except ResilienceError as e:
             session.say(str(e).splitlines()[0])
@@ -298,6 +299,14 @@ def rerun_finished(session, run_id: str) -> None:
             session.shell.run_cell_magic("resilient", header.removeprefix("%%resilient").strip(), body)
     finally:
         session.adopt, session.reexecuting = None, False
+
+
+def _kept(session, j: Journal) -> list[str]:
+    """The saved names of run ``j`` restored into the objects they hold (:func:`.lint.kept_objects`
+    of its cell's code, under the magic line)."""
+    from .lint import kept_objects
+
+    return kept_objects(session.shell, (j.interrupted_cell or "").partition("\n")[2], j.names)
 
 
 def _same_cell(recorded: str | None, source: str) -> bool:

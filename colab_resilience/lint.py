@@ -82,6 +82,27 @@ def bound_names(tree: ast.AST | None, *, arguments: bool = False) -> set[str]:
     return names
 
 
+def kept_objects(shell, body: str, names: list[str]) -> list[str]:
+    """The saved ``names`` a rollback or a resume restores into the objects they hold then
+    (:func:`.checkpoints.restore.into`), rather than binding new ones: those the cell's
+    ``resume_range`` loops do not bind again (``x += ...`` changes a list, an array or a tensor in
+    place) and no function of the cell declares ``global``. What else holds such an object (a
+    logger given the history list, an optimizer given a weight tensor made by hand) must see the
+    restored values, as it saw the trained ones; a name a loop binds anew may have left its old
+    object with another name (``w0 = w`` above the loop), which keeps it."""
+    tree = _parse(shell, body)
+    if tree is None:
+        return []
+    again = {g for node in ast.walk(tree) if isinstance(node, ast.Global) for g in node.names}
+    for loop in _resume_loops(tree):
+        augmented = {id(node.target) for node in ast.walk(loop) if isinstance(node, ast.AugAssign)}
+        again |= {node.id for node in ast.walk(loop) if isinstance(node, ast.Name) and id(node) not in augmented
+                  and isinstance(node.ctx, (ast.Store, ast.Del))}
+        again |= bound_names(ast.Module(body=[s for s in ast.walk(loop) if isinstance(
+            s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom))], type_ignores=[]))
+    return [n for n in names if n not in again]
+
+
 def _bound_in(stmts: list[ast.stmt]) -> set[str]:
     """The names ``stmts`` bind (see :func:`bound_names`)."""
     return bound_names(ast.Module(body=stmts, type_ignores=[]))

@@ -59,15 +59,17 @@ def open_store(run_dir: Path, key: bytes, *, keep_first: bool = False) -> Checkp
 
 def restore_latest(store: CheckpointStore, namespace: MutableMapping, names: Iterable[str],
                    *, trust: bool = False, rng: bool = True, oldest: bool = False,
-                   strict: bool = False) -> tuple[Checkpoint, list[str]]:
+                   strict: bool = False, in_place: Iterable[str] = ()) -> tuple[Checkpoint, list[str]]:
     """Restore ``names`` from the newest loadable checkpoint of ``store`` into ``namespace``
     (in place where they were saved by ``state_dict``; with ``rng``, the random-number states
     too; with ``oldest``, from the run's first checkpoint). Returns the checkpoint and the names
     restored; :class:`NoCheckpointError` when there is none. A name that cannot be restored is
-    a warning, or with ``strict`` a :class:`CheckpointError`."""
+    a warning, or with ``strict`` a :class:`CheckpointError`. The names in ``in_place`` keep their
+    objects where those can take the saved contents (:meth:`Checkpoint.restore`)."""
     ckpt = store.load(trust=trust, oldest=oldest)
     wanted = set(names)
-    return ckpt, ckpt.restore(namespace, [n for n in ckpt.names if n in wanted], rng=rng, strict=strict)
+    return ckpt, ckpt.restore(namespace, [n for n in ckpt.names if n in wanted], rng=rng, strict=strict,
+                              in_place=set(in_place))
 
 
 def finished_run(root: Path, run_id: str) -> Journal | None:
@@ -162,6 +164,11 @@ class Run:
         # (a Keras fit's model and optimizer variables, its history); registered by the callback
         self.extras: dict[str, object] = {}
         self.body = body
+        from .lint import kept_objects
+
+        # the saved names a restore puts into the objects they hold (a history list a logger was
+        # given, a weight tensor an optimizer was given): those the cell's loops do not bind anew
+        self.kept = kept_objects(shell, body, names)
         self.resuming = resuming  # restore the last safe point at the next restore point
         self.after_restart = after_restart  # this kernel replaced the one that wrote the journal
         self.safe_points = 0
@@ -272,7 +279,8 @@ class Run:
         # back to its start (the random state of then), never on from a later safe point
         from_start = self.after_restart and not self.names and not self.extras
         try:
-            ckpt, restored = restore_latest(self.store, ns, self.names, rng=False, oldest=from_start, strict=True)
+            ckpt, restored = restore_latest(self.store, ns, self.names, rng=False, oldest=from_start, strict=True,
+                                            in_place=self.kept)
         except NoCheckpointError:
             self.say(f"colab_resilience: run {self.run_id}: no checkpoint yet, {where} starts from the beginning")
             self.resuming = False
@@ -346,8 +354,8 @@ class Run:
 
     def arrive(self, plan: Plan, at_text: str) -> None:
         """At the loop the saved position ends in: the names the code above it rebound get their
-        saved values again, the lists, dicts, sets and generators it may have changed in place
-        their saved contents, the carried state and the random state become the safe point's."""
+        saved values again, the objects it may have changed in place (lists, dicts, sets, tensors,
+        arrays, generators: :func:`.checkpoints.restore.into`) their saved contents, the carried state and the random state become the safe point's."""
         ns, ckpt = self.shell.user_ns, plan.checkpoint
         rebound = [n for n, value in plan.restored.items() if ns.get(n) is not value]
         if rebound:

@@ -294,3 +294,18 @@ def test_a_time_a_trainer_measured_is_not_a_difference_and_the_rest_of_its_metri
     digest = state_digest()
     assert digest["a"] == digest["b"] != digest["c"]
     assert digest["d"] == digest["e"] != digest["f"]
+
+
+def test_a_line_the_fault_cut_short_is_not_a_difference_and_a_changed_line_is():
+    """An out-of-memory error raised while a line was printed (``0`` of ``0 2.31``): the retry's
+    message follows on that line, and the retried iteration prints the whole line again. That is
+    the same output; a line that is no beginning of the uninterrupted one is a difference."""
+    from colab_resilience.check import _output_difference
+
+    reference = ["0 2.31", "1 2.20", "2 2.11"]
+    oom = "colab_resilience: OOM (CUDA out of memory) — freed 4.5 MiB; retry 1/2"
+    assert _output_difference(reference, ["0 2.31", "1" + oom, "1 2.20", "2 2.11"]) is None
+    assert _output_difference(reference, ["0 2.31", oom, "1 2.20", "2 2.11"]) is None
+    assert _output_difference(reference, ["0 2.31", "7" + oom, "1 2.20", "2 2.11"]) == "first at '7'"
+    assert _output_difference(reference, ["0 2.31", "1" + oom, "1 2.21", "2 2.11"]) == "first at '1 2.21'"
+    assert _output_difference(reference, ["0 2.31", "1 2.2"]) == "first at '1 2.2'"  # no fault: cut is a difference

@@ -474,6 +474,57 @@ def test_a_generator_is_restored_in_place_where_a_data_loader_draws_from_it(stor
     assert isinstance(other["g"], torch.Generator) and torch.equal(other["g"].get_state(), saved)
 
 
+def test_names_restored_in_place_keep_their_objects_and_what_else_holds_them_sees_the_saved_values(store):
+    """The objects the set-up cells made and handed on (a history list a logger holds, a weight
+    tensor made by hand that an optimizer holds, a NumPy array in a dict, a dict of lists, a deque,
+    a tuple of tensors), restored with ``in_place``: each name keeps its object, with the saved
+    contents, so what holds it sees them (bound to new objects, the optimizer would step a weight
+    nobody reads). One that cannot take them (another shape, another type) is bound to the saved
+    value; without ``in_place``, every name is bound to a new object, as before."""
+    from collections import deque
+
+    def build():
+        w = torch.zeros(3, 2, requires_grad=True)
+        arr = np.zeros(4)
+        metrics = {"loss": [], "step": 0}
+        return {"w": w, "opt": torch.optim.SGD([w], lr=0.1), "history": [], "arr": arr, "holder": {"arr": arr},
+                "metrics": metrics, "losses": metrics["loss"], "recent": deque(maxlen=3),
+                "pair": (torch.zeros(2), torch.ones(2)), "other": torch.zeros(5), "kind": [1]}
+
+    ns = build()
+    with torch.no_grad():
+        ns["w"].copy_(torch.arange(6.0).reshape(3, 2))
+        ns["pair"][0].fill_(7.0)
+    ns["history"] += [1.5, 2.5]
+    ns["arr"][:] = [1, 2, 3, 4]
+    ns["losses"].append(0.25)
+    ns["metrics"]["step"] = 9
+    ns["recent"].extend([1, 2, 3, 4])
+    names = ["w", "history", "arr", "metrics", "recent", "pair", "other", "kind"]
+    store.save(ns, names)
+
+    fresh = build()
+    fresh["other"], fresh["kind"] = torch.zeros(6), (1,)  # cannot take a tensor of 5, a list
+    kept = dict(fresh)
+    fresh["w"].grad = torch.ones(3, 2)
+    assert store.load().restore(fresh, names, rng=False, in_place=names) == names
+    for n in ["w", "history", "arr", "metrics", "recent", "pair"]:
+        assert fresh[n] is kept[n], n
+    assert fresh["opt"].param_groups[0]["params"][0] is fresh["w"]
+    assert fresh["w"].tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]] and fresh["w"].requires_grad
+    assert fresh["w"].grad is None  # as a tensor made afresh: a step's gradient is no safe point's state
+    assert fresh["history"] == [1.5, 2.5] and fresh["holder"]["arr"].tolist() == [1, 2, 3, 4]
+    assert fresh["metrics"] == {"loss": [0.25], "step": 9} and fresh["losses"] is fresh["metrics"]["loss"]
+    assert list(fresh["recent"]) == [2, 3, 4] and fresh["pair"][0].tolist() == [7.0, 7.0]
+    assert fresh["other"] is not kept["other"] and fresh["other"].shape == (5,) and fresh["kind"] == [1]
+
+    again = build()
+    before = dict(again)
+    store.load().restore(again, names, rng=False)
+    assert all(again[n] is not before[n] for n in names)
+    assert again["history"] == [1.5, 2.5] and before["history"] == []
+
+
 def test_restore_into_missing_object_says_so_and_invents_nothing(store):
     """A module's state cannot be restored without a module to put it in: one line says to define it
     in a %%replay cell; nothing is invented; a module of another class or a misspelt name is

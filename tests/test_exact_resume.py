@@ -272,6 +272,55 @@ def test_an_oom_with_a_generator_from_a_set_up_cell_goes_on_in_a_restarted_kerne
     assert harness.result(nb).startswith("RESULT [0, 1, 2, 3, 4, 5] ")
 
 
+def _handed_on_notebook(fault: str, mark):
+    """Training from scratch: a weight tensor and a bias made by hand, stepped by an Adam the
+    %%replay cell gives them; a history list a logger object holds; an average the loop binds anew
+    each epoch, whose first value another name keeps (ema0). One fault (``fault``: a SIGKILL or an
+    out-of-memory error) in epoch 3, once."""
+    faults = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
+              "oom": "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')"}
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        f"%%replay\nimport os, signal, torch\nMARK = {str(mark)!r}\ntorch.manual_seed(0)\n"
+        "w = torch.randn(4, 1, requires_grad=True); b = torch.zeros(1, requires_grad=True)\n"
+        "opt = torch.optim.Adam([w, b], lr=0.05)\nX, Y = torch.randn(64, 4), torch.randn(64, 1)\n"
+        "class Logger:\n    def __init__(self, h): self.h = h\n    def log(self, v): self.h.append(v)\n"
+        "history = []\nlogger = Logger(history)\nema = torch.zeros(4, 1)\nema0 = ema",
+        "%%resilient --save w,b,opt,history,ema\n"
+        "for epoch in resume_range(6):\n"
+        "    for i in range(0, 64, 16):\n"
+        "        loss = ((X[i:i+16] @ w + b - Y[i:i+16]) ** 2).mean()\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()\n"
+        "    logger.log(loss.item())\n"
+        "    ema = 0.9 * ema + 0.1 * w.detach()\n"
+        "    if epoch == 3 and not os.path.exists(MARK):\n"
+        f"        open(MARK, 'w').close(); {faults[fault]}\n",
+        "print('RESULT', len(history), logger.h is history, history[-1].hex(), w.detach().numpy().tobytes().hex(),"
+        " b.item().hex(), ema.numpy().tobytes().hex(), ema0.abs().sum().item())",
+    )
+
+
+@pytest.mark.parametrize("fault", ["kill", "oom"])
+def test_objects_the_set_up_cells_handed_on_see_the_restored_values(tmp_path, fault):
+    """A weight tensor made by hand that the optimizer steps, a history list a logger appends to:
+    after a kill (replayed set-up cells) or an OOM (a rollback in the kernel), the restore puts the
+    saved values into those objects, and the run ends bit for bit as its uninterrupted twin. Bound
+    to new objects, as before, the optimizer stepped a weight the loop no longer read (the weights
+    stayed at the safe point) and the logger appended to a list nobody printed, and the run said
+    done. The average the loop binds anew each epoch is bound to its saved value, and the name that
+    kept its first value keeps it."""
+    (tmp_path / "twin").mkdir()
+    (tmp_path / "twin" / "m").touch()  # the fault has struck already: none
+    twin = _handed_on_notebook(fault, tmp_path / "twin" / "m")
+    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    nb = _handed_on_notebook(fault, tmp_path / "m")
+    run = harness.run(nb, tmp_path, standby=False)
+    assert run.status == 0, run.message
+    assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).startswith("RESULT 6 True ") and harness.result(nb).endswith(" 0.0")
+
+
 # -- checkpoint() ------------------------------------------------------------------------------------
 
 

@@ -10,12 +10,15 @@ saved on (the CPU, with a warning, where that device is gone), as Parameters or 
 values (a flax ``TrainState``, optax states, ``nnx`` objects) are restored into the object of that
 name the set-up cells rebuilt (:mod:`.pytree`). A random number generator (torch's, NumPy's,
 Python's ``random.Random``) gets its saved state set where the name holds one of its kind (a
-``DataLoader`` given it draws from it). Pickles are
-unpickled only here, after the manifest's signature and the blob's hash were checked.
+``DataLoader`` given it draws from it). Other names are bound to their saved values, or, where
+the caller names them ``in_place``, put into the objects they hold where those can take them
+(:func:`into`: a list the set-up cells handed to a logger, a tensor they handed to an optimizer).
+Pickles are unpickled only here, after the manifest's signature and the blob's hash were checked.
 """
 
 from __future__ import annotations
 
+import collections
 import difflib
 import io
 import json
@@ -25,7 +28,7 @@ import sys
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, MutableMapping, Sequence
+from typing import Any, Collection, MutableMapping, Sequence
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointWarning
 from . import blobs, codec, hashing, pytree, tensorfile
@@ -127,6 +130,7 @@ class Checkpoint:
         *,
         rng: bool = True,
         strict: bool = True,
+        in_place: Collection[str] = (),
     ) -> list[str]:
         """Restore ``names`` (default: all) into ``namespace``; return the names restored.
 
@@ -134,6 +138,11 @@ class Checkpoint:
         ``namespace``. If one is missing or of another type, or a name is not in this checkpoint,
         nothing is restored and :class:`CheckpointError` says so in one line (with
         ``strict=False``: a :class:`CheckpointWarning` each, and the rest is restored).
+
+        The names in ``in_place`` keep the objects they hold now where those can take the saved
+        contents (:func:`into`): what else holds them (a logger given the history list, an
+        optimizer given a tensor) sees the restored values. Pass the names the code that goes on
+        changes only in place; a name it binds again is better bound to the saved value.
         """
         wanted = self.names if names is None else list(dict.fromkeys([names] if isinstance(names, str) else names))
         problems = {n: p for n in wanted if (p := self._problem(n, namespace)) is not None}
@@ -144,7 +153,7 @@ class Checkpoint:
             ))
         for message in problems.values():
             warnings.warn(message, CheckpointWarning, stacklevel=2)
-        restoring = _Restoring(self, namespace, [n for n in wanted if n not in problems])
+        restoring = _Restoring(self, namespace, [n for n in wanted if n not in problems], in_place)
         restored = []
         for n in wanted:
             if n in problems:
@@ -162,25 +171,18 @@ class Checkpoint:
         return restored
 
     def put_back_in_place(self, namespace: MutableMapping[str, Any], names: Sequence[str]) -> list[str]:
-        """Set the saved contents into the objects ``names`` hold now, where that keeps them the
-        same objects: a list, a dict or a set of the saved one's type (its items), a random number
-        generator (its state). Others are left as they are. Returns the names put back."""
+        """Set the saved contents into the objects ``names`` hold now, where they can take them and
+        stay the same objects (see :func:`into`); others are left as they are. Returns the names
+        put back."""
         done = []
         for n in names:
             e = self._entries.get(n)
-            target = namespace.get(n)
-            if e is None or not (type(target) in (list, dict, set) or is_generator(target)):
+            if e is None or e.kind in ("state_dict", "pytree") or n not in namespace:
                 continue
+            target = namespace[n]
             value = self._value(e, place=True, restoring=_Restoring(self, namespace, []))
-            if type(target) is type(value) and type(value) in (list, dict, set):
-                if isinstance(target, list):
-                    target[:] = value
-                else:
-                    target.clear()
-                    target.update(value)
-            elif not _generator_state_put_back(target, value):
-                continue
-            done.append(n)
+            if into(target, value) is target:
+                done.append(n)
         return done
 
     def _problem(self, n: str, namespace: MutableMapping[str, Any]) -> str | None:
@@ -261,7 +263,9 @@ class Checkpoint:
             namespace[e.name] = pytree.restore_into(e.name, namespace[e.name], self._value(e, place=True))
             return
         value = self._value(e, place=True, restoring=restoring)
-        if not _generator_state_put_back(namespace.get(e.name), value):
+        if e.name in restoring.in_place and e.name in namespace:
+            namespace[e.name] = into(namespace[e.name], value)
+        elif not _generator_state_put_back(namespace.get(e.name), value):
             namespace[e.name] = value
 
 
@@ -270,8 +274,10 @@ class _Restoring:
     that refers to another saved name gets the object restored under that name: see
     :class:`.values.Shared`)."""
 
-    def __init__(self, ckpt: Checkpoint, namespace: MutableMapping[str, Any], names: Sequence[str]):
+    def __init__(self, ckpt: Checkpoint, namespace: MutableMapping[str, Any], names: Sequence[str],
+                 in_place: Collection[str] = ()):
         self.ckpt, self.namespace = ckpt, namespace
+        self.in_place = frozenset(in_place)  # names whose objects take the saved contents (into)
         self.pending = dict.fromkeys(names)
         self.busy: set[str] = set()
         self._tensors: dict[str, dict] = {}  # name -> its module's state_dict(keep_vars=True), once
@@ -327,6 +333,82 @@ class _Unpickler(pickle.Unpickler):
         if not (isinstance(pid, tuple) and len(pid) >= 2 and pid[0] == REF and self.restoring is not None):
             raise pickle.UnpicklingError(f"a reference this restore cannot resolve: {pid!r}")
         return self.restoring.referred(self.name, pid[1], pid[2:])
+
+
+_ATOMS = frozenset({int, float, complex, bool, str, bytes, type(None)})  # nothing to keep: bound as saved
+_CONTAINERS = (list, dict, set, collections.OrderedDict, collections.defaultdict, collections.Counter,
+               collections.deque)
+
+
+def into(target: Any, saved: Any, _seen: dict[int, Any] | None = None) -> Any:
+    """What a name that holds ``target`` holds once ``saved`` is restored into it: ``target``
+    itself, with the saved contents, where it is of the saved one's kind and can take them; else
+    ``saved``. Kept objects are a list, dict or set and their kin (their items; a dict's values and
+    an equally long list's items are put into what they hold in turn), a torch tensor that is a
+    leaf of the same shape, dtype and device, a writable NumPy array of the same shape and dtype
+    (``copy_``, ``[...] =``), a random number generator (its state). A tuple of the same length
+    stays the same tuple where every item did. Whatever else holds ``target`` (a logger given the
+    history list, an optimizer given a hand-made weight tensor) then sees the restored values, as
+    it did at the safe point."""
+    if target is saved or type(saved) in _ATOMS:
+        return saved
+    seen = {} if _seen is None else _seen
+    if id(target) in seen:
+        return seen[id(target)]
+    kind = type(saved)
+    if type(target) is not kind:
+        return saved
+    if kind in _CONTAINERS:
+        seen[id(target)] = target
+        if kind is collections.deque:
+            if target.maxlen != saved.maxlen:
+                return saved
+            target.clear()
+            target.extend(saved)
+        elif isinstance(target, list):
+            items = [into(t, v, seen) for t, v in zip(target, saved)] if len(target) == len(saved) else saved
+            target[:] = items
+        elif isinstance(target, dict):
+            items = {k: into(target[k], v, seen) if k in target else v for k, v in saved.items()}
+            target.clear()
+            target.update(items)
+            if kind is collections.defaultdict:
+                target.default_factory = saved.default_factory
+        else:
+            target.clear()
+            target.update(saved)
+        return target
+    if kind is tuple and len(target) == len(saved):
+        items = tuple(into(t, v, seen) for t, v in zip(target, saved))
+        return target if all(a is b for a, b in zip(items, target)) else items
+    if _tensor_into(target, saved) or _array_into(target, saved) or _generator_state_put_back(target, saved):
+        return target
+    return saved
+
+
+def _tensor_into(target: Any, saved: Any) -> bool:
+    torch = sys.modules.get("torch")
+    if torch is None or type(saved) not in (torch.Tensor, torch.nn.Parameter):
+        return False
+    if not (target.is_leaf and target.layout == saved.layout == torch.strided and target.shape == saved.shape
+            and target.dtype == saved.dtype and target.device == saved.device
+            and target.requires_grad == saved.requires_grad and not target.is_inference()):
+        return False
+    with torch.no_grad():
+        target.copy_(saved)
+    target.grad = None  # as a tensor made afresh has: a step's gradient is not a safe point's state
+    return True
+
+
+def _array_into(target: Any, saved: Any) -> bool:
+    np = sys.modules.get("numpy")
+    if np is None or type(saved) is not np.ndarray:
+        return False
+    if target.shape != saved.shape or target.dtype != saved.dtype or target.dtype.hasobject \
+            or not target.flags.writeable:
+        return False
+    target[...] = saved
+    return True
 
 
 def _generator_state_put_back(target: Any, saved: Any) -> bool:
