@@ -306,7 +306,8 @@ def _kept(session, j: Journal) -> list[str]:
     of its cell's code, under the magic line)."""
     from .lint import kept_objects
 
-    return kept_objects(session.shell, (j.interrupted_cell or "").partition("\n")[2], j.names)
+    return kept_objects(session.shell, (j.interrupted_cell or "").partition("\n")[2], j.names,
+                        [c.source for c in j.replay_cells])
 
 
 def _same_cell(recorded: str | None, source: str) -> bool:

@@ -82,18 +82,21 @@ def bound_names(tree: ast.AST | None, *, arguments: bool = False) -> set[str]:
     return names
 
 
-def kept_objects(shell, body: str, names: list[str]) -> list[str]:
+def kept_objects(shell, body: str, names: list[str], setup_sources: list[str] | tuple = ()) -> list[str]:
     """The saved ``names`` a rollback or a resume restores into the objects they hold then
     (:func:`.checkpoints.restore.into`), rather than binding new ones: those the cell's
     ``resume_range`` loops do not bind again (``x += ...`` changes a list, an array or a tensor in
-    place) and no function of the cell declares ``global``. What else holds such an object (a
-    logger given the history list, an optimizer given a weight tensor made by hand) must see the
-    restored values, as it saw the trained ones; a name a loop binds anew may have left its old
-    object with another name (``w0 = w`` above the loop), which keeps it."""
+    place) and no function of the cell or of its set-up cells (``setup_sources``) declares
+    ``global``. What else holds such an object (a logger given the history list, an optimizer
+    given a weight tensor made by hand) must see the restored values, as it saw the trained ones;
+    a name a loop binds anew may have left its old object with another name (``w0 = w`` above the
+    loop), which keeps it."""
     tree = _parse(shell, body)
     if tree is None:
         return []
-    again = {g for node in ast.walk(tree) if isinstance(node, ast.Global) for g in node.names}
+    codes = [body] + [s.partition("\n")[2] if s.lstrip().startswith("%%") else s for s in setup_sources]
+    again = {g for code in codes for node in ast.walk(_parse(shell, code) or ast.Module([], []))
+             if isinstance(node, ast.Global) for g in node.names}
     for loop in _resume_loops(tree):
         augmented = {id(node.target) for node in ast.walk(loop) if isinstance(node, ast.AugAssign)}
         again |= {node.id for node in ast.walk(loop) if isinstance(node, ast.Name) and id(node) not in augmented

@@ -164,11 +164,9 @@ class Run:
         # (a Keras fit's model and optimizer variables, its history); registered by the callback
         self.extras: dict[str, object] = {}
         self.body = body
-        from .lint import kept_objects
-
         # the saved names a restore puts into the objects they hold (a history list a logger was
-        # given, a weight tensor an optimizer was given): those the cell's loops do not bind anew
-        self.kept = kept_objects(shell, body, names)
+        # given, a weight tensor an optimizer was given): set when the set-up cells are known
+        self.kept: list[str] = []
         self.resuming = resuming  # restore the last safe point at the next restore point
         self.after_restart = after_restart  # this kernel replaced the one that wrote the journal
         self.safe_points = 0
@@ -261,7 +259,8 @@ class Run:
 
     def start(self, setup_cells: list[ReplayCell], *, replayed: int = 0, replay_seconds: float = 0.0) -> None:
         """The run goes on in this kernel: the set-up cells it knows are recorded, the shrunk
-        values of a resumed run are put back."""
+        values of a resumed run are put back, and the saved names a restore puts into the objects
+        they hold are known (:func:`.lint.kept_objects`)."""
         self._replayed, self._replay_seconds = replayed, replay_seconds
         j = self.journal
         j.phase = None
@@ -269,6 +268,9 @@ class Run:
             put_back_shrunk(self.shell.user_ns, j.shrink)
         merge_replay_cells(j.replay_cells, setup_cells)
         j.save()
+        from .lint import kept_objects
+
+        self.kept = kept_objects(self.shell, self.body, self.names, [c.source for c in j.replay_cells])
 
     def _restore(self, where: str) -> tuple[Checkpoint, list[str]] | None:
         """Restore the last safe point's declared names (not yet its random state) and what a

@@ -285,18 +285,20 @@ def _handed_on_notebook(fault: str, mark):
         "w = torch.randn(4, 1, requires_grad=True); b = torch.zeros(1, requires_grad=True)\n"
         "opt = torch.optim.Adam([w, b], lr=0.05)\nX, Y = torch.randn(64, 4), torch.randn(64, 1)\n"
         "class Logger:\n    def __init__(self, h): self.h = h\n    def log(self, v): self.h.append(v)\n"
-        "history = []\nlogger = Logger(history)\nema = torch.zeros(4, 1)\nema0 = ema",
-        "%%resilient --save w,b,opt,history,ema\n"
+        "history = []\nlogger = Logger(history)\nema = torch.zeros(4, 1)\nema0 = ema\n"
+        "scale = torch.ones(1)\nscale0 = scale\ndef halve():\n    global scale\n    scale = scale / 2",
+        "%%resilient --save w,b,opt,history,ema,scale\n"
         "for epoch in resume_range(6):\n"
         "    for i in range(0, 64, 16):\n"
         "        loss = ((X[i:i+16] @ w + b - Y[i:i+16]) ** 2).mean()\n"
         "        opt.zero_grad(); loss.backward(); opt.step()\n"
         "    logger.log(loss.item())\n"
         "    ema = 0.9 * ema + 0.1 * w.detach()\n"
+        "    halve()\n"
         "    if epoch == 3 and not os.path.exists(MARK):\n"
         f"        open(MARK, 'w').close(); {faults[fault]}\n",
         "print('RESULT', len(history), logger.h is history, history[-1].hex(), w.detach().numpy().tobytes().hex(),"
-        " b.item().hex(), ema.numpy().tobytes().hex(), ema0.abs().sum().item())",
+        " b.item().hex(), ema.numpy().tobytes().hex(), scale.item(), ema0.abs().sum().item() + scale0.item())",
     )
 
 
@@ -307,8 +309,9 @@ def test_objects_the_set_up_cells_handed_on_see_the_restored_values(tmp_path, fa
     saved values into those objects, and the run ends bit for bit as its uninterrupted twin. Bound
     to new objects, as before, the optimizer stepped a weight the loop no longer read (the weights
     stayed at the safe point) and the logger appended to a list nobody printed, and the run said
-    done. The average the loop binds anew each epoch is bound to its saved value, and the name that
-    kept its first value keeps it."""
+    done. The average the loop binds anew each epoch, and a scale a set-up cell's function binds
+    anew (``global``), are bound to their saved values, and the names that kept their first values
+    keep them."""
     (tmp_path / "twin").mkdir()
     (tmp_path / "twin" / "m").touch()  # the fault has struck already: none
     twin = _handed_on_notebook(fault, tmp_path / "twin" / "m")
@@ -318,7 +321,7 @@ def test_objects_the_set_up_cells_handed_on_see_the_restored_values(tmp_path, fa
     assert run.status == 0, run.message
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
-    assert harness.result(nb).startswith("RESULT 6 True ") and harness.result(nb).endswith(" 0.0")
+    assert harness.result(nb).startswith("RESULT 6 True ") and harness.result(nb).endswith(" 0.015625 1.0")
 
 
 # -- checkpoint() ------------------------------------------------------------------------------------
