@@ -114,6 +114,9 @@ class Journal:
     # what a framework's callback saved with a finished run (its label: "the Trainer's model, ..."):
     # only running the cell again puts it back (the framework loads it into the rebuilt objects)
     framework: str | None = None
+    # a resume_range loop ran in code the cell calls (def train(): for epoch in resume_range(...)):
+    # the cell's safe points are that loop's, though its own code holds none
+    loops: bool = False
 
     @property
     def path(self) -> Path:

@@ -36,9 +36,11 @@ SCALARS: dict[str, tuple[type, ...]] = {
     "counted_pid": (int, type(None)),
     "generation": (int,),
     "framework": (str, type(None)),
+    "loops": (bool,),
 }
 # absent from the first journals of version 2
-OPTIONAL = {"resume_at": None, "oom_kills": None, "counted_pid": None, "generation": 0, "framework": None}
+OPTIONAL = {"resume_at": None, "oom_kills": None, "counted_pid": None, "generation": 0, "framework": None,
+            "loops": False}
 
 
 def bad(path: Path, why: str):

@@ -40,8 +40,10 @@ from __future__ import annotations
 import ast
 import builtins
 import difflib
+import inspect
 import io
 import sys
+import textwrap
 import types
 
 from . import replay
@@ -95,8 +97,7 @@ def kept_objects(shell, body: str, names: list[str], setup_sources: list[str] | 
     if tree is None:
         return []
     codes = [body] + [s.partition("\n")[2] if s.lstrip().startswith("%%") else s for s in setup_sources]
-    again = {g for code in codes for node in ast.walk(_parse(shell, code) or ast.Module([], []))
-             if isinstance(node, ast.Global) for g in node.names}
+    again = _declared_global([_parse(shell, code) for code in codes] + called_functions(shell, tree))
     for loop in _resume_loops(tree):
         augmented = {id(node.target) for node in ast.walk(loop) if isinstance(node, ast.AugAssign)}
         again |= {node.id for node in ast.walk(loop) if isinstance(node, ast.Name) and id(node) not in augmented
@@ -104,6 +105,12 @@ def kept_objects(shell, body: str, names: list[str], setup_sources: list[str] | 
         again |= bound_names(ast.Module(body=[s for s in ast.walk(loop) if isinstance(
             s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom))], type_ignores=[]))
     return [n for n in names if n not in again]
+
+
+def _declared_global(codes: list[ast.AST | None]) -> set[str]:
+    """The names the functions in ``codes`` declare ``global``: they bind them in the notebook."""
+    return {g for code in codes if code is not None for node in ast.walk(code)
+            if isinstance(node, ast.Global) for g in node.names}
 
 
 def _bound_in(stmts: list[ast.stmt]) -> set[str]:
@@ -126,7 +133,8 @@ def check_options(shell, names: list[str], shrink, body: str) -> None:
     """:class:`OptionError` for a ``--save`` name that nothing defines, or a ``--shrink`` variable
     that is missing, not a positive integer, assigned by the cell itself, or also saved."""
     ns = shell.user_ns
-    assigned = bound_names(_parse(shell, body))
+    tree = _parse(shell, body)
+    assigned = bound_names(tree) | (_declared_global(called_functions(shell, tree)) if tree is not None else set())
     for name in names:
         if name not in ns and name not in assigned:
             raise OptionError(
@@ -186,9 +194,20 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
             f"colab_resilience: this cell reads {', '.join(lost)}, which neither --save nor a "
             "%%replay cell would bring back after a restart; add them to --save or define them in a %%replay cell"
         )
-    carried = carried_names(tree, saved, shell.user_ns)
-    iterators = [n for n in carried if n in drawn_with_next(tree)]
+    codes = [tree] + called_functions(shell, tree)  # the cell's code, and a train() it calls
+    carried = list(dict.fromkeys(n for code in codes for n in carried_names(code, saved, shell.user_ns)))
+    drawn = set().union(*(drawn_with_next(code) for code in codes))
+    iterators = [n for n in carried if n in drawn]
     carried = [n for n in carried if n not in iterators]
+    for function, local in (pair for code in codes for pair in carried_locals(code)):
+        lines.append(
+            f"colab_resilience: the resume_range loop in {function}() carries {', '.join(local)}, "
+            f"{_one(local, 'a local', 'locals')} of {function}(), from one iteration to the next: no checkpoint "
+            f"can hold a function's locals, so after a rollback or a restart {_one(local, 'it', 'they')} would "
+            f"start again from {_one(local, 'its', 'their')} first value{_one(local, '', 's')}, and the result "
+            f"would differ; declare {_one(local, 'it', 'them')} global in {function}() and add "
+            f"{_one(local, 'it', 'them')} to --save, or run the loop in the cell"
+        )
     if iterators:
         lines.append(
             f"colab_resilience: the resume_range loop draws from {', '.join(iterators)} with next(), made before "
@@ -199,8 +218,8 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
     if carried:
         lines.append(
             f"colab_resilience: the resume_range loop carries {', '.join(carried)} from one iteration to the "
-            "next without --save: after a rollback or a restart they would not have their values at the safe "
-            "point, and the result would differ; add them to --save"
+            f"next without --save: after a rollback or a restart {_one(carried, 'it would not have its value', 'they would not have their values')} "
+            f"at the safe point, and the result would differ; add {_one(carried, 'it', 'them')} to --save"
         )
     above = read_above_inner(tree, saved, shell.user_ns)
     if above:
@@ -336,13 +355,16 @@ def _is_state(value) -> bool:
     return not type(value).__module__.split(".")[0] in _NOT_STATE
 
 
-def carried_names(tree: ast.AST, saved: list[str], namespace=None) -> list[str]:
-    """Names a ``resume_range`` loop changes from one iteration to the next (augmented or
-    self-referencing assignments, in-place container methods, item and attribute assignments)
-    that its iterations do not bind afresh, and that ``--save`` does not save. With
-    ``namespace``, names bound to something that is not training state are left out."""
-    found: list[str] = []
+def _carried(tree: ast.AST):
+    """For each ``resume_range`` loop: the function it runs in (None: the cell's own code), and the
+    names it changes from one iteration to the next (augmented or self-referencing assignments,
+    in-place container methods and functions, item and attribute assignments, ``next()``) that its
+    iterations do not bind afresh, or reads before it sets them for sure."""
+    parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     for loop in _resume_loops(tree):
+        function = parents.get(id(loop))
+        while function is not None and not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = parents.get(id(function))
         fresh = bound_names(loop.target)
         changed: list[str] = []
         for node in _walk_body(loop):
@@ -369,16 +391,69 @@ def carried_names(tree: ast.AST, saved: list[str], namespace=None) -> list[str]:
                 changed.append(_receiver(node.func).id)
             elif _next_of(node):
                 changed.append(_next_of(node))
+            elif _changed_argument(node):
+                changed.append(_changed_argument(node))
         # read in an iteration before it is set for sure in it (best = loss under an if, after
         # `if loss < best`): the value read is the last iteration's
         early = _read_before_set(loop.body, _bound_in(loop.body),
                                  bound_names(loop.target))
-        for name in changed + early:
-            if (name in fresh and name not in early) or name in saved or name in found:
+        yield function, [n for n in dict.fromkeys(changed + early) if n not in fresh or n in early]
+
+
+def _locals_of(function: ast.AST | None) -> set[str]:
+    """The local names of ``function`` (its parameters and what it binds, but what it declares
+    ``global``); none for the cell's own code."""
+    if function is None:
+        return set()
+    declared = {g for node in ast.walk(function) if isinstance(node, ast.Global) for g in node.names}
+    return (bound_names(ast.Module(body=function.body, type_ignores=[]))
+            | {a.arg for a in ast.walk(function.args) if isinstance(a, ast.arg)}) - declared
+
+
+def carried_names(tree: ast.AST, saved: list[str], namespace=None) -> list[str]:
+    """The names of the notebook a ``resume_range`` loop carries from one iteration to the next
+    (:func:`_carried`; not a function's locals) that ``--save`` does not save. With
+    ``namespace``, names bound to something that is not training state are left out."""
+    found: list[str] = []
+    for function, names in _carried(tree):
+        local = _locals_of(function)
+        for name in names:
+            if name in local or name in saved or name in found:
                 continue
             if namespace is not None and name in namespace and not _is_state(namespace[name]):
                 continue
             found.append(name)
+    return found
+
+
+def carried_locals(tree: ast.AST) -> list[tuple[str, list[str]]]:
+    """``(function, names)`` for each ``resume_range`` loop inside a function that carries the
+    function's own locals from one iteration to the next: no checkpoint can hold them."""
+    found = []
+    for function, names in _carried(tree):
+        local = [n for n in names if n in _locals_of(function)]
+        if local:
+            found.append((function.name, local))
+    return found
+
+
+def called_functions(shell, tree: ast.AST) -> list[ast.AST]:
+    """The code of the functions the cell calls by name that earlier cells defined and that run a
+    ``resume_range`` loop: their loops' safe points are the cell's (``train(model, epochs)``)."""
+    mine = bound_names(tree)
+    found, seen = [], set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.func.id in mine | seen:
+            continue
+        seen.add(node.func.id)
+        function = shell.user_ns.get(node.func.id)
+        if not isinstance(function, types.FunctionType) or "resume_range" not in function.__code__.co_names:
+            continue
+        try:
+            code = ast.parse(textwrap.dedent(inspect.getsource(function)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        found.append(code)
     return found
 
 
@@ -495,6 +570,26 @@ def _receiver(func: ast.Attribute) -> ast.AST:
            and _changes_in_place(node.func.attr)):
         node = node.func.value
     return node
+
+
+_CHANGE_FIRST_ARGUMENT = frozenset({
+    "shuffle", "heapify", "heappush", "heappop", "heappushpop", "heapreplace", "insort", "insort_left",
+    "insort_right", "copyto",
+})
+
+
+def _changed_argument(node: ast.AST) -> str | None:
+    """The name a function call changes in place as its first argument: ``random.shuffle(data)``,
+    ``rng.shuffle(idx)``, ``heapq.heappush(queue, x)``, ``np.copyto(a, b)``, an in-place function
+    such as ``torch.nn.init.zeros_(w)``."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Name)):
+        return None
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    if name in _CHANGE_FIRST_ARGUMENT or (name.endswith("_") and not name.startswith("_") and name != "clip_grad_norm_"
+                                          and name != "clip_grad_value_"):
+        return node.args[0].id
+    return None
 
 
 def _next_of(node: ast.AST) -> str | None:

@@ -153,6 +153,8 @@ class Loops:
             ordinal, self.top = self.top, self.top + 1
         else:
             ordinal, parent.children = parent.children, parent.children + 1
+        if depth == 0 and ordinal == 0 and not run.uses_loop:
+            run.loop_found()
         if depth == 0 and ordinal == 0 and run.resuming:
             self.plan = run.restore_for_loops()
         start, arrival = self._start(depth, ordinal, items)

@@ -158,7 +158,7 @@ class Run:
         self.every_n, self.every_seconds = every
         # the cell's safe points are loop iterations: resume_range, or a framework's epochs
         # through an integration's callback (colab_resilience.integrations)
-        self.uses_loop = "resume_range" in body or "ResilienceCallback" in body
+        self.uses_loop = "resume_range" in body or "ResilienceCallback" in body or journal.loops
         # state that is not a user name and is saved with every checkpoint, restored in place
         # (state_dict/load_state_dict) when the first loop starts: a framework callback's
         # (a Keras fit's model and optimizer variables, its history); registered by the callback
@@ -442,6 +442,16 @@ class Run:
         if self._saved_point != self.safe_points:  # not saved yet at this safe point (--every)
             self.save_position(position, rngs, force=True, where=where)  # resume from this one
         raise RunStoppedError(self.leave(reason, planned=True))
+
+    def loop_found(self) -> None:
+        """A ``resume_range`` loop started in code the cell calls (``train(model, epochs)``): from
+        now on, in this kernel and in the next (the journal says so), the cell is run as a loop,
+        restored when that loop starts and not at the cell's first line, where the code above the
+        loop would run again on the restored state."""
+        self.uses_loop = True
+        with self.journal_lock:
+            self.journal.loops = True
+            self.journal.save()
 
     def first_safe_point(self) -> None:
         """The start of the first loop (or of a cell without one): where a rollback of the first

@@ -324,6 +324,58 @@ def test_objects_the_set_up_cells_handed_on_see_the_restored_values(tmp_path, fa
     assert harness.result(nb).startswith("RESULT 6 True ") and harness.result(nb).endswith(" 0.015625 1.0")
 
 
+def _train_function_notebook(fault: str, mark):
+    """The loop in a function a %%replay cell defines (``train(epochs)``), which the %%resilient
+    cell calls; early stopping whose state it declares global, saved. One fault (a SIGKILL or an
+    out-of-memory error) in epoch 4, once."""
+    faults = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
+              "oom": "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')"}
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        f"%%replay\nimport os, signal, torch\nMARK = {str(mark)!r}\ntorch.manual_seed(0)\n"
+        "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.05)\n"
+        "X, Y = torch.randn(64, 4), torch.randn(64, 1)\n"
+        "def train(epochs):\n"
+        "    global best, bad\n"
+        "    best, bad = float('inf'), 0\n"
+        "    model.weight.data.mul_(0.5)  # above the loop: run once, before the restore\n"
+        "    for epoch in resume_range(epochs):\n"
+        "        loss = ((model(X) - Y) ** 2).mean()\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()\n"
+        "        if loss.item() < best - 0.01:\n"
+        "            best, bad = loss.item(), 0\n"
+        "        else:\n"
+        "            bad += 1\n"
+        "        if epoch == 4 and not os.path.exists(MARK):\n"
+        f"            open(MARK, 'w').close(); {faults[fault]}\n"
+        "        if bad >= 2:\n"
+        "            return epoch\n"
+        "    return None",
+        "%%resilient --save model,opt,best,bad\nstopped = train(40)",
+        "print('RESULT', stopped, best.hex(), model.weight.detach().numpy().tobytes().hex())",
+    )
+
+
+@pytest.mark.parametrize("fault", ["kill", "oom"])
+def test_a_loop_in_a_function_the_cell_calls_resumes_where_it_stopped(tmp_path, fault):
+    """``stopped = train(40)``, the resume_range loop inside train(), defined by a %%replay cell:
+    after a kill or an OOM the loop goes on from its safe point, restored when the loop starts,
+    and the run ends bit for bit as its uninterrupted twin. Before, the cell, whose own code holds
+    no loop, was restored at its first line and run again: train() halved the restored weights
+    and trained them from epoch 0, and the run said done."""
+    (tmp_path / "twin").mkdir()
+    (tmp_path / "twin" / "m").touch()  # the fault has struck already: none
+    twin = _train_function_notebook(fault, tmp_path / "twin" / "m")
+    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    nb = _train_function_notebook(fault, tmp_path / "m")
+    run = harness.run(nb, tmp_path, standby=False)
+    assert run.status == 0, run.message
+    text = harness.cell_text(nb.cells[2])
+    assert len(run.restarts) == (fault == "kill"), text
+    assert harness.result(nb) == harness.result(twin)
+    assert not harness.result(nb).startswith("RESULT None "), harness.result(nb)  # it stopped early
+
+
 # -- checkpoint() ------------------------------------------------------------------------------------
 
 
@@ -598,6 +650,36 @@ def says_nothing(ip, capsys, cell: str) -> None:
     assert r.success, r.error_in_exec
     out = capsys.readouterr().out
     assert "colab_resilience: " not in out, out
+
+
+def test_the_first_run_names_a_list_shuffled_in_place_and_a_functions_carried_locals(ip, tmp_path, capsys):
+    """``random.shuffle(data)`` and ``rng.shuffle(idx)`` change the list and the array each epoch:
+    carried, unsaved, they are named. A train() that a %%replay cell defines and the cell calls runs
+    the loop: the early stopping's best and bad, locals of train(), are named as what no checkpoint
+    can hold (before, nothing was said, and a resume started them afresh); declared global and
+    saved, nothing is said."""
+    replay = ("import random, numpy as np, torch\nmodel = torch.nn.Linear(2, 1)\n"
+              "data, idx, rng = list(range(8)), np.arange(8), np.random.default_rng(0)\n"
+              "def train(epochs):\n    best, bad = float('inf'), 0\n"
+              "    for epoch in resume_range(epochs):\n"
+              "        loss = model(torch.ones(1, 2)).sum().item() + epoch\n"
+              "        if loss < best:\n            best, bad = loss, 0\n        else:\n            bad += 1\n"
+              "    return best")
+    out = said_at_first_run(ip, tmp_path, capsys, replay,
+                            "%%resilient --save model,rng\nfor epoch in resume_range(2):\n"
+                            "    random.shuffle(data)\n    rng.shuffle(idx)\n")
+    assert ("colab_resilience: the resume_range loop carries data, idx from one iteration to the next without "
+            "--save") in out, out
+    capsys.readouterr()
+    r = ip.run_cell("%%resilient --save model\nout = train(3)")
+    assert r.success, r.error_in_exec
+    out = capsys.readouterr().out
+    assert ("colab_resilience: the resume_range loop in train() carries bad, best, locals of train(), from one "
+            "iteration to the next: no checkpoint can hold a function's locals") in out, out
+    assert "declare them global in train() and add them to --save, or run the loop in the cell" in out, out
+    ip.run_cell("%%replay\n" + replay.replace("def train(epochs):\n", "def train(epochs):\n    global best, bad\n"))
+    capsys.readouterr()
+    says_nothing(ip, capsys, "%%resilient --save model,best,bad\nout = train(3)")
 
 
 def test_the_first_run_names_what_early_stopping_carries_though_it_is_set_in_the_loop(ip, tmp_path, capsys):
