@@ -713,13 +713,8 @@ def read_after_loop(tree: ast.AST, saved: list[str]) -> list[str]:
             if stmt not in _resume_loops(stmt) or not isinstance(stmt, ast.For):
                 continue
             inside = _bound_in(stmt.body) - set(saved)
-            rebound: set[str] = set()
-            for later in block[i + 1:]:
-                for node in ast.walk(later):
-                    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
-                        if node.id in inside and node.id not in rebound and node.id not in found:
-                            found.append(node.id)
-                rebound |= bound_names(later)
+            # in order: a second loop that sets loss before it reads it does not read the first's
+            found += [n for n in _read_before_set(block[i + 1:], inside, set()) if n not in found]
     return found
 
 

@@ -62,6 +62,9 @@ class Plan:
     checkpoint: Any
     restored: dict[str, int] = field(default_factory=dict)  # name -> id() of what was restored
     depth: int = 0  # the depth whose loop the plan waits for
+    # saved names the cell makes below its first loop (opt2 = Adam(...) between two loops): restored
+    # where the plan arrives, or at the cell's end when every loop had finished
+    later: list[str] = field(default_factory=list)
 
 
 def position_of(meta: Any) -> list[tuple[int, int]]:

@@ -184,6 +184,8 @@ class Run:
         self._last_save = 0.0
         self._replayed, self._replay_seconds = 0, 0.0
         self._resume_note: str | None = None  # said where the run goes on after a restart
+        self._later: list[str] = []  # saved names the cell makes below its first loop (Plan.later)
+        self._cell_sets: set[str] | None = None
         self.finished_before = False  # resumed at its end-of-cell checkpoint: the cell is not run
 
     @property
@@ -280,9 +282,12 @@ class Run:
         # after a restart, a run that saves no values has nothing of its progress back: it goes
         # back to its start (the random state of then), never on from a later safe point
         from_start = self.after_restart and not self.names and not self.extras
+        # a name the cell makes below its first loop, not there yet (opt2 = Adam(...) between two
+        # loops, an object the checkpoint's state goes into), waits for the plan to arrive
+        later = [n for n in self.names if n not in ns and n in self._made_by_cell()] if where == "the loop" else []
         try:
-            ckpt, restored = restore_latest(self.store, ns, self.names, rng=False, oldest=from_start, strict=True,
-                                            in_place=self.kept)
+            ckpt, restored = restore_latest(self.store, ns, [n for n in self.names if n not in later], rng=False,
+                                            oldest=from_start, strict=True, in_place=self.kept)
         except NoCheckpointError:
             self.say(f"colab_resilience: run {self.run_id}: no checkpoint yet, {where} starts from the beginning")
             self.resuming = False
@@ -296,6 +301,7 @@ class Run:
                 "`%resilience reset` to start the run afresh") from None
         self._restore_extras(ckpt)
         carried.apply(ns, restored, _meta(ckpt).get("carried", {}))
+        self._later = [n for n in later if n in ckpt.names]
         self.resuming = False
         if self._names_at_checkpoint is None:
             # a kernel that resumed has taken no checkpoint of its own yet: the names bound now are
@@ -352,16 +358,43 @@ class Run:
             ckpt.restore(holder, [LOOP_RNG], rng=False)
             rngs = holder[LOOP_RNG]
         ns = self.shell.user_ns
-        return Plan(position, rngs, ckpt, {n: ns[n] for n in restored if n in ns})
+        return Plan(position, rngs, ckpt, {n: ns[n] for n in restored if n in ns}, later=self._later)
+
+    def _made_by_cell(self) -> set[str]:
+        """The names the cell's own code sets (:func:`.lint.cell_sets`), read once."""
+        if self._cell_sets is None:
+            from .lint import cell_sets
+
+            self._cell_sets = set(cell_sets(self.shell, self.body, definitions=False))
+        return self._cell_sets
+
+    def restore_later(self, plan: Plan) -> None:
+        """Restore the plan's names the cell made below its first loop (:attr:`Plan.later`), now
+        that the code above the plan's loop (or the whole cell) has made them; one that is still
+        not there, or cannot take its saved state, stops the run."""
+        names, plan.later = plan.later, []
+        if not names:
+            return
+        try:
+            plan.checkpoint.restore(self.shell.user_ns, names, rng=False, strict=True, in_place=self.kept)
+        except CheckpointError as e:
+            raise RunStoppedError(
+                f"colab_resilience: run {self.run_id}: {str(e).splitlines()[0].removeprefix('colab_resilience: ')}; "
+                "what was finished cannot be skipped without it: build it as it was saved, or run "
+                "`%resilience reset` to start the run afresh") from None
+        carried.apply(self.shell.user_ns, names, _meta(plan.checkpoint).get("carried", {}))
 
     def arrive(self, plan: Plan, at_text: str) -> None:
         """At the loop the saved position ends in: the names the code above it rebound get their
-        saved values again, the objects it may have changed in place (lists, dicts, sets, tensors,
-        arrays, generators: :func:`.checkpoints.restore.into`) their saved contents, the carried state and the random state become the safe point's."""
+        saved values again, and those it made (:meth:`restore_later`); the objects it may have
+        changed in place (lists, dicts, sets, tensors, arrays, generators:
+        :func:`.checkpoints.restore.into`) their saved contents; the carried state and the random
+        state become the safe point's."""
         ns, ckpt = self.shell.user_ns, plan.checkpoint
         rebound = [n for n, value in plan.restored.items() if ns.get(n) is not value]
         if rebound:
             ckpt.restore(ns, rebound, rng=False, strict=False)
+        self.restore_later(plan)
         if len(plan.position) > 1:
             # the code above the inner loop ran with the restored values and may have changed them
             # in place (a log appended to, a generator drawn from): the safe point's again, in the
@@ -465,6 +498,8 @@ class Run:
 
     def finish_save(self) -> None:
         """The end of the cell, a safe point: a resumed cell would skip every loop."""
+        if self.loops.plan is not None:  # resumed at the end: every loop had finished
+            self.restore_later(self.loops.plan)
         faults.safe_point("before", end=True)
         self.save_position([(self.loops.top, 0)], [], force=True, end=True)
         faults.safe_point("after", end=True)
@@ -481,7 +516,8 @@ class Run:
         # A name the cell has not assigned yet (checked when the cell started: it assigns it) is
         # left out of this checkpoint and saved at the next safe point that finds it.
         present = [n for n in self.names if n in ns]
-        missing = [n for n in self.names if n not in ns and n not in self._said]
+        # (not one the cell makes below its first loop: opt2 = Adam(...) between two loops)
+        missing = [n for n in self.names if n not in ns and n not in self._said and n not in self._made_by_cell()]
         if missing and self.safe_points:
             self._said.update(missing)
             self.say(

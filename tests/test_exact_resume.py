@@ -376,6 +376,98 @@ def test_a_loop_in_a_function_the_cell_calls_resumes_where_it_stopped(tmp_path, 
     assert not harness.result(nb).startswith("RESULT None "), harness.result(nb)  # it stopped early
 
 
+_TRAINER_CLASS = (
+    "import os, signal, torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(4, 1)\n"
+    "opt = torch.optim.SGD(model.parameters(), lr=0.05)\nX, Y = torch.randn(64, 4), torch.randn(64, 1)\n"
+    "class Trainer:\n"
+    "    def __init__(self, model, opt):\n        self.model, self.opt, self.history = model, opt, []\n"
+    "    def fit(self, epochs):\n"
+    "        for epoch in resume_range(epochs):\n"
+    "            for i in range(0, 64, 16):\n"
+    "                loss = ((self.model(X[i:i+16]) - Y[i:i+16]) ** 2).mean()\n"
+    "                self.opt.zero_grad(); loss.backward(); self.opt.step()\n"
+    "            self.history.append(loss.item())\n"
+    "            if epoch == 3 and not os.path.exists(MARK):\n"
+    "                open(MARK, 'w').close(); FAULT\n"
+    "        return self.history\n"
+    "trainer = Trainer(model, opt)"
+)
+
+
+@pytest.mark.parametrize("fault", ["kill", "oom"])
+def test_a_trainer_object_whose_method_runs_the_loop_is_restored_into_itself(tmp_path, fault):
+    """``hist = trainer.fit(6)``: the loop runs in a method of a class the notebook defines, and
+    ``self`` is the object the cell called it on. Restored with ``--save trainer,model,opt``, the
+    saved attributes go into that object: after a kill or an OOM its history goes on where it was
+    and the run ends bit for bit as its uninterrupted twin. Bound to a new Trainer, as before, the
+    running method went on appending to the old one's history (the retry's epochs twice, or the
+    replayed, empty one), and the run said done."""
+    def notebook(mark):
+        code = _TRAINER_CLASS.replace("FAULT", {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
+                                                "oom": "raise torch.OutOfMemoryError('CUDA out of memory')"}[fault])
+        return harness.notebook(
+            "%load_ext colab_resilience", f"%%replay\nMARK = {str(mark)!r}\n{code}",
+            "%%resilient --save trainer,model,opt\nhist = trainer.fit(6)",
+            "print('RESULT', len(hist), hist is trainer.history, trainer.model is model, [h.hex() for h in hist],"
+            " model.weight.detach().numpy().tobytes().hex())")
+
+    (tmp_path / "twin").mkdir()
+    (tmp_path / "twin" / "m").touch()
+    twin = notebook(tmp_path / "twin" / "m")
+    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    nb = notebook(tmp_path / "m")
+    run = harness.run(nb, tmp_path, standby=False)
+    assert run.status == 0, run.message
+    assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).startswith("RESULT 6 True True "), harness.result(nb)
+
+
+def _two_phases_notebook():
+    """Two loops in one cell, pre-training with SGD, then fine-tuning with an Adam the cell makes
+    between them, saved."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        "%%replay\nimport torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(4, 1)\n"
+        "X, Y = torch.randn(64, 4), torch.randn(64, 1)\nlog = []",
+        "%%resilient --save model,opt,opt2,log\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.05)\n"
+        "for epoch in resume_range(3):\n"
+        "    loss = ((model(X) - Y) ** 2).mean()\n"
+        "    opt.zero_grad(); loss.backward(); opt.step(); log.append(loss.item())\n"
+        "opt2 = torch.optim.Adam(model.parameters(), lr=0.01)\n"
+        "for epoch in resume_range(3):\n"
+        "    loss = ((model(X) - Y) ** 2).mean()\n"
+        "    opt2.zero_grad(); loss.backward(); opt2.step(); log.append(loss.item())",
+        "print('RESULT', [v.hex() for v in log], model.weight.detach().numpy().tobytes().hex(),"
+        " [s['exp_avg'].numpy().tobytes().hex() for s in opt2.state.values()])",
+    )
+
+
+@pytest.mark.parametrize("where", [(6, "after"), (8, "before"), (8, "after")],
+                         ids=["in-the-second-loop", "before-the-end-save", "after-the-end-save"])
+def test_an_optimizer_the_cell_makes_between_two_loops_is_restored_once_it_is_made(tmp_path, where):
+    """``opt2 = Adam(...)`` between the pre-training loop and the fine-tuning one, saved: a kill in
+    the second loop, or just before or after the save at the cell's end (every loop had finished),
+    resumes bit for bit as the uninterrupted twin: opt2's state is restored once the cell has made
+    it again, where the resume arrives or at the cell's end. Before, the restore when the first
+    loop started found no opt2 and stopped the run, telling the user to build it in a %%replay
+    cell; and nothing said at the first run that opt2 was not at the first loop's safe points."""
+    from colab_resilience import faults
+
+    twin = _two_phases_notebook()
+    (tmp_path / "twin").mkdir()
+    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    assert "colab_resilience: " not in harness.cell_text(twin.cells[2])
+    nb = _two_phases_notebook()
+    point, phase = where
+    fault = {"kind": "kill", "safe_point": point, "phase": phase, "delay": 0.0, "mark": str(tmp_path / "m")}
+    run = harness.run(nb, tmp_path, standby=False, env={faults.FAULT_ENV: json.dumps(fault)})
+    assert run.status == 0, run.message
+    assert len(run.restarts) == 1, harness.cell_text(nb.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+
+
 # -- checkpoint() ------------------------------------------------------------------------------------
 
 

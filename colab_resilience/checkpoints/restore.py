@@ -346,8 +346,9 @@ def into(target: Any, saved: Any, _seen: dict[int, Any] | None = None) -> Any:
     ``saved``. Kept objects are a list, dict or set and their kin (their items; a dict's values and
     an equally long list's items are put into what they hold in turn), a torch tensor that is a
     leaf of the same shape, dtype and device, a writable NumPy array of the same shape and dtype
-    (``copy_``, ``[...] =``), a random number generator (its state). A tuple of the same length
-    stays the same tuple where every item did. Whatever else holds ``target`` (a logger given the
+    (``copy_``, ``[...] =``), a random number generator (its state), an object of a class the
+    notebook defines (its attributes, put into its own in turn). A tuple of the same length stays
+    the same tuple where every item did. Whatever else holds ``target`` (a logger given the
     history list, an optimizer given a hand-made weight tensor) then sees the restored values, as
     it did at the safe point."""
     if target is saved or type(saved) in _ATOMS:
@@ -383,7 +384,23 @@ def into(target: Any, saved: Any, _seen: dict[int, Any] | None = None) -> Any:
         return target if all(a is b for a, b in zip(items, target)) else items
     if _tensor_into(target, saved) or _array_into(target, saved) or _generator_state_put_back(target, saved):
         return target
+    if _notebook_object(saved):
+        seen[id(target)] = target
+        attributes = {k: into(target.__dict__[k], v, seen) if k in target.__dict__ else v
+                      for k, v in vars(saved).items()}
+        target.__dict__.clear()
+        target.__dict__.update(attributes)
+        return target
     return saved
+
+
+def _notebook_object(value: Any) -> bool:
+    """An instance of a class the notebook defines (``class Trainer:`` in a cell), with its
+    attributes in its ``__dict__`` only: its restore puts them into the object the name holds,
+    whose method may be running (``trainer.fit()``, the loop inside it: ``self`` is that object)."""
+    cls = type(value)
+    return (cls.__module__ == "__main__" and isinstance(getattr(value, "__dict__", None), dict)
+            and not any("__slots__" in vars(c) for c in cls.__mro__[:-1]))
 
 
 def _tensor_into(target: Any, saved: Any) -> bool:
