@@ -616,6 +616,7 @@ def unsaved_state_objects(tree: ast.AST, saved: list[str], namespace) -> list[st
     # a part of a saved model (its backbone) is saved with it
     parts = {id(m) for n in saved if torch is not None and isinstance(namespace.get(n), torch.nn.Module)
              for m in namespace[n].modules()}
+    kept = frozenset(id(namespace[n]) for n in saved if n in namespace)  # a history list a logger appends to
     for loop in _resume_loops(tree):
         fresh = bound_names(loop.target) | _bound_in(loop.body)
         for node in _walk_body(loop):
@@ -625,8 +626,58 @@ def unsaved_state_objects(tree: ast.AST, saved: list[str], namespace) -> list[st
             if (name in fresh or name in saved or name not in namespace or id(namespace[name]) in parts
                     or any(f.startswith(name + " ") for f in found)):
                 continue
-            if holds_state(namespace[name]):
+            if holds_state(namespace[name]) or changes_itself(namespace[name], kept):
                 found.append(f"{name} ({type(namespace[name]).__name__})")
+    return found
+
+
+def changes_itself(value, saved_objects: frozenset = frozenset()) -> bool:
+    """Whether ``value`` is an object of a class the notebook defines whose methods, past
+    ``__init__``, change its own attributes (``self.counter += 1``, ``self.best = val``,
+    ``self.seen.append(x)``): an early stopping, a meter, a trainer of one's own. An attribute that
+    holds one of ``saved_objects`` (ids: a list saved under its own name) and is only changed in
+    place is saved with that name, and not counted."""
+    cls = type(value)
+    if cls.__module__ != "__main__" or not isinstance(getattr(value, "__dict__", None), dict):
+        return False
+    for klass in cls.__mro__[:-1]:
+        for attr, method in vars(klass).items():
+            if attr == "__init__" or not isinstance(method, types.FunctionType):
+                continue
+            try:
+                code = ast.parse(textwrap.dedent(inspect.getsource(method)))
+            except (OSError, TypeError, SyntaxError):
+                continue
+            function = code.body[0] if code.body else None
+            if not (isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) and function.args.args):
+                continue
+            for name, rebound in _attributes_changed(function, function.args.args[0].arg):
+                if rebound or id(vars(value).get(name)) not in saved_objects:
+                    return True
+    return False
+
+
+def _attributes_changed(function: ast.AST, me: str) -> list[tuple[str, bool]]:
+    """The attributes of ``me`` (a method's ``self``) that ``function`` changes: ``(name, True)``
+    where it sets ``me.name`` itself, ``(name, False)`` where it changes what ``me.name`` holds in
+    place (``self.seen.append(x)``, ``self.stats["n"] += 1``)."""
+    def attribute(node: ast.AST) -> tuple[str, bool] | None:
+        chain = node
+        while isinstance(chain, (ast.Attribute, ast.Subscript)):
+            if isinstance(chain, ast.Attribute) and isinstance(chain.value, ast.Name) and chain.value.id == me:
+                return chain.attr, chain is node
+            chain = chain.value
+        return None
+
+    found = []
+    for node in ast.walk(function):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                found += [a for t in ast.walk(target) if isinstance(t, (ast.Attribute, ast.Subscript))
+                          and isinstance(t.ctx, ast.Store) and (a := attribute(t))]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _changes_in_place(node.func.attr):
+            if (a := attribute(node.func.value)) is not None:
+                found.append((a[0], False))
     return found
 
 

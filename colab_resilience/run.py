@@ -358,6 +358,8 @@ class Run:
             ckpt.restore(holder, [LOOP_RNG], rng=False)
             rngs = holder[LOOP_RNG]
         ns = self.shell.user_ns
+        if _meta(ckpt).get("end"):  # saved at the cell's end: every loop is skipped, and what they left is back
+            put_back_left(ckpt, ns)
         return Plan(position, rngs, ckpt, {n: ns[n] for n in restored if n in ns}, later=self._later)
 
     def _made_by_cell(self) -> set[str]:
@@ -500,6 +502,9 @@ class Run:
         """The end of the cell, a safe point: a resumed cell would skip every loop."""
         if self.loops.plan is not None:  # resumed at the end: every loop had finished
             self.restore_later(self.loops.plan)
+            note = self._take_note()
+            if note:
+                self.say(f"{note}; every loop had finished" + unset_note(self.shell, self.body, self.names))
         faults.safe_point("before", end=True)
         self.save_position([(self.loops.top, 0)], [], force=True, end=True)
         faults.safe_point("after", end=True)

@@ -439,7 +439,7 @@ def _two_phases_notebook():
         "for epoch in resume_range(3):\n"
         "    loss = ((model(X) - Y) ** 2).mean()\n"
         "    opt2.zero_grad(); loss.backward(); opt2.step(); log.append(loss.item())",
-        "print('RESULT', [v.hex() for v in log], model.weight.detach().numpy().tobytes().hex(),"
+        "print('RESULT', epoch, [v.hex() for v in log], model.weight.detach().numpy().tobytes().hex(),"
         " [s['exp_avg'].numpy().tobytes().hex() for s in opt2.state.values()])",
     )
 
@@ -452,7 +452,9 @@ def test_an_optimizer_the_cell_makes_between_two_loops_is_restored_once_it_is_ma
     resumes bit for bit as the uninterrupted twin: opt2's state is restored once the cell has made
     it again, where the resume arrives or at the cell's end. Before, the restore when the first
     loop started found no opt2 and stopped the run, telling the user to build it in a %%replay
-    cell; and nothing said at the first run that opt2 was not at the first loop's safe points."""
+    cell; and nothing said at the first run that opt2 was not at the first loop's safe points.
+    Resumed at the cell's end, the loop variable the cell left (epoch) is back too: it was unbound,
+    and the next cell failed."""
     from colab_resilience import faults
 
     twin = _two_phases_notebook()
@@ -466,6 +468,10 @@ def test_an_optimizer_the_cell_makes_between_two_loops_is_restored_once_it_is_ma
     assert run.status == 0, run.message
     assert len(run.restarts) == 1, harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).startswith("RESULT 2 ")
+    if where == (8, "after"):
+        assert "; every loop had finished; loss, which the cell sets without --save, is not back: add it to " \
+               "--save" in harness.cell_text(nb.cells[2]), harness.cell_text(nb.cells[2])
 
 
 # -- checkpoint() ------------------------------------------------------------------------------------
@@ -772,6 +778,26 @@ def test_the_first_run_names_a_list_shuffled_in_place_and_a_functions_carried_lo
     ip.run_cell("%%replay\n" + replay.replace("def train(epochs):\n", "def train(epochs):\n    global best, bad\n"))
     capsys.readouterr()
     says_nothing(ip, capsys, "%%resilient --save model,best,bad\nout = train(3)")
+
+
+def test_the_first_run_names_an_object_of_the_notebooks_class_that_changes_itself(ip, tmp_path, capsys):
+    """An EarlyStopping of the notebook's own, called each epoch, changes its best and its counter:
+    unsaved, a resume started them afresh and stopped at another epoch, and nothing was said. It is
+    named. A logger whose only change is to append to a history list saved under its own name is
+    not: the list is restored into itself, and the logger sees it."""
+    replay = ("import torch\nmodel = torch.nn.Linear(2, 1)\nhistory = []\n"
+              "class EarlyStopping:\n    def __init__(self):\n        self.best, self.counter = None, 0\n"
+              "    def __call__(self, val):\n        if self.best is None or val < self.best:\n"
+              "            self.best, self.counter = val, 0\n        else:\n            self.counter += 1\n"
+              "class Logger:\n    def __init__(self, h):\n        self.h = h\n"
+              "    def log(self, v):\n        self.h.append(v)\n"
+              "early_stop, logger = EarlyStopping(), Logger(history)")
+    out = said_at_first_run(ip, tmp_path, capsys, replay,
+                            "%%resilient --save model,history\nfor epoch in resume_range(2):\n"
+                            "    early_stop(float(epoch))\n    logger.log(epoch)\n")
+    assert ("colab_resilience: the resume_range loop uses early_stop (EarlyStopping) without --save: a state it "
+            "changes in place") in out, out
+    assert "logger" not in out, out
 
 
 def test_the_first_run_names_what_early_stopping_carries_though_it_is_set_in_the_loop(ip, tmp_path, capsys):
