@@ -218,7 +218,8 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
     if carried:
         lines.append(
             f"colab_resilience: the resume_range loop carries {', '.join(carried)} from one iteration to the "
-            f"next without --save: after a rollback or a restart {_one(carried, 'it would not have its value', 'they would not have their values')} "
+            f"next without --save: after a rollback or a restart "
+            f"{_one(carried, 'it would not have its value', 'they would not have their values')} "
             f"at the safe point, and the result would differ; add {_one(carried, 'it', 'them')} to --save"
         )
     above = read_above_inner(tree, saved, shell.user_ns)
