@@ -48,6 +48,20 @@ def oom_once(indent: str, when: str) -> str:
             f"{indent}    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')\n")
 
 
+def faulted_and_twin(tmp_path, notebook):
+    """``notebook(mark)`` run supervised with its fault (which strikes once, then creates
+    ``mark``), and uninterrupted (its mark made already): the run, which must succeed, the
+    executed notebook and its twin's."""
+    (tmp_path / "twin").mkdir()
+    (tmp_path / "twin" / "m").touch()  # the fault has struck already: none
+    twin = notebook(tmp_path / "twin" / "m")
+    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    nb = notebook(tmp_path / "m")
+    run = harness.run(nb, tmp_path, standby=False)
+    assert run.status == 0, run.message
+    return run, nb, twin
+
+
 def cell_out(nb, cell_id: str) -> str:
     return harness.cell_text(nb.cells[harness.index(nb, cell_id)])
 
@@ -258,13 +272,7 @@ def test_an_oom_with_a_generator_from_a_set_up_cell_goes_on_in_a_restarted_kerne
     drew from: the first ended the loop early, the second skipped batches, and both said done
     with other weights. The run goes on in a restarted kernel instead, where the %%replay cell
     makes the generator afresh, and ends bit for bit as its uninterrupted twin."""
-    (tmp_path / "twin").mkdir()
-    (tmp_path / "twin" / "m").touch()  # the fault has struck already: none
-    twin = _generator_notebook(where, tmp_path / "twin" / "m")
-    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
-    nb = _generator_notebook(where, tmp_path / "m")
-    run = harness.run(nb, tmp_path, standby=False)
-    assert run.status == 0, run.message
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _generator_notebook(where, mark))
     text = harness.cell_text(nb.cells[2])
     assert "(the retry cannot draw again from a generator made outside the cell)" in text, text
     assert len(run.restarts) == 1, text
@@ -272,16 +280,24 @@ def test_an_oom_with_a_generator_from_a_set_up_cell_goes_on_in_a_restarted_kerne
     assert harness.result(nb).startswith("RESULT [0, 1, 2, 3, 4, 5] ")
 
 
+def _setup(mark) -> str:
+    """The start of a %%replay cell for :data:`_FAULTS`: its imports, the mark, a seed."""
+    return f"%%replay\nimport os, signal, torch\nMARK = {str(mark)!r}\ntorch.manual_seed(0)\n"
+
+
+# the line that strikes: a SIGKILL of the kernel, or a CUDA out-of-memory error
+_FAULTS = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
+           "oom": "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')"}
+
+
 def _handed_on_notebook(fault: str, mark):
     """Training from scratch: a weight tensor and a bias made by hand, stepped by an Adam the
     %%replay cell gives them; a history list a logger object holds; an average the loop binds anew
     each epoch, whose first value another name keeps (ema0). One fault (``fault``: a SIGKILL or an
     out-of-memory error) in epoch 3, once."""
-    faults = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
-              "oom": "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')"}
     return harness.notebook(
         "%load_ext colab_resilience",
-        f"%%replay\nimport os, signal, torch\nMARK = {str(mark)!r}\ntorch.manual_seed(0)\n"
+        _setup(mark) +
         "w = torch.randn(4, 1, requires_grad=True); b = torch.zeros(1, requires_grad=True)\n"
         "opt = torch.optim.Adam([w, b], lr=0.05)\nX, Y = torch.randn(64, 4), torch.randn(64, 1)\n"
         "class Logger:\n    def __init__(self, h): self.h = h\n    def log(self, v): self.h.append(v)\n"
@@ -296,7 +312,7 @@ def _handed_on_notebook(fault: str, mark):
         "    ema = 0.9 * ema + 0.1 * w.detach()\n"
         "    halve()\n"
         "    if epoch == 3 and not os.path.exists(MARK):\n"
-        f"        open(MARK, 'w').close(); {faults[fault]}\n",
+        f"        open(MARK, 'w').close(); {_FAULTS[fault]}\n",
         "print('RESULT', len(history), logger.h is history, history[-1].hex(), w.detach().numpy().tobytes().hex(),"
         " b.item().hex(), ema.numpy().tobytes().hex(), scale.item(), ema0.abs().sum().item() + scale0.item())",
     )
@@ -312,13 +328,7 @@ def test_objects_the_set_up_cells_handed_on_see_the_restored_values(tmp_path, fa
     done. The average the loop binds anew each epoch, and a scale a set-up cell's function binds
     anew (``global``), are bound to their saved values, and the names that kept their first values
     keep them."""
-    (tmp_path / "twin").mkdir()
-    (tmp_path / "twin" / "m").touch()  # the fault has struck already: none
-    twin = _handed_on_notebook(fault, tmp_path / "twin" / "m")
-    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
-    nb = _handed_on_notebook(fault, tmp_path / "m")
-    run = harness.run(nb, tmp_path, standby=False)
-    assert run.status == 0, run.message
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _handed_on_notebook(fault, mark))
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(nb).startswith("RESULT 6 True ") and harness.result(nb).endswith(" 0.015625 1.0")
@@ -328,11 +338,9 @@ def _train_function_notebook(fault: str, mark):
     """The loop in a function a %%replay cell defines (``train(epochs)``), which the %%resilient
     cell calls; early stopping whose state it declares global, saved. One fault (a SIGKILL or an
     out-of-memory error) in epoch 4, once."""
-    faults = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
-              "oom": "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')"}
     return harness.notebook(
         "%load_ext colab_resilience",
-        f"%%replay\nimport os, signal, torch\nMARK = {str(mark)!r}\ntorch.manual_seed(0)\n"
+        _setup(mark) +
         "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.05)\n"
         "X, Y = torch.randn(64, 4), torch.randn(64, 1)\n"
         "def train(epochs):\n"
@@ -347,7 +355,7 @@ def _train_function_notebook(fault: str, mark):
         "        else:\n"
         "            bad += 1\n"
         "        if epoch == 4 and not os.path.exists(MARK):\n"
-        f"            open(MARK, 'w').close(); {faults[fault]}\n"
+        f"            open(MARK, 'w').close(); {_FAULTS[fault]}\n"
         "        if bad >= 2:\n"
         "            return epoch\n"
         "    return None",
@@ -363,13 +371,7 @@ def test_a_loop_in_a_function_the_cell_calls_resumes_where_it_stopped(tmp_path, 
     and the run ends bit for bit as its uninterrupted twin. Before, the cell, whose own code holds
     no loop, was restored at its first line and run again: train() halved the restored weights
     and trained them from epoch 0, and the run said done."""
-    (tmp_path / "twin").mkdir()
-    (tmp_path / "twin" / "m").touch()  # the fault has struck already: none
-    twin = _train_function_notebook(fault, tmp_path / "twin" / "m")
-    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
-    nb = _train_function_notebook(fault, tmp_path / "m")
-    run = harness.run(nb, tmp_path, standby=False)
-    assert run.status == 0, run.message
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _train_function_notebook(fault, mark))
     text = harness.cell_text(nb.cells[2])
     assert len(run.restarts) == (fault == "kill"), text
     assert harness.result(nb) == harness.result(twin)
@@ -403,21 +405,14 @@ def test_a_trainer_object_whose_method_runs_the_loop_is_restored_into_itself(tmp
     running method went on appending to the old one's history (the retry's epochs twice, or the
     replayed, empty one), and the run said done."""
     def notebook(mark):
-        code = _TRAINER_CLASS.replace("FAULT", {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
-                                                "oom": "raise torch.OutOfMemoryError('CUDA out of memory')"}[fault])
+        code = _TRAINER_CLASS.replace("FAULT", _FAULTS[fault])
         return harness.notebook(
             "%load_ext colab_resilience", f"%%replay\nMARK = {str(mark)!r}\n{code}",
             "%%resilient --save trainer,model,opt\nhist = trainer.fit(6)",
             "print('RESULT', len(hist), hist is trainer.history, trainer.model is model, [h.hex() for h in hist],"
             " model.weight.detach().numpy().tobytes().hex())")
 
-    (tmp_path / "twin").mkdir()
-    (tmp_path / "twin" / "m").touch()
-    twin = notebook(tmp_path / "twin" / "m")
-    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
-    nb = notebook(tmp_path / "m")
-    run = harness.run(nb, tmp_path, standby=False)
-    assert run.status == 0, run.message
+    run, nb, twin = faulted_and_twin(tmp_path, notebook)
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(nb).startswith("RESULT 6 True True "), harness.result(nb)
