@@ -371,16 +371,15 @@ def _carried(tree: ast.AST):
         for node in _walk_body(loop):
             if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
                 changed.append(node.target.id)
-            elif (isinstance(node, ast.AugAssign) and isinstance(node.target, (ast.Subscript, ast.Attribute))
-                  and isinstance(node.target.value, ast.Name)):  # stats["steps"] += 1
-                changed.append(node.target.value.id)
+            elif isinstance(node, ast.AugAssign) and _root(node.target):  # stats["train"]["steps"] += 1
+                changed.append(_root(node.target))
             elif isinstance(node, ast.Assign):
                 reads = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
                 for target in node.targets:
                     if isinstance(target, ast.Name):
                         (changed.append if target.id in reads else fresh.add)(target.id)
-                    elif isinstance(target, (ast.Subscript, ast.Attribute)) and isinstance(target.value, ast.Name):
-                        changed.append(target.value.id)
+                    elif isinstance(target, (ast.Subscript, ast.Attribute)) and _root(target):  # df.loc[i] = ...
+                        changed.append(_root(target))
                     else:
                         fresh |= bound_names(target)
             elif isinstance(node, (ast.For, ast.With, ast.comprehension)) and node is not loop:
@@ -388,8 +387,8 @@ def _carried(tree: ast.AST):
                           else [i.optional_vars for i in node.items if i.optional_vars is not None]):
                     fresh |= bound_names(t)
             elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                  and _changes_in_place(node.func.attr) and isinstance(_receiver(node.func), ast.Name)):
-                changed.append(_receiver(node.func).id)
+                  and _changes_in_place(node.func.attr) and _root(_receiver(node.func))):
+                changed.append(_root(_receiver(node.func)))  # log["lr"].append(lr), meter.vals.append(v)
             elif _next_of(node):
                 changed.append(_next_of(node))
             elif _changed_argument(node):
@@ -399,6 +398,14 @@ def _carried(tree: ast.AST):
         early = _read_before_set(loop.body, _bound_in(loop.body),
                                  bound_names(loop.target))
         yield function, [n for n in dict.fromkeys(changed + early) if n not in fresh or n in early]
+
+
+def _root(node: ast.AST) -> str | None:
+    """The name a chain of attributes and items starts at (``stats`` in ``stats["a"]["b"]``,
+    ``df`` in ``df.loc[i]``), or the name itself."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
 
 
 def _locals_of(function: ast.AST | None) -> set[str]:
@@ -432,7 +439,9 @@ def carried_locals(tree: ast.AST) -> list[tuple[str, list[str]]]:
     function's own locals from one iteration to the next: no checkpoint can hold them."""
     found = []
     for function, names in _carried(tree):
-        local = [n for n in names if n in _locals_of(function)]
+        # a parameter holds what the caller passed (self, a history list): saved, if at all, by its name there
+        passed = {a.arg for a in ast.walk(function.args) if isinstance(a, ast.arg)} if function is not None else set()
+        local = [n for n in names if n in _locals_of(function) and n not in passed]
         if local:
             found.append((function.name, local))
     return found

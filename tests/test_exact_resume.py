@@ -746,8 +746,9 @@ def says_nothing(ip, capsys, cell: str) -> None:
 
 
 def test_the_first_run_names_a_list_shuffled_in_place_and_a_functions_carried_locals(ip, tmp_path, capsys):
-    """``random.shuffle(data)`` and ``rng.shuffle(idx)`` change the list and the array each epoch:
-    carried, unsaved, they are named. A train() that a %%replay cell defines and the cell calls runs
+    """``random.shuffle(data)`` and ``rng.shuffle(idx)`` change the list and the array each epoch,
+    ``stats['train']['steps'] += 1`` and ``stats['seen']['ids'].append(epoch)`` a nested dict:
+    carried, unsaved, they are named (before, nothing was said of any). A train() that a %%replay cell defines and the cell calls runs
     the loop: the early stopping's best and bad, locals of train(), are named as what no checkpoint
     can hold (before, nothing was said, and a resume started them afresh); declared global and
     saved, nothing is said."""
@@ -758,11 +759,12 @@ def test_the_first_run_names_a_list_shuffled_in_place_and_a_functions_carried_lo
               "        loss = model(torch.ones(1, 2)).sum().item() + epoch\n"
               "        if loss < best:\n            best, bad = loss, 0\n        else:\n            bad += 1\n"
               "    return best")
-    out = said_at_first_run(ip, tmp_path, capsys, replay,
+    out = said_at_first_run(ip, tmp_path, capsys, replay + "\nstats = {'train': {'steps': 0}, 'seen': {'ids': []}}",
                             "%%resilient --save model,rng\nfor epoch in resume_range(2):\n"
-                            "    random.shuffle(data)\n    rng.shuffle(idx)\n")
-    assert ("colab_resilience: the resume_range loop carries data, idx from one iteration to the next without "
-            "--save") in out, out
+                            "    random.shuffle(data)\n    rng.shuffle(idx)\n"
+                            "    stats['train']['steps'] += 1\n    stats['seen']['ids'].append(epoch)\n")
+    assert ("colab_resilience: the resume_range loop carries data, idx, stats from one iteration to the next "
+            "without --save") in out, out
     capsys.readouterr()
     r = ip.run_cell("%%resilient --save model\nout = train(3)")
     assert r.success, r.error_in_exec
