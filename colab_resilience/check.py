@@ -391,11 +391,12 @@ def not_compared(reference: Outcome, faulted: Outcome) -> dict[str, list[str]]:
 
 def set_up_names(nb) -> frozenset[str]:
     """The names that only the cells before the first ``%%resilient`` cell bind (by their code:
-    assignments, definitions, imports) and that no ``%%resilient`` option names (a ``--shrink``
-    variable changes without an assignment); empty when a later cell cannot be read."""
+    assignments, definitions, imports), that no ``%%resilient`` option names (a ``--shrink``
+    variable changes without an assignment) and that no function declares ``global``; empty when
+    a later cell cannot be read."""
     from IPython.core.inputtransformer2 import TransformerManager
 
-    from .lint import bound_names
+    from .lint import declared_global, bound_names
 
     transform = TransformerManager().transform_cell
     before: set[str] = set()
@@ -417,6 +418,8 @@ def set_up_names(nb) -> frozenset[str]:
                 return frozenset()
             continue
         (after if training else before).update(bound_names(tree))
+        # a function's global (def tick(): global steps; steps += 1) changes when the training calls it
+        after.update(declared_global([tree]))
     return frozenset(before - after)
 
 

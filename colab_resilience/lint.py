@@ -97,7 +97,7 @@ def kept_objects(shell, body: str, names: list[str], setup_sources: list[str] | 
     if tree is None:
         return []
     codes = [body] + [s.partition("\n")[2] if s.lstrip().startswith("%%") else s for s in setup_sources]
-    again = _declared_global([_parse(shell, code) for code in codes] + called_functions(shell, tree))
+    again = declared_global([_parse(shell, code) for code in codes] + called_functions(shell, tree))
     for loop in _resume_loops(tree):
         augmented = {id(node.target) for node in ast.walk(loop) if isinstance(node, ast.AugAssign)}
         again |= {node.id for node in ast.walk(loop) if isinstance(node, ast.Name) and id(node) not in augmented
@@ -107,7 +107,7 @@ def kept_objects(shell, body: str, names: list[str], setup_sources: list[str] | 
     return [n for n in names if n not in again]
 
 
-def _declared_global(codes: list[ast.AST | None]) -> set[str]:
+def declared_global(codes: list[ast.AST | None]) -> set[str]:
     """The names the functions in ``codes`` declare ``global``: they bind them in the notebook."""
     return {g for code in codes if code is not None for node in ast.walk(code)
             if isinstance(node, ast.Global) for g in node.names}
@@ -134,7 +134,7 @@ def check_options(shell, names: list[str], shrink, body: str) -> None:
     that is missing, not a positive integer, assigned by the cell itself, or also saved."""
     ns = shell.user_ns
     tree = _parse(shell, body)
-    assigned = bound_names(tree) | (_declared_global(called_functions(shell, tree)) if tree is not None else set())
+    assigned = bound_names(tree) | (declared_global(called_functions(shell, tree)) if tree is not None else set())
     for name in names:
         if name not in ns and name not in assigned:
             raise OptionError(
@@ -418,12 +418,49 @@ def _locals_of(function: ast.AST | None) -> set[str]:
             | {a.arg for a in ast.walk(function.args) if isinstance(a, ast.arg)}) - declared
 
 
+def _changed_by_helpers(loop: ast.For, namespace) -> list[str]:
+    """The names of the notebook that the functions the loop calls by name, defined in the
+    notebook, change: what they declare ``global`` and bind (``global step; step += 1``), and what
+    they change in place that is not their own (``history.append(loss)``)."""
+    found: list[str] = []
+    for node in _walk_body(loop):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            continue
+        function = namespace.get(node.func.id)
+        if not isinstance(function, types.FunctionType) or function.__globals__ is not namespace:
+            continue
+        try:
+            code = ast.parse(textwrap.dedent(inspect.getsource(function)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        definition = code.body[0] if code.body else None
+        if not isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        own = _locals_of(definition)
+        declared = declared_global([definition])
+        for inner in ast.walk(definition):
+            if isinstance(inner, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = inner.targets if isinstance(inner, ast.Assign) else [inner.target]
+                names = [_root(t) for t in targets if isinstance(t, (ast.Attribute, ast.Subscript))]
+                names += [n for t in targets for n in bound_names(t) if n in declared]
+            elif isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) \
+                    and _changes_in_place(inner.func.attr):
+                names = [_root(_receiver(inner.func))]
+            else:
+                names = [_changed_argument(inner) or _next_of(inner)]
+            found += [n for n in names if n and n not in own and n in namespace and n not in found]
+    return found
+
+
 def carried_names(tree: ast.AST, saved: list[str], namespace=None) -> list[str]:
     """The names of the notebook a ``resume_range`` loop carries from one iteration to the next
-    (:func:`_carried`; not a function's locals) that ``--save`` does not save. With
-    ``namespace``, names bound to something that is not training state are left out."""
+    (:func:`_carried`; not a function's locals), also through the functions of the notebook it
+    calls (:func:`_changed_by_helpers`), that ``--save`` does not save. With ``namespace``, names
+    bound to something that is not training state are left out."""
     found: list[str] = []
-    for function, names in _carried(tree):
+    helpers = [] if namespace is None else [n for loop in _resume_loops(tree)
+                                            for n in _changed_by_helpers(loop, namespace)]
+    for function, names in [*_carried(tree), (None, helpers)]:
         local = _locals_of(function)
         for name in names:
             if name in local or name in saved or name in found:

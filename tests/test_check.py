@@ -309,3 +309,15 @@ def test_a_line_the_fault_cut_short_is_not_a_difference_and_a_changed_line_is():
     assert _output_difference(reference, ["0 2.31", "7" + oom, "1 2.20", "2 2.11"]) == "first at '7'"
     assert _output_difference(reference, ["0 2.31", "1" + oom, "1 2.21", "2 2.11"]) == "first at '1 2.21'"
     assert _output_difference(reference, ["0 2.31", "1 2.2"]) == "first at '1 2.2'"  # no fault: cut is a difference
+
+
+def test_a_global_a_set_up_cells_function_changes_is_not_excused_as_recomputed():
+    """``steps = 0`` in a set-up cell, changed by ``tick()`` (``global steps``) that the training
+    calls: a difference in it after a restart is the training's, not the replayed cell's, and is
+    compared (before, it was left out as a value the set-up cell recomputed in the new kernel)."""
+    from colab_resilience.check import set_up_names
+
+    nb = harness.notebook("%load_ext colab_resilience",
+                          "%%replay\nsteps, size = 0, 4\ndef tick():\n    global steps\n    steps += 1",
+                          "%%resilient\nfor i in resume_range(3):\n    tick()")
+    assert set_up_names(nb) == {"size", "tick"}

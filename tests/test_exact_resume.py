@@ -777,6 +777,21 @@ def test_the_first_run_names_a_list_shuffled_in_place_and_a_functions_carried_lo
     says_nothing(ip, capsys, "%%resilient --save model,best,bad\nout = train(3)")
 
 
+def test_the_first_run_names_what_the_notebooks_functions_the_loop_calls_change(ip, tmp_path, capsys):
+    """``tick()`` (``global steps; steps += 1``) and ``log(v)`` (``history.append(v)``), defined by a
+    %%replay cell and called in the loop: they carry steps and history from one iteration to the
+    next, and unsaved they are named (before, what a helper changed was not seen). Saved, nothing
+    is said; a library's function the loop calls is not read."""
+    replay = ("import torch\nmodel = torch.nn.Linear(2, 1)\nhistory, steps = [], 0\n"
+              "def tick():\n    global steps\n    steps += 1\n"
+              "def log(v):\n    seen = []\n    seen.append(v)\n    history.append(v)\n")
+    loop = "for epoch in resume_range(2):\n    tick()\n    log(epoch)\n    torch.manual_seed(epoch)\n"
+    out = said_at_first_run(ip, tmp_path, capsys, replay, "%%resilient --save model\n" + loop)
+    assert ("colab_resilience: the resume_range loop carries steps, history from one iteration to the next "
+            "without --save") in out, out
+    says_nothing(ip, capsys, "%%resilient --save model,steps,history\n" + loop)
+
+
 def test_the_first_run_names_an_object_of_the_notebooks_class_that_changes_itself(ip, tmp_path, capsys):
     """An EarlyStopping of the notebook's own, called each epoch, changes its best and its counter:
     unsaved, a resume started them afresh and stopped at another epoch, and nothing was said. It is
