@@ -302,6 +302,7 @@ class Run:
         self._restore_extras(ckpt)
         carried.apply(ns, restored, _meta(ckpt).get("carried", {}))
         self._later = [n for n in later if n in ckpt.names]
+        shown = [n for n in ckpt.names if n in restored or n in self._later]  # those too, once the cell made them
         self.resuming = False
         if self._names_at_checkpoint is None:
             # a kernel that resumed has taken no checkpoint of its own yet: the names bound now are
@@ -321,7 +322,7 @@ class Run:
             self._resume_note = (
                 f"colab_resilience: resumed run {self.run_id}{why}: "
                 + (f"replayed {replayed} cell{'s' if replayed != 1 else ''}, " if replayed else "")
-                + (f"restored {', '.join(restored + [getattr(x, 'label', n) for n, x in self.extras.items()])} "
+                + (f"restored {', '.join(shown + [getattr(x, 'label', n) for n, x in self.extras.items()])} "
                    f"in {seconds:.1f} s" if not from_start else
                    "nothing to restore (no --save), so the cell starts again from its beginning")
             )
