@@ -282,12 +282,15 @@ class Run:
         # after a restart, a run that saves no values has nothing of its progress back: it goes
         # back to its start (the random state of then), never on from a later safe point
         from_start = self.after_restart and not self.names and not self.extras
-        # a name the cell makes below its first loop, not there yet (opt2 = Adam(...) between two
-        # loops, an object the checkpoint's state goes into), waits for the plan to arrive
-        later = [n for n in self.names if n not in ns and n in self._made_by_cell()] if where == "the loop" else []
         try:
-            ckpt, restored = restore_latest(self.store, ns, [n for n in self.names if n not in later], rng=False,
-                                            oldest=from_start, strict=True, in_place=self.kept)
+            ckpt = self.store.load(oldest=from_start)
+            # an object the cell makes below its first loop, not there yet (opt2 = Adam(...) between
+            # two loops), that the saved state goes into, waits for the plan to arrive; a plain
+            # value (a best_lr the first loop found) is bound now, for the code before that
+            later = [n for n in self.names if n not in ns and n in self._made_by_cell()
+                     and ckpt.kinds.get(n) in ("state_dict", "pytree")] if where == "the loop" else []
+            restored = ckpt.restore(ns, [n for n in ckpt.names if n in self.names and n not in later], rng=False,
+                                    strict=True, in_place=self.kept)
         except NoCheckpointError:
             self.say(f"colab_resilience: run {self.run_id}: no checkpoint yet, {where} starts from the beginning")
             self.resuming = False

@@ -420,17 +420,18 @@ def test_a_trainer_object_whose_method_runs_the_loop_is_restored_into_itself(tmp
 
 def _two_phases_notebook():
     """Two loops in one cell, pre-training with SGD, then fine-tuning with an Adam the cell makes
-    between them, saved."""
+    between them, saved, with a learning rate the first loop set (saved too)."""
     return harness.notebook(
         "%load_ext colab_resilience",
         "%%replay\nimport torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(4, 1)\n"
         "X, Y = torch.randn(64, 4), torch.randn(64, 1)\nlog = []",
-        "%%resilient --save model,opt,opt2,log\n"
+        "%%resilient --save model,opt,opt2,log,lr\n"
         "opt = torch.optim.SGD(model.parameters(), lr=0.05)\n"
         "for epoch in resume_range(3):\n"
         "    loss = ((model(X) - Y) ** 2).mean()\n"
         "    opt.zero_grad(); loss.backward(); opt.step(); log.append(loss.item())\n"
-        "opt2 = torch.optim.Adam(model.parameters(), lr=0.01)\n"
+        "    lr = 0.01 / (epoch + 1)\n"
+        "opt2 = torch.optim.Adam(model.parameters(), lr=lr)\n"
         "for epoch in resume_range(3):\n"
         "    loss = ((model(X) - Y) ** 2).mean()\n"
         "    opt2.zero_grad(); loss.backward(); opt2.step(); log.append(loss.item())",
@@ -448,6 +449,8 @@ def test_an_optimizer_the_cell_makes_between_two_loops_is_restored_once_it_is_ma
     it again, where the resume arrives or at the cell's end. Before, the restore when the first
     loop started found no opt2 and stopped the run, telling the user to build it in a %%replay
     cell; and nothing said at the first run that opt2 was not at the first loop's safe points.
+    The learning rate the first loop set, a plain value, is back before the code between the
+    loops reads it.
     Resumed at the cell's end, the loop variable the cell left (epoch) is back too: it was unbound,
     and the next cell failed."""
     from colab_resilience import faults
