@@ -429,12 +429,8 @@ def _changed_by_helpers(loop: ast.For, namespace) -> list[str]:
         function = namespace.get(node.func.id)
         if not isinstance(function, types.FunctionType) or function.__globals__ is not namespace:
             continue
-        try:
-            code = ast.parse(textwrap.dedent(inspect.getsource(function)))
-        except (OSError, TypeError, SyntaxError):
-            continue
-        definition = code.body[0] if code.body else None
-        if not isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        definition = _definition(function)
+        if definition is None:
             continue
         own = _locals_of(definition)
         declared = declared_global([definition])
@@ -484,7 +480,7 @@ def carried_locals(tree: ast.AST) -> list[tuple[str, list[str]]]:
     return found
 
 
-def called_functions(shell, tree: ast.AST) -> list[ast.AST]:
+def called_functions(shell, tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
     """The code of the functions the cell calls by name that earlier cells defined and that run a
     ``resume_range`` loop: their loops' safe points are the cell's (``train(model, epochs)``)."""
     mine = bound_names(tree)
@@ -496,12 +492,20 @@ def called_functions(shell, tree: ast.AST) -> list[ast.AST]:
         function = shell.user_ns.get(node.func.id)
         if not isinstance(function, types.FunctionType) or "resume_range" not in function.__code__.co_names:
             continue
-        try:
-            code = ast.parse(textwrap.dedent(inspect.getsource(function)))
-        except (OSError, TypeError, SyntaxError):
-            continue
-        found.append(code)
+        definition = _definition(function)
+        if definition is not None:
+            found.append(definition)
     return found
+
+
+def _definition(function) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The parsed ``def`` of a function (from its source, which IPython keeps for a cell's), or None."""
+    try:
+        code = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    first = code.body[0] if code.body else None
+    return first if isinstance(first, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
 
 
 def _uses_a_trainer(tree: ast.AST) -> bool:
@@ -691,12 +695,8 @@ def changes_itself(value, saved_objects: frozenset = frozenset()) -> bool:
         for attr, method in vars(klass).items():
             if attr == "__init__" or not isinstance(method, types.FunctionType):
                 continue
-            try:
-                code = ast.parse(textwrap.dedent(inspect.getsource(method)))
-            except (OSError, TypeError, SyntaxError):
-                continue
-            function = code.body[0] if code.body else None
-            if not (isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) and function.args.args):
+            function = _definition(method)
+            if function is None or not function.args.args:
                 continue
             for name, rebound in _attributes_changed(function, function.args.args[0].arg):
                 if rebound or id(vars(value).get(name)) not in saved_objects:
