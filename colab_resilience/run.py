@@ -543,7 +543,7 @@ class Run:
         # a value that cannot be saved stops the cell here (UnsaveableValueError), before anything
         # is written; a checkpoint that cannot be written is said, and the run goes on
         saved = present + ([LOOP_RNG] if rngs else []) + list(self.extras)
-        if not self.saver.save(namespace, saved, meta=meta, info=info, durable=end):
+        if not self.saver.save(namespace, saved, meta=meta, info=info, durable=end, kept=self.kept):
             return
         self._last_save = time.monotonic()
         self._saved_point = self.safe_points

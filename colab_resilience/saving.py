@@ -27,9 +27,10 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from .checkpoints import CheckpointStore
+from .checkpoints.restore import goes_into
 from .checkpoints.staging import Budget, Staging
 from .checkpoints.store import SaveReport
 from .errors import CheckpointError, MissingNameError, UnsaveableValueError
@@ -106,12 +107,14 @@ class Saver:
         return self._in_flight is not None and not self._in_flight.done()
 
     def save(self, namespace: Mapping[str, Any], names: Sequence[str], *, meta: dict, info: Any,
-             durable: bool = False) -> bool:
+             durable: bool = False, kept: Collection[str] = ()) -> bool:
         """Save at a safe point: True once the snapshot is taken (the checkpoint is on disk when
         this returns only with ``durable``), False when the safe point is not saved: the
         previous persist is still writing (``when_busy="skip"``) or this save failed (said).
         Raises what :meth:`CheckpointStore.snapshot` raises for the values themselves
-        (:class:`UnsaveableValueError`, an out-of-memory error)."""
+        (:class:`UnsaveableValueError`, an out-of-memory error). ``kept``: the names a restore
+        puts into the objects they hold (:func:`.checkpoints.restore.into`); a list or a notebook
+        object among them keeps the objects it holds, which are then not cut off from other names."""
         if self.busy:
             if self.when_busy == "skip" and not durable:
                 self.stats.skipped += 1
@@ -141,7 +144,7 @@ class Saver:
             return False
         self._count(snap.stall, snap.staged, snap.written_through)
         for p in snap.prepared:
-            if p.cut_off:
+            if p.cut_off and not (p.name in kept and goes_into(namespace[p.name])):
                 them = " and ".join(p.cut_off)
                 one = len(p.cut_off) == 1
                 self._once(f"cut_off:{p.name}:{them}", (

@@ -334,6 +334,53 @@ def test_objects_the_set_up_cells_handed_on_see_the_restored_values(tmp_path, fa
     assert harness.result(nb).startswith("RESULT 6 True ") and harness.result(nb).endswith(" 0.015625 1.0")
 
 
+
+def _ensemble_notebook(fault: str, mark):
+    """An ensemble: three models in a list, an Adam for each in another, both saved as lists; the
+    loop binds each pair by turns (``for model, opt in zip(models, opts)``), and a dict of the
+    generator and discriminator of a GAN-like pair, with their optimizers. One fault in epoch 3."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        _setup(mark) +
+        "models = [torch.nn.Linear(4, 1) for _ in range(3)]\n"
+        "opts = [torch.optim.Adam(m.parameters(), lr=0.05) for m in models]\n"
+        "nets = {'g': torch.nn.Linear(4, 4), 'd': torch.nn.Linear(4, 1)}\n"
+        "net_opts = {k: torch.optim.SGD(n.parameters(), lr=0.05, momentum=0.9) for k, n in nets.items()}\n"
+        "X, Y = torch.randn(64, 4), torch.randn(64, 1)",
+        "%%resilient --save models,opts,nets,net_opts\n"
+        "for epoch in resume_range(6):\n"
+        "    for model, opt in zip(models, opts):\n"
+        "        loss = ((model(X) - Y) ** 2).mean()\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()\n"
+        "    loss = ((nets['d'](nets['g'](X)) - Y) ** 2).mean()\n"
+        "    for o in net_opts.values(): o.zero_grad()\n"
+        "    loss.backward()\n"
+        "    for o in net_opts.values(): o.step()\n"
+        "    if epoch == 3 and not os.path.exists(MARK):\n"
+        f"        open(MARK, 'w').close(); {_FAULTS[fault]}\n",
+        "print('RESULT', [m.weight.detach().numpy().tobytes().hex() for m in models],"
+        " nets['g'].weight.detach().numpy().tobytes().hex(), nets['d'].bias.item().hex(),"
+        " all(o.param_groups[0]['params'][0] is m.weight for m, o in zip(models, opts)))",
+    )
+
+
+@pytest.mark.parametrize("fault", ["kill", "oom"])
+def test_models_and_optimizers_saved_in_lists_and_dicts_stay_joined(tmp_path, fault):
+    """Models and their optimizers saved in lists and dicts (an ensemble, a GAN): each was pickled
+    on its own, so a restore made copies of the models' tensors for the models and others for the
+    optimizers, which then stepped tensors no model held; after a kill and after an OOM the run said
+    done with the models of the safe point (check: models and opts differ, no line said so). Now the
+    restore loads the saved state into the models and optimizers the lists hold (rebuilt by the
+    set-up cell after a kill, the same ones after an OOM), and the run ends bit for bit as its twin,
+    without the first run's line that the lists hold `model` and `opt` cut off from them."""
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _ensemble_notebook(fault, mark))
+    train = harness.cell_text(nb.cells[2])
+    assert len(run.restarts) == (fault == "kill"), train
+    assert "cut off" not in train, train
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).endswith(" True")
+
+
 def _train_function_notebook(fault: str, mark):
     """The loop in a function a %%replay cell defines (``train(epochs)``), which the %%resilient
     cell calls; early stopping whose state it declares global, saved. One fault (a SIGKILL or an

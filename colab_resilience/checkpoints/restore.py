@@ -34,7 +34,7 @@ from ..errors import CheckpointCorruptError, CheckpointError, CheckpointWarning
 from . import blobs, codec, hashing, pytree, tensorfile
 from .manifest import Entry, Manifest
 from .rng import is_generator, restore_rng
-from .values import REF, first_line, type_name
+from .values import REF, first_line, holds_state, type_name
 
 
 class LoadedBlob:
@@ -347,7 +347,9 @@ def into(target: Any, saved: Any, _seen: dict[int, Any] | None = None) -> Any:
     an equally long list's items are put into what they hold in turn), a torch tensor that is a
     leaf of the same shape, dtype and device, a writable NumPy array of the same shape and dtype
     (``copy_``, ``[...] =``), a random number generator (its state), an object of a class the
-    notebook defines (its attributes, put into its own in turn). A tuple of the same length stays
+    notebook defines (its attributes, put into its own in turn), an object with a state dict of the
+    saved one's type (a module, an optimizer, a scheduler in a list: the saved one's state loaded
+    into it, as ``load_state_dict`` does; where that fails, ``saved``). A tuple of the same length stays
     the same tuple where every item did. Whatever else holds ``target`` (a logger given the
     history list, an optimizer given a hand-made weight tensor) then sees the restored values, as
     it did at the safe point."""
@@ -391,7 +393,30 @@ def into(target: Any, saved: Any, _seen: dict[int, Any] | None = None) -> Any:
         target.__dict__.clear()
         target.__dict__.update(attributes)
         return target
+    if _state_loaded(target, saved):
+        return target
     return saved
+
+
+def goes_into(value: Any) -> bool:
+    """Whether a restore :func:`into` ``value`` keeps the objects it holds (what it holds is put
+    into them in turn): a list, dict, set or tuple, or an object of a class the notebook defines."""
+    return type(value) in _CONTAINERS or type(value) is tuple or _notebook_object(value)
+
+
+def _state_loaded(target: Any, saved: Any) -> bool:
+    """Load the state of ``saved`` into ``target`` (of its type) where both have a state dict:
+    ``models = [nn.Linear(...) for _ in range(3)]`` and ``opts`` over their parameters, saved as
+    lists, were unpickled as copies of one another's tensors, so that the optimizers stepped
+    tensors no model held; loaded into the objects the set-up cells rebuilt, they stay joined.
+    False (nothing to keep) where loading fails: the name is then bound to the saved object."""
+    if not holds_state(target) or is_generator(target):
+        return False
+    try:
+        target.load_state_dict(saved.state_dict())
+    except Exception:
+        return False
+    return True
 
 
 def _notebook_object(value: Any) -> bool:
