@@ -172,14 +172,19 @@ def _walk(value, h, seen: set, depth: int) -> None:
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type, types.ModuleType)):
         h.update(getattr(value, "__qualname__", getattr(value, "__name__", "")).encode())
         return
-    if id(value) in seen:
-        h.update(b"<seen>")
-        return
-    seen.add(id(value))
+    if type(value) not in (tuple, frozenset):  # an immutable value shared or not is the same value
+        if id(value) in seen:
+            h.update(b"<seen>")
+            return
+        seen.add(id(value))
     variables = _keras_variables(value)
     if variables is not None:  # a Keras model, layer or optimizer is what its variables hold
         for v in variables:
             _walk(np.asarray(v.numpy()), h, seen, depth + 1)
+        return
+    table = _pandas_contents(value)
+    if table is not None:  # a DataFrame is what it holds: its __dict__ is caches and block layout
+        _walk(table, h, seen, depth + 1)
         return
     checkpoint = _lightning_checkpoint(value)
     if checkpoint is not None:  # a Lightning Trainer is what its checkpoint holds (it keeps clock readings)
@@ -205,6 +210,28 @@ def _walk(value, h, seen: set, depth: int) -> None:
         _walk(vars(value), h, seen, depth + 1)
     else:
         _walk_reduced(value, h, seen, depth)
+
+
+def _pandas_contents(value) -> dict | None:
+    """What a pandas DataFrame, Series or Index holds, for :func:`_walk` (None for anything else):
+    its labels, dtypes and values, column by column. Its attributes are caches and a block layout
+    that differ between two equal frames (one unpickled), and hold no values a walk reaches."""
+    pd = __import__("sys").modules.get("pandas")
+    if pd is None or not isinstance(value, (pd.DataFrame, pd.Series, pd.Index)):
+        return None
+
+    def values(x) -> object:
+        a = x.to_numpy()
+        return a.tolist() if a.dtype.hasobject else a
+
+    if isinstance(value, pd.Index):
+        return {"index": values(value), "dtype": str(value.dtype), "name": value.name}
+    if isinstance(value, pd.Series):
+        return {"index": _pandas_contents(value.index), "dtype": str(value.dtype), "name": value.name,
+                "values": values(value)}
+    return {"index": _pandas_contents(value.index), "columns": _pandas_contents(value.columns),
+            "dtypes": [str(t) for t in value.dtypes], "values": [values(value.iloc[:, i]) for i in range(value.shape[1])],
+            "attrs": value.attrs}
 
 
 _TIME = re.compile(r"(^|_)(runtime|time|seconds|duration)$|_per_second$")

@@ -278,6 +278,42 @@ def test_a_python_random_generator_is_compared_by_its_state(ip):
     assert state_digest()["a"] != first["a"]
 
 
+
+def test_a_dataframe_is_compared_by_what_it_holds_and_a_shared_tuple_is_no_difference(ip):
+    """A pandas DataFrame logging each epoch (``log.loc[len(log)] = [epoch, loss]``) was digested
+    by its attributes: caches and a block layout, which differ in a frame unpickled from a
+    checkpoint (check said "log differs" after every fault, every value the same) and hold none of
+    its values (a frame with another loss digested the same). It is digested by its labels, dtypes
+    and values. An optimizer whose param group shares the ``betas`` tuple of its defaults (a new
+    one) and one loaded from a state dict (a tuple of its own) hold the same: check said "opts
+    differs" for a list of optimizers restored exactly."""
+    import pickle
+
+    import torch
+
+    pd = pytest.importorskip("pandas")
+    from colab_resilience.kernelapi import state_digest
+
+    log = pd.DataFrame(columns=["epoch", "loss"])
+    for epoch in range(3):
+        log.loc[len(log)] = [epoch, 0.5 / (epoch + 1)]
+    other = log.copy()
+    other.iloc[1, 1] = 0.3
+    def adam():
+        torch.manual_seed(0)
+        return torch.optim.Adam(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+
+    opt, loaded = adam(), adam()
+    loaded.load_state_dict(pickle.loads(pickle.dumps(opt.state_dict())))  # as from a checkpoint
+    assert opt.param_groups[0]["betas"] is opt.defaults["betas"] is not loaded.param_groups[0]["betas"]
+    ip.user_ns.update(a=log, b=pickle.loads(pickle.dumps(log)), c=other, d=log["loss"],
+                      e=pickle.loads(pickle.dumps(log["loss"])), f=other["loss"], g=[opt], h=[loaded])
+    digest = state_digest()
+    assert digest["a"] == digest["b"] != digest["c"]
+    assert digest["d"] == digest["e"] != digest["f"]
+    assert digest["g"] == digest["h"]
+
+
 def test_a_time_a_trainer_measured_is_not_a_difference_and_the_rest_of_its_metrics_are(ip):
     """What Hugging Face's `trainer.train()` and `evaluate()` return holds the run's wall-clock
     time and rates (`train_runtime`, `train_samples_per_second`): they differ between any two
