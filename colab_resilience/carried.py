@@ -10,6 +10,10 @@ a module's or optimizer's ``state_dict`` in place brings back their tensors, but
   has none that matter, and one that accumulates across safe points cannot resume exactly anyway;
 - **train/eval modes** (``module.training``) and **``requires_grad`` flags** of parameters: saved
   beside the checkpoint (:func:`snapshot`) and put back (:func:`apply`);
+- **a module's own plain attributes** (a call counter ``self.calls += 1`` in ``forward``, an
+  annealed ``self.temperature``, a list it appends to): the public ones in each submodule's
+  ``__dict__`` that are plain values (numbers, strings, flags, lists and dicts of them), saved
+  and put back the same way (a list or dict into the one the module holds);
 - **a GradScaler's per-step record** (whether ``unscale_``/``step`` were called since the last
   ``update()``): reset, so a retried step may call them again.
 
@@ -38,8 +42,20 @@ def snapshot(namespace: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
             facts[name] = {
                 "training": [m.training for m in value.modules()],
                 "requires_grad": [p.requires_grad for p in value.parameters()],
+                "attributes": [plain_attributes(m) for m in value.modules()],
             }
     return facts
+
+
+def plain_attributes(module: Any) -> dict[str, Any]:
+    """The public attributes in ``module.__dict__`` that are plain values, copied (its mode aside:
+    ``training`` goes on its own)."""
+    import copy
+
+    from .integrations import is_plain
+
+    return {k: copy.deepcopy(v) for k, v in vars(module).items()
+            if not k.startswith("_") and k != "training" and is_plain(v)}
 
 
 def apply(namespace: Mapping[str, Any], names: list[str], facts: Mapping[str, Any]) -> None:
@@ -55,9 +71,13 @@ def apply(namespace: Mapping[str, Any], names: list[str], facts: Mapping[str, An
             if isinstance(fact, Mapping):
                 modules, params = list(value.modules()), list(value.parameters())
                 modes, flags = fact.get("training"), fact.get("requires_grad")
+                attributes = fact.get("attributes")
                 if isinstance(modes, list) and len(modes) == len(modules):
                     for m, mode in zip(modules, modes):
                         m.training = bool(mode)
+                if isinstance(attributes, list) and len(attributes) == len(modules):
+                    for m, saved in zip(modules, attributes):
+                        _put_attributes(m, saved)
                 if isinstance(flags, list) and len(flags) == len(params):
                     for p, flag in zip(params, flags):
                         p.requires_grad_(bool(flag))
@@ -69,6 +89,22 @@ def apply(namespace: Mapping[str, Any], names: list[str], facts: Mapping[str, An
                     p.grad = None
         elif _is_grad_scaler(torch, value):
             _reset_scaler(value)
+
+
+def _put_attributes(module: Any, saved: Any) -> None:
+    """The plain attributes :func:`plain_attributes` copied, back into ``module``: a list or dict
+    into the one it holds (what else holds that sees them), an attribute it holds now as
+    something else than a plain value left as it is."""
+    from .checkpoints.restore import into
+    from .integrations import is_plain
+
+    if not isinstance(saved, Mapping):
+        return
+    own = vars(module)
+    for k, v in saved.items():
+        if k in own and not is_plain(own[k]):
+            continue
+        own[k] = into(own[k], v) if k in own else v
 
 
 def _is_grad_scaler(torch, value: Any) -> bool:

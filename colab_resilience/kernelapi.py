@@ -113,6 +113,7 @@ def state_digest() -> dict[str, list]:
 
     import blake3
 
+    from . import carried
     from .checkpoints import values
     from .errors import UnsaveableValueError
     from .session import session_of
@@ -144,6 +145,9 @@ def state_digest() -> dict[str, list]:
         else:  # safetensors and tagged JSON: the same bytes for the same value
             for segment in prepared.payload.segments:
                 h.update(segment)
+            # a module is also its modes, requires_grad flags and plain attributes, which go beside
+            # its state_dict (a counter its forward keeps)
+            _walk(carried.snapshot({name: value}, [name]).get(name), h, set(), 0)
         plain = isinstance(value, (int, float, complex, str, bytes, bool, type(None)))
         out[name] = [f"{prepared.kind}:{h.hexdigest()}", repr(value)[:60] if plain else None]
     return out

@@ -314,6 +314,29 @@ def test_a_dataframe_is_compared_by_what_it_holds_and_a_shared_tuple_is_no_diffe
     assert digest["g"] == digest["h"]
 
 
+
+def test_a_module_is_compared_with_its_modes_and_plain_attributes(ip):
+    """Two modules with the same weights are the same value only with the same train/eval modes,
+    requires_grad flags and plain attributes (a call counter): a module was digested by its
+    state_dict alone, and check called a run whose module had lost its counter identical."""
+    import torch
+
+    from colab_resilience.kernelapi import state_digest
+
+    def net(calls=0, training=True, frozen=False):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
+        m.calls = calls
+        m.train(training)
+        m[0].weight.requires_grad_(not frozen)
+        return m
+
+    ip.user_ns.update(a=net(), b=net(), c=net(calls=1), d=net(training=False), e=net(frozen=True))
+    digest = state_digest()
+    assert digest["a"] == digest["b"]
+    assert len({digest[k][0] for k in "acde"}) == 4
+
+
 def test_a_time_a_trainer_measured_is_not_a_difference_and_the_rest_of_its_metrics_are(ip):
     """What Hugging Face's `trainer.train()` and `evaluate()` return holds the run's wall-clock
     time and rates (`train_runtime`, `train_samples_per_second`): they differ between any two

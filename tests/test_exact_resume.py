@@ -381,6 +381,50 @@ def test_models_and_optimizers_saved_in_lists_and_dicts_stay_joined(tmp_path, fa
     assert harness.result(nb).endswith(" True")
 
 
+
+def _counting_module_notebook(fault: str, mark):
+    """A module of the notebook's own that counts its calls in ``forward`` (a plain attribute and
+    a buffer) and keeps each batch's size in a list; one fault in epoch 3."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        _setup(mark) +
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = torch.nn.Linear(4, 1)\n"
+        "        self.register_buffer('seen', torch.zeros((), dtype=torch.long))\n"
+        "        self.calls, self.sizes, self.temperature = 0, [], 1.0\n"
+        "    def forward(self, x):\n"
+        "        self.seen += x.shape[0]; self.calls += 1; self.sizes.append(x.shape[0])\n"
+        "        return self.lin(x) / self.temperature\n"
+        "model = Net()\nsizes = model.sizes\nopt = torch.optim.SGD(model.parameters(), lr=0.05)\n"
+        "X, Y = torch.randn(64, 4), torch.randn(64, 1)",
+        "%%resilient --save model,opt\n"
+        "for epoch in resume_range(6):\n"
+        "    for i in range(0, 64, 16):\n"
+        "        loss = ((model(X[i:i+16]) - Y[i:i+16]) ** 2).mean()\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()\n"
+        "    model.temperature *= 1.1\n"
+        "    if epoch == 3 and not os.path.exists(MARK):\n"
+        f"        open(MARK, 'w').close(); {_FAULTS[fault]}\n",
+        "print('RESULT', model.calls, len(sizes), sizes is model.sizes, model.seen.item(), model.temperature.hex(),"
+        " model.lin.weight.detach().numpy().tobytes().hex())",
+    )
+
+
+@pytest.mark.parametrize("fault", ["kill", "oom"])
+def test_a_modules_own_plain_attributes_come_back_with_it(tmp_path, fault):
+    """A module's state_dict holds its parameters and buffers, not the counter its forward keeps
+    (``self.calls += 1``), the list it appends to or a temperature the loop anneals: after a kill
+    they were the replayed module's (20 calls for 24), after an OOM the rolled-back step's call
+    stayed counted (25), and the run said done. They go beside the checkpoint with the module's
+    modes and are put back (the list into the one the module and the notebook hold)."""
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _counting_module_notebook(fault, mark))
+    assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).startswith("RESULT 24 24 True 384 ")
+
+
 def _train_function_notebook(fault: str, mark):
     """The loop in a function a %%replay cell defines (``train(epochs)``), which the %%resilient
     cell calls; early stopping whose state it declares global, saved. One fault (a SIGKILL or an
