@@ -125,15 +125,15 @@ def state_digest() -> dict[str, list]:
         if name.startswith("_") or name in hidden or isinstance(value, (types.ModuleType, types.FunctionType,
                                                                         types.BuiltinFunctionType, type)):
             continue
+        if _keras_variables(value) is not None:  # what its variables hold (their names count the models made)
+            h = blake3.blake3()
+            _walk(value, h, set(), 0)
+            out[name] = [f"keras:{h.hexdigest()}", None]
+            continue
         try:
             prepared = values.prepare(name, value)
         except UnsaveableValueError:
-            if _keras_variables(value) is not None:  # not saved by --save, but what its variables hold is compared
-                h = blake3.blake3()
-                _walk(value, h, set(), 0)
-                out[name] = [f"keras:{h.hexdigest()}", None]
-            else:
-                out[name] = [f"unsaveable:{values.type_name(value)}", None]
+            out[name] = [f"unsaveable:{values.type_name(value)}", None]
             continue
         except Exception as e:  # a value whose state_dict() or pickle fails in an unexpected way
             out[name] = [f"error:{type(e).__name__}", None]
@@ -289,16 +289,12 @@ def _lightning_checkpoint(value):
 
 
 def _keras_variables(value):
-    """The variables of a Keras layer or model (and of its optimizer) or of a Keras optimizer,
-    or None for anything else."""
-    import sys
+    """The variables of a Keras layer or model (and of its optimizer), optimizer or metric, or
+    None for anything else."""
+    from .checkpoints import keras_state
 
-    keras = sys.modules.get("keras")
-    if keras is None or not hasattr(keras, "Layer") or not hasattr(keras, "optimizers"):
+    kind = keras_state.kind(value)
+    if kind is None:
         return None
-    if isinstance(value, keras.optimizers.Optimizer):
-        return list(value.variables)
-    if isinstance(value, keras.Layer):
-        optimizer = getattr(value, "optimizer", None)
-        return list(value.variables) + (list(optimizer.variables) if optimizer is not None else [])
-    return None
+    optimizer = getattr(value, "optimizer", None) if kind == "layer" else None
+    return list(value.variables) + (list(optimizer.variables) if optimizer is not None else [])

@@ -47,6 +47,7 @@ import textwrap
 import types
 
 from . import replay
+from .checkpoints import keras_state
 from .checkpoints.rng import is_generator
 from .checkpoints.values import holds_state
 from .errors import OptionError
@@ -198,7 +199,24 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
     carried = list(dict.fromkeys(n for code in codes for n in carried_names(code, saved, shell.user_ns)))
     drawn = set().union(*(drawn_with_next(code) for code in codes))
     iterators = [n for n in carried if n in drawn]
-    carried = [n for n in carried if n not in iterators]
+    classes = [n for n in carried if isinstance(shell.user_ns.get(n), type)]
+    carried = [n for n in carried if n not in iterators and n not in classes]
+    if classes:
+        lines.append(
+            f"colab_resilience: the resume_range loop changes attributes of the class{_one(classes, '', 'es')} "
+            f"{', '.join(classes)}: a checkpoint saves a class by its name, not its "
+            f"attributes, so after a rollback or a restart they would not be back at the safe point, and the result "
+            f"would differ; keep them in an object of the class ({classes[0].lower()} = {classes[0]}()) and add "
+            "that to --save"
+        )
+    kept_state = [f for code in codes for loop in _resume_loops(code) for f in state_in_functions(loop, shell.user_ns)]
+    if kept_state:
+        lines.append(
+            f"colab_resilience: the resume_range loop calls {', '.join(dict.fromkeys(kept_state))}: no checkpoint "
+            "holds what a function keeps between calls, so after a rollback or a restart it would not be back at "
+            "the safe point, and the result would differ; keep it in a global the function declares global, and "
+            "add that to --save"
+        )
     for function, local in (pair for code in codes for pair in carried_locals(code)):
         lines.append(
             f"colab_resilience: the resume_range loop in {function}() carries {', '.join(local)}, "
@@ -241,6 +259,9 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
     stateful = unsaved_state_objects(tree, saved, shell.user_ns)
     if stateful:
         lines.append(_state_objects_line(stateful))
+    reshuffled = reshuffled_datasets(tree, shell.user_ns)
+    if reshuffled:
+        lines.append(_reshuffled_line(reshuffled))
     after = read_after_loop(tree, saved)
     if after:
         lines.append(
@@ -346,7 +367,8 @@ def at_loop_start(shell, body: str, saved: list[str], known: set[str]) -> list[s
     if tree is None:
         return []
     stateful = [f for f in unsaved_state_objects(tree, saved, shell.user_ns) if f.split(" ", 1)[0] not in known]
-    return [_state_objects_line(stateful)] if stateful else []
+    reshuffled = [n for n in reshuffled_datasets(tree, shell.user_ns) if n not in known]
+    return ([_state_objects_line(stateful)] if stateful else []) + ([_reshuffled_line(reshuffled)] if reshuffled else [])
 
 
 def _is_state(value) -> bool:
@@ -445,6 +467,48 @@ def _changed_by_helpers(loop: ast.For, namespace) -> list[str]:
             else:
                 names = [_changed_argument(inner) or _next_of(inner)]
             found += [n for n in names if n and n not in own and n in namespace and n not in found]
+    return found
+
+
+def state_in_functions(loop: ast.For, namespace) -> list[str]:
+    """``name() keeps x (...)`` for each function of the notebook the loop calls by name that
+    keeps a state of its own between calls: a variable of the function that made it, which it
+    rebinds (``nonlocal n; n += 1``: a counter made by a factory), or a default argument that it
+    changes in place (``def log(v, hist=[]): hist.append(v)``)."""
+    found: list[str] = []
+    for node in _walk_body(loop):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            continue
+        function = namespace.get(node.func.id)
+        if not isinstance(function, types.FunctionType) or function.__globals__ is not namespace:
+            continue
+        definition = _definition(function)
+        if definition is None:
+            continue
+        kept = [f"{n} (nonlocal)" for inner in ast.walk(definition) if isinstance(inner, ast.Nonlocal)
+                for n in inner.names]
+        args = definition.args
+        positional = args.posonlyargs + args.args
+        defaults = dict(zip([a.arg for a in positional[len(positional) - len(args.defaults):]],
+                            function.__defaults__ or ()))
+        defaults.update(function.__kwdefaults__ or {})
+        mutable = {n for n, v in defaults.items() if isinstance(v, (list, dict, set, bytearray))
+                   or type(v).__module__.split(".")[0] in ("collections", "numpy", "torch")}
+        for inner in sorted(ast.walk(definition), key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0))):
+            changed = None
+            if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and _changes_in_place(inner.func.attr):
+                changed = _root(_receiver(inner.func))
+            elif isinstance(inner, (ast.Assign, ast.AugAssign)):
+                targets = inner.targets if isinstance(inner, ast.Assign) else [inner.target]
+                changed = next((_root(t) for t in targets if isinstance(t, (ast.Subscript, ast.Attribute))), None)
+                if changed is None and isinstance(inner, ast.AugAssign) and isinstance(inner.target, ast.Name):
+                    changed = inner.target.id  # hist += [v] extends the default list in place
+            if changed in mutable:
+                kept.append(f"{changed} (a default argument it changes)")
+        if kept:
+            text = f"{node.func.id}(), which keeps {', '.join(dict.fromkeys(kept))}"
+            if text not in found:
+                found.append(text)
     return found
 
 
@@ -663,10 +727,8 @@ def unsaved_state_objects(tree: ast.AST, saved: list[str], namespace) -> list[st
     one with a ``state_dict`` (a scheduler, a second model, a ``GradScaler``; a module without
     parameters or buffers, as a loss function, has none), or a random number generator."""
     found: list[str] = []
-    torch = sys.modules.get("torch")
-    # a part of a saved model (its backbone) is saved with it
-    parts = {id(m) for n in saved if torch is not None and isinstance(namespace.get(n), torch.nn.Module)
-             for m in namespace[n].modules()}
+    # a part of a saved model (its backbone, a Keras model's layers) is saved with it
+    parts = {id(m) for n in saved if n in namespace for m in _parts(namespace[n])}
     kept = frozenset(id(namespace[n]) for n in saved if n in namespace)  # a history list a logger appends to
     for loop in _resume_loops(tree):
         fresh = bound_names(loop.target) | _bound_in(loop.body)
@@ -680,6 +742,60 @@ def unsaved_state_objects(tree: ast.AST, saved: list[str], namespace) -> list[st
             if holds_state(namespace[name]) or changes_itself(namespace[name], kept):
                 found.append(f"{name} ({type(namespace[name]).__name__})")
     return found
+
+
+def reshuffles(dataset) -> bool:
+    """Whether a ``tf.data`` pipeline holds a shuffle that reshuffles on each iteration."""
+    seen, todo = set(), [dataset]
+    while todo:
+        d = todo.pop()
+        if id(d) in seen:
+            continue
+        seen.add(id(d))
+        if type(d).__name__.lstrip("_") == "ShuffleDataset" and getattr(d, "_reshuffle_each_iteration", True):
+            return True
+        try:
+            todo.extend(d._inputs())
+        except (AttributeError, NotImplementedError, TypeError):  # not a tf.data dataset of its own
+            continue
+    return False
+
+
+def reshuffled_datasets(tree: ast.AST, namespace) -> list[str]:
+    """The ``tf.data`` datasets a ``resume_range`` loop's body uses that shuffle anew each time
+    they are iterated: each epoch's order follows from how many times it was iterated before, which
+    no checkpoint holds, so a resumed run draws the first epoch's order again."""
+    data = sys.modules.get("tensorflow.python.data.ops.dataset_ops")
+    if data is None:
+        return []
+    found: list[str] = []
+    for loop in _resume_loops(tree):
+        fresh = bound_names(loop.target) | _bound_in(loop.body)
+        for node in _walk_body(loop):
+            if (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in fresh
+                    and node.id not in found and isinstance(namespace.get(node.id), data.DatasetV2)
+                    and reshuffles(namespace[node.id])):
+                found.append(node.id)
+    return found
+
+
+def _reshuffled_line(names: list[str]) -> str:
+    return (
+        f"colab_resilience: the resume_range loop iterates {', '.join(names)}, {_one(names, 'a tf.data dataset', 'tf.data datasets')} "
+        f"that shuffle{_one(names, 's', '')} anew each time {_one(names, 'it is', 'they are')} iterated "
+        "(reshuffle_each_iteration=True, the default): after a restart it would draw the first epoch's order again, "
+        "not the order of the epoch it resumes, and the result would differ; shuffle with a seed from the epoch "
+        "(for x, y in ds.shuffle(n, seed=epoch)), or pass reshuffle_each_iteration=False"
+    )
+
+
+def _parts(value) -> list:
+    """The modules of a torch module, the layers of a Keras model (itself among them), else none."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.nn.Module):
+        return list(value.modules())
+    flatten = getattr(value, "_flatten_layers", None) if keras_state.kind(value) == "layer" else None
+    return list(flatten()) if callable(flatten) else []
 
 
 def changes_itself(value, saved_objects: frozenset = frozenset()) -> bool:

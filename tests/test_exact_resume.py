@@ -886,6 +886,39 @@ def test_the_first_run_names_what_the_notebooks_functions_the_loop_calls_change(
     says_nothing(ip, capsys, "%%resilient --save model,steps,history\n" + loop)
 
 
+
+def test_the_first_run_names_state_kept_in_functions_and_class_attributes(ip, tmp_path, capsys):
+    """A counter made by a factory (``nonlocal n; n += 1``), a default argument a function changes
+    (``def record(v, hist=[]): hist.append(v)``) and a class's attributes the loop changes
+    (``Cfg.step += 1``): no checkpoint holds any of them, a resume started them afresh, and
+    nothing was said (the class was named as carried, to be added to --save, which saves a class
+    by its name: it came back with its replayed attributes). Each is named, with what to do; a
+    class in --save is refused in one line. A function with an immutable default, or its own
+    list, is not named."""
+    replay = ("import torch\nmodel = torch.nn.Linear(2, 1)\n"
+              "def make_counter():\n    n = 0\n    def inc():\n        nonlocal n\n        n += 1\n"
+              "        return n\n    return inc\ntick = make_counter()\n"
+              "def record(v, hist=[], *, seen={}):\n    hist.append(v)\n    seen[v] = 1\n    return len(hist)\n"
+              "def scale(v, by=2, out=None):\n    out = []\n    out.append(v * by)\n    return out\n"
+              "class Cfg:\n    step = 0\n")
+    loop = ("for epoch in resume_range(2):\n    tick()\n    record(epoch)\n    scale(epoch)\n"
+            "    Cfg.step += 1\n")
+    out = said_at_first_run(ip, tmp_path, capsys, replay, "%%resilient --save model\n" + loop)
+    assert ("colab_resilience: the resume_range loop calls tick(), which keeps n (nonlocal), record(), which "
+            "keeps hist (a default argument it changes), seen (a default argument it changes): no checkpoint holds "
+            "what a function keeps between calls") in out, out
+    assert "scale()" not in out, out
+    assert ("colab_resilience: the resume_range loop changes attributes of the class Cfg: a checkpoint saves a "
+            "class by its name, not its attributes") in out, out
+    assert "keep them in an object of the class (cfg = Cfg()) and add that to --save" in out, out
+    assert "carries Cfg" not in out, out
+    r = ip.run_cell("%%resilient --save model,Cfg\n" + loop)
+    message = str(r.error_in_exec)
+    assert not r.success and "\n" not in message, message
+    assert message.startswith("colab_resilience: cannot save 'Cfg': type objects cannot be checkpointed (a class "
+                              "is saved by its name, not by its attributes"), message
+
+
 def test_the_first_run_names_an_object_of_the_notebooks_class_that_changes_itself(ip, tmp_path, capsys):
     """An EarlyStopping of the notebook's own, called each epoch, changes its best and its counter:
     unsaved, a resume started them afresh and stopped at another epoch, and nothing was said. It is

@@ -69,29 +69,154 @@ def test_a_fits_state_is_saved_and_assigned_into_the_rebuilt_model_and_optimizer
     assert values(fresh.variables) == values(model.variables)
 
 
-def test_a_keras_model_or_optimizer_in_save_is_refused_and_check_still_compares_its_variables(tmp_path, ip):
-    """`--save model,opt` with a custom GradientTape loop: pickled, they came back as new objects,
-    the optimizer without its variables (Keras printed "Skipping variable loading for optimizer")
-    while the resume said "restored model, opt", and the run went on from other moments; an OOM
-    retry diverged too. Refused at the first save, in one line that says what restores them in
-    place. colab-resilience check still compares a model by what its variables hold."""
-    from colab_resilience.errors import UnsaveableValueError
+def loop_build():
+    """What the set-up cell of a custom training loop builds: a Sequential without an Input (built
+    by its first call), an Adam (built by its first step), a metric."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Dense(8, activation="relu"), keras.layers.BatchNormalization(),
+                              keras.layers.Dropout(0.3), keras.layers.Dense(1)])
+    return model, keras.optimizers.Adam(1e-2), keras.metrics.Mean()
+
+
+def loop_step(model, opt, metric, x, y) -> None:
+    with tf.GradientTape() as tape:
+        loss = keras.ops.mean((model(x, training=True) - y) ** 2)
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    metric.update_state(loss)
+
+
+def test_a_keras_model_optimizer_and_metric_in_save_are_restored_into_the_rebuilt_ones(tmp_path, ip):
+    """`--save opt,model,loss_mean` with a custom GradientTape loop: their variables are saved and
+    assigned into the objects the replayed set-up cell rebuilt, built first (the model from its
+    build config, the optimizer for the model's variables, whichever of the two comes first):
+    the same objects, the saved values, and a next step bit for bit as the saved ones' (Dropout
+    draws the same mask). Pickled, they came back as new objects, the optimizer without its
+    variables; then they were refused. check compares them by what their variables hold."""
     from colab_resilience.kernelapi import state_digest
 
-    model = build()
+    x, y = np.random.default_rng(0).normal(size=(2, 16, 4)).astype("float32")
+    model, opt, metric = loop_build()
+    for _ in range(3):
+        loop_step(model, opt, metric, x, y[:, :1])
     store = CheckpointStore(tmp_path, run_id="keras", key=b"k" * 32)
-    for name, value in {"model": model, "opt": model.optimizer, "layer": model.layers[0]}.items():
-        with pytest.raises(UnsaveableValueError) as e:
-            store.save({name: value}, [name], strict=True)
-        message = str(e.value)
-        assert "\n" not in message and message.startswith(f"colab_resilience: cannot save {name!r}: "), message
-        assert "a Keras model, layer or optimizer comes back from a pickle as a new object" in message, message
-        assert "ResilienceCallback none is needed in --save" in message, message
-    x = np.ones((4, 4), "float32")
-    ip.user_ns.update(a=build(), b=build(), c=build())
-    ip.user_ns["c"].fit(x, x[:, :1], epochs=1, verbose=0)
+    store.save({"opt": opt, "model": model, "loss_mean": metric}, ["opt", "model", "loss_mean"], strict=True)
+
+    fresh = loop_build()
+    assert not fresh[0].built and not fresh[1].built
+    ns = dict(zip(["model", "opt", "loss_mean"], fresh))
+    store.load().restore(ns, ["opt", "model", "loss_mean"])
+    assert all(ns[k] is v for k, v in zip(["model", "opt", "loss_mean"], fresh))  # in place
+    for a, b in zip((model, opt, metric), fresh):
+        assert values(b.variables) == values(a.variables)  # weights, statistics, seed state, moments, step
+    loop_step(model, opt, metric, x, y[:, :1])
+    loop_step(*fresh, x, y[:, :1])
+    for a, b in zip((model, opt, metric), fresh):
+        assert values(b.variables) == values(a.variables)
+    ip.user_ns.update(a=loop_build()[0], b=loop_build()[0], c=model)
+    for m in (ip.user_ns["a"], ip.user_ns["b"]):
+        m.build((None, 4))
     digest = state_digest()
     assert digest["a"] == digest["b"] != digest["c"]
+
+
+def test_a_keras_variable_of_another_shape_stops_the_restore_in_one_line_and_assigns_nothing(tmp_path):
+    model, opt, metric = loop_build()
+    model.build((None, 4))
+    store = CheckpointStore(tmp_path, run_id="keras", key=b"k" * 32)
+    store.save({"model": model}, ["model"], strict=True)
+    keras.utils.set_random_seed(1)
+    other = keras.Sequential([keras.layers.Dense(16), keras.layers.Dense(1)])
+    other.build((None, 4))
+    before = values(other.variables)
+    with pytest.raises(CheckpointError) as e:
+        store.load().restore({"model": other}, ["model"])
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("colab_resilience: cannot restore 'model': the Keras layer was "
+                                                      "saved with 9 variables and has 4 now; build it in a %%replay cell"), message
+    assert values(other.variables) == before
+
+
+def custom_loop_notebook(fault: str, mark) -> "nbformat.NotebookNode":
+    """A custom training loop as TensorFlow's guide writes it: a Sequential without an Input, Adam,
+    a `keras.metrics.Mean`, a `tf.function` train step over a `tf.data` pipeline (batched, not
+    shuffled), Dropout, `keras.random` without a seed; `--save model,opt,loss_mean,history`. One
+    fault (`fault`: a SIGKILL, TensorFlow's ResourceExhaustedError) at the end of epoch 2, once."""
+    strike = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
+              "oom": "raise tf.errors.ResourceExhaustedError(None, None, 'OOM when allocating tensor with shape[8192,8192]')"}
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        "%%replay\nimport os, signal\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\n"
+        "import numpy as np, tensorflow as tf, keras\n"
+        f"MARK = {str(mark)!r}\n"
+        "keras.utils.set_random_seed(0)\ntf.config.experimental.enable_op_determinism()\n"
+        "X = np.random.default_rng(0).normal(size=(64, 4)).astype('float32')\nY = X @ np.ones((4, 1), 'float32')\n"
+        "ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16)\n"
+        "model = keras.Sequential([keras.layers.Dense(16, activation='relu'), keras.layers.Dropout(0.3),"
+        " keras.layers.Dense(1)])\n"
+        "opt = keras.optimizers.Adam(1e-2)\nloss_mean = keras.metrics.Mean()\nhistory = []\n"
+        "@tf.function\ndef train_step(x, y):\n"
+        "    with tf.GradientTape() as tape:\n"
+        "        loss = tf.reduce_mean((model(x, training=True) - y) ** 2)\n"
+        "    grads = tape.gradient(loss, model.trainable_variables)\n"
+        "    opt.apply_gradients(zip(grads, model.trainable_variables))\n"
+        "    loss_mean.update_state(loss)",
+        "%%resilient --save model,opt,loss_mean,history\n"
+        "for epoch in resume_range(5):\n"
+        "    loss_mean.reset_state()\n"
+        "    for x, y in ds:\n"
+        "        train_step(x, y)\n"
+        "    history.append((float(loss_mean.result()), float(keras.random.uniform(()))))\n"
+        "    if epoch == 2 and not os.path.exists(MARK):\n"
+        f"        open(MARK, 'w').close(); {strike[fault]}\n",
+        "import hashlib\nprint('RESULT', history, int(opt.iterations.numpy()), hashlib.sha256(b''.join("
+        "v.numpy().tobytes() for v in model.variables + opt.variables)).hexdigest())",
+    )
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("fault", ["kill", "oom"])
+def test_a_custom_training_loop_killed_or_out_of_memory_resumes_bit_identical(tmp_path, fault):
+    """The model, optimizer and metric of a custom loop in --save: after a SIGKILL the new kernel
+    replays the set-up cell (an unbuilt model and optimizer), the restore builds them and assigns
+    the saved variables, and the loop goes on at its last checkpoint; after an out-of-memory error the same
+    objects get the safe point's variables and the epoch is retried. Both end bit for bit as the
+    uninterrupted run (weights, moments, step count, the metric's means, keras.random's draws),
+    and the first run says nothing of them (they were refused before)."""
+    (tmp_path / "twin").mkdir()
+    (tmp_path / "twin" / "m").touch()  # the fault has struck already: none
+    twin = custom_loop_notebook(fault, tmp_path / "twin" / "m")
+    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    nb = custom_loop_notebook(fault, tmp_path / "m")
+    run = harness.run(nb, tmp_path, standby=False)
+    assert run.status == 0, run.message
+    train = harness.cell_text(nb.cells[2])
+    assert len(run.restarts) == (fault == "kill"), train
+    said = "restored model, opt, loss_mean, history" if fault == "kill" else "rolled back to the last safe point"
+    assert said in train, train
+    assert "colab_resilience: the resume_range loop" not in harness.cell_text(twin.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).startswith("RESULT [(") and " 20 " in harness.result(nb)
+
+
+def test_the_first_run_names_an_unsaved_keras_optimizer_and_a_dataset_that_reshuffles(ip):
+    """An optimizer the loop steps without --save, and a tf.data pipeline that shuffles anew each
+    epoch (each epoch's order follows from the iterations before it, which no checkpoint holds):
+    each is named in one line at the first run. The saved model's layers are not named, nor a
+    pipeline that shuffles once (reshuffle_each_iteration=False)."""
+    from colab_resilience import lint
+
+    model, opt, _ = loop_build()
+    data = tf.data.Dataset.range(8)
+    ip.user_ns.update(model=model, opt=opt, dense=model.layers[0], ds=data.shuffle(8, seed=1).batch(4),
+                      fixed=data.shuffle(8, seed=1, reshuffle_each_iteration=False).batch(4))
+    body = ("for epoch in resume_range(3):\n    for x in ds:\n        step(model, opt, dense, x)\n"
+            "    for x in fixed:\n        step(model, opt, dense, x)\n")
+    lines = lint.warnings(ip, body, ["model"], [])
+    assert [line for line in lines if "opt (Adam)" in line and "dense" not in line], lines
+    reshuffled = [line for line in lines if "tf.data" in line]
+    assert len(reshuffled) == 1 and "iterates ds, a tf.data dataset that shuffles anew" in reshuffled[0], lines
+    assert "fixed" not in reshuffled[0] and "ds.shuffle(n, seed=epoch)" in reshuffled[0], lines
 
 
 def test_a_model_built_otherwise_is_refused_in_one_line_and_left_as_it_was(tmp_path):

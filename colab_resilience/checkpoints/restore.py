@@ -6,7 +6,8 @@ training did to the first). ``state_dict`` values are loaded **in place** into t
 name that exists at restore time (rebuilt by the set-up cells): a module copies them into its own
 parameters, an optimizer keeps the tensors it is given. Tensors go back to the device they were
 saved on (the CPU, with a warning, where that device is gone), as Parameters or with
-``requires_grad`` where they were; views of one storage stay views of one storage. ``pytree``
+``requires_grad`` where they were; views of one storage stay views of one storage. A Keras
+model, layer, optimizer or metric gets its saved variables assigned (:mod:`.keras_state`). ``pytree``
 values (a flax ``TrainState``, optax states, ``nnx`` objects) are restored into the object of that
 name the set-up cells rebuilt (:mod:`.pytree`). A random number generator (torch's, NumPy's,
 Python's ``random.Random``) gets its saved state set where the name holds one of its kind (a
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any, Collection, MutableMapping, Sequence
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointWarning
-from . import blobs, codec, hashing, pytree, tensorfile
+from . import blobs, codec, hashing, keras_state, pytree, tensorfile
 from .manifest import Entry, Manifest
 from .rng import is_generator, restore_rng
 from .values import REF, first_line, holds_state, type_name
@@ -207,7 +208,8 @@ class Checkpoint:
                 f"colab_resilience: cannot restore {n!r} in place: no variable {n!r} exists "
                 f"now (it was a {short}); run the cell that builds it (a %%replay cell) first"
             )
-        if not pytree and not callable(getattr(namespace[n], "load_state_dict", None)):
+        if not pytree and not callable(getattr(namespace[n], "load_state_dict", None)) \
+                and keras_state.kind(namespace[n]) is None:
             return (
                 f"colab_resilience: cannot restore {n!r} in place: it now holds a "
                 f"{type(namespace[n]).__name__}, which has no load_state_dict (it was a {short})"
@@ -237,6 +239,10 @@ class Checkpoint:
         return codec.decode(tree, leaves)
 
     def _restore_one(self, e: LoadedBlob, namespace: MutableMapping[str, Any], restoring: _Restoring) -> None:
+        if e.kind == "state_dict" and keras_state.kind(namespace[e.name]) is not None:
+            keras_state.load(e.name, namespace[e.name], self._value(e, place=False, restoring=restoring), namespace,
+                             restore_layers=lambda: restoring.restore_keras_layers(e.name))
+            return
         if e.kind == "state_dict":
             target = namespace[e.name]
             torch = sys.modules.get("torch")
@@ -291,6 +297,13 @@ class _Restoring:
         finally:
             self.busy.discard(name)
         del self.pending[name]
+
+    def restore_keras_layers(self, but: str) -> None:
+        """Restore the Keras models and layers of this restore now, ahead of the optimizer ``but``
+        (built for their variables: an unbuilt model is built by its restore)."""
+        for n in list(self.pending):
+            if n != but and n not in self.busy and keras_state.kind(self.namespace.get(n)) == "layer":
+                self.restore(n)
 
     def referred(self, holder: str, name: str, key: Sequence[str]) -> Any:
         """The object ``holder``'s pickle refers to: what ``name`` holds once restored (a tensor

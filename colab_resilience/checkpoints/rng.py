@@ -2,8 +2,10 @@
 
 Python's ``random``, NumPy's global generator (if NumPy is imported), torch's CPU generator and
 that of every initialised CUDA device (if torch is imported), and TensorFlow's global seed state
-(if TensorFlow is imported and ``tf.random.set_seed`` was called): a training resumed from a
-checkpoint draws the same numbers it would have drawn without the interruption.
+(if TensorFlow is imported and ``tf.random.set_seed`` was called), and the state of Keras's global
+``SeedGenerator`` (if Keras 3 is imported and it was made: ``keras.random`` calls without a seed):
+a training resumed from a checkpoint draws the same numbers it would have drawn without the
+interruption.
 
 TensorFlow gives an eager random op without a seed of its own an operation seed drawn from a
 Python ``random.Random`` its eager context holds (seeded by ``tf.random.set_seed``); that
@@ -48,7 +50,24 @@ def capture_rng() -> dict[str, Any]:
     tf = _tf_context()
     if tf is not None and getattr(tf, "_rng", None) is not None:
         state["tensorflow"] = {"seed": int(tf._seed), "rng": tf._rng.getstate()}
+    seeds = keras_seed_generator()
+    if seeds is not None:
+        state["keras"] = np.array(seeds.state.numpy(), copy=True)
     return state
+
+
+def keras_seed_generator(create: bool = False):
+    """Keras's global ``SeedGenerator`` (what ``keras.random`` calls without a seed draw from, and
+    layers made without one), if Keras 3 is imported and it exists (or ``create``)."""
+    if "keras" not in sys.modules:
+        return None
+    try:
+        from keras.src.backend.common import global_state
+        from keras.src.random import seed_generator
+    except ImportError:
+        return None
+    found = global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR)
+    return found if found is not None or not create else seed_generator.global_seed_generator()
 
 
 def _tf_context():
@@ -75,6 +94,10 @@ def restore_rng(state: Mapping[str, Any]) -> None:
             # (a retry in this process) must start its numbers afresh, as it did the first time
             tf._set_global_seed(state["tensorflow"]["seed"])
             tf._rng.setstate(state["tensorflow"]["rng"])
+    if "keras" in state:
+        seeds = keras_seed_generator(create=True)
+        if seeds is not None:
+            seeds.state.assign(state["keras"])
     if "torch" in state or "cuda" in state:
         import torch
 

@@ -3,7 +3,8 @@
 Kinds, decided per value at save time (:func:`prepare`):
 
 - ``state_dict``: anything with ``state_dict()`` and ``load_state_dict()`` (``nn.Module``,
-  optimizers, LR schedulers, ``GradScaler``); its state dict is saved, and restored in place.
+  optimizers, LR schedulers, ``GradScaler``); its state dict is saved, and restored in place. A
+  Keras model, layer, optimizer or metric is one too: its variables (:mod:`.keras_state`).
 - ``tensor``, ``ndarray``, ``tree`` (containers holding tensors or arrays): a safetensors blob
   (:mod:`.tensorfile`), the structure in its metadata.
 - ``value``: plain values as tagged JSON (:mod:`.codec`).
@@ -47,7 +48,7 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import NotPlainError, UnsaveableValueError
 from ..oom import is_oom
-from . import codec, pytree, tensorfile
+from . import codec, keras_state, pytree, tensorfile
 from .rng import is_generator
 from .tensorfile import Payload
 
@@ -178,7 +179,7 @@ def holds_state(value: Any) -> bool:
     module with parameters or buffers (not a loss function), anything with a state dict."""
     if isinstance(value, (type, types.ModuleType)):
         return False
-    if is_generator(value):
+    if is_generator(value) or keras_state.kind(value) is not None:
         return True
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.nn.Module):
@@ -214,6 +215,8 @@ def prepare(name: str, value: Any, device_copy=None, shared: Shared | None = Non
 
 
 def _prepare(name: str, value: Any, device_copy, shared: Shared | None) -> Prepared:
+    if keras_state.kind(value) is not None:  # its variables, assigned into the rebuilt one at a restore
+        return encode(name, "state_dict", type_name(value), keras_state.state_dict(value), value, device_copy, shared)
     try:
         sd_fn = getattr(value, "state_dict", None)
         stateful = (callable(sd_fn) and callable(getattr(value, "load_state_dict", None))
@@ -343,15 +346,11 @@ def unsaveable_reason(value: Any) -> str | None:
         return "a thread is running code in this process"
     if isinstance(value, types.ModuleType):
         return "a module is imported again, not saved; import it in a %%replay cell"
+    if isinstance(value, type):
+        return ("a class is saved by its name, not by its attributes, and comes back as the class the replayed "
+                "cells define; keep what changes in an object of it (cfg = Cfg()) and save that")
     if isinstance(value, (types.FrameType, types.TracebackType)):
         return "a frame belongs to running code"
-    keras = sys.modules.get("keras")
-    if (keras is not None and hasattr(keras, "Layer") and hasattr(keras, "optimizers")
-            and isinstance(value, (keras.Layer, keras.optimizers.Optimizer))):
-        return ("a Keras model, layer or optimizer comes back from a pickle as a new object, cut off from the "
-                "training, an optimizer without its variables; with model.fit and "
-                "colab_resilience.integrations.keras.ResilienceCallback none is needed in --save, their "
-                "variables are restored in place")
     tp = type(value)
     if hasattr(tp, "__next__") and hasattr(tp, "__iter__"):
         try:

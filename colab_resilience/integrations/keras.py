@@ -53,7 +53,9 @@ from typing import Any
 import keras
 import numpy as np
 
+from ..checkpoints.rng import keras_seed_generator
 from ..errors import RunStoppedError
+from ..lint import reshuffles
 from ..loops import active_run
 from . import accumulation_for, caller_locals, is_plain, require_loop, say_outside
 from . import every_steps as check_every_steps
@@ -63,17 +65,6 @@ STATE = "keras:fit"  # the checkpoint entry holding a fit's state
 
 def _numpy(variable) -> np.ndarray:
     return np.array(variable.numpy(), copy=True)
-
-
-def _global_seed_generator(create: bool = False):
-    """Keras's global ``SeedGenerator`` (``keras.random`` calls without a seed), or None."""
-    try:
-        from keras.src.backend.common import global_state
-        from keras.src.random import seed_generator
-    except ImportError:
-        return None
-    found = global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR)
-    return found if found is not None or not create else seed_generator.global_seed_generator()
 
 
 def random_seed() -> int | None:
@@ -124,7 +115,7 @@ class FitState:
             # the gradient accumulators go apart: a --shrink may add them to an optimizer already built
             accumulators = {id(a) for a in _accumulators(optimizer)}
             groups["optimizer"] = [v for v in optimizer.variables if id(v) not in accumulators]
-        seeds = _global_seed_generator()
+        seeds = keras_seed_generator()
         if seeds is not None:
             groups["seed_generator"] = [seeds.state]
         return groups
@@ -154,7 +145,7 @@ class FitState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "seed_generator" in state["variables"]:
-            _global_seed_generator(create=True)
+            keras_seed_generator(create=True)
         groups = self._groups()
         for group, values in state["variables"].items():
             now = groups.get(group, [])
@@ -596,7 +587,7 @@ def _inexact(fit: dict) -> list[str]:
     if x is None or isinstance(x, (np.ndarray, list, tuple, dict)) or _is_tensor(x):
         return out
     if tf is not None and isinstance(x, tf.data.Dataset):
-        if _reshuffles(x):
+        if reshuffles(x):
             out.append("colab_resilience: fit's tf.data.Dataset shuffles anew each epoch "
                        "(reshuffle_each_iteration=True), and a resumed fit cannot draw the order of the epoch it "
                        "goes on with, so it is not identical to an uninterrupted one; pass arrays, or a dataset "
@@ -615,20 +606,3 @@ def _tf_seeded() -> bool:
 
 def _is_tensor(x) -> bool:
     return bool(keras.ops.is_tensor(x))
-
-
-def _reshuffles(dataset) -> bool:
-    """Whether a ``tf.data`` pipeline holds a shuffle that reshuffles on each iteration."""
-    seen, todo = set(), [dataset]
-    while todo:
-        d = todo.pop()
-        if id(d) in seen:
-            continue
-        seen.add(id(d))
-        if type(d).__name__.lstrip("_") == "ShuffleDataset" and getattr(d, "_reshuffle_each_iteration", True):
-            return True
-        try:
-            todo.extend(d._inputs())
-        except (AttributeError, NotImplementedError, TypeError):  # not a tf.data dataset of its own
-            continue
-    return False

@@ -1,0 +1,150 @@
+"""Keras models, layers, optimizers and metrics in ``--save``: what their variables hold.
+
+A custom training loop (``tf.GradientTape`` and ``optimizer.apply_gradients``) trains a Keras
+model and optimizer the set-up cells built. Pickled, they came back as new objects cut off from
+the training, the optimizer without its variables. Their variables are saved instead, each with
+the path Keras gives it, and assigned at a restore into the object of that name, which the
+replayed set-up cells rebuilt (or the same one, after an out-of-memory rollback): whatever else
+holds it, a ``tf.function`` traced over its variables among them, sees the restored values.
+
+- A model or layer: every variable (weights, normalisation statistics, the state of its layers'
+  ``SeedGenerator``s: the randomness of ``Dropout``). One the set-up cells leave unbuilt (a
+  ``Sequential`` without an ``Input``, built by its first call) is built from the saved build
+  config first.
+- An optimizer: every variable (its step count, learning rate, moments). One the set-up cells
+  leave unbuilt (its variables are made by its first step) is built first for the variables it was
+  built for: those of the Keras models of the notebook with the same paths (or, where the paths
+  differ, the one model whose trainable variables have the same shapes).
+- A metric (``keras.metrics.Mean``): its variables (a running mean within an epoch).
+
+A variable of another shape or dtype than the saved one stops the restore in one line, and
+nothing is assigned. Nothing here imports Keras: a value is one of these only if Keras is imported.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Mapping
+
+KINDS = ("layer", "optimizer", "metric")
+
+
+def _keras():
+    keras = sys.modules.get("keras")
+    if keras is None or not (hasattr(keras, "Layer") and hasattr(keras, "optimizers") and hasattr(keras, "metrics")):
+        return None  # Keras 2 (tf.keras of old) has none of this API: not handled
+    return keras
+
+
+def kind(value: Any) -> str | None:
+    """``"layer"`` (a model is a layer), ``"optimizer"``, ``"metric"``, or None for anything else."""
+    keras = _keras()
+    if keras is None:
+        return None
+    if isinstance(value, keras.Layer):
+        return "layer"
+    if isinstance(value, keras.optimizers.Optimizer):
+        return "optimizer"
+    if isinstance(value, keras.metrics.Metric):
+        return "metric"
+    return None
+
+
+def _array(variable):
+    import numpy as np
+
+    return np.array(variable.numpy(), copy=True)
+
+
+def state_dict(value: Any) -> dict[str, Any]:
+    """What ``value`` holds (see the module docstring), as plain values and arrays."""
+    what = kind(value)
+    variables = list(value.variables)
+    state: dict[str, Any] = {
+        "keras": what,
+        "paths": [v.path for v in variables],
+        "values": [_array(v) for v in variables],
+    }
+    if what == "layer":
+        state["build"] = value.get_build_config() if value.built else None
+    elif what == "optimizer":
+        built_for = list(getattr(value, "_trainable_variables", None) or []) if value.built else []
+        state["built_for"] = [v.path for v in built_for]
+        state["built_for_shapes"] = [list(v.shape) for v in built_for]
+    return state
+
+
+def load(name: str, target: Any, state: Mapping[str, Any], namespace: Mapping[str, Any],
+         restore_layers: Callable[[], None]) -> None:
+    """Assign the saved variables of ``name`` into ``target`` (building it first where it is not
+    built); ``restore_layers`` restores the Keras layers of the same restore first (an optimizer
+    is built for their variables). Raises :class:`~colab_resilience.errors.CheckpointError`, with
+    nothing assigned, where the variables do not match."""
+    from ..errors import CheckpointError
+
+    what = state.get("keras")
+    if what != kind(target):
+        raise CheckpointError(f"colab_resilience: cannot restore {name!r} into what it holds now: it was saved "
+                              f"as a Keras {what}, and now holds a {type(target).__name__}")
+    try:
+        if what == "layer" and not target.built and state.get("build") is not None:
+            target.build_from_config(state["build"])
+        elif what == "optimizer" and not target.built and state.get("built_for"):
+            restore_layers()
+            target.build(_built_for(name, state, namespace))
+    except CheckpointError:
+        raise
+    except Exception as e:
+        from .values import first_line
+
+        raise CheckpointError(f"colab_resilience: cannot restore {name!r}: building the Keras {what} as it was "
+                              f"saved failed ({first_line(e)}); build it in a %%replay cell as it was built") from None
+    variables = list(target.variables)
+    problem = _mismatch(name, what, state["paths"], state["values"], variables)
+    if problem:
+        raise CheckpointError(problem)
+    for variable, value in zip(variables, state["values"]):
+        variable.assign(value)
+
+
+def _built_for(name: str, state: Mapping[str, Any], namespace: Mapping[str, Any]) -> list:
+    """The variables an unbuilt optimizer is built for: those with the saved paths among the
+    Keras layers of ``namespace``, else the trainable variables of its one layer with the saved
+    shapes."""
+    from ..errors import CheckpointError
+
+    layers = [v for k, v in list(namespace.items())
+              if isinstance(k, str) and not k.startswith("_") and kind(v) == "layer"]
+    by_path: dict[str, Any] = {}
+    for layer in layers:
+        for v in layer.trainable_variables:
+            by_path.setdefault(v.path, v)
+    paths = list(state["built_for"])
+    if all(p in by_path for p in paths):
+        return [by_path[p] for p in paths]
+    shapes = [list(s) for s in state["built_for_shapes"]]
+    alike = {id(layer): layer for layer in layers
+             if [list(v.shape) for v in layer.trainable_variables] == shapes}
+    if len(alike) == 1:
+        return list(next(iter(alike.values())).trainable_variables)
+    shown = ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
+    raise CheckpointError(
+        f"colab_resilience: cannot restore {name!r}: the optimizer was built for the variables {shown}, and "
+        f"{'no Keras model' if not alike else 'more than one Keras model'} of the notebook holds them now; build "
+        f"the model in a %%replay cell and save it with the optimizer (--save model,{name})")
+
+
+def _mismatch(name: str, what: str, paths: list[str], values: list, now: list) -> str | None:
+    """One line for variables that cannot take the saved values, or None."""
+    import numpy as np
+
+    if len(now) != len(values):
+        return (f"colab_resilience: cannot restore {name!r}: the Keras {what} was saved with {len(values)} "
+                f"variables and has {len(now)} now; build it in a %%replay cell as it was built")
+    for path, value, variable in zip(paths, values, now):
+        value = np.asarray(value)
+        if tuple(variable.shape) != value.shape or str(variable.dtype) != str(value.dtype):
+            return (f"colab_resilience: cannot restore {name!r}: variable {path} of the Keras {what} was saved as "
+                    f"{value.dtype}{list(value.shape)} and is {variable.dtype}{list(variable.shape)} now; "
+                    "build it in a %%replay cell as it was built")
+    return None
