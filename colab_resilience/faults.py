@@ -34,6 +34,8 @@ import sys
 import threading
 import time
 
+from .oom import INJECTED
+
 TIMELINE_ENV = "COLAB_RESILIENCE_TIMELINE"
 FAULT_ENV = "COLAB_RESILIENCE_FAULT"
 
@@ -254,7 +256,7 @@ def _oom_after(delay: float, mark: str) -> None:
             stop()
             _fired(mark, f"{frame.f_code.co_filename}:{frame.f_lineno}")
             _injected.set()
-            raise error("out of memory (injected by colab-resilience check)")
+            raise error(f"out of memory {INJECTED}")
         return trace
 
     def stop():

@@ -28,6 +28,10 @@ from .memory import memory_in_use
 RECOVERABLE = "recoverable"
 RESTART = "restart"
 
+#: The words in the message of an out-of-memory error ``colab-resilience check`` raises on purpose
+#: (:mod:`.faults`): the label says so, not "CUDA" on a machine without a GPU.
+INJECTED = "(injected by colab-resilience check)"
+
 # (fully qualified class name or bare name, short label). Matched against every class in the
 # exception's MRO, so subclasses count and nothing is imported.
 _OOM_TYPES = (
@@ -148,6 +152,8 @@ def _classify_one(exc: BaseException) -> tuple[str, str] | None:
             return RESTART, label
     for qualname, label in _OOM_TYPES:
         if qualname in qualified:
+            if INJECTED in str(exc):  # colab-resilience check's, raised as torch's on any machine
+                return RECOVERABLE, "out of memory, " + INJECTED.strip("()")
             if qualname == "builtins.MemoryError":
                 # a bare MemoryError() carries no text; NumPy's says what it tried to allocate
                 text = str(exc).split("\n", 1)[0]

@@ -164,7 +164,7 @@ def test_an_injected_oom_never_lands_where_only_clean_up_runs(ip, tmp_path):
     calls, nor in a `finally` block: it lands at the next line instead, after the clean-up ran."""
     import torch
 
-    from colab_resilience import execution, faults
+    from colab_resilience import execution, faults, oom
 
     body = ("def evaluate():\n"
             "    with torch.no_grad():\n"
@@ -182,6 +182,8 @@ def test_an_injected_oom_never_lands_where_only_clean_up_runs(ip, tmp_path):
         grad_enabled = torch.is_grad_enabled()
         torch.set_grad_enabled(True)
     assert failure is not None and "injected by colab-resilience check" in str(failure.exc)
+    # said as what it is: not "CUDA out of memory" on a machine without a GPU
+    assert oom.classify(failure.exc).label == "out of memory, injected by colab-resilience check"
     assert faults.take_injected()
     assert grad_enabled, "the injected error skipped torch.no_grad()'s exit"
     fired_at = mark.read_text().split("fired ", 1)[1].strip()
