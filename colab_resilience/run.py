@@ -394,8 +394,8 @@ class Run:
         """At the loop the saved position ends in: the names the code above it rebound get their
         saved values again, and those it made (:meth:`restore_later`); the objects it may have
         changed in place (lists, dicts, sets, tensors, arrays, generators:
-        :func:`.checkpoints.restore.into`) their saved contents; the carried state and the random
-        state become the safe point's."""
+        :func:`.checkpoints.restore.into`; modules, optimizers, metrics: their saved state loaded
+        again) their saved contents; the carried state and the random state become the safe point's."""
         ns, ckpt = self.shell.user_ns, plan.checkpoint
         rebound = [n for n, value in plan.restored.items() if ns.get(n) is not value]
         if rebound:
@@ -403,9 +403,13 @@ class Run:
         self.restore_later(plan)
         if len(plan.position) > 1:
             # the code above the inner loop ran with the restored values and may have changed them
-            # in place (a log appended to, a generator drawn from): the safe point's again, in the
-            # same objects
-            ckpt.put_back_in_place(ns, [n for n in plan.restored if n not in rebound])
+            # in place (a log appended to, a generator drawn from, a metric reset, a scheduler
+            # stepped): the safe point's again, in the same objects
+            kept = [n for n in plan.restored if n not in rebound]
+            objects = [n for n in kept if ckpt.kinds.get(n) in ("state_dict", "pytree")]
+            if objects:
+                ckpt.restore(ns, objects, rng=False, strict=False)
+            ckpt.put_back_in_place(ns, [n for n in kept if n not in objects])
         carried.apply(ns, list(plan.restored), _meta(ckpt).get("carried", {}))
         ckpt.restore(ns, [], rng=True)
         note = self._take_note()

@@ -425,6 +425,44 @@ def test_a_modules_own_plain_attributes_come_back_with_it(tmp_path, fault):
     assert harness.result(nb).startswith("RESULT 24 24 True 384 ")
 
 
+
+def _decay_above_inner_notebook(fault: str, mark):
+    """Epochs of minibatches, both resume_range loops: at the top of each epoch, above the inner
+    loop, the learning rate is decayed in the optimizer (``g['lr'] *= 0.5``) and a running count
+    of the module is reset. One fault after minibatch 2 of epoch 2, once."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        _setup(mark) +
+        "model = torch.nn.Linear(4, 1)\nmodel.seen = 0\nopt = torch.optim.SGD(model.parameters(), lr=0.4)\n"
+        "X, Y = torch.randn(64, 4), torch.randn(64, 1)",
+        "%%resilient --save model,opt\n"
+        "for epoch in resume_range(4):\n"
+        "    for g in opt.param_groups:\n"
+        "        g['lr'] *= 0.5\n"
+        "    model.seen = 0\n"
+        "    for i in resume_range(0, 64, 16):\n"
+        "        loss = ((model(X[i:i+16]) - Y[i:i+16]) ** 2).mean()\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()\n"
+        "        model.seen += 16\n"
+        "        if epoch == 2 and i == 32 and not os.path.exists(MARK):\n"
+        f"            open(MARK, 'w').close(); {_FAULTS[fault]}\n",
+        "print('RESULT', opt.param_groups[0]['lr'], model.seen, model.weight.detach().numpy().tobytes().hex())",
+    )
+
+
+@pytest.mark.parametrize("fault", ["kill", "oom"])
+def test_an_object_the_code_above_an_inner_loop_changes_is_back_at_the_inner_safe_point(tmp_path, fault):
+    """A resume inside an epoch runs the code above the inner loop again on the restored objects:
+    the learning rate was halved a second time in the optimizer (0.025 for 0.05 from there on) and
+    the module's count reset, and the run said done. At the inner loop the saved modules and
+    optimizers get the inner safe point's state again (as lists and tensors did), and the run ends
+    bit for bit as its twin."""
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _decay_above_inner_notebook(fault, mark))
+    assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).startswith("RESULT 0.025 64 ")
+
+
 def _train_function_notebook(fault: str, mark):
     """The loop in a function a %%replay cell defines (``train(epochs)``), which the %%resilient
     cell calls; early stopping whose state it declares global, saved. One fault (a SIGKILL or an
