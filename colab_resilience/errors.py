@@ -20,6 +20,12 @@ class CheckpointError(ResilienceError):
     """A checkpoint could not be written, or none could be read."""
 
 
+class BuiltSinceError(CheckpointError):
+    """An object that was not built at the safe point (a Keras model before its first call, an
+    optimizer before its first step) is built now: no saved state takes it back to unbuilt. A
+    retry in the kernel cannot repeat its build; a restarted kernel's set-up cells make it afresh."""
+
+
 class NoCheckpointError(CheckpointError, FileNotFoundError):
     """The run directory holds no complete checkpoint yet."""
 

@@ -186,6 +186,15 @@ def _walk(value, h, seen: set, depth: int) -> None:
         for v in variables:
             _walk(np.asarray(v.numpy()), h, seen, depth + 1)
         return
+    tf = __import__("sys").modules.get("tensorflow")
+    if tf is not None and isinstance(value, (tf.Variable, tf.Tensor)):  # its value (its __dict__ holds handles)
+        try:
+            _walk(np.asarray(value.numpy()), h, seen, depth + 1)
+            return
+        except Exception:  # a symbolic tensor: no value
+            pass
+    if tf is not None and isinstance(value, tf.GradientTape):  # what a tape recorded is not a result
+        return
     table = _pandas_contents(value)
     if table is not None:  # a DataFrame is what it holds: its __dict__ is caches and block layout
         _walk(table, h, seen, depth + 1)

@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Iterator, Mapping, MutableMapping
 from . import carried, faults, fsutil, loops, memory, restart
 from .checkpoints import Checkpoint, CheckpointStore, capture_rng, restore_rng
 from .checkpoints.staging import Budget
-from .errors import CheckpointError, JournalError, NoCheckpointError, RunStoppedError
+from .errors import BuiltSinceError, CheckpointError, JournalError, NoCheckpointError, RetryNotExactError, RunStoppedError
 from .journal import Journal, ReplayCell, RestartPolicy, merge_replay_cells
 from .lock import RunLock
 from .loops import LOOP_RNG, Loops, Plan, position_of
@@ -296,6 +296,11 @@ class Run:
             self.resuming = False
             return None
         except CheckpointError as e:
+            if isinstance(e, BuiltSinceError) and not self.after_restart:
+                # a model the failed attempt built for the first time: a new kernel's replay makes it unbuilt
+                raise RetryNotExactError(
+                    f"{str(e).splitlines()[0]}; a restarted kernel's set-up cells make it afresh, and the run goes "
+                    "on there", "the retry cannot unbuild what the failed attempt built") from None
             # the run would go on past work whose state did not come back (an optimizer the set-up
             # cells now build with other parameter groups): it stops instead
             raise RunStoppedError(

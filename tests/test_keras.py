@@ -137,11 +137,12 @@ def test_a_keras_variable_of_another_shape_stops_the_restore_in_one_line_and_ass
     assert values(other.variables) == before
 
 
-def custom_loop_notebook(fault: str, mark) -> "nbformat.NotebookNode":
+def custom_loop_notebook(fault: str, mark, epoch: int = 2) -> "nbformat.NotebookNode":
     """A custom training loop as TensorFlow's guide writes it: a Sequential without an Input, Adam,
     a `keras.metrics.Mean`, a `tf.function` train step over a `tf.data` pipeline (batched, not
-    shuffled), Dropout, `keras.random` without a seed; `--save model,opt,loss_mean,history`. One
-    fault (`fault`: a SIGKILL, TensorFlow's ResourceExhaustedError) at the end of epoch 2, once."""
+    shuffled) that also counts its steps in a `tf.Variable`, Dropout, `keras.random` without a seed;
+    `--save model,opt,loss_mean,steps,history`. One fault (`fault`: a SIGKILL, TensorFlow's
+    ResourceExhaustedError) at the end of ``epoch``, once."""
     strike = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
               "oom": "raise tf.errors.ResourceExhaustedError(None, None, 'OOM when allocating tensor with shape[8192,8192]')"}
     return harness.notebook(
@@ -155,48 +156,57 @@ def custom_loop_notebook(fault: str, mark) -> "nbformat.NotebookNode":
         "model = keras.Sequential([keras.layers.Dense(16, activation='relu'), keras.layers.Dropout(0.3),"
         " keras.layers.Dense(1)])\n"
         "opt = keras.optimizers.Adam(1e-2)\nloss_mean = keras.metrics.Mean()\nhistory = []\n"
+        "steps = tf.Variable(0, dtype=tf.int64, trainable=False)\n"
         "@tf.function\ndef train_step(x, y):\n"
         "    with tf.GradientTape() as tape:\n"
         "        loss = tf.reduce_mean((model(x, training=True) - y) ** 2)\n"
         "    grads = tape.gradient(loss, model.trainable_variables)\n"
         "    opt.apply_gradients(zip(grads, model.trainable_variables))\n"
-        "    loss_mean.update_state(loss)",
-        "%%resilient --save model,opt,loss_mean,history\n"
+        "    loss_mean.update_state(loss)\n"
+        "    steps.assign_add(1)",
+        "%%resilient --save model,opt,loss_mean,steps,history\n"
         "for epoch in resume_range(5):\n"
         "    loss_mean.reset_state()\n"
         "    for x, y in ds:\n"
         "        train_step(x, y)\n"
         "    history.append((float(loss_mean.result()), float(keras.random.uniform(()))))\n"
-        "    if epoch == 2 and not os.path.exists(MARK):\n"
+        f"    if epoch == {epoch} and not os.path.exists(MARK):\n"
         f"        open(MARK, 'w').close(); {strike[fault]}\n",
-        "import hashlib\nprint('RESULT', history, int(opt.iterations.numpy()), hashlib.sha256(b''.join("
+        "import hashlib\nprint('RESULT', history, int(opt.iterations.numpy()), int(steps.numpy()), hashlib.sha256(b''.join("
         "v.numpy().tobytes() for v in model.variables + opt.variables)).hexdigest())",
     )
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("fault", ["kill", "oom"])
-def test_a_custom_training_loop_killed_or_out_of_memory_resumes_bit_identical(tmp_path, fault):
-    """The model, optimizer and metric of a custom loop in --save: after a SIGKILL the new kernel
-    replays the set-up cell (an unbuilt model and optimizer), the restore builds them and assigns
-    the saved variables, and the loop goes on at its last checkpoint; after an out-of-memory error the same
-    objects get the safe point's variables and the epoch is retried. Both end bit for bit as the
-    uninterrupted run (weights, moments, step count, the metric's means, keras.random's draws),
-    and the first run says nothing of them (they were refused before)."""
+@pytest.mark.parametrize("fault,epoch", [("kill", 2), ("oom", 2), ("oom", 0)],
+                         ids=["killed", "out-of-memory", "out-of-memory-in-the-first-epoch"])
+def test_a_custom_training_loop_killed_or_out_of_memory_resumes_bit_identical(tmp_path, fault, epoch):
+    """The model, optimizer, metric and step variable of a custom loop in --save: after a SIGKILL
+    the new kernel replays the set-up cell (an unbuilt model and optimizer), the restore builds them
+    and assigns the saved variables, and the loop goes on at its last checkpoint; after an
+    out-of-memory error the same objects get the safe point's variables (the step variable the
+    traced step increments among them: bound to a copy, it counted on) and the epoch is retried.
+    In the first epoch the safe point is the loop's start, before the model's first call: a retry
+    in the kernel cannot unbuild the model, so the run goes on in a restarted kernel, and says so.
+    Each ends bit for bit as the uninterrupted run (weights, moments, step counts, the metric's
+    means, keras.random's draws), and the first run says nothing of them (they were refused before)."""
     (tmp_path / "twin").mkdir()
     (tmp_path / "twin" / "m").touch()  # the fault has struck already: none
-    twin = custom_loop_notebook(fault, tmp_path / "twin" / "m")
+    twin = custom_loop_notebook(fault, tmp_path / "twin" / "m", epoch)
     assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
-    nb = custom_loop_notebook(fault, tmp_path / "m")
+    nb = custom_loop_notebook(fault, tmp_path / "m", epoch)
     run = harness.run(nb, tmp_path, standby=False)
     assert run.status == 0, run.message
     train = harness.cell_text(nb.cells[2])
-    assert len(run.restarts) == (fault == "kill"), train
-    said = "restored model, opt, loss_mean, history" if fault == "kill" else "rolled back to the last safe point"
+    restarted = fault == "kill" or epoch == 0
+    assert len(run.restarts) == restarted, train
+    said = "restored model, opt, loss_mean, steps, history" if restarted else "rolled back to the last safe point"
     assert said in train, train
+    if epoch == 0:
+        assert "the retry cannot unbuild what the failed attempt built" in train, train
     assert "colab_resilience: the resume_range loop" not in harness.cell_text(twin.cells[2])
     assert harness.result(nb) == harness.result(twin)
-    assert harness.result(nb).startswith("RESULT [(") and " 20 " in harness.result(nb)
+    assert harness.result(nb).startswith("RESULT [(") and " 20 20 " in harness.result(nb)
 
 
 def test_the_first_run_names_an_unsaved_keras_optimizer_and_a_dataset_that_reshuffles(ip):

@@ -18,7 +18,10 @@ holds it, a ``tf.function`` traced over its variables among them, sees the resto
 - A metric (``keras.metrics.Mean``): its variables (a running mean within an epoch).
 
 A variable of another shape or dtype than the saved one stops the restore in one line, and
-nothing is assigned. Nothing here imports Keras: a value is one of these only if Keras is imported.
+nothing is assigned. One saved unbuilt (at a safe point before the model's first call) and built
+now (an out-of-memory error in the first iteration, retried in the kernel) raises
+:class:`~colab_resilience.errors.BuiltSinceError`: only a restarted kernel's set-up cells make it
+unbuilt again. Nothing here imports Keras: a value is one of these only if Keras is imported.
 """
 
 from __future__ import annotations
@@ -80,12 +83,16 @@ def load(name: str, target: Any, state: Mapping[str, Any], namespace: Mapping[st
     built); ``restore_layers`` restores the Keras layers of the same restore first (an optimizer
     is built for their variables). Raises :class:`~colab_resilience.errors.CheckpointError`, with
     nothing assigned, where the variables do not match."""
-    from ..errors import CheckpointError
+    from ..errors import BuiltSinceError, CheckpointError
 
     what = state.get("keras")
     if what != kind(target):
         raise CheckpointError(f"colab_resilience: cannot restore {name!r} into what it holds now: it was saved "
                               f"as a Keras {what}, and now holds a {type(target).__name__}")
+    unbuilt = (what == "layer" and state.get("build") is None) or (what == "optimizer" and not state.get("built_for"))
+    if unbuilt and target.built and len(list(target.variables)) != len(state["values"]):
+        raise BuiltSinceError(f"colab_resilience: cannot restore {name!r}: the Keras {what} was not built yet at the "
+                              "safe point and is built now, and no saved state makes it unbuilt again")
     try:
         if what == "layer" and not target.built and state.get("build") is not None:
             target.build_from_config(state["build"])

@@ -359,7 +359,8 @@ def into(target: Any, saved: Any, _seen: dict[int, Any] | None = None) -> Any:
     ``saved``. Kept objects are a list, dict or set and their kin (their items; a dict's values and
     an equally long list's items are put into what they hold in turn), a torch tensor that is a
     leaf of the same shape, dtype and device, a writable NumPy array of the same shape and dtype
-    (``copy_``, ``[...] =``), a random number generator (its state), an object of a class the
+    (``copy_``, ``[...] =``), a TensorFlow variable of the same shape and dtype (``assign``), a
+    random number generator (its state), an object of a class the
     notebook defines (its attributes, put into its own in turn), an object with a state dict of the
     saved one's type (a module, an optimizer, a scheduler in a list: the saved one's state loaded
     into it, as ``load_state_dict`` does; where that fails, ``saved``). A tuple of the same length stays
@@ -397,7 +398,8 @@ def into(target: Any, saved: Any, _seen: dict[int, Any] | None = None) -> Any:
     if kind is tuple and len(target) == len(saved):
         items = tuple(into(t, v, seen) for t, v in zip(target, saved))
         return target if all(a is b for a, b in zip(items, target)) else items
-    if _tensor_into(target, saved) or _array_into(target, saved) or _generator_state_put_back(target, saved):
+    if (_tensor_into(target, saved) or _array_into(target, saved) or _variable_into(target, saved)
+            or _generator_state_put_back(target, saved)):
         return target
     if _notebook_object(saved):
         seen[id(target)] = target
@@ -452,6 +454,18 @@ def _tensor_into(target: Any, saved: Any) -> bool:
     with torch.no_grad():
         target.copy_(saved)
     target.grad = None  # as a tensor made afresh has: a step's gradient is not a safe point's state
+    return True
+
+
+def _variable_into(target: Any, saved: Any) -> bool:
+    """A TensorFlow variable of the saved one's shape and dtype takes its value (``assign``): a
+    ``tf.function`` traced over it, or an object holding it, goes on with the restored value."""
+    variables = sys.modules.get("tensorflow.python.ops.variables")
+    if variables is None or not isinstance(target, variables.Variable):
+        return False
+    if tuple(target.shape) != tuple(saved.shape) or target.dtype != saved.dtype:
+        return False
+    target.assign(saved)
     return True
 
 
