@@ -197,6 +197,8 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
         )
     codes = [tree] + called_functions(shell, tree)  # the cell's code, and a train() it calls
     carried = list(dict.fromkeys(n for code in codes for n in carried_names(code, saved, shell.user_ns)))
+    parts = saved_parts(tree, saved, shell.user_ns)
+    carried = [n for n in carried if n not in parts]
     drawn = set().union(*(drawn_with_next(code) for code in codes))
     iterators = [n for n in carried if n in drawn]
     classes = [n for n in carried if isinstance(shell.user_ns.get(n), type)]
@@ -467,6 +469,34 @@ def _changed_by_helpers(loop: ast.For, namespace) -> list[str]:
             else:
                 names = [_changed_argument(inner) or _next_of(inner)]
             found += [n for n in names if n and n not in own and n in namespace and n not in found]
+    return found
+
+
+def saved_parts(tree: ast.AST, saved: list[str], namespace) -> set[str]:
+    """The names the cell binds, above its loops, to an item of a saved dict or list, or to an
+    attribute of a saved object of the notebook's classes (``losses = metrics["loss"]``), where
+    neither name is bound again in a ``resume_range`` loop: a restore puts the saved contents into
+    that dict, list or object and what it holds (:func:`.checkpoints.restore.into`), so the name
+    holds the restored part, and changing it changes a saved value."""
+    from .checkpoints.restore import _notebook_object
+
+    loops = _resume_loops(tree)
+    again = {n.id for loop in loops for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    inside = {id(n) for loop in loops for n in ast.walk(loop)}
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Assign) and id(node) not in inside and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name) and isinstance(node.value, (ast.Subscript, ast.Attribute))):
+            continue
+        root = _root(node.value)
+        chain, plain = node.value, True
+        while isinstance(chain, (ast.Subscript, ast.Attribute)):
+            plain = plain and (isinstance(chain, ast.Attribute) or isinstance(chain.slice, ast.Constant))
+            chain = chain.value
+        value = namespace.get(root)
+        if (plain and root in saved and root not in again and node.targets[0].id not in again
+                and (isinstance(value, (dict, list)) or _notebook_object(value))):
+            found.add(node.targets[0].id)
     return found
 
 

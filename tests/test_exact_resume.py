@@ -957,6 +957,25 @@ def test_the_first_run_names_state_kept_in_functions_and_class_attributes(ip, tm
                               "is saved by its name, not by its attributes"), message
 
 
+
+def test_an_alias_of_a_part_of_a_saved_dict_is_not_named_as_carried(ip, tmp_path, capsys):
+    """``losses = metrics["loss"]`` above the loop, ``losses.append(...)`` in it, ``metrics`` saved:
+    the restore puts the saved lists into the dict's own lists, so the alias holds the restored
+    one (the run is exact: test_objects_the_set_up_cells_handed_on...), and the first run named
+    it as carried without --save, a false alarm. Not named now; with ``metrics`` not saved, or an
+    item picked by a variable, it still is."""
+    replay = "import torch\nmodel = torch.nn.Linear(2, 1)\nmetrics = {'loss': [], 'epoch': []}\nkey = 'loss'"
+    loop = ("for epoch in resume_range(2):\n    losses.append(model(torch.ones(1, 2)).sum().item())\n"
+            "    metrics['epoch'].append(epoch)\n")
+    said_at_first_run(ip, tmp_path, capsys, replay, "%%resilient --save model\nfor i in resume_range(1):\n    pass\n")
+    says_nothing(ip, capsys, "%%resilient --save model,metrics\nlosses = metrics['loss']\n" + loop)
+    for cell in ("%%resilient --save model\nlosses = metrics['loss']\n", "%%resilient --save model,metrics\nlosses = metrics[key]\n"):
+        r = ip.run_cell(cell + loop)
+        assert r.success, r.error_in_exec
+        out = capsys.readouterr().out
+        assert "the resume_range loop carries losses" in out, out
+
+
 def test_the_first_run_names_an_object_of_the_notebooks_class_that_changes_itself(ip, tmp_path, capsys):
     """An EarlyStopping of the notebook's own, called each epoch, changes its best and its counter:
     unsaved, a resume started them afresh and stopped at another epoch, and nothing was said. It is
