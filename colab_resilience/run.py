@@ -57,6 +57,15 @@ def open_store(run_dir: Path, key: bytes, *, keep_first: bool = False) -> Checkp
     return store
 
 
+def _elsewhere(e: BuiltSinceError) -> RetryNotExactError:
+    """What a retry in this kernel cannot undo (a model the failed attempt built for the first time,
+    Keras's seed generator it made): the run goes on in a restarted kernel, whose replay makes them
+    afresh."""
+    return RetryNotExactError(
+        f"{str(e).splitlines()[0]}; a restarted kernel's set-up cells make it afresh, and the run goes on there",
+        "what the failed attempt made cannot be unmade in this kernel")
+
+
 def restore_latest(store: CheckpointStore, namespace: MutableMapping, names: Iterable[str],
                    *, trust: bool = False, rng: bool = True, oldest: bool = False,
                    strict: bool = False, in_place: Iterable[str] = ()) -> tuple[Checkpoint, list[str]]:
@@ -297,10 +306,7 @@ class Run:
             return None
         except CheckpointError as e:
             if isinstance(e, BuiltSinceError) and not self.after_restart:
-                # a model the failed attempt built for the first time: a new kernel's replay makes it unbuilt
-                raise RetryNotExactError(
-                    f"{str(e).splitlines()[0]}; a restarted kernel's set-up cells make it afresh, and the run goes "
-                    "on there", "the retry cannot unbuild what the failed attempt built") from None
+                raise _elsewhere(e) from None
             # the run would go on past work whose state did not come back (an optimizer the set-up
             # cells now build with other parameter groups): it stops instead
             raise RunStoppedError(
@@ -416,7 +422,10 @@ class Run:
                 ckpt.restore(ns, objects, rng=False, strict=False)
             ckpt.put_back_in_place(ns, [n for n in kept if n not in objects])
         carried.apply(ns, list(plan.restored), _meta(ckpt).get("carried", {}))
-        ckpt.restore(ns, [], rng=True)
+        try:
+            ckpt.restore(ns, [], rng=True)
+        except BuiltSinceError as e:  # Keras's seed generator, made by the failed attempt
+            raise _elsewhere(e) from None
         note = self._take_note()
         finished = at_text.endswith("the end")
         shrunk, self._shrunk = self._shrunk, {}
@@ -454,7 +463,12 @@ class Run:
         if self._rng_at_start is None:
             self._rng_at_start = capture_rng()
         else:
-            restore_rng(self._rng_at_start)
+            try:
+                restore_rng(self._rng_at_start)
+            except BuiltSinceError:
+                # the failed attempt made Keras's seed generator (the rest is back): the checkpoint
+                # the retry goes back to holds its state, or says it was not made (a restart then)
+                pass
         if self.uses_loop:
             return True
         if self.resuming:

@@ -120,6 +120,31 @@ def test_a_keras_model_optimizer_and_metric_in_save_are_restored_into_the_rebuil
     assert digest["a"] == digest["b"] != digest["c"]
 
 
+
+def test_keras_global_seed_generator_goes_with_the_random_states_and_is_never_rolled_back_unmade():
+    """`keras.random` without a seed draws from Keras's global seed generator: its state goes with
+    the random states, and a restore puts it back (a custom loop drew anew after a kill). Made
+    after the safe point (from Python's random state then, and captured by a traced step), no
+    saved state unmakes it: restoring a state captured before it was made raises BuiltSinceError,
+    on which a retry in the kernel gives way to a restarted one."""
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+
+    from colab_resilience.checkpoints.rng import capture_rng, restore_rng
+    from colab_resilience.errors import BuiltSinceError
+
+    global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, None)
+    before = capture_rng()
+    assert before["keras"] is None
+    keras.random.uniform(())
+    with pytest.raises(BuiltSinceError, match="global seed generator .* was made after the safe point"):
+        restore_rng(before)
+    state = capture_rng()
+    first = [float(keras.random.uniform(())) for _ in range(3)]
+    restore_rng(state)
+    assert [float(keras.random.uniform(())) for _ in range(3)] == first
+
+
 def test_a_keras_variable_of_another_shape_stops_the_restore_in_one_line_and_assigns_nothing(tmp_path):
     model, opt, metric = loop_build()
     model.build((None, 4))
@@ -137,12 +162,13 @@ def test_a_keras_variable_of_another_shape_stops_the_restore_in_one_line_and_ass
     assert values(other.variables) == before
 
 
-def custom_loop_notebook(fault: str, mark, epoch: int = 2) -> "nbformat.NotebookNode":
+def custom_loop_notebook(fault: str, mark, epoch: int = 2, built: bool = False) -> "nbformat.NotebookNode":
     """A custom training loop as TensorFlow's guide writes it: a Sequential without an Input, Adam,
     a `keras.metrics.Mean`, a `tf.function` train step over a `tf.data` pipeline (batched, not
     shuffled) that also counts its steps in a `tf.Variable`, Dropout, `keras.random` without a seed;
     `--save model,opt,loss_mean,steps,history`. One fault (`fault`: a SIGKILL, TensorFlow's
-    ResourceExhaustedError) at the end of ``epoch``, once."""
+    ResourceExhaustedError) at the end of ``epoch``, once. ``built``: the model has an Input and
+    the optimizer is built in the set-up cell."""
     strike = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
               "oom": "raise tf.errors.ResourceExhaustedError(None, None, 'OOM when allocating tensor with shape[8192,8192]')"}
     return harness.notebook(
@@ -153,9 +179,10 @@ def custom_loop_notebook(fault: str, mark, epoch: int = 2) -> "nbformat.Notebook
         "keras.utils.set_random_seed(0)\ntf.config.experimental.enable_op_determinism()\n"
         "X = np.random.default_rng(0).normal(size=(64, 4)).astype('float32')\nY = X @ np.ones((4, 1), 'float32')\n"
         "ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16)\n"
-        "model = keras.Sequential([keras.layers.Dense(16, activation='relu'), keras.layers.Dropout(0.3),"
-        " keras.layers.Dense(1)])\n"
+        f"model = keras.Sequential([{'keras.Input((4,)), ' if built else ''}keras.layers.Dense(16, activation='relu'),"
+        " keras.layers.Dropout(0.3), keras.layers.Dense(1)])\n"
         "opt = keras.optimizers.Adam(1e-2)\nloss_mean = keras.metrics.Mean()\nhistory = []\n"
+        + ("opt.build(model.trainable_variables)\n" if built else "") +
         "steps = tf.Variable(0, dtype=tf.int64, trainable=False)\n"
         "@tf.function\ndef train_step(x, y):\n"
         "    with tf.GradientTape() as tape:\n"
@@ -178,23 +205,27 @@ def custom_loop_notebook(fault: str, mark, epoch: int = 2) -> "nbformat.Notebook
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("fault,epoch", [("kill", 2), ("oom", 2), ("oom", 0)],
-                         ids=["killed", "out-of-memory", "out-of-memory-in-the-first-epoch"])
-def test_a_custom_training_loop_killed_or_out_of_memory_resumes_bit_identical(tmp_path, fault, epoch):
+@pytest.mark.parametrize("fault,epoch,built", [("kill", 2, False), ("oom", 2, False), ("oom", 0, False), ("oom", 0, True)],
+                         ids=["killed", "out-of-memory", "out-of-memory-in-the-first-epoch",
+                              "out-of-memory-in-the-first-epoch-model-built"])
+def test_a_custom_training_loop_killed_or_out_of_memory_resumes_bit_identical(tmp_path, fault, epoch, built):
     """The model, optimizer, metric and step variable of a custom loop in --save: after a SIGKILL
     the new kernel replays the set-up cell (an unbuilt model and optimizer), the restore builds them
     and assigns the saved variables, and the loop goes on at its last checkpoint; after an
     out-of-memory error the same objects get the safe point's variables (the step variable the
     traced step increments among them: bound to a copy, it counted on) and the epoch is retried.
     In the first epoch the safe point is the loop's start, before the model's first call: a retry
-    in the kernel cannot unbuild the model, so the run goes on in a restarted kernel, and says so.
+    in the kernel cannot unbuild the model, so the run goes on in a restarted kernel, and says so;
+    with the model and optimizer built in the set-up cell, before Keras's global seed generator
+    was made (by the epoch's keras.random call): a retry cannot unmake it either (it drew the
+    epoch's numbers from the failed attempt's generator, and the run said done).
     Each ends bit for bit as the uninterrupted run (weights, moments, step counts, the metric's
     means, keras.random's draws), and the first run says nothing of them (they were refused before)."""
     (tmp_path / "twin").mkdir()
     (tmp_path / "twin" / "m").touch()  # the fault has struck already: none
-    twin = custom_loop_notebook(fault, tmp_path / "twin" / "m", epoch)
+    twin = custom_loop_notebook(fault, tmp_path / "twin" / "m", epoch, built)
     assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
-    nb = custom_loop_notebook(fault, tmp_path / "m", epoch)
+    nb = custom_loop_notebook(fault, tmp_path / "m", epoch, built)
     run = harness.run(nb, tmp_path, standby=False)
     assert run.status == 0, run.message
     train = harness.cell_text(nb.cells[2])
@@ -203,7 +234,7 @@ def test_a_custom_training_loop_killed_or_out_of_memory_resumes_bit_identical(tm
     said = "restored model, opt, loss_mean, steps, history" if restarted else "rolled back to the last safe point"
     assert said in train, train
     if epoch == 0:
-        assert "the retry cannot unbuild what the failed attempt built" in train, train
+        assert "what the failed attempt made cannot be unmade in this kernel" in train, train
     assert "colab_resilience: the resume_range loop" not in harness.cell_text(twin.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(nb).startswith("RESULT [(") and " 20 20 " in harness.result(nb)

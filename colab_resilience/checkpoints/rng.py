@@ -3,8 +3,9 @@
 Python's ``random``, NumPy's global generator (if NumPy is imported), torch's CPU generator and
 that of every initialised CUDA device (if torch is imported), and TensorFlow's global seed state
 (if TensorFlow is imported and ``tf.random.set_seed`` was called), and the state of Keras's global
-``SeedGenerator`` (if Keras 3 is imported and it was made: ``keras.random`` calls without a seed):
-a training resumed from a checkpoint draws the same numbers it would have drawn without the
+``SeedGenerator`` (if Keras 3 is imported: ``keras.random`` calls without a seed; or that it was not
+made yet, which a restore in a kernel that has made it since cannot undo:
+:class:`~colab_resilience.errors.BuiltSinceError`): a training resumed from a checkpoint draws the same numbers it would have drawn without the
 interruption.
 
 TensorFlow gives an eager random op without a seed of its own an operation seed drawn from a
@@ -50,10 +51,17 @@ def capture_rng() -> dict[str, Any]:
     tf = _tf_context()
     if tf is not None and getattr(tf, "_rng", None) is not None:
         state["tensorflow"] = {"seed": int(tf._seed), "rng": tf._rng.getstate()}
-    seeds = keras_seed_generator()
-    if seeds is not None:
-        state["keras"] = np.array(seeds.state.numpy(), copy=True)
+    if _keras_3():
+        # None: not made yet (a restore finds it made only where a retry in this kernel follows an
+        # attempt that made it: BuiltSinceError, see restore_rng)
+        seeds = keras_seed_generator()
+        state["keras"] = None if seeds is None else np.array(seeds.state.numpy(), copy=True)
     return state
+
+
+def _keras_3() -> bool:
+    keras = sys.modules.get("keras")
+    return keras is not None and hasattr(keras, "Layer")
 
 
 def keras_seed_generator(create: bool = False):
@@ -94,7 +102,8 @@ def restore_rng(state: Mapping[str, Any]) -> None:
             # (a retry in this process) must start its numbers afresh, as it did the first time
             tf._set_global_seed(state["tensorflow"]["seed"])
             tf._rng.setstate(state["tensorflow"]["rng"])
-    if "keras" in state:
+    made_since = "keras" in state and state["keras"] is None and keras_seed_generator() is not None
+    if "keras" in state and state["keras"] is not None:
         seeds = keras_seed_generator(create=True)
         if seeds is not None:
             seeds.state.assign(state["keras"])
@@ -115,3 +124,11 @@ def restore_rng(state: Mapping[str, Any]) -> None:
                     CheckpointWarning,
                     stacklevel=3,
                 )
+    if made_since:
+        # made after the safe point, from Python's random state then, and captured by what was
+        # traced since (a tf.function): no state makes it unmade; a new kernel's is (the rest of
+        # the random states are back)
+        from ..errors import BuiltSinceError
+
+        raise BuiltSinceError("colab_resilience: Keras's global seed generator (keras.random without a seed) "
+                              "was made after the safe point, and no saved state unmakes it")
