@@ -264,6 +264,9 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
     reshuffled = reshuffled_datasets(tree, shell.user_ns)
     if reshuffled:
         lines.append(_reshuffled_line(reshuffled))
+    persistent = persistent_loaders(tree, shell.user_ns)
+    if persistent:
+        lines.append(_persistent_line(persistent))
     after = read_after_loop(tree, saved)
     if after:
         lines.append(
@@ -370,7 +373,9 @@ def at_loop_start(shell, body: str, saved: list[str], known: set[str]) -> list[s
         return []
     stateful = [f for f in unsaved_state_objects(tree, saved, shell.user_ns) if f.split(" ", 1)[0] not in known]
     reshuffled = [n for n in reshuffled_datasets(tree, shell.user_ns) if n not in known]
-    return ([_state_objects_line(stateful)] if stateful else []) + ([_reshuffled_line(reshuffled)] if reshuffled else [])
+    persistent = [n for n in persistent_loaders(tree, shell.user_ns) if n not in known]
+    return (([_state_objects_line(stateful)] if stateful else []) + ([_reshuffled_line(reshuffled)] if reshuffled else [])
+            + ([_persistent_line(persistent)] if persistent else []))
 
 
 def _is_state(value) -> bool:
@@ -798,13 +803,38 @@ def reshuffled_datasets(tree: ast.AST, namespace) -> list[str]:
     data = sys.modules.get("tensorflow.python.data.ops.dataset_ops")
     if data is None:
         return []
+    return [n for n in _used_by_loops(tree) if isinstance(namespace.get(n), data.DatasetV2) and reshuffles(namespace[n])]
+
+
+def persistent_loaders(tree: ast.AST, namespace) -> list[str]:
+    """The torch ``DataLoader``s a ``resume_range`` loop's body uses whose worker processes outlive
+    an epoch (``persistent_workers=True``): each worker's random state (an augmentation's) goes on
+    from epoch to epoch in its process, where no checkpoint reaches it."""
+    data = sys.modules.get("torch.utils.data")
+    if data is None:
+        return []
+    return [n for n in _used_by_loops(tree) if isinstance(namespace.get(n), data.DataLoader)
+            and getattr(namespace[n], "persistent_workers", False) and getattr(namespace[n], "num_workers", 0) > 0]
+
+
+def _persistent_line(names: list[str]) -> str:
+    return (
+        f"colab_resilience: the resume_range loop draws from {', '.join(names)}, "
+        f"{_one(names, 'a DataLoader', 'DataLoaders')} with persistent_workers=True: {_one(names, 'its', 'their')} "
+        "worker processes keep their random state from epoch to epoch, where no checkpoint reaches it, so after a "
+        "rollback or a restart random augmentations in the dataset would draw other numbers, and the result would "
+        "differ; pass persistent_workers=False (the workers are then seeded anew from the restored state each epoch)"
+    )
+
+
+def _used_by_loops(tree: ast.AST) -> list[str]:
+    """The names the bodies of the ``resume_range`` loops read that their iterations do not bind."""
     found: list[str] = []
     for loop in _resume_loops(tree):
         fresh = bound_names(loop.target) | _bound_in(loop.body)
-        for node in _walk_body(loop):
-            if (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in fresh
-                    and node.id not in found and isinstance(namespace.get(node.id), data.DatasetV2)
-                    and reshuffles(namespace[node.id])):
+        for node in [*ast.walk(loop.iter), *_walk_body(loop)]:
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in fresh \
+                    and node.id not in found:
                 found.append(node.id)
     return found
 

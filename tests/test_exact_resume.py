@@ -958,6 +958,28 @@ def test_the_first_run_names_state_kept_in_functions_and_class_attributes(ip, tm
 
 
 
+
+def test_the_first_run_names_a_data_loader_whose_workers_persist(ip, tmp_path, capsys):
+    """A DataLoader with ``persistent_workers=True`` keeps its worker processes, and their random
+    state (a dataset's augmentation), from epoch to epoch: after a kill the new kernel's workers
+    were seeded anew, after an OOM the workers went on from the failed attempt's draws, and the
+    run said done with other weights (found by a probe). Named at the first run, made in a set-up
+    cell or in the cell; one whose workers end with each epoch is not."""
+    replay = ("import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+              "ds = TensorDataset(torch.randn(8, 2))\nmodel = torch.nn.Linear(2, 1)\n"
+              "kept = DataLoader(ds, batch_size=4, num_workers=1, persistent_workers=True)\n"
+              "plain = DataLoader(ds, batch_size=4, num_workers=1)")
+    body = "for epoch in resume_range(1):\n    for (x,) in LOADER:\n        model(x)\n"
+    out = said_at_first_run(ip, tmp_path, capsys, replay, "%%resilient --save model\n" + body.replace("LOADER", "kept"))
+    assert ("colab_resilience: the resume_range loop draws from kept, a DataLoader with persistent_workers=True: its "
+            "worker processes keep their random state from epoch to epoch") in out, out
+    says_nothing(ip, capsys, "%%resilient --save model\n" + body.replace("LOADER", "plain"))
+    r = ip.run_cell("%%resilient --save model\nmine = DataLoader(ds, batch_size=4, num_workers=1, persistent_workers=True)\n"
+                    + body.replace("LOADER", "resume_range(mine)").replace("for (x,) in resume_range(mine)", "for (x,) in mine"))
+    assert r.success, r.error_in_exec
+    assert "draws from mine, a DataLoader with persistent_workers=True" in capsys.readouterr().out
+
+
 def test_an_alias_of_a_part_of_a_saved_dict_is_not_named_as_carried(ip, tmp_path, capsys):
     """``losses = metrics["loss"]`` above the loop, ``losses.append(...)`` in it, ``metrics`` saved:
     the restore puts the saved lists into the dict's own lists, so the alias holds the restored
