@@ -379,8 +379,11 @@ def at_loop_start(shell, body: str, saved: list[str], known: set[str]) -> list[s
 
 
 def _is_state(value) -> bool:
-    """Whether a value can be training state (not a module, a file, a progress bar or a logger)."""
+    """Whether a value can be training state (not a module, a file, a progress bar or a logger,
+    nor a tuple of functions: an optax transformation, whose ``update`` changes nothing)."""
     if isinstance(value, (types.ModuleType, io.IOBase)):
+        return False
+    if isinstance(value, tuple) and value and all(callable(v) for v in value):
         return False
     return not type(value).__module__.split(".")[0] in _NOT_STATE
 

@@ -195,3 +195,20 @@ def test_colab_resilience_check_passes_the_flax_notebook(tmp_path):
         capture_output=True, text=True, timeout=240, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "identical after each of 2 faults" in r.stdout, r.stdout
+
+
+def test_an_optax_transformation_the_loop_calls_update_on_is_not_named_as_carried(ip):
+    """``updates, opt_state = tx.update(g, opt_state, params)``: ``update`` changes a dict in place,
+    but an optax transformation is a tuple of functions whose update returns new state; the first
+    run named ``tx`` as carried, to be saved (a false alarm, found by a probe). The key the loop
+    splits without --save is still named."""
+    from colab_resilience import lint
+
+    ip.user_ns.update(tx=optax.adam(1e-2), params={"w": jnp.zeros(2)}, key=jax.random.key(0))
+    ip.user_ns["opt_state"] = ip.user_ns["tx"].init(ip.user_ns["params"])
+    body = ("for epoch in resume_range(2):\n    key, sub = jax.random.split(key)\n"
+            "    updates, opt_state = tx.update(params, opt_state, params)\n"
+            "    params = optax.apply_updates(params, updates)\n")
+    lines = lint.warnings(ip, body, ["params", "opt_state"], [])
+    carried = [line for line in lines if "carries" in line]
+    assert len(carried) == 1 and "carries key from one iteration" in carried[0], lines
