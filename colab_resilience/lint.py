@@ -195,7 +195,9 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
             f"colab_resilience: this cell reads {', '.join(lost)}, which neither --save nor a "
             "%%replay cell would bring back after a restart; add them to --save or define them in a %%replay cell"
         )
-    codes = [tree] + called_functions(shell, tree)  # the cell's code, and a train() it calls
+    methods = called_methods(shell, tree)  # trainer.fit(6): (trainer, fit's code)
+    # the cell's code, a train() it calls, a method of the notebook's classes it calls
+    codes = [tree] + called_functions(shell, tree) + [definition for _, definition in methods]
     carried = list(dict.fromkeys(n for code in codes for n in carried_names(code, saved, shell.user_ns)))
     parts = saved_parts(tree, saved, shell.user_ns)
     carried = [n for n in carried if n not in parts]
@@ -219,15 +221,28 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
             "the safe point, and the result would differ; keep it in a global the function declares global, and "
             "add that to --save"
         )
+    method_names = {definition.name: receiver for receiver, definition in methods}
     for function, local in (pair for code in codes for pair in carried_locals(code)):
+        receiver = method_names.get(function)
+        advice = (f"keep {_one(local, 'it', 'them')} on the object (self.{local[0]} = ...) and add {receiver} to "
+                  "--save" if receiver else
+                  f"declare {_one(local, 'it', 'them')} global in {function}() and add {_one(local, 'it', 'them')} "
+                  "to --save")
         lines.append(
             f"colab_resilience: the resume_range loop in {function}() carries {', '.join(local)}, "
             f"{_one(local, 'a local', 'locals')} of {function}(), from one iteration to the next: no checkpoint "
             f"can hold a function's locals, so after a rollback or a restart {_one(local, 'it', 'they')} would "
             f"start again from {_one(local, 'its', 'their')} first value{_one(local, '', 's')}, and the result "
-            f"would differ; declare {_one(local, 'it', 'them')} global in {function}() and add "
-            f"{_one(local, 'it', 'them')} to --save, or run the loop in the cell"
+            f"would differ; {advice}, or run the loop in the cell"
         )
+    for receiver, definition in methods:
+        me = definition.args.args[0].arg if definition.args.args else None
+        if receiver not in saved and me and any(me in names for _, names in _carried(definition)):
+            lines.append(
+                f"colab_resilience: the resume_range loop in {definition.name}() changes attributes of {receiver} "
+                f"({me}) without --save: after a rollback or a restart they would not be back at the safe point, and "
+                f"the result would differ; add {receiver} to --save (it is restored into itself)"
+            )
     if iterators:
         lines.append(
             f"colab_resilience: the resume_range loop draws from {', '.join(iterators)} with next(), made before "
@@ -597,6 +612,30 @@ def called_functions(shell, tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFu
         definition = _definition(function)
         if definition is not None:
             found.append(definition)
+    return found
+
+
+def called_methods(shell, tree: ast.AST) -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """``(name, code)`` for each method of a class the notebook defines that the cell calls on an
+    object it holds (``trainer.fit(6)``) and that runs a ``resume_range`` loop."""
+    from .checkpoints.restore import _notebook_object
+
+    found, seen = [], set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)):
+            continue
+        receiver, method = node.func.value.id, node.func.attr
+        obj = shell.user_ns.get(receiver)
+        if (receiver, method) in seen or not _notebook_object(obj):
+            continue
+        seen.add((receiver, method))
+        function = getattr(type(obj), method, None)
+        if not isinstance(function, types.FunctionType) or "resume_range" not in function.__code__.co_names:
+            continue
+        definition = _definition(function)
+        if definition is not None:
+            found.append((receiver, definition))
     return found
 
 

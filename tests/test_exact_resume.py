@@ -959,6 +959,34 @@ def test_the_first_run_names_state_kept_in_functions_and_class_attributes(ip, tm
 
 
 
+
+def test_the_first_run_reads_the_loop_of_a_method_the_cell_calls(ip, tmp_path, capsys):
+    """``stopped = trainer.fit(40)``, the loop in a method of the notebook's Trainer: its early
+    stopping's locals (best, bad) and, with ``trainer`` not saved, what it changes on ``self``
+    (a step count, a history) went unnamed (only functions called by name were read), and a kill
+    or an OOM ended done another run (found by a probe: stopped 15 for 14). Each is named, with
+    what to do; with ``trainer`` saved and the counters on ``self``, nothing is said."""
+    replay = ("import torch\nmodel = torch.nn.Linear(2, 1)\n"
+              "class Trainer:\n    def __init__(self):\n        self.steps, self.history = 0, []\n"
+              "    def fit(self, epochs):\n        best, bad = float('inf'), 0\n"
+              "        for epoch in resume_range(epochs):\n            loss = model(torch.ones(1, 2)).sum().item()\n"
+              "            self.steps += 1\n            self.history.append(loss)\n"
+              "            if loss < best:\n                best, bad = loss, 0\n            else:\n                bad += 1\n"
+              "        return bad\n"
+              "    def fit2(self, epochs):\n        for epoch in resume_range(epochs):\n            self.steps += 1\n"
+              "trainer = Trainer()")
+    out = said_at_first_run(ip, tmp_path, capsys, replay, "%%resilient --save model\nstopped = trainer.fit(2)")
+    assert ("colab_resilience: the resume_range loop in fit() carries bad, best, locals of fit(), from one iteration "
+            "to the next") in out, out
+    assert "keep them on the object (self.bad = ...) and add trainer to --save" in out, out
+    assert ("colab_resilience: the resume_range loop in fit() changes attributes of trainer (self) without --save"
+            in out), out
+    from colab_resilience import lint
+
+    # (not run here: a class of this test shell's namespace is not one pickle finds in __main__)
+    assert lint.warnings(ip, "trainer.fit2(2)", ["model", "trainer"], []) == []
+
+
 def test_the_first_run_names_a_data_loader_whose_workers_persist(ip, tmp_path, capsys):
     """A DataLoader with ``persistent_workers=True`` keeps its worker processes, and their random
     state (a dataset's augmentation), from epoch to epoch: after a kill the new kernel's workers
