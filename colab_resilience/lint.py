@@ -465,11 +465,9 @@ def _locals_of(function: ast.AST | None) -> set[str]:
             | {a.arg for a in ast.walk(function.args) if isinstance(a, ast.arg)}) - declared
 
 
-def _changed_by_helpers(loop: ast.For, namespace) -> list[str]:
-    """The names of the notebook that the functions the loop calls by name, defined in the
-    notebook, change: what they declare ``global`` and bind (``global step; step += 1``), and what
-    they change in place that is not their own (``history.append(loss)``)."""
-    found: list[str] = []
+def _notebook_calls(loop: ast.For, namespace):
+    """``(name, function, code)`` for each call in the loop's body of a function, by its name,
+    that the notebook defined (a cell's ``def``), whose source can be read."""
     for node in _walk_body(loop):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
             continue
@@ -477,8 +475,16 @@ def _changed_by_helpers(loop: ast.For, namespace) -> list[str]:
         if not isinstance(function, types.FunctionType) or function.__globals__ is not namespace:
             continue
         definition = _definition(function)
-        if definition is None:
-            continue
+        if definition is not None:
+            yield node.func.id, function, definition
+
+
+def _changed_by_helpers(loop: ast.For, namespace) -> list[str]:
+    """The names of the notebook that the functions the loop calls by name, defined in the
+    notebook, change: what they declare ``global`` and bind (``global step; step += 1``), and what
+    they change in place that is not their own (``history.append(loss)``)."""
+    found: list[str] = []
+    for _, _, definition in _notebook_calls(loop, namespace):
         own = _locals_of(definition)
         declared = declared_global([definition])
         for inner in ast.walk(definition):
@@ -529,15 +535,7 @@ def state_in_functions(loop: ast.For, namespace) -> list[str]:
     rebinds (``nonlocal n; n += 1``: a counter made by a factory), or a default argument that it
     changes in place (``def log(v, hist=[]): hist.append(v)``)."""
     found: list[str] = []
-    for node in _walk_body(loop):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
-            continue
-        function = namespace.get(node.func.id)
-        if not isinstance(function, types.FunctionType) or function.__globals__ is not namespace:
-            continue
-        definition = _definition(function)
-        if definition is None:
-            continue
+    for name, function, definition in _notebook_calls(loop, namespace):
         kept = [f"{n} (nonlocal)" for inner in ast.walk(definition) if isinstance(inner, ast.Nonlocal)
                 for n in inner.names]
         args = definition.args
@@ -559,7 +557,7 @@ def state_in_functions(loop: ast.For, namespace) -> list[str]:
             if changed in mutable:
                 kept.append(f"{changed} (a default argument it changes)")
         if kept:
-            text = f"{node.func.id}(), which keeps {', '.join(dict.fromkeys(kept))}"
+            text = f"{name}(), which keeps {', '.join(dict.fromkeys(kept))}"
             if text not in found:
                 found.append(text)
     return found
