@@ -3,10 +3,10 @@
 Python's ``random``, NumPy's global generator (if NumPy is imported), torch's CPU generator and
 that of every initialised CUDA device (if torch is imported), and TensorFlow's global seed state
 (if TensorFlow is imported and ``tf.random.set_seed`` was called), and the state of Keras's global
-``SeedGenerator`` (if Keras 3 is imported: ``keras.random`` calls without a seed; or that it was not
-made yet, which a restore in a kernel that has made it since cannot undo:
-:class:`~colab_resilience.errors.BuiltSinceError`): a training resumed from a checkpoint draws the same numbers it would have drawn without the
-interruption.
+``SeedGenerator`` (if Keras 3 is imported: ``keras.random`` calls without a seed; or that it was
+not made yet, which a restore in a kernel that has made it since cannot undo:
+:class:`~colab_resilience.errors.BuiltSinceError`): a training resumed from a checkpoint draws
+the same numbers it would have drawn without the interruption.
 
 TensorFlow gives an eager random op without a seed of its own an operation seed drawn from a
 Python ``random.Random`` its eager context holds (seeded by ``tf.random.set_seed``); that
