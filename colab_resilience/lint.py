@@ -883,9 +883,9 @@ def _reshuffled_line(names: list[str]) -> str:
     return (
         f"colab_resilience: the resume_range loop iterates {', '.join(names)}, {_one(names, 'a tf.data dataset', 'tf.data datasets')} "
         f"that shuffle{_one(names, 's', '')} anew each time {_one(names, 'it is', 'they are')} iterated "
-        "(reshuffle_each_iteration=True, the default): after a restart it would draw the first epoch's order again, "
-        "not the order of the epoch it resumes, and the result would differ; shuffle with a seed from the epoch "
-        "(for x, y in ds.shuffle(n, seed=epoch)), or pass reshuffle_each_iteration=False"
+        "(reshuffle_each_iteration=True, the default): after a rollback or a restart the epoch it resumes would "
+        "draw another order than it did (in a new kernel, the first epoch's), and the result would differ; shuffle "
+        "with a seed from the epoch (for x, y in ds.shuffle(n, seed=epoch)), or pass reshuffle_each_iteration=False"
     )
 
 
