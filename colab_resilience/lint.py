@@ -48,6 +48,7 @@ import types
 
 from . import replay
 from .checkpoints import keras_state
+from .checkpoints.restore import notebook_object
 from .checkpoints.rng import is_generator
 from .checkpoints.values import holds_state
 from .errors import OptionError
@@ -507,8 +508,6 @@ def saved_parts(tree: ast.AST, saved: list[str], namespace) -> set[str]:
     neither name is bound again in a ``resume_range`` loop: a restore puts the saved contents into
     that dict, list or object and what it holds (:func:`.checkpoints.restore.into`), so the name
     holds the restored part, and changing it changes a saved value."""
-    from .checkpoints.restore import _notebook_object
-
     loops = _resume_loops(tree)
     again = {n.id for loop in loops for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     inside = {id(n) for loop in loops for n in ast.walk(loop)}
@@ -524,7 +523,7 @@ def saved_parts(tree: ast.AST, saved: list[str], namespace) -> set[str]:
             chain = chain.value
         value = namespace.get(root)
         if (plain and root in saved and root not in again and node.targets[0].id not in again
-                and (isinstance(value, (dict, list)) or _notebook_object(value))):
+                and (isinstance(value, (dict, list)) or notebook_object(value))):
             found.add(node.targets[0].id)
     return found
 
@@ -616,8 +615,6 @@ def called_functions(shell, tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFu
 def called_methods(shell, tree: ast.AST) -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
     """``(name, code)`` for each method of a class the notebook defines that the cell calls on an
     object it holds (``trainer.fit(6)``) and that runs a ``resume_range`` loop."""
-    from .checkpoints.restore import _notebook_object
-
     found, seen = [], set()
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
@@ -625,7 +622,7 @@ def called_methods(shell, tree: ast.AST) -> list[tuple[str, ast.FunctionDef | as
             continue
         receiver, method = node.func.value.id, node.func.attr
         obj = shell.user_ns.get(receiver)
-        if (receiver, method) in seen or not _notebook_object(obj):
+        if (receiver, method) in seen or not notebook_object(obj):
             continue
         seen.add((receiver, method))
         function = getattr(type(obj), method, None)

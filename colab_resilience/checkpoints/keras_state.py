@@ -53,7 +53,8 @@ def kind(value: Any) -> str | None:
     return None
 
 
-def _array(variable):
+def array(variable):
+    """What a Keras variable holds, as a NumPy array of its own."""
     import numpy as np
 
     return np.array(variable.numpy(), copy=True)
@@ -66,7 +67,7 @@ def state_dict(value: Any) -> dict[str, Any]:
     state: dict[str, Any] = {
         "keras": what,
         "paths": [v.path for v in variables],
-        "values": [_array(v) for v in variables],
+        "values": [array(v) for v in variables],
     }
     if what == "layer":
         state["build"] = value.get_build_config() if value.built else None

@@ -401,7 +401,7 @@ def into(target: Any, saved: Any, _seen: dict[int, Any] | None = None) -> Any:
     if (_tensor_into(target, saved) or _array_into(target, saved) or _variable_into(target, saved)
             or _generator_state_put_back(target, saved)):
         return target
-    if _notebook_object(saved):
+    if notebook_object(saved):
         seen[id(target)] = target
         attributes = {k: into(target.__dict__[k], v, seen) if k in target.__dict__ else v
                       for k, v in vars(saved).items()}
@@ -416,7 +416,7 @@ def into(target: Any, saved: Any, _seen: dict[int, Any] | None = None) -> Any:
 def goes_into(value: Any) -> bool:
     """Whether a restore :func:`into` ``value`` keeps the objects it holds (what it holds is put
     into them in turn): a list, dict, set or tuple, or an object of a class the notebook defines."""
-    return type(value) in _CONTAINERS or type(value) is tuple or _notebook_object(value)
+    return type(value) in _CONTAINERS or type(value) is tuple or notebook_object(value)
 
 
 def _state_loaded(target: Any, saved: Any) -> bool:
@@ -434,7 +434,7 @@ def _state_loaded(target: Any, saved: Any) -> bool:
     return True
 
 
-def _notebook_object(value: Any) -> bool:
+def notebook_object(value: Any) -> bool:
     """An instance of a class the notebook defines (``class Trainer:`` in a cell), with its
     attributes in its ``__dict__`` only: its restore puts them into the object the name holds,
     whose method may be running (``trainer.fit()``, the loop inside it: ``self`` is that object)."""

@@ -53,6 +53,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from ..checkpoints.keras_state import array as keras_array
 from ..checkpoints.rng import keras_seed_generator
 from ..errors import RunStoppedError
 from ..lint import reshuffles
@@ -61,10 +62,6 @@ from . import accumulation_for, caller_locals, is_plain, require_loop, say_outsi
 from . import every_steps as check_every_steps
 
 STATE = "keras:fit"  # the checkpoint entry holding a fit's state
-
-
-def _numpy(variable) -> np.ndarray:
-    return np.array(variable.numpy(), copy=True)
 
 
 def random_seed() -> int | None:
@@ -127,20 +124,20 @@ class FitState:
             self.epochs = list(history.epoch)
             self.logs = {k: list(v) for k, v in history.history.items()}
         return {
-            "variables": {k: [_numpy(v) for v in vs] for k, vs in groups.items()},
+            "variables": {k: [keras_array(v) for v in vs] for k, vs in groups.items()},
             "paths": {k: [v.path for v in vs] for k, vs in groups.items()},
             "epochs": list(self.epochs),
             "logs": {k: [_plain(x) for x in v] for k, v in self.logs.items()},
             "callbacks": {key: _attributes(cb) for key, cb in self.callbacks.items()},
             "stopped": self.stopped,
             # the epoch's running metrics (the loss's mean so far): a resume within the epoch goes on with them
-            "metrics": [_numpy(v) for v in _metrics_variables(self.model)],
+            "metrics": [keras_array(v) for v in _metrics_variables(self.model)],
             "batch_size": self.batch_size,
             "accumulation": self.accumulation,
             # the accumulation in effect (the optimizer's iterations count its batches) and the
             # gradients summed so far (none at an epoch's end that ends a step)
             "steps": _steps(getattr(self.model, "optimizer", None)),
-            "accumulators": [_numpy(a) for a in _accumulators(getattr(self.model, "optimizer", None))],
+            "accumulators": [keras_array(a) for a in _accumulators(getattr(self.model, "optimizer", None))],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
