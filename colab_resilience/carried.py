@@ -15,7 +15,13 @@ a module's or optimizer's ``state_dict`` in place brings back their tensors, but
   ``__dict__`` that are plain values (numbers, strings, flags, lists and dicts of them), saved
   and put back the same way (a list or dict into the one the module holds);
 - **a GradScaler's per-step record** (whether ``unscale_``/``step`` were called since the last
-  ``update()``): reset, so a retried step may call them again.
+  ``update()``): reset, so a retried step may call them again;
+- **the states of torchmetrics metrics** (``MeanMetric``'s running sum, ``Accuracy``'s counts):
+  a ``Metric`` registers them as non-persistent, so its ``state_dict()`` is empty and a restored
+  metric came back reset (a mean over the run read ``nan``; a rolled-back one kept the failed
+  attempt's updates). They go into the saved state dict under the keys torchmetrics itself uses
+  for persistent states (:func:`with_metric_states`), are put back as copies on the metric's
+  device (:func:`put_metric_states`), and the count of updates goes with the modes.
 
 Only objects already restored are touched; nothing here imports torch.
 """
@@ -44,6 +50,9 @@ def snapshot(namespace: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
                 "requires_grad": [p.requires_grad for p in value.parameters()],
                 "attributes": [plain_attributes(m) for m in value.modules()],
             }
+            if metrics_of(value):  # how many updates each metric has had (compute() warns at none)
+                facts[name]["updates"] = [getattr(m, "_update_count", None) if _is_metric(m) else None
+                                          for m in value.modules()]
     return facts
 
 
@@ -81,6 +90,11 @@ def apply(namespace: Mapping[str, Any], names: list[str], facts: Mapping[str, An
                 if isinstance(flags, list) and len(flags) == len(params):
                     for p, flag in zip(params, flags):
                         p.requires_grad_(bool(flag))
+                updates = fact.get("updates")
+                if isinstance(updates, list) and len(updates) == len(modules):
+                    for m, count in zip(modules, updates):
+                        if _is_metric(m) and isinstance(count, int):
+                            m._update_count, m._computed = count, None
             for p in value.parameters():
                 p.grad = None
         elif isinstance(value, torch.optim.Optimizer):
@@ -105,6 +119,84 @@ def _put_attributes(module: Any, saved: Any) -> None:
         if k in own and not is_plain(own[k]):
             continue
         own[k] = into(own[k], v) if k in own else v
+
+
+def _metric_type() -> Any:
+    tm = sys.modules.get("torchmetrics")
+    metric = getattr(tm, "Metric", None) if tm is not None else None
+    return metric if isinstance(metric, type) else None
+
+
+def _is_metric(value: Any) -> bool:
+    metric = _metric_type()
+    return metric is not None and isinstance(value, metric)
+
+
+def metrics_of(module: Any) -> list[tuple[str, Any]]:
+    """The torchmetrics ``Metric`` objects among ``module``'s submodules (itself included), each
+    with the prefix of its keys in the module's state dict (``""`` for the module itself)."""
+    metric = _metric_type()
+    if metric is None:
+        return []
+    try:
+        named = list(module.named_modules())
+    except Exception:
+        return []
+    return [(f"{n}." if n else "", m) for n, m in named if isinstance(m, metric)]
+
+
+def with_metric_states(module: Any, sd: Any) -> Any:
+    """``sd``, the state dict of ``module``, with the states of the torchmetrics metrics among its
+    submodules added where it lacks them (detached, not copied: the save copies)."""
+    for prefix, m in metrics_of(module):
+        for key in getattr(m, "_defaults", {}):
+            if prefix + key not in sd:
+                sd[prefix + key] = _detached(getattr(m, key, None))
+    return sd
+
+
+def put_metric_states(module: Any, sd: Any) -> Any:
+    """Put the metric states in ``sd`` (see :func:`with_metric_states`) into the metrics among
+    ``module``'s submodules, as copies on each metric's device (a restored state dict's tensors
+    may lie in a buffer that is reused or mapped); return ``sd`` without them, for
+    ``load_state_dict``. A metric's cached ``compute()`` result is dropped."""
+    metrics = metrics_of(module)
+    if not metrics:
+        return sd
+    sd = sd.copy()
+    for prefix, m in metrics:
+        device = getattr(m, "device", None)
+        for key in getattr(m, "_defaults", {}):
+            if prefix + key in sd:
+                setattr(m, key, _copied(sd.pop(prefix + key), device))
+        m._computed = None
+    return sd
+
+
+def _detached(v: Any) -> Any:
+    if isinstance(v, list):
+        return [_detached(x) for x in v]
+    detach = getattr(v, "detach", None)
+    return detach() if callable(detach) else v
+
+
+def _copied(v: Any, device: Any) -> Any:
+    import copy
+
+    if isinstance(v, list):
+        return [_copied(x, device) for x in v]
+    torch = _torch()
+    if torch is not None and isinstance(v, torch.Tensor):
+        return v.to(device, copy=True) if device is not None else v.clone()
+    return copy.deepcopy(v)
+
+
+def load_module(target: Any, saved: Any) -> None:
+    """Load ``saved`` (an unpickled module of ``target``'s kind) into ``target``: its state dict,
+    the states of its metrics, its modes, flags and plain attributes."""
+    facts = snapshot({"m": saved}, ["m"])
+    target.load_state_dict(put_metric_states(target, with_metric_states(saved, saved.state_dict())))
+    apply({"m": target}, ["m"], facts)
 
 
 def _is_grad_scaler(torch, value: Any) -> bool:

@@ -274,7 +274,8 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
             f"after a rollback or a restart the fit goes on from its safe point, but {_one(by_callbacks, 'it', 'they')} "
             f"would not be back at it, and the result would differ; add {_one(by_callbacks, 'it', 'them')} to --save"
         )
-    stateful = unsaved_state_objects(tree, saved, shell.user_ns)
+    stateful = [f for f in unsaved_state_objects(tree, saved, shell.user_ns)
+                if f.split(" ", 1)[0] not in carried]  # named above already
     if stateful:
         lines.append(_state_objects_line(stateful))
     reshuffled = reshuffled_datasets(tree, shell.user_ns)
@@ -725,23 +726,28 @@ def read_above_inner(tree: ast.AST, saved: list[str], namespace=None) -> list[st
             drawn = {n.id for n in _walk_body(inner[0]) if isinstance(n, ast.Name) and namespace is not None
                      and n.id in namespace and is_generator(namespace[n.id])}
             for above in outer.body[:k]:
-                for name in _reads_not_changing(above):
+                for name in _reads_not_changing(above, namespace):
                     if name in saved and (name in changed or name in drawn) and name not in found:
                         found.append(name)
             break
     return found
 
 
-def _reads_not_changing(stmt: ast.stmt) -> list[str]:
+def _reads_not_changing(stmt: ast.stmt, namespace=None) -> list[str]:
     """The names ``stmt`` reads, but for the receiver of a statement that only changes it in place
-    (``log["lr"].append(lr)``, ``counts[k] += 1``)."""
-    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute) \
-            and _changes_in_place(stmt.value.func.attr):
+    (``log["lr"].append(lr)``, ``counts[k] += 1``), or only calls a method of it (a metric's
+    ``mse.reset()``, ``model.quality.reset()``, ``metrics["mae"].reset()``): a resume inside the
+    iteration puts the saved objects back whole after that code ran (the modules, optimizers and
+    metrics by their state, containers and notebook objects into themselves). Not a random number
+    generator's method: its every call draws."""
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute):
         receiver = stmt.value.func.value
         while isinstance(receiver, (ast.Subscript, ast.Attribute)):
             receiver = receiver.value
-        skip = receiver if isinstance(receiver, ast.Name) else None
-        return [n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n is not skip]
+        if isinstance(receiver, ast.Name) and (_changes_in_place(stmt.value.func.attr) or not (
+                namespace is None or receiver.id not in namespace or is_generator(namespace[receiver.id]))):
+            return [n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+                    and n is not receiver]
     return [n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
 
 

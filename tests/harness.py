@@ -393,6 +393,20 @@ def run_ok(nb, workdir: str | os.PathLike, **kw):
     return result, cell_text(nb.cells[index(nb, "train")])
 
 
+def faulted_and_twin(tmp_path: Path, notebook):
+    """``notebook(mark)`` run supervised with its fault (which strikes once, then creates
+    ``mark``), and uninterrupted (its mark made already): the run, which must succeed, the
+    executed notebook and its twin's."""
+    (tmp_path / "twin").mkdir()
+    (tmp_path / "twin" / "m").touch()  # the fault has struck already: none
+    twin = notebook(tmp_path / "twin" / "m")
+    assert run(twin, tmp_path / "twin", standby=False).status == 0
+    nb = notebook(tmp_path / "m")
+    faulted = run(nb, tmp_path, standby=False)
+    assert faulted.status == 0, faulted.message
+    return faulted, nb, twin
+
+
 def run_killed_after_training(nb, workdir: str | os.PathLike, holds: str):
     """:func:`run_ok` for a golden notebook whose ``result`` cell kills its kernel once, after the
     training cell ended: the one restart is that cell's, and its marker says that ``holds`` (a

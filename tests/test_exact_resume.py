@@ -13,6 +13,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import harness
+from harness import faulted_and_twin
 
 pytestmark = pytest.mark.kernel
 
@@ -46,20 +47,6 @@ def oom_once(indent: str, when: str) -> str:
     list the set-up cell makes)."""
     return (f"{indent}if {when} and not fired[0]:\n{indent}    fired[0] = True\n"
             f"{indent}    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')\n")
-
-
-def faulted_and_twin(tmp_path, notebook):
-    """``notebook(mark)`` run supervised with its fault (which strikes once, then creates
-    ``mark``), and uninterrupted (its mark made already): the run, which must succeed, the
-    executed notebook and its twin's."""
-    (tmp_path / "twin").mkdir()
-    (tmp_path / "twin" / "m").touch()  # the fault has struck already: none
-    twin = notebook(tmp_path / "twin" / "m")
-    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
-    nb = notebook(tmp_path / "m")
-    run = harness.run(nb, tmp_path, standby=False)
-    assert run.status == 0, run.message
-    return run, nb, twin
 
 
 def cell_out(nb, cell_id: str) -> str:
@@ -1207,6 +1194,28 @@ def test_the_first_run_names_a_saved_generator_or_key_the_code_above_an_inner_lo
             "a resume inside the iteration runs that code again with the inner safe point's values") in out, out
     assert "jax.random.fold_in(key, epoch), g.manual_seed(seed + epoch)" in out, out
     assert "log" not in out.split("reads", 1)[1].split("which", 1)[0], out
+
+
+def test_a_method_called_on_a_saved_object_above_an_inner_loop_is_not_named_a_value_read_from_it_is(ip, tmp_path,
+                                                                                                     capsys):
+    """Above the inner loop: ``model.train()``, ``opts["head"].zero_grad()`` (a method of an
+    object, or of one a saved dict holds) change only what a resume inside the epoch puts back whole when
+    the inner loop resumes; ``start = model.seen`` keeps what the inner safe point's model holds,
+    not what the epoch began with. Only the last is named."""
+    out = said_at_first_run(ip, tmp_path, capsys,
+                            "import torch\nmodel = torch.nn.Linear(2, 1)\nmodel.seen = 0\n"
+                            "opts = {'head': torch.optim.SGD(model.parameters(), lr=0.1), 'steps': 0}\nstarts = []",
+                            "%%resilient --save model,opts,starts\n"
+                            "for epoch in resume_range(2):\n"
+                            "    model.train()\n"
+                            "    opts['head'].zero_grad()\n"
+                            "    start = model.seen\n"
+                            "    for i in resume_range(3):\n"
+                            "        model.seen += 1\n"
+                            "        opts['steps'] += 1\n"
+                            "    starts.append(start)\n")
+    lines = [line for line in out.splitlines() if "the code above an inner resume_range loop" in line]
+    assert len(lines) == 1 and "reads model, which the inner loop changes" in lines[0], out
 
 
 def test_a_saved_optimizer_that_cannot_be_restored_stops_the_run_instead_of_training_on_without_it(ip, tmp_path):

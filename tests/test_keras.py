@@ -221,13 +221,7 @@ def test_a_custom_training_loop_killed_or_out_of_memory_resumes_bit_identical(tm
     epoch's numbers from the failed attempt's generator, and the run said done).
     Each ends bit for bit as the uninterrupted run (weights, moments, step counts, the metric's
     means, keras.random's draws), and the first run says nothing of them (they were refused before)."""
-    (tmp_path / "twin").mkdir()
-    (tmp_path / "twin" / "m").touch()  # the fault has struck already: none
-    twin = custom_loop_notebook(fault, tmp_path / "twin" / "m", epoch, built)
-    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
-    nb = custom_loop_notebook(fault, tmp_path / "m", epoch, built)
-    run = harness.run(nb, tmp_path, standby=False)
-    assert run.status == 0, run.message
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: custom_loop_notebook(fault, mark, epoch, built))
     train = harness.cell_text(nb.cells[2])
     restarted = fault == "kill" or epoch == 0
     assert len(run.restarts) == restarted, train

@@ -250,6 +250,10 @@ class Checkpoint:
             copies = torch is not None and isinstance(target, torch.nn.Module)
             value = self._value(e, place=False, private=not copies, restoring=restoring)
             try:
+                if copies:  # the states of its torchmetrics metrics (which keep what they are given)
+                    from .. import carried
+
+                    value = carried.put_metric_states(target, value)
                 result = target.load_state_dict(value)
             except Exception as err:
                 raise CheckpointError(
@@ -427,8 +431,14 @@ def _state_loaded(target: Any, saved: Any) -> bool:
     False (nothing to keep) where loading fails: the name is then bound to the saved object."""
     if not holds_state(target) or is_generator(target):
         return False
+    torch = sys.modules.get("torch")
     try:
-        target.load_state_dict(saved.state_dict())
+        if torch is not None and isinstance(target, torch.nn.Module) and isinstance(saved, torch.nn.Module):
+            from .. import carried  # its metrics' states, modes and plain attributes too
+
+            carried.load_module(target, saved)
+        else:
+            target.load_state_dict(saved.state_dict())
     except Exception:
         return False
     return True

@@ -176,14 +176,18 @@ def _immutable(obj: Any) -> bool:
 
 def holds_state(value: Any) -> bool:
     """Whether ``value`` holds a state that methods change in place: a random number generator, a
-    module with parameters or buffers (not a loss function), anything with a state dict."""
+    module with parameters, buffers or torchmetrics metrics (not a loss function), anything with a
+    state dict."""
     if isinstance(value, (type, types.ModuleType)):
         return False
     if is_generator(value) or keras_state.kind(value) is not None:
         return True
     torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.nn.Module):
-        return any(True for _ in value.parameters()) or any(True for _ in value.buffers())
+    if torch is not None and isinstance(value, torch.nn.Module):  # a torchmetrics metric keeps its states apart
+        from .. import carried
+
+        return any(True for _ in value.parameters()) or any(True for _ in value.buffers()) \
+            or bool(carried.metrics_of(value))
     try:
         return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
     except Exception:  # a property, or a __getattr__, that raises
@@ -227,6 +231,11 @@ def _prepare(name: str, value: Any, device_copy, shared: Shared | None) -> Prepa
     if stateful:
         try:
             sd = sd_fn()
+            torch = sys.modules.get("torch")
+            if torch is not None and isinstance(value, torch.nn.Module):  # torchmetrics keeps its states out
+                from .. import carried
+
+                sd = carried.with_metric_states(value, sd)
         except Exception as e:
             _unless_oom(e)
             raise unsaveable(name, value, f"its state_dict() failed: {first_line(e)}") from None
