@@ -264,8 +264,8 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
             f"colab_resilience: the code above an inner resume_range loop reads {', '.join(above)}, which the inner "
             f"loop changes: a resume inside the iteration runs that code again with the inner safe point's "
             f"{_one(above, 'value', 'values')}, not the {_one(above, 'one', 'ones')} the iteration began with, and "
-            "the result would differ; derive what it draws there from the epoch (jax.random.fold_in(key, epoch), "
-            "g.manual_seed(seed + epoch)), or move it into the inner loop"
+            "the result would differ; derive what it draws there from the epoch (jax.random.fold_in(key, epoch)), "
+            "or move it into the inner loop"
         )
     by_callbacks = changed_by_callbacks(tree, saved, shell.user_ns)
     if by_callbacks:
@@ -707,11 +707,12 @@ def _changed_in_place(node: ast.AST, declared: set[str]) -> list[str]:
 
 def read_above_inner(tree: ast.AST, saved: list[str], namespace=None) -> list[str]:
     """``--save`` names that the code of an outer ``resume_range`` iteration reads above its inner
-    ``resume_range`` loop, and that the inner loop changes (rebinds, changes in place, or draws
-    from: a random number generator, a JAX key split there). A resume inside the iteration runs
-    that code again with the inner safe point's value, not the one the iteration began with.
-    Changing such a name in place there (``log["lr"].append(lr)``) is no read: the safe point's
-    contents are put back when the inner loop resumes."""
+    ``resume_range`` loop, and that the inner loop changes (rebinds or changes in place: a JAX key
+    split there). A resume inside the iteration runs that code again with the inner safe point's
+    value, not the one the iteration began with. Changing such a name in place there
+    (``log["lr"].append(lr)``) is no read: the safe point's contents are put back when the inner
+    loop resumes; nor is drawing from a saved random number generator: its state when the
+    iteration began goes with the checkpoint, as the global random states do."""
     found: list[str] = []
     loops = set(_resume_loops(tree))
     for outer in loops:
@@ -723,11 +724,10 @@ def read_above_inner(tree: ast.AST, saved: list[str], namespace=None) -> list[st
                 name for node in _walk_body(inner[0]) for name in _changed_in_place(node, set())} | {
                 n.id for node in _walk_body(inner[0]) if isinstance(node, ast.Call) and _changes_in_place(
                     getattr(node.func, "attr", "")) for n in [_receiver(node.func)] if isinstance(n, ast.Name)}
-            drawn = {n.id for n in _walk_body(inner[0]) if isinstance(n, ast.Name) and namespace is not None
-                     and n.id in namespace and is_generator(namespace[n.id])}
             for above in outer.body[:k]:
                 for name in _reads_not_changing(above, namespace):
-                    if name in saved and (name in changed or name in drawn) and name not in found:
+                    if name in saved and name in changed and name not in found and not (
+                            namespace is not None and is_generator(namespace.get(name))):
                         found.append(name)
             break
     return found

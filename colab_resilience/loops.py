@@ -35,7 +35,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
-from .checkpoints import capture_rng, restore_rng
 from .errors import RetryNotExactError, RunStoppedError, UnsafeCheckpointError
 
 LOOP_RNG = "loops:rng"  # the checkpoint entry holding the outer loops' random states
@@ -192,7 +191,7 @@ class Loops:
         if depth == len(plan.position) - 1:
             self.plan = None
             return at, plan
-        restore_rng(plan.rngs[depth])
+        run.restore_rng(plan.rngs[depth])
         plan.depth += 1
         return at, None
 
@@ -221,7 +220,7 @@ class Loops:
         index = start
         for item in source:
             frame.index, frame.children = index, 0
-            frame.rng = capture_rng() if (frame.had_children or len(self.frames) == 1) else None
+            frame.rng = run.capture_rng() if (frame.had_children or len(self.frames) == 1) else None
             run.iteration = ", ".join([_describe(f.items, f.index) for f in self.frames])  # for people
             yield item
             run.iteration = None

@@ -29,6 +29,7 @@ from typing import Callable, Iterable, Iterator, Mapping, MutableMapping
 
 from . import carried, faults, fsutil, loops, memory, restart
 from .checkpoints import Checkpoint, CheckpointStore, capture_rng, restore_rng
+from .checkpoints.rng import generator_state, is_generator, set_generator_state
 from .checkpoints.staging import Budget
 from .errors import BuiltSinceError, CheckpointError, JournalError, NoCheckpointError, RetryNotExactError, RunStoppedError
 from .journal import Journal, ReplayCell, RestartPolicy, merge_replay_cells
@@ -461,10 +462,10 @@ class Run:
         # first loop (perm = torch.randperm(n)) and a shuffling loader's iter() draw what they drew
         # then (they drew on from where the failed attempt had left the state)
         if self._rng_at_start is None:
-            self._rng_at_start = capture_rng()
+            self._rng_at_start = self.capture_rng()
         else:
             try:
-                restore_rng(self._rng_at_start)
+                self.restore_rng(self._rng_at_start)
             except BuiltSinceError:
                 # the failed attempt made Keras's seed generator (the rest is back): the checkpoint
                 # the retry goes back to holds its state, or says it was not made (a restart then)
@@ -487,6 +488,26 @@ class Run:
         elif self.safe_points == 0:
             self.first_safe_point()  # the cell start
         return True
+
+    def capture_rng(self) -> dict:
+        """The random states (:func:`capture_rng`), with those of the generators in ``--save``:
+        the code above a loop draws from one (``torch.randperm(n, generator=g)``, the order of a
+        ``DataLoader(..., generator=g)``), and a retry, or a resume inside an iteration, must draw
+        there what the first attempt drew, not go on from the failed attempt's or the safe point's."""
+        state = capture_rng()
+        ns = self.shell.user_ns
+        generators = {n: generator_state(ns[n]) for n in self.names if n in ns and is_generator(ns[n])}
+        if generators:
+            state["generators"] = generators
+        return state
+
+    def restore_rng(self, state: Mapping) -> None:
+        """Put back what :meth:`capture_rng` returned."""
+        restore_rng(state)
+        ns = self.shell.user_ns
+        for n, g in (state.get("generators") or {}).items():
+            if n in ns and is_generator(ns[n]):
+                set_generator_state(ns[n], g)
 
     def safe_point(self, position: list[tuple[int, int]], rngs: list, *, force: bool = False,
                    last: bool = False, where: str | None = None) -> None:

@@ -450,6 +450,46 @@ def test_an_object_the_code_above_an_inner_loop_changes_is_back_at_the_inner_saf
     assert harness.result(nb).startswith("RESULT 0.025 64 ")
 
 
+def _generator_above_inner_notebook(fault: str, mark):
+    """Epochs of minibatches, both resume_range loops, and a saved torch.Generator that draws twice
+    in each epoch: a permutation of the features above the inner loop, and the order of the
+    DataLoader the inner loop iterates (``generator=g``). One fault after minibatch 2 of epoch 2."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        _setup(mark) +
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        "loader = DataLoader(TensorDataset(torch.randn(64, 4), torch.randn(64, 1)), batch_size=16, shuffle=True,"
+        " generator=g)\n"
+        "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.05)\nperms, steps = [], []",
+        "%%resilient --save model,opt,g,perms,steps\n"
+        "for epoch in resume_range(4):\n"
+        "    perm = torch.randperm(4, generator=g)\n"
+        "    perms.append(perm.tolist())\n"
+        "    for x, y in resume_range(loader):\n"
+        "        loss = ((model(x[:, perm]) - y) ** 2).mean()\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()\n"
+        "        steps.append(round(loss.item(), 6))\n"
+        "        if len(steps) == 11 and not os.path.exists(MARK):\n"
+        f"            open(MARK, 'w').close(); {_FAULTS[fault]}\n",
+        "print('RESULT', perms, steps, torch.rand(1, generator=g).item(), model.weight.detach().numpy().tobytes().hex())",
+    )
+
+
+@pytest.mark.parametrize("fault", ["kill", "oom"])
+def test_a_saved_generator_the_code_above_an_inner_loop_draws_from_draws_what_it_drew(tmp_path, fault):
+    """A resume inside an epoch runs the code above the inner loop again: the permutation and the
+    DataLoader's order were drawn from the inner safe point's generator (after the epoch's draws),
+    not from the one the epoch began with, and the run said done with other weights (an OOM), or
+    was named at the first run. The saved generators' states when the outer iteration began go
+    with the checkpoint, as the global random states do; the run ends bit for bit as its twin, and
+    the first run names nothing."""
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _generator_above_inner_notebook(fault, mark))
+    assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
+    assert "colab_resilience:" not in harness.cell_text(twin.cells[2]), harness.cell_text(twin.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+
+
 def _train_function_notebook(fault: str, mark):
     """The loop in a function a %%replay cell defines (``train(epochs)``), which the %%resilient
     cell calls; early stopping whose state it declares global, saved. One fault (a SIGKILL or an
@@ -1174,12 +1214,12 @@ def test_what_the_code_above_an_inner_loop_appended_is_not_doubled_by_a_rollback
     assert ip.user_ns["log"] == {"epochs": [0, 1, 2], "steps": [(e, i) for e in range(3) for i in range(4)]}
 
 
-def test_the_first_run_names_a_saved_generator_or_key_the_code_above_an_inner_loop_draws_from(ip, tmp_path, capsys):
-    """A saved torch.Generator drawn from above the inner loop (a permutation per epoch) and inside
-    it, and a key split above the inner loop and in it: a resume inside the epoch runs the code
-    above again with the inner safe point's generator and key, and draws another permutation.
-    Named at the first run, with the forms that resume exactly; appending to a saved log there
-    is not named (its contents are put back)."""
+def test_the_first_run_names_a_saved_key_the_code_above_an_inner_loop_splits(ip, tmp_path, capsys):
+    """A key split above the inner loop and in it: a resume inside the epoch runs the code above
+    again with the inner safe point's key. Named at the first run, with the form that resumes
+    exactly; a saved torch.Generator drawn from in both places is not named (its state when the
+    iteration began goes with the checkpoint), nor is appending to a saved log there (its
+    contents are put back)."""
     out = said_at_first_run(ip, tmp_path, capsys,
                             "import torch\ng = torch.Generator().manual_seed(0)\nkey = [0]\nlog = []",
                             "%%resilient --save g,key,log\n"
@@ -1190,10 +1230,9 @@ def test_the_first_run_names_a_saved_generator_or_key_the_code_above_an_inner_lo
                             "    for i in resume_range(perm.tolist()):\n"
                             "        noise = torch.randn(1, generator=g)\n"
                             "        key = key + [i]\n")
-    assert ("colab_resilience: the code above an inner resume_range loop reads g, key, which the inner loop changes: "
-            "a resume inside the iteration runs that code again with the inner safe point's values") in out, out
-    assert "jax.random.fold_in(key, epoch), g.manual_seed(seed + epoch)" in out, out
-    assert "log" not in out.split("reads", 1)[1].split("which", 1)[0], out
+    assert ("colab_resilience: the code above an inner resume_range loop reads key, which the inner loop changes: "
+            "a resume inside the iteration runs that code again with the inner safe point's value") in out, out
+    assert "jax.random.fold_in(key, epoch)" in out, out
 
 
 def test_a_method_called_on_a_saved_object_above_an_inner_loop_is_not_named_a_value_read_from_it_is(ip, tmp_path,

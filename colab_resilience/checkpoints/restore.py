@@ -24,7 +24,6 @@ import difflib
 import io
 import json
 import pickle
-import random
 import sys
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +33,7 @@ from typing import Any, Collection, MutableMapping, Sequence
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointWarning
 from . import blobs, codec, hashing, keras_state, pytree, tensorfile
 from .manifest import Entry, Manifest
-from .rng import is_generator, restore_rng
+from .rng import generator_state, is_generator, restore_rng, set_generator_state
 from .values import REF, first_line, holds_state, type_name
 
 
@@ -499,20 +498,11 @@ def _generator_state_put_back(target: Any, saved: Any) -> bool:
     if type(target) is not type(saved) or not is_generator(target):
         return False
     torch = sys.modules.get("torch")
-    if torch is not None and isinstance(target, torch.Generator):
-        if target.device != saved.device:
-            return False
-        target.set_state(saved.get_state())
-        return True
-    if isinstance(target, random.Random):
-        target.setstate(saved.getstate())
-        return True
-    if hasattr(target, "bit_generator"):  # NumPy's Generator
-        if type(target.bit_generator) is not type(saved.bit_generator):
-            return False
-        target.bit_generator.state = saved.bit_generator.state
-        return True
-    target.set_state(saved.get_state())  # NumPy's RandomState
+    if torch is not None and isinstance(target, torch.Generator) and target.device != saved.device:
+        return False
+    if hasattr(target, "bit_generator") and type(target.bit_generator) is not type(saved.bit_generator):
+        return False
+    set_generator_state(target, generator_state(saved))
     return True
 
 

@@ -35,6 +35,37 @@ def is_generator(value: Any) -> bool:
             or (npr is not None and isinstance(value, (npr.Generator, npr.RandomState))))
 
 
+def generator_state(g: Any) -> Any:
+    """The state of a generator :func:`is_generator` accepts, as plain data and tensors (a copy)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(g, torch.Generator):
+        return g.get_state()
+    if hasattr(g, "bit_generator"):  # NumPy's Generator
+        return {"bit_generator": dict(g.bit_generator.state)}
+    if hasattr(g, "get_state"):  # NumPy's RandomState
+        return {"legacy": g.get_state(legacy=True)}
+    return g.getstate()  # random.Random
+
+
+def set_generator_state(g: Any, state: Any) -> None:
+    """Put a :func:`generator_state` into ``g`` (a generator of the kind it was taken from)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(g, torch.Generator):
+        g.set_state(state)
+    elif hasattr(g, "bit_generator"):
+        g.bit_generator.state = state["bit_generator"]
+    elif hasattr(g, "get_state"):
+        g.set_state(tuple(state["legacy"]))
+    else:
+        g.setstate(_tuples(state))
+
+
+def _tuples(value: Any) -> Any:
+    """``random.Random`` state as ``setstate`` wants it: tuples all the way (a checkpoint may hand
+    back lists)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
 def capture_rng() -> dict[str, Any]:
     """The random-number states: Python, NumPy (if imported), torch CPU and initialised CUDA."""
     import random
