@@ -284,6 +284,10 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
     persistent = persistent_loaders(tree, shell.user_ns)
     if persistent:
         lines.append(_persistent_line(persistent))
+    generators = [f for f in loader_generators(tree, saved, shell.user_ns)
+                  if f[1] is None or not any(o.split(" ", 1)[0] == f[1] for o in stateful)]
+    if generators:
+        lines.append(_loader_generators_line(generators))
     after = read_after_loop(tree, saved)
     if after:
         lines.append(
@@ -858,6 +862,48 @@ def persistent_loaders(tree: ast.AST, namespace) -> list[str]:
         return []
     return [n for n in _used_by_loops(tree) if isinstance(namespace.get(n), data.DataLoader)
             and getattr(namespace[n], "persistent_workers", False) and getattr(namespace[n], "num_workers", 0) > 0]
+
+
+def loader_generators(tree: ast.AST, saved: list[str], namespace) -> list[tuple[str, str | None, str]]:
+    """The torch ``DataLoader``s a ``resume_range`` loop's body uses whose order is drawn from a
+    generator of their own (``DataLoader(..., generator=g)``, a sampler's) that ``--save`` does not
+    hold: ``(loader, the name holding the generator or None, its type)``. Each epoch's order follows
+    from the epochs before it; after a rollback or a restart the generator is not where it was."""
+    data = sys.modules.get("torch.utils.data")
+    if data is None:
+        return []
+    found = []
+    for n in _used_by_loops(tree):
+        loader = namespace.get(n)
+        loader = getattr(loader, "base_dataloader", loader)  # accelerate's DataLoaderShard wraps one
+        if not isinstance(loader, data.DataLoader):
+            continue
+        sampler = getattr(loader, "sampler", None)
+        inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+        for gen in (getattr(loader, "generator", None), getattr(sampler, "generator", None),
+                    getattr(inner, "generator", None)):
+            if gen is None or not is_generator(gen):
+                continue
+            holders = [k for k, v in namespace.items() if v is gen and isinstance(k, str) and not k.startswith("_")]
+            if not any(k in saved for k in holders):
+                found.append((n, holders[0] if holders else None, type(gen).__name__))
+            break
+    return found
+
+
+def _loader_generators_line(found: list[tuple[str, str | None, str]]) -> str:
+    named = list(dict.fromkeys(g for _, g, _ in found if g))
+    each = ", ".join(f"{n} (its order drawn from {g})" if g else f"{n} (its order drawn from a {t} no variable holds)"
+                     for n, g, t in found)
+    advice = [f"add {', '.join(named)} to --save"] if named else []
+    if len(named) < len(found):
+        advice.append("bind the generator to a name (g = torch.Generator().manual_seed(0); DataLoader(..., "
+                      "generator=g)) and add it to --save")
+    return (
+        f"colab_resilience: the resume_range loop iterates {each}, a generator --save leaves out: each epoch's "
+        "order follows from the epochs before it, and after a rollback or a restart the generator would not be "
+        f"back at the safe point, so the order, and the result, would differ; {' and '.join(advice)}"
+    )
 
 
 def _persistent_line(names: list[str]) -> str:

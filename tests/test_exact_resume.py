@@ -1035,6 +1035,32 @@ def test_the_first_run_names_a_data_loader_whose_workers_persist(ip, tmp_path, c
     assert "draws from mine, a DataLoader with persistent_workers=True" in capsys.readouterr().out
 
 
+def test_the_first_run_names_a_data_loader_that_draws_its_order_from_an_unsaved_generator(ip, tmp_path, capsys):
+    """``DataLoader(..., shuffle=True, generator=g)``: each epoch's order is drawn from ``g``, which
+    goes on from epoch to epoch; without ``g`` in --save an OOM's rollback drew the next order
+    from the failed attempt's generator and the run said done with other weights (found by a
+    probe). Named at the first run (and a generator no variable holds, with how to name it); with
+    ``g`` saved, or drawn from the global generator, nothing is said."""
+    replay = ("import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+              "ds = TensorDataset(torch.randn(8, 2))\nmodel = torch.nn.Linear(2, 1)\n"
+              "g = torch.Generator().manual_seed(1)\n"
+              "own = DataLoader(ds, batch_size=4, shuffle=True, generator=g)\n"
+              "anon = DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2))\n"
+              "plain = DataLoader(ds, batch_size=4, shuffle=True)")
+    body = "for epoch in resume_range(1):\n    for (x,) in LOADER:\n        model(x)\n"
+    out = said_at_first_run(ip, tmp_path, capsys, replay, "%%resilient --save model\n" + body.replace("LOADER", "own"))
+    assert ("colab_resilience: the resume_range loop iterates own (its order drawn from g), a generator --save leaves "
+            "out: each epoch's order follows from the epochs before it") in out and out.rstrip().endswith(
+            "add g to --save"), out
+    r = ip.run_cell("%%resilient --save model\n" + body.replace("LOADER", "anon"))
+    assert r.success, r.error_in_exec
+    out = capsys.readouterr().out
+    assert "iterates anon (its order drawn from a Generator no variable holds)" in out, out
+    assert "bind the generator to a name (g = torch.Generator().manual_seed(0)" in out, out
+    says_nothing(ip, capsys, "%%resilient --save model,g\n" + body.replace("LOADER", "own"))
+    says_nothing(ip, capsys, "%%resilient --save model\n" + body.replace("LOADER", "plain"))
+
+
 def test_an_alias_of_a_part_of_a_saved_dict_is_not_named_as_carried(ip, tmp_path, capsys):
     """``losses = metrics["loss"]`` above the loop, ``losses.append(...)`` in it, ``metrics`` saved:
     the restore puts the saved lists into the dict's own lists, so the alias holds the restored
