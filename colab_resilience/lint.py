@@ -19,13 +19,14 @@ from an uninterrupted one, said when the cell first runs in a kernel:
 - in a cell that trains through a framework's loop (a ``ResilienceCallback``), names that its
   callbacks (functions and lambdas defined in the cell) change in place without ``--save``;
 - ``--save`` names the code above an inner ``resume_range`` loop reads and the inner loop changes
-  (a generator, a JAX key): a resume inside the iteration runs that code with the inner safe
-  point's value;
+  (a JAX key): a resume inside the iteration runs that code with the inner safe point's value;
 - gradients accumulated across ``resume_range`` iterations (``zero_grad`` called in only some of
   them): a checkpoint does not hold gradients, and a rollback clears them;
 - objects a ``resume_range`` loop uses without ``--save`` that hold state a method changes in
   place (a scheduler, an averaged model, a generator): after a rollback they would not be as
   they were at the safe point (those the cell makes above the loop: :func:`at_loop_start`);
+- a file a ``resume_range`` loop appends to (a resume writes the rows of the iterations since the
+  last safe point again), and the code above the loop that writes it anew (it runs again);
 - a ``resume_range`` loop inside a plain ``for`` or ``while`` loop, or wrapped in a call with a
   state of its own (``enumerate(resume_range(loader))``): those start over when the cell runs
   again, while ``resume_range`` goes on at its saved step. (A loop wrapped in a progress bar,
@@ -306,6 +307,19 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
             f"colab_resilience: {name}(resume_range(...)) starts over after a rollback or a restart while "
             f"resume_range goes on at its saved step, so what {name} gives would differ; put it inside: "
             f"resume_range({name}(...))"
+        )
+    appended, written = file_writes(codes, tree)
+    if appended:
+        lines.append(
+            f"colab_resilience: the resume_range loop appends to {', '.join(appended)}: a checkpoint does "
+            "not hold files, so a resume writes the lines of the iterations since the last safe point again; "
+            "build the rows in a list in --save and write the file after the loop (or read it knowing rows may repeat)"
+        )
+    if written:
+        lines.append(
+            f"colab_resilience: the code above the first resume_range loop writes {', '.join(written)}, which the "
+            "loop appends to: it runs again on resume, over what the iterations before the fault wrote; write "
+            "it in a %%replay cell, or the whole file after the loop"
         )
     if accumulates_gradients(tree):
         lines.append(
@@ -1063,6 +1077,61 @@ def _read_before_set(body: list[ast.stmt], assigned: set[str], definite: set[str
 
     block(body, definite)
     return found
+
+
+def _file_write(node: ast.AST) -> str | None:
+    """``"a"`` where ``node`` opens a file to append to it (``open(p, "a")``, ``df.to_csv(p,
+    mode="a")``), ``"w"`` where it writes one anew (``open(p, "w")``, ``df.to_csv(p)``,
+    ``path.write_text(...)``), else None."""
+    if not isinstance(node, ast.Call):
+        return None
+    name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+    mode = next((k.value for k in node.keywords if k.arg == "mode"), None)
+    if name == "open":
+        if mode is None:
+            at = 0 if isinstance(node.func, ast.Attribute) else 1  # Path.open(mode), open(path, mode)
+            mode = node.args[at] if len(node.args) > at else None
+        text = mode.value if isinstance(mode, ast.Constant) and isinstance(mode.value, str) else "r"
+    elif name == "to_csv":
+        text = mode.value if isinstance(mode, ast.Constant) and isinstance(mode.value, str) else "w"
+    elif name in ("write_text", "write_bytes"):
+        text = "w"
+    else:
+        return None
+    return "a" if "a" in text else "w" if ("w" in text or "x" in text) else None
+
+
+def _file_path(call: ast.Call) -> ast.AST | None:
+    """The file a :func:`_file_write` call writes, as the code names it: ``open(p)``'s ``p``, the
+    path of a ``Path.open()`` or ``write_text``, ``to_csv``'s first argument."""
+    if isinstance(call.func, ast.Attribute) and call.func.attr in ("open", "write_text", "write_bytes") \
+            and not (isinstance(call.func.value, ast.Name) and call.func.value.id in ("io", "os", "codecs")):
+        return call.func.value
+    return call.args[0] if call.args else None
+
+
+def _shown_path(call: ast.Call) -> str:
+    """:func:`_file_path` for people: a long literal path shortened to its file's name."""
+    path = _file_path(call)
+    if isinstance(path, ast.Constant) and isinstance(path.value, str) and len(path.value) > 40:
+        return repr(".../" + path.value.replace("\\", "/").rsplit("/", 1)[-1])
+    return ast.unparse(path) if path is not None else "a file"
+
+
+def file_writes(codes: list[ast.AST], tree: ast.AST) -> tuple[list[str], list[str]]:
+    """The files a ``resume_range`` loop (of the cell, or of a function it calls) appends to: a
+    resume runs again the iterations since the last safe point, and writes their lines again; and
+    those of them that the cell's code above its first loop writes (anew, or a header): that code
+    runs again on resume, over what the iterations before the fault wrote."""
+    appends = [n for code in codes for loop in _resume_loops(code) for n in _walk_body(loop) if _file_write(n) == "a"]
+    paths = {ast.unparse(p) for p in map(_file_path, appends) if p is not None}
+    above: list[str] = []
+    for stmt in getattr(tree, "body", []):
+        if any(isinstance(n, ast.For) and n in _resume_loops(stmt) for n in ast.walk(stmt)):
+            break
+        above += [_shown_path(n) for n in ast.walk(stmt) if _file_write(n) and _file_path(n) is not None
+                  and ast.unparse(_file_path(n)) in paths and _shown_path(n) not in above]
+    return list(dict.fromkeys(_shown_path(n) for n in appends)), above
 
 
 def read_after_loop(tree: ast.AST, saved: list[str]) -> list[str]:

@@ -1061,6 +1061,31 @@ def test_the_first_run_names_a_data_loader_that_draws_its_order_from_an_unsaved_
     says_nothing(ip, capsys, "%%resilient --save model\n" + body.replace("LOADER", "plain"))
 
 
+def test_the_first_run_names_a_file_the_loop_appends_to_and_the_header_written_above_it(ip, tmp_path, capsys):
+    """A CSV log: its header written above the loop (``open(p, 'w')``), a row appended each epoch.
+    After a kill the cell ran again from its first line, emptied the file, and the resumed epochs
+    wrote the only rows in it; a resume also writes the rows of the iterations since the last safe
+    point again (found by a probe). Both named at the first run; a file the loop writes anew each
+    epoch (its last state is the uninterrupted one), or a config written above the loop that the
+    loop does not append to, is not."""
+    log, cfg = str(tmp_path / "log.csv"), str(tmp_path / "cfg.json")
+    out = said_at_first_run(ip, tmp_path, capsys, "import torch\nmodel = torch.nn.Linear(2, 1)",
+                            "%%resilient --save model\n"
+                            f"with open({log!r}, 'w') as f:\n    f.write('epoch,loss\\n')\n"
+                            f"open({cfg!r}, 'w').write('{{}}')\n"
+                            "for epoch in resume_range(2):\n"
+                            f"    with open({log!r}, 'a') as f:\n        f.write(f'{{epoch}}\\n')\n"
+                            f"    torch.save(model.state_dict(), {str(tmp_path / 'last.pt')!r})\n"
+                            f"    open({str(tmp_path / 'last.txt')!r}, 'w').write(str(epoch))\n")
+    lines = [line for line in out.splitlines() if "file" in line]
+    assert len(lines) == 2, out
+    assert lines[0].startswith("colab_resilience: the resume_range loop appends to '.../log.csv': a checkpoint does "
+                               "not hold files"), out
+    assert lines[1].startswith("colab_resilience: the code above the first resume_range loop writes '.../log.csv', "
+                               "which the loop appends to: it runs again on resume"), out
+    assert "cfg.json" not in out and "last.txt" not in out, out
+
+
 def test_an_alias_of_a_part_of_a_saved_dict_is_not_named_as_carried(ip, tmp_path, capsys):
     """``losses = metrics["loss"]`` above the loop, ``losses.append(...)`` in it, ``metrics`` saved:
     the restore puts the saved lists into the dict's own lists, so the alias holds the restored
