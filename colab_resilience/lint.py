@@ -321,6 +321,22 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
             "loop appends to: it runs again on resume, over what the iterations before the fault wrote; write "
             "it in a %%replay cell, or the whole file after the loop"
         )
+    for name in epoch_seeded_loaders(tree, shell.user_ns):
+        lines.append(
+            f"colab_resilience: the resume_range loop iterates {name}, whose order accelerate seeds with its own "
+            "count of epochs (a seedable sampler), which no checkpoint holds: after a restart it counts from 0 "
+            f"again and the resumed epochs would draw the first epochs' orders; call {name}.set_epoch(epoch) at "
+            "the top of each epoch"
+        )
+    for name in accelerate_accumulation(tree, shell.user_ns):
+        steps = shell.user_ns[name].gradient_accumulation_steps
+        lines.append(
+            f"colab_resilience: each resume_range iteration is a micro-batch of {name}.accumulate() "
+            f"(gradient_accumulation_steps={steps}): the optimizer steps every {steps} iterations, and the gradients "
+            f"and {name}'s count in between cross the safe points; a checkpoint holds neither, so the result would "
+            "differ; make each iteration a whole optimizer step: resume_range over the epochs, the loader in a "
+            "plain loop"
+        )
     if accumulates_gradients(tree):
         lines.append(
             "colab_resilience: gradients accumulate across resume_range iterations (zero_grad is called in "
@@ -902,6 +918,46 @@ def loader_generators(tree: ast.AST, saved: list[str], namespace) -> list[tuple[
             if not any(k in saved for k in holders):
                 found.append((n, holders[0] if holders else None, type(gen).__name__))
             break
+    return found
+
+
+def epoch_seeded_loaders(tree: ast.AST, namespace) -> list[str]:
+    """Loaders a ``resume_range`` loop's body uses that seed each epoch's order with a count of
+    their own epochs (accelerate's ``DataLoaderShard`` over a seedable sampler: its ``iteration``,
+    which no checkpoint holds: a new kernel counts from 0 again), where the cell does not set it
+    (``loader.set_epoch(epoch)``)."""
+    found = []
+    for n in _used_by_loops(tree):
+        loader = namespace.get(n)
+        if not (isinstance(getattr(loader, "iteration", None), int) and callable(getattr(loader, "set_epoch", None))):
+            continue
+        base = getattr(loader, "base_dataloader", loader)
+        samplers = (getattr(base, "sampler", None), getattr(getattr(base, "batch_sampler", None), "sampler", None))
+        if not any(callable(getattr(sampler, "set_epoch", None)) for sampler in samplers):
+            continue
+        if not any(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "set_epoch"
+                   and isinstance(c.func.value, ast.Name) and c.func.value.id == n for c in ast.walk(tree)):
+            found.append(n)
+    return found
+
+
+def accelerate_accumulation(tree: ast.AST, namespace) -> list[str]:
+    """Accelerators whose ``accumulate()`` a ``resume_range`` loop enters in its own body (each
+    iteration a micro-batch) with ``gradient_accumulation_steps`` above 1: its ``opt.step()`` and
+    ``zero_grad()`` act only every that many iterations, the gradients of the others are carried
+    across safe points, and so is the accelerator's count of micro-batches."""
+    found = []
+    for loop in _resume_loops(tree):
+        for stmt in loop.body:
+            for node in ast.walk(stmt):
+                if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+                    break  # a window within the iteration
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                        and node.func.attr == "accumulate" and isinstance(node.func.value, ast.Name):
+                    acc = namespace.get(node.func.value.id)
+                    steps = getattr(acc, "gradient_accumulation_steps", None)
+                    if isinstance(steps, int) and steps > 1 and node.func.value.id not in found:
+                        found.append(node.func.value.id)
     return found
 
 

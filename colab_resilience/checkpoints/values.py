@@ -189,6 +189,8 @@ def holds_state(value: Any) -> bool:
         return any(True for _ in value.parameters()) or any(True for _ in value.buffers()) \
             or bool(carried.metrics_of(value))
     try:
+        if getattr(value, "use_stateful_dataloader", None) is False:  # accelerate's loader: its state_dict raises
+            return False
         return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
     except Exception:  # a property, or a __getattr__, that raises
         return False
