@@ -342,3 +342,63 @@ def test_an_oom_while_lightning_makes_the_data_leaves_no_data_loader_patched(ker
                         "if hasattr(getattr(c, n), '__wrapped__') or '__old' + n in vars(c)]") == []
     assert kernel.value("sorted(k for k in vars(val_data) if k.startswith('__pl'))") == []
     assert kernel.value("fingerprint(model)") == reference
+
+
+def metrics_fit_notebook(fault: str, mark):
+    """A LightningModule with two torchmetrics metrics: an MSE logged per epoch
+    (``self.log("mse", self.mse, on_epoch=True)``) and a sum of every step's loss over the whole fit
+    (``self.total``, not logged); safe points every 5 steps. One fault after step 13 (inside epoch
+    1), once."""
+    faults = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
+              "oom": "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')"}
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        textwrap.dedent(f"""\
+            %%replay
+            import os, signal, torch, torchmetrics, lightning as L
+            from torch.utils.data import DataLoader, TensorDataset
+            MARK = {str(mark)!r}
+            L.seed_everything(0, verbose=False)
+
+            class Model(L.LightningModule):
+                def __init__(self):
+                    super().__init__()
+                    self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+                    self.mse, self.total = torchmetrics.MeanSquaredError(), torchmetrics.SumMetric()
+                def training_step(self, batch, i):
+                    out = self.net(batch[0])
+                    loss = torch.nn.functional.mse_loss(out, batch[1])
+                    self.mse(out, batch[1])
+                    self.total.update(loss.detach())
+                    self.log("mse", self.mse, on_step=False, on_epoch=True)
+                    return loss
+                def on_train_batch_end(self, outputs, batch, i):
+                    if self.global_step == 13 and not os.path.exists(MARK):
+                        open(MARK, "w").close(); {faults[fault]}
+                def configure_optimizers(self):
+                    return torch.optim.Adam(self.parameters(), lr=0.01)
+
+            model = Model()
+            loader = DataLoader(TensorDataset(torch.randn(96, 4), torch.randn(96, 1)), batch_size=8, shuffle=True)"""),
+        textwrap.dedent("""\
+            %%resilient
+            from colab_resilience.integrations.lightning import ResilienceCallback
+            trainer = L.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_progress_bar=False,
+                                enable_checkpointing=False, enable_model_summary=False,
+                                callbacks=[ResilienceCallback(every_steps=5)])
+            trainer.fit(model, loader)"""),
+        "print('RESULT', model.total.compute().item(), model.total.update_count, trainer.callback_metrics['mse'].item(),\n"
+        "      model.net[0].weight.detach().numpy().tobytes().hex())",
+    )
+
+
+@pytest.mark.parametrize("fault", ["kill", "oom"])
+def test_a_modules_torchmetrics_metrics_come_back_with_the_fit(tmp_path, fault):
+    """A Lightning checkpoint holds the module's state_dict, which leaves its torchmetrics metrics'
+    states out: a sum over the fit came back reset after a kill (or kept the failed attempt's steps
+    after an OOM), and the fit said done. They go with each safe point, and the fit ends bit for bit
+    as its twin: the sum and its count of updates, the epoch's MSE, the weights."""
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: metrics_fit_notebook(fault, mark))
+    assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).startswith("RESULT ") and " 36 " in harness.result(nb), harness.result(nb)
