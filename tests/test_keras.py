@@ -234,6 +234,69 @@ def test_a_custom_training_loop_killed_or_out_of_memory_resumes_bit_identical(tm
     assert harness.result(nb).startswith("RESULT [(") and " 20 20 " in harness.result(nb)
 
 
+def fit_per_epoch_notebook(fault: str, mark, epoch: int = 2) -> "nbformat.NotebookNode":
+    """``model.fit(..., epochs=1)`` once per ``resume_range`` iteration on a model compiled with
+    Adam (its optimizer only the model holds), shuffled, with Dropout; ``--save model,hist``. One
+    fault (``fault``) at the end of ``epoch``, once."""
+    strike = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
+              "oom": "raise tf.errors.ResourceExhaustedError(None, None, 'OOM when allocating tensor with shape[8192,8192]')"}
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        "%%replay\nimport os, signal\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\n"
+        "import numpy as np, tensorflow as tf, keras\n"
+        f"MARK = {str(mark)!r}\n"
+        "keras.utils.set_random_seed(0)\ntf.config.experimental.enable_op_determinism()\n"
+        "X = np.random.default_rng(0).normal(size=(64, 4)).astype('float32')\nY = X @ np.ones((4, 1), 'float32')\n"
+        "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation='relu'),"
+        " keras.layers.Dropout(0.3), keras.layers.Dense(1)])\n"
+        "model.compile(optimizer=keras.optimizers.Adam(1e-2), loss='mse')\nhist = []",
+        "%%resilient --save model,hist\n"
+        "for epoch in resume_range(4):\n"
+        "    h = model.fit(X, Y, batch_size=16, epochs=1, shuffle=True, verbose=0)\n"
+        "    hist.append(h.history['loss'][0])\n"
+        f"    if epoch == {epoch} and not os.path.exists(MARK):\n"
+        f"        open(MARK, 'w').close(); {strike[fault]}\n",
+        "import hashlib\nprint('RESULT', hist, int(model.optimizer.iterations.numpy()), hashlib.sha256(b''.join("
+        "v.numpy().tobytes() for v in model.variables + model.optimizer.variables)).hexdigest())",
+    )
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("fault,epoch", [("kill", 2), ("oom", 2), ("oom", 0)],
+                         ids=["killed", "out-of-memory", "out-of-memory-in-the-first-epoch"])
+def test_a_compiled_model_fit_one_epoch_at_a_time_resumes_with_its_optimizer(tmp_path, fault, epoch):
+    """A model compiled with Adam and fitted one epoch per resume_range iteration, saved by its name:
+    its optimizer (moments, step count) is the model's alone, and was not saved: after a kill the
+    new kernel's fit went on with a fresh Adam (12 steps for 16) and the run said done. The
+    optimizer's variables go with the model's, and are assigned into the rebuilt model's optimizer
+    (built for it first). An OOM in the first epoch, where the safe point had it unbuilt, goes on in
+    a restarted kernel. Each ends bit for bit as its twin."""
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: fit_per_epoch_notebook(fault, mark, epoch))
+    train = harness.cell_text(nb.cells[2])
+    assert len(run.restarts) == (fault == "kill" or epoch == 0), train
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).startswith("RESULT [") and "] 16 " in harness.result(nb), harness.result(nb)
+
+
+def test_a_compiled_model_restored_into_one_not_compiled_is_refused_in_one_line(tmp_path):
+    """Saved compiled (with its optimizer), restored into the same architecture left uncompiled: one
+    line saying what to do, and nothing assigned."""
+    from colab_resilience.checkpoints import keras_state
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    model.fit(np.ones((4, 4), "float32"), np.ones((4, 2), "float32"), verbose=0)
+    state = keras_state.state_dict(model)
+    assert len(state["optimizer"]["values"]) == len(model.optimizer.variables)
+    other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    before = values(other.variables)
+    with pytest.raises(CheckpointError) as e:
+        keras_state.load("model", other, state, {}, restore_layers=lambda: None)
+    assert str(e.value) == ("colab_resilience: cannot restore 'model': the Keras model was saved compiled, with its "
+                            "optimizer, and is not compiled now; compile it in a %%replay cell as it was compiled")
+    assert values(other.variables) == before
+
+
 def test_the_first_run_names_an_unsaved_keras_optimizer_and_a_dataset_that_reshuffles(ip):
     """An optimizer the loop steps without --save, and a tf.data pipeline that shuffles anew each
     epoch (each epoch's order follows from the iterations before it, which no checkpoint holds):

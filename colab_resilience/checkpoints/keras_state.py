@@ -11,6 +11,8 @@ holds it, a ``tf.function`` traced over its variables among them, sees the resto
   ``SeedGenerator``s: the randomness of ``Dropout``). One the set-up cells leave unbuilt (a
   ``Sequential`` without an ``Input``, built by its first call) is built from the saved build
   config first.
+- A compiled model (``model.compile(optimizer=...)``, trained by ``fit`` one epoch at a time in a
+  ``resume_range`` loop): its optimizer's variables too, as below; only the model holds it.
 - An optimizer: every variable (its step count, learning rate, moments). One the set-up cells
   leave unbuilt (its variables are made by its first step) is built first for the variables it was
   built for: those of the Keras models of the notebook with the same paths (or, where the paths
@@ -71,6 +73,9 @@ def state_dict(value: Any) -> dict[str, Any]:
     }
     if what == "layer":
         state["build"] = value.get_build_config() if value.built else None
+        optimizer = compiled_optimizer(value)
+        if optimizer is not None:  # model.compile(optimizer=...): fit steps it, and only the model holds it
+            state["optimizer"] = state_dict(optimizer)
     elif what == "optimizer":
         built_for = list(getattr(value, "_trainable_variables", None) or []) if value.built else []
         state["built_for"] = [v.path for v in built_for]
@@ -111,8 +116,34 @@ def load(name: str, target: Any, state: Mapping[str, Any], namespace: Mapping[st
     problem = _mismatch(name, what, state["paths"], state["values"], variables)
     if problem:
         raise CheckpointError(problem)
+    optimizer = state.get("optimizer")
+    if isinstance(optimizer, Mapping):
+        now = compiled_optimizer(target)
+        if now is None:
+            raise CheckpointError(f"colab_resilience: cannot restore {name!r}: the Keras model was saved compiled, "
+                                  "with its optimizer, and is not compiled now; compile it in a %%replay cell as it "
+                                  "was compiled")
+        # checked before anything is assigned where it is as built as it was (one to build for the
+        # model is checked once built; one built since the safe point: BuiltSinceError, in load)
+        if bool(now.built) == bool(optimizer.get("built_for")):
+            problem = _mismatch(f"{name}.optimizer", "optimizer", optimizer["paths"], optimizer["values"],
+                                list(now.variables))
+            if problem:
+                raise CheckpointError(problem)
     for variable, value in zip(variables, state["values"]):
         variable.assign(value)
+    if isinstance(optimizer, Mapping):  # the model's variables are its own now: build for them, assign
+        load(f"{name}.optimizer", compiled_optimizer(target), optimizer, {**namespace, name: target},
+             restore_layers=lambda: None)
+
+
+def compiled_optimizer(model: Any) -> Any:
+    """The Keras optimizer ``model.compile`` gave ``model``, or None."""
+    try:
+        optimizer = getattr(model, "optimizer", None)
+    except Exception:
+        return None
+    return optimizer if kind(optimizer) == "optimizer" else None
 
 
 def _built_for(name: str, state: Mapping[str, Any], namespace: Mapping[str, Any]) -> list:
