@@ -162,6 +162,21 @@ def test_a_keras_variable_of_another_shape_stops_the_restore_in_one_line_and_ass
     assert values(other.variables) == before
 
 
+# the line that strikes once: a SIGKILL of the kernel, or TensorFlow's out-of-memory error
+_STRIKE = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
+           "oom": "raise tf.errors.ResourceExhaustedError(None, None, 'OOM when allocating tensor with shape[8192,8192]')"}
+
+
+def _setup(mark) -> str:
+    """The start of a %%replay cell for :data:`_STRIKE`: TensorFlow quiet, seeded and
+    deterministic, the mark, the data (``X``, ``Y``)."""
+    return ("%%replay\nimport os, signal\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\n"
+            "import numpy as np, tensorflow as tf, keras\n"
+            f"MARK = {str(mark)!r}\n"
+            "keras.utils.set_random_seed(0)\ntf.config.experimental.enable_op_determinism()\n"
+            "X = np.random.default_rng(0).normal(size=(64, 4)).astype('float32')\nY = X @ np.ones((4, 1), 'float32')\n")
+
+
 def custom_loop_notebook(fault: str, mark, epoch: int = 2, built: bool = False) -> "nbformat.NotebookNode":
     """A custom training loop as TensorFlow's guide writes it: a Sequential without an Input, Adam,
     a `keras.metrics.Mean`, a `tf.function` train step over a `tf.data` pipeline (batched, not
@@ -169,15 +184,9 @@ def custom_loop_notebook(fault: str, mark, epoch: int = 2, built: bool = False) 
     `--save model,opt,loss_mean,steps,history`. One fault (`fault`: a SIGKILL, TensorFlow's
     ResourceExhaustedError) at the end of ``epoch``, once. ``built``: the model has an Input and
     the optimizer is built in the set-up cell."""
-    strike = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
-              "oom": "raise tf.errors.ResourceExhaustedError(None, None, 'OOM when allocating tensor with shape[8192,8192]')"}
     return harness.notebook(
         "%load_ext colab_resilience",
-        "%%replay\nimport os, signal\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\n"
-        "import numpy as np, tensorflow as tf, keras\n"
-        f"MARK = {str(mark)!r}\n"
-        "keras.utils.set_random_seed(0)\ntf.config.experimental.enable_op_determinism()\n"
-        "X = np.random.default_rng(0).normal(size=(64, 4)).astype('float32')\nY = X @ np.ones((4, 1), 'float32')\n"
+        _setup(mark) +
         "ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16)\n"
         f"model = keras.Sequential([{'keras.Input((4,)), ' if built else ''}keras.layers.Dense(16, activation='relu'),"
         " keras.layers.Dropout(0.3), keras.layers.Dense(1)])\n"
@@ -198,7 +207,7 @@ def custom_loop_notebook(fault: str, mark, epoch: int = 2, built: bool = False) 
         "        train_step(x, y)\n"
         "    history.append((float(loss_mean.result()), float(keras.random.uniform(()))))\n"
         f"    if epoch == {epoch} and not os.path.exists(MARK):\n"
-        f"        open(MARK, 'w').close(); {strike[fault]}\n",
+        f"        open(MARK, 'w').close(); {_STRIKE[fault]}\n",
         "import hashlib\nprint('RESULT', history, int(opt.iterations.numpy()), int(steps.numpy()), hashlib.sha256(b''.join("
         "v.numpy().tobytes() for v in model.variables + opt.variables)).hexdigest())",
     )
@@ -238,15 +247,9 @@ def fit_per_epoch_notebook(fault: str, mark, epoch: int = 2) -> "nbformat.Notebo
     """``model.fit(..., epochs=1)`` once per ``resume_range`` iteration on a model compiled with
     Adam (its optimizer only the model holds), shuffled, with Dropout; ``--save model,hist``. One
     fault (``fault``) at the end of ``epoch``, once."""
-    strike = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
-              "oom": "raise tf.errors.ResourceExhaustedError(None, None, 'OOM when allocating tensor with shape[8192,8192]')"}
     return harness.notebook(
         "%load_ext colab_resilience",
-        "%%replay\nimport os, signal\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\n"
-        "import numpy as np, tensorflow as tf, keras\n"
-        f"MARK = {str(mark)!r}\n"
-        "keras.utils.set_random_seed(0)\ntf.config.experimental.enable_op_determinism()\n"
-        "X = np.random.default_rng(0).normal(size=(64, 4)).astype('float32')\nY = X @ np.ones((4, 1), 'float32')\n"
+        _setup(mark) +
         "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation='relu'),"
         " keras.layers.Dropout(0.3), keras.layers.Dense(1)])\n"
         "model.compile(optimizer=keras.optimizers.Adam(1e-2), loss='mse')\nhist = []",
@@ -255,7 +258,7 @@ def fit_per_epoch_notebook(fault: str, mark, epoch: int = 2) -> "nbformat.Notebo
         "    h = model.fit(X, Y, batch_size=16, epochs=1, shuffle=True, verbose=0)\n"
         "    hist.append(h.history['loss'][0])\n"
         f"    if epoch == {epoch} and not os.path.exists(MARK):\n"
-        f"        open(MARK, 'w').close(); {strike[fault]}\n",
+        f"        open(MARK, 'w').close(); {_STRIKE[fault]}\n",
         "import hashlib\nprint('RESULT', hist, int(model.optimizer.iterations.numpy()), hashlib.sha256(b''.join("
         "v.numpy().tobytes() for v in model.variables + model.optimizer.variables)).hexdigest())",
     )
