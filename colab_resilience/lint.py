@@ -289,13 +289,6 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
                   if f[1] is None or not any(o.split(" ", 1)[0] == f[1] for o in stateful)]
     if generators:
         lines.append(_loader_generators_line(generators))
-    after = read_after_loop(tree, saved)
-    if after:
-        lines.append(
-            f"colab_resilience: {', '.join(after)} {'is' if len(after) == 1 else 'are'} set inside a resume_range "
-            "loop and read after it without --save: a run resumed after the loop's last safe point would not have "
-            f"{'it' if len(after) == 1 else 'them'}; add {'it' if len(after) == 1 else 'them'} to --save"
-        )
     if in_plain_loops(tree):
         lines.append(
             "colab_resilience: a resume_range loop runs inside a plain for or while loop: after a rollback or a "
@@ -1188,6 +1181,12 @@ def file_writes(codes: list[ast.AST], tree: ast.AST) -> tuple[list[str], list[st
         above += [_shown_path(n) for n in ast.walk(stmt) if _file_write(n) and _file_path(n) is not None
                   and ast.unparse(_file_path(n)) in paths and _shown_path(n) not in above]
     return list(dict.fromkeys(_shown_path(n) for n in appends)), above
+
+
+def set_in_loops_read_after(shell, body: str, saved: list[str]) -> list[str]:
+    """:func:`read_after_loop` of a cell's code (nothing where it does not parse)."""
+    tree = _parse(shell, body)
+    return read_after_loop(tree, saved) if tree is not None else []
 
 
 def read_after_loop(tree: ast.AST, saved: list[str]) -> list[str]:

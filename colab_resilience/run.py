@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections import ChainMap
@@ -118,6 +119,33 @@ def left_values(shell, body: str, names: list[str]) -> dict:
             size += more
             kept[name] = ns[name]
     return kept
+
+
+AFTER_LOOP_BUDGET = 1 << 20  # bytes of one value a loop sets and the code after it reads, kept unasked
+
+
+def after_loop_refusal(value) -> str | None:
+    """None where ``value`` (set in a loop, read after it) is kept with each checkpoint without
+    ``--save``: a number, a string, a small tensor or array (a loss), small plain data; else what
+    it is, for the line that says it is not kept."""
+    from .checkpoints.codec import Encoder, json_bytes
+
+    if value is None or isinstance(value, (bool, int, float, complex, str)):
+        return None
+    nbytes = getattr(value, "nbytes", None)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.is_sparse or value.is_nested:  # kept only as plain dense tensors
+            return f"a {type(value).__name__}"
+        nbytes = value.numel() * value.element_size()
+    kind = type(value).__module__.split(".")[0]
+    if kind in ("torch", "numpy", "jax", "jaxlib") and isinstance(nbytes, int):
+        return None if nbytes <= AFTER_LOOP_BUDGET else f"a {type(value).__name__} of {nbytes / 2**20:.1f} MiB"
+    try:
+        size = len(json_bytes(Encoder(leaves=False).encode(value)))
+    except Exception:  # not plain data (NotPlainError), or what encoding it raised
+        return f"a {type(value).__name__}"
+    return None if size <= AFTER_LOOP_BUDGET else f"a {type(value).__name__} of {size / 2**20:.1f} MiB"
 
 
 def put_back_left(ckpt: Checkpoint, namespace: MutableMapping) -> list[str]:
@@ -280,9 +308,11 @@ class Run:
             put_back_shrunk(self.shell.user_ns, j.shrink)
         merge_replay_cells(j.replay_cells, setup_cells)
         j.save()
-        from .lint import kept_objects
+        from .lint import kept_objects, set_in_loops_read_after
 
         self.kept = kept_objects(self.shell, self.body, self.names, [c.source for c in j.replay_cells])
+        # a loss set in the loop and printed after it: kept with each checkpoint where it is small
+        self.after_loop = set_in_loops_read_after(self.shell, self.body, self.names)
 
     def _restore(self, where: str) -> tuple[Checkpoint, list[str]] | None:
         """Restore the last safe point's declared names (not yet its random state) and what a
@@ -299,8 +329,8 @@ class Run:
             # value (a best_lr the first loop found) is bound now, for the code before that
             later = [n for n in self.names if n not in ns and n in self._made_by_cell()
                      and ckpt.kinds.get(n) in ("state_dict", "pytree")] if where == "the loop" else []
-            restored = ckpt.restore(ns, [n for n in ckpt.names if n in self.names and n not in later], rng=False,
-                                    strict=True, in_place=self.kept)
+            restored = ckpt.restore(ns, [n for n in ckpt.names if (n in self.names or n in self.after_loop)
+                                         and n not in later], rng=False, strict=True, in_place=self.kept)
         except NoCheckpointError:
             self.say(f"colab_resilience: run {self.run_id}: no checkpoint yet, {where} starts from the beginning")
             self.resuming = False
@@ -577,6 +607,7 @@ class Run:
                 f"colab_resilience: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not defined at "
                 "this safe point; the checkpoint holds the other names"
             )
+        after_loop = self._kept_after_loop(ns)
         meta = {"loops": [list(p) for p in position], "carried": carried.snapshot(ns, present), "end": end,
                 "where": where}
         if end:
@@ -586,12 +617,35 @@ class Run:
         info = (where, _integers({n: shrink_value(ns, n) for n in self.shrink}), faults.count())
         # a value that cannot be saved stops the cell here (UnsaveableValueError), before anything
         # is written; a checkpoint that cannot be written is said, and the run goes on
-        saved = present + ([LOOP_RNG] if rngs else []) + list(self.extras)
+        saved = present + after_loop + ([LOOP_RNG] if rngs else []) + list(self.extras)
         if not self.saver.save(namespace, saved, meta=meta, info=info, durable=end, kept=self.kept):
             return
         self._last_save = time.monotonic()
         self._saved_point = self.safe_points
         self._names_at_checkpoint = set(ns)
+
+    def _kept_after_loop(self, ns: Mapping) -> list[str]:
+        """The names a ``resume_range`` loop sets and the code after it reads, without ``--save``
+        (``print(epoch, loss.item())`` below an inner loop), that this checkpoint keeps: a run
+        resumed at the loop's end has them as the uninterrupted run had. Only small values (a
+        number, a loss tensor: :func:`after_loop_refusal`); one line, once, names any other."""
+        kept, refused = [], []
+        for n in self.after_loop:
+            if n not in ns:
+                continue
+            why = after_loop_refusal(ns[n])
+            if why is None:
+                kept.append(n)
+            elif n not in self._said:
+                self._said.add(n)
+                refused.append(f"{n} ({why})")
+        if refused:
+            self.say(
+                f"colab_resilience: {', '.join(refused)} {'is' if len(refused) == 1 else 'are'} set inside a "
+                "resume_range loop and read after it, and too large or not plain enough to keep with each checkpoint "
+                "without --save: a run resumed after the loop's last safe point would not have "
+                f"{'it' if len(refused) == 1 else 'them'}; add {'it' if len(refused) == 1 else 'them'} to --save")
+        return kept
 
     def _durable(self, report, info: tuple[str | None, dict[str, int], int]) -> None:
         """A checkpoint is on disk and ``LATEST`` names it: the journal says so (on the persisting

@@ -490,6 +490,60 @@ def test_a_saved_generator_the_code_above_an_inner_loop_draws_from_draws_what_it
     assert harness.result(nb) == harness.result(twin)
 
 
+def _read_after_inner_loop_notebook(fault: str, mark):
+    """Epochs of minibatches (both resume_range loops); below the inner loop, the last minibatch's
+    loss (``loss``, a tensor) and a count the inner loop sets (``seen``) are read, neither in
+    --save. One fault below the inner loop of epoch 2, once: the last safe point is the inner
+    loop's end."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        _setup(mark) +  # checkpoints written as they are taken: the inner loop's last is on disk at the fault
+        "%config ResilienceMagics.staging_memory = 'off'\n"
+        "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.05)\n"
+        "X, Y = torch.randn(64, 4), torch.randn(64, 1)\nhistory = []",
+        "%%resilient --save model,opt,history\n"
+        "for epoch in resume_range(4):\n"
+        "    for i in resume_range(0, 64, 16):\n"
+        "        loss = ((model(X[i:i+16]) - Y[i:i+16]) ** 2).mean()\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()\n"
+        "        seen = i + 16\n"
+        "    if epoch == 2 and not os.path.exists(MARK):\n"
+        f"        open(MARK, 'w').close(); {_FAULTS[fault]}\n"
+        "    history.append((epoch, seen, loss.item()))\n",
+        "print('RESULT', history, model.weight.detach().numpy().tobytes().hex())",
+    )
+
+
+@pytest.mark.parametrize("fault", ["kill", "oom"])
+def test_a_value_the_inner_loop_sets_and_the_code_below_it_reads_is_kept(tmp_path, fault):
+    """``history.append(loss.item())`` below the inner loop, ``loss`` not in --save: a run killed
+    there resumed at the inner loop's end in a new kernel, where ``loss`` did not exist
+    (NameError), after a line at the first run. A small value (a loss tensor, a count) set in a
+    loop and read after it goes with each checkpoint unasked, and the run ends as its twin."""
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _read_after_inner_loop_notebook(fault, mark))
+    assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
+    if fault == "kill":
+        assert "resumed at iteration 2 (its inner loop done)" in harness.cell_text(nb.cells[2]), nb.cells[2]
+    assert "colab_resilience:" not in harness.cell_text(twin.cells[2]), harness.cell_text(twin.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).startswith("RESULT [(0, 64, ")
+
+
+def test_a_value_set_in_the_loop_and_read_after_it_too_large_to_keep_unasked_is_named_once(ip, tmp_path, capsys):
+    """A 1.5 MiB tensor set in the loop and read after it is not kept unasked with each checkpoint:
+    one line, at the first safe point that finds it, says so and what to do; a small one is kept
+    and named nowhere."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    capsys.readouterr()
+    r = ip.run_cell("%%resilient\nimport torch\nfor step in resume_range(3):\n"
+                    "    big = torch.zeros(3 * 2**17)\n    small = torch.ones(2)\nprint(big.shape, small.sum())\n")
+    assert r.success, r.error_in_exec
+    lines = [line for line in capsys.readouterr().out.splitlines() if "read after it" in line]
+    assert lines == ["colab_resilience: big (a Tensor of 1.5 MiB) is set inside a resume_range loop and read after it, "
+                     "and too large or not plain enough to keep with each checkpoint without --save: a run resumed "
+                     "after the loop's last safe point would not have it; add it to --save"], lines
+
+
 def _train_function_notebook(fault: str, mark):
     """The loop in a function a %%replay cell defines (``train(epochs)``), which the %%resilient
     cell calls; early stopping whose state it declares global, saved. One fault (a SIGKILL or an
@@ -882,7 +936,7 @@ def test_the_first_run_of_a_cell_names_what_would_make_a_resume_differ(ip, tmp_p
     assert r.success, r.error_in_exec
     out = capsys.readouterr().out
     assert "the resume_range loop carries total from one iteration to the next without --save" in out
-    assert "loss is set inside a resume_range loop and read after it without --save" in out
+    assert "read after it" not in out  # a small loss is kept with each checkpoint
     assert "gradients accumulate across resume_range iterations" in out
 
 

@@ -238,7 +238,7 @@ def test_only_installed_modules_are_offered_to_the_standby(tmp_path, monkeypatch
     (tmp_path / "fakecuda" / "__init__.py").write_text("")
     (tmp_path / "fakecuda" / "autoinit.py").write_text("")
     code = textwrap.dedent(f"""
-        import sys
+        import json, sys
         sys.path.insert(0, {str(tmp_path)!r})
         from colab_resilience import standby
         [(env, first, untouched)] = standby.new_modules()
