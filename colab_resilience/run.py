@@ -26,7 +26,7 @@ import threading
 import time
 from collections import ChainMap
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping, MutableMapping
+from typing import Callable, Collection, Iterable, Iterator, Mapping, MutableMapping
 
 from . import carried, faults, fsutil, loops, memory, restart
 from .checkpoints import Checkpoint, CheckpointStore, capture_rng, restore_rng
@@ -119,6 +119,21 @@ def left_values(shell, body: str, names: list[str]) -> dict:
             size += more
             kept[name] = ns[name]
     return kept
+
+
+def whole_modules(ns: Mapping, names: list[str], kept: Collection[str]) -> list[str]:
+    """The saved torch modules a restore binds rather than loads a state dict into: those a loop
+    binds anew (not ``kept``: ``best = copy.deepcopy(model)``, made in the loop, which no set-up
+    cell rebuilds, so that after a restart no object of the name exists to load into), and whose
+    parameters no saved optimizer steps (``model = model.to(device)`` in the loop must stay the
+    module the optimizer holds)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    stepped = {id(p) for n in names if isinstance(ns.get(n), torch.optim.Optimizer)
+               for group in ns[n].param_groups for p in group["params"]}
+    return [n for n in names if n not in kept and isinstance(ns.get(n), torch.nn.Module)
+            and not any(id(p) in stepped for p in ns[n].parameters())]
 
 
 AFTER_LOOP_BUDGET = 1 << 20  # bytes of one value a loop sets and the code after it reads, kept unasked
@@ -618,7 +633,8 @@ class Run:
         # a value that cannot be saved stops the cell here (UnsaveableValueError), before anything
         # is written; a checkpoint that cannot be written is said, and the run goes on
         saved = present + after_loop + ([LOOP_RNG] if rngs else []) + list(self.extras)
-        if not self.saver.save(namespace, saved, meta=meta, info=info, durable=end, kept=self.kept):
+        if not self.saver.save(namespace, saved, meta=meta, info=info, durable=end, kept=self.kept,
+                               whole=whole_modules(ns, present, self.kept)):
             return
         self._last_save = time.monotonic()
         self._saved_point = self.safe_points

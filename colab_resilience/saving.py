@@ -107,14 +107,15 @@ class Saver:
         return self._in_flight is not None and not self._in_flight.done()
 
     def save(self, namespace: Mapping[str, Any], names: Sequence[str], *, meta: dict, info: Any,
-             durable: bool = False, kept: Collection[str] = ()) -> bool:
+             durable: bool = False, kept: Collection[str] = (), whole: Collection[str] = ()) -> bool:
         """Save at a safe point: True once the snapshot is taken (the checkpoint is on disk when
         this returns only with ``durable``), False when the safe point is not saved: the
         previous persist is still writing (``when_busy="skip"``) or this save failed (said).
         Raises what :meth:`CheckpointStore.snapshot` raises for the values themselves
         (:class:`UnsaveableValueError`, an out-of-memory error). ``kept``: the names a restore
         puts into the objects they hold (:func:`.checkpoints.restore.into`); a list or a notebook
-        object among them keeps the objects it holds, which are then not cut off from other names."""
+        object among them keeps the objects it holds, which are then not cut off from other names.
+        ``whole``: the modules saved whole (see :func:`.checkpoints.values.prepare`)."""
         if self.busy:
             if self.when_busy == "skip" and not durable:
                 self.stats.skipped += 1
@@ -136,7 +137,7 @@ class Saver:
             # a thread of its own and staging memory would take address space the limit counts
             self.go_synchronous("the address space is limited (ulimit -v)")
         try:
-            snap = self.store.snapshot(namespace, names, meta=meta, strict=True, staging=self.staging)
+            snap = self.store.snapshot(namespace, names, meta=meta, strict=True, staging=self.staging, whole=whole)
         except (UnsaveableValueError, MissingNameError):
             raise
         except CheckpointError as e:

@@ -544,6 +544,43 @@ def test_a_value_set_in_the_loop_and_read_after_it_too_large_to_keep_unasked_is_
                      "after the loop's last safe point would not have it; add it to --save"], lines
 
 
+def _best_copy_notebook(fault: str, mark):
+    """Early stopping's best model, a ``copy.deepcopy(model)`` the loop makes when the validation
+    loss improves, in --save with the best loss. One fault in epoch 3, once."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        _setup(mark) +
+        "import copy\nmodel = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))\n"
+        "opt = torch.optim.Adam(model.parameters(), lr=0.01)\nX, Y = torch.randn(64, 4), torch.randn(64, 1)\n"
+        "best_val = float('inf')",
+        "%%resilient --save model,opt,best_val,best_model\n"
+        "for epoch in resume_range(6):\n"
+        "    for i in range(0, 64, 16):\n"
+        "        loss = ((model(X[i:i+16]) - Y[i:i+16]) ** 2).mean()\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()\n"
+        "    val = ((model(X) - Y) ** 2).mean().item()\n"
+        "    if val < best_val:\n"
+        "        best_val, best_model = val, copy.deepcopy(model)\n"
+        "    if epoch == 3 and not os.path.exists(MARK):\n"
+        f"        open(MARK, 'w').close(); {_FAULTS[fault]}\n",
+        "print('RESULT', best_val, best_model.training, best_model[0].weight is model[0].weight,\n"
+        "      best_model[0].weight.detach().numpy().tobytes().hex(), model[0].weight.detach().numpy().tobytes().hex())",
+    )
+
+
+@pytest.mark.parametrize("fault", ["kill", "oom"])
+def test_a_model_copy_the_loop_makes_comes_back_whole(tmp_path, fault):
+    """``best_model = copy.deepcopy(model)`` in the loop, in --save as the first run asks: saved by
+    its state dict, it could not be restored after a restart (no set-up cell makes an object of that
+    name to load it into), and the run stopped. A module the loop binds anew, whose parameters no
+    saved optimizer steps, is saved whole and bound again; the run ends bit for bit as its twin,
+    the copy apart from the model."""
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _best_copy_notebook(fault, mark))
+    assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+    assert " True False " in harness.result(nb), harness.result(nb)
+
+
 def _train_function_notebook(fault: str, mark):
     """The loop in a function a %%replay cell defines (``train(epochs)``), which the %%resilient
     cell calls; early stopping whose state it declares global, saved. One fault (a SIGKILL or an

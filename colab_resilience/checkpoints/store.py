@@ -20,7 +20,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from .. import signing
 from ..errors import (
@@ -139,13 +139,14 @@ class CheckpointStore:
 
     def snapshot(
         self, namespace: Mapping[str, Any], names: Sequence[str], *, meta: dict | None = None,
-        strict: bool = False, staging: Staging | None = None,
+        strict: bool = False, staging: Staging | None = None, whole: Collection[str] = (),
     ) -> Snapshot:
         """The first half of a save, taken while training waits: every value prepared, the RNG
         states captured, the live bytes copied into ``staging`` where they fit, and the values
         that do not fit written through (their files flushed later). What is left
         (:meth:`persist`) reads nothing the training may write, and may run on another thread;
-        one persist at a time per store. Raises what :meth:`save` raises."""
+        one persist at a time per store. ``whole``: modules saved whole, not by their state dict
+        (see :func:`.values.prepare`). Raises what :meth:`save` raises."""
         start = time.perf_counter()
         if isinstance(names, str):
             names = [names]
@@ -178,7 +179,7 @@ class CheckpointStore:
             try:
                 for name in names:
                     try:
-                        p = values.prepare(name, namespace[name], device_copy, shared)
+                        p = values.prepare(name, namespace[name], device_copy, shared, whole=name in whole)
                         values.no_cycle(p, prepared, namespace)
                     except UnsaveableValueError as e:
                         if strict:

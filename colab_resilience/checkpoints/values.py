@@ -205,12 +205,23 @@ def _has_state(obj: Any) -> bool:
     return holds_state(obj)
 
 
-def prepare(name: str, value: Any, device_copy=None, shared: Shared | None = None) -> Prepared:
+def prepare(name: str, value: Any, device_copy=None, shared: Shared | None = None, *, whole: bool = False) -> Prepared:
     """The blob for ``value``, saved under ``name``; raises UnsaveableValueError, whatever
     inspecting or encoding the value raised, except an out-of-memory error (and KeyboardInterrupt
     or SystemExit), which propagates as it is. ``device_copy``: how CUDA tensors are copied to
     the host (see :func:`.tensorfile.payload`); ``shared``: what the other names of the save hold
-    (a pickle refers to them)."""
+    (a pickle refers to them). ``whole``: a torch module is pickled whole, not saved by its state
+    dict, for a restore that binds it (a ``best = copy.deepcopy(model)`` the loop makes: no object
+    of that name exists to load a state dict into after a restart)."""
+    torch = sys.modules.get("torch")
+    if whole and torch is not None and isinstance(value, torch.nn.Module):
+        try:
+            return encode(name, "value", type_name(value), value, device_copy=device_copy, shared=shared)
+        except UnsaveableValueError:
+            raise
+        except Exception as e:
+            _unless_oom(e)
+            raise unsaveable(name, value, f"looking at it raised {first_line(e)}") from None
     try:
         return _prepare(name, value, device_copy, shared)
     except UnsaveableValueError:
