@@ -771,8 +771,10 @@ def _reads_not_changing(stmt: ast.stmt, namespace=None) -> list[str]:
         receiver = stmt.value.func.value
         while isinstance(receiver, (ast.Subscript, ast.Attribute)):
             receiver = receiver.value
-        if isinstance(receiver, ast.Name) and (_changes_in_place(stmt.value.func.attr) or not (
-                namespace is None or receiver.id not in namespace or is_generator(namespace[receiver.id]))):
+        # a method of an object of the notebook (not of a generator: it draws), or one changing it
+        of_object = (isinstance(receiver, ast.Name) and namespace is not None and receiver.id in namespace
+                     and not is_generator(namespace[receiver.id]))
+        if isinstance(receiver, ast.Name) and (of_object or _changes_in_place(stmt.value.func.attr)):
             return [n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
                     and n is not receiver]
     return [n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
