@@ -121,6 +121,60 @@ def test_a_keras_model_optimizer_and_metric_in_save_are_restored_into_the_rebuil
 
 
 
+def test_keras_models_and_optimizers_in_a_dict_or_list_are_restored_into_the_rebuilt_ones(tmp_path):
+    """`nets = {"a": ..., "b": ...}` and `opts` as a dict or list over them (unbuilt: built by their
+    first step), saved: each Keras object is saved by its variables in the pickle's place of it and
+    assigned into the object in that place at the restore, built first (the optimizer for the
+    variables of the models in the dict): the same dicts, the same objects, the saved values, and a
+    next step bit for bit as the saved ones'. Pickled whole, they came back new objects (a traced
+    step trained the old ones) and the optimizers without their moments and step counts."""
+    x, y = np.random.default_rng(0).normal(size=(2, 16, 4)).astype("float32")
+
+    def built():  # as a new kernel's set-up cell builds them: the same names, so the same variable paths
+        keras.backend.clear_session()
+        (ma, oa, _), (mb, ob, _) = loop_build(), loop_build()
+        return {"a": ma, "b": mb}, [oa, ob], keras.metrics.Mean()
+
+    nets, opts, metric = built()
+    for _ in range(3):
+        loop_step(nets["a"], opts[0], metric, x, y[:, :1])
+        loop_step(nets["b"], opts[1], metric, x * 2, y[:, :1])
+    store = CheckpointStore(tmp_path, run_id="keras", key=b"k" * 32)
+    store.save({"opts": opts, "nets": nets}, ["opts", "nets"], strict=True)
+
+    fresh = built()
+    assert not fresh[0]["a"].built and not fresh[1][0].built
+    ns = {"opts": fresh[1], "nets": fresh[0]}
+    objects = [fresh[0]["a"], fresh[0]["b"], *fresh[1]]
+    store.load().restore(ns, ["opts", "nets"])
+    assert ns["nets"] is fresh[0] and ns["opts"] is fresh[1]
+    assert [ns["nets"]["a"], ns["nets"]["b"], *ns["opts"]] == objects  # the same objects: a tf.function sees them
+    for a, b in zip([nets["a"], nets["b"], *opts], objects):
+        assert values(b.variables) == values(a.variables)  # weights, statistics, seed states, moments, steps
+    loop_step(nets["a"], opts[0], metric, x, y[:, :1])
+    loop_step(fresh[0]["a"], fresh[1][0], fresh[2], x, y[:, :1])
+    assert values(fresh[0]["a"].variables + fresh[1][0].variables) == values(nets["a"].variables + opts[0].variables)
+
+
+def test_a_keras_model_of_a_saved_dict_with_nothing_in_its_place_stops_the_restore_in_one_line(tmp_path):
+    """The dict restored where the name now holds one without that key (or nothing): one line that
+    says which Keras object found no place and what to do; never a placeholder bound."""
+    keras.backend.clear_session()
+    model, _, _ = loop_build()
+    model.build((None, 4))
+    store = CheckpointStore(tmp_path, run_id="keras", key=b"k" * 32)
+    store.save({"nets": {"a": model}}, ["nets"], strict=True)
+    for ns in ({"nets": {}}, {}):
+        with pytest.raises(CheckpointError) as e:
+            store.load().restore(ns, ["nets"])
+        message = str(e.value)
+        assert message == ("colab_resilience: cannot restore 'nets': it holds a Keras model or layer (sequential), "
+                           "saved by its variables, and no Keras model or layer is in its place now to take them; "
+                           "build 'nets' in a %%replay cell as it was built, and change it in the loop in place "
+                           "rather than binding it anew"), message
+        assert "nets" not in ns or ns["nets"] == {}
+
+
 def test_keras_global_seed_generator_goes_with_the_random_states_and_is_never_rolled_back_unmade():
     """`keras.random` without a seed draws from Keras's global seed generator: its state goes with
     the random states, and a restore puts it back (a custom loop drew anew after a kill). Made
@@ -242,6 +296,52 @@ def test_a_custom_training_loop_killed_or_out_of_memory_resumes_bit_identical(tm
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(nb).startswith("RESULT [(") and " 20 20 " in harness.result(nb)
 
+
+
+def models_dict_notebook(fault: str, mark) -> "nbformat.NotebookNode":
+    """Two Keras models in a dict and their Adams in a dict (built in the set-up cell), one
+    ``tf.function`` step training both, Dropout; ``--save nets,opts,hist``. One fault (``fault``)
+    at the end of epoch 2, once."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        _setup(mark) +
+        "nets = {k: keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation='relu'),"
+        " keras.layers.Dropout(0.3), keras.layers.Dense(1)]) for k in 'ab'}\n"
+        "opts = {k: keras.optimizers.Adam(1e-2) for k in nets}\n"
+        "for k in nets: opts[k].build(nets[k].trainable_variables)\n"
+        "@tf.function\ndef step(x, y):\n"
+        "    for k in ('a', 'b'):\n"
+        "        with tf.GradientTape() as tape:\n"
+        "            loss = tf.reduce_mean((nets[k](x, training=True) - y) ** 2)\n"
+        "        grads = tape.gradient(loss, nets[k].trainable_variables)\n"
+        "        opts[k].apply_gradients(zip(grads, nets[k].trainable_variables))\n"
+        "hist = []",
+        "%%resilient --save nets,opts,hist\n"
+        "for epoch in resume_range(4):\n"
+        "    for i in range(0, 64, 16):\n"
+        "        step(X[i:i+16], Y[i:i+16])\n"
+        "    hist.append(float(np.sum(nets['a'].layers[0].kernel.numpy())))\n"
+        "    if epoch == 2 and not os.path.exists(MARK):\n"
+        f"        open(MARK, 'w').close(); {_STRIKE[fault]}\n",
+        "import hashlib\nprint('RESULT', hist, [int(o.iterations.numpy()) for o in opts.values()], hashlib.sha256(b''.join("
+        "v.numpy().tobytes() for k in nets for v in nets[k].variables + opts[k].variables)).hexdigest())",
+    )
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("fault", ["kill", "oom"], ids=["killed", "out-of-memory"])
+def test_keras_models_and_optimizers_in_dicts_resume_bit_identical(tmp_path, fault):
+    """Models and optimizers saved in dicts, trained by a traced step that reads them from the
+    dicts: pickled whole, they came back new objects: after an out-of-memory rollback the traced
+    step went on training the old models while the dict held copies that no longer trained, and
+    after a kill the optimizers had lost their moments and step counts, each run saying done with
+    another result. Each Keras object is now saved by its variables and assigned into the one in
+    its place; the run ends bit for bit as its twin."""
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: models_dict_notebook(fault, mark))
+    train = harness.cell_text(nb.cells[2])
+    assert len(run.restarts) == (fault == "kill"), train
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).startswith("RESULT [") and "[16, 16]" in harness.result(nb), harness.result(nb)
 
 def fit_per_epoch_notebook(fault: str, mark, epoch: int = 2) -> "nbformat.NotebookNode":
     """``model.fit(..., epochs=1)`` once per ``resume_range`` iteration on a model compiled with

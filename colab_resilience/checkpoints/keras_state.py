@@ -19,6 +19,14 @@ holds it, a ``tf.function`` traced over its variables among them, sees the resto
   differ, the one model whose trainable variables have the same shapes).
 - A metric (``keras.metrics.Mean``): its variables (a running mean within an epoch).
 
+A Keras object inside a pickled value (``nets = {"a": model_a, "b": model_b}`` and their optimizers
+in a dict, a model in a list or in an object of the notebook's class) is saved the same way, by
+its variables, in the pickle's place of it (:class:`Saved`), and assigned at the restore into the
+object in that place then (:func:`~colab_resilience.checkpoints.restore.into`). Pickled whole, it
+came back a new object: a rolled-back ``tf.function`` went on training the old one, and the
+optimizer lost its moments and step count. With no Keras object of its kind in that place (the
+name bound anew, the dict without that key), the restore stops in one line.
+
 A variable of another shape or dtype than the saved one stops the restore in one line, and
 nothing is assigned. One saved unbuilt (at a safe point before the model's first call) and built
 now (an out-of-memory error in the first iteration, retried in the kernel) raises
@@ -39,6 +47,11 @@ def _keras():
     if keras is None or not (hasattr(keras, "Layer") and hasattr(keras, "optimizers") and hasattr(keras, "metrics")):
         return None  # Keras 2 (tf.keras of old) has none of this API: not handled
     return keras
+
+
+def loaded() -> bool:
+    """Whether Keras (3) is imported: only then can a value hold a Keras object."""
+    return _keras() is not None
 
 
 def kind(value: Any) -> str | None:
@@ -137,6 +150,38 @@ def load(name: str, target: Any, state: Mapping[str, Any], namespace: Mapping[st
              restore_layers=lambda: None)
 
 
+class Saved:
+    """A Keras object of a pickled value, as its pickle holds it: its :func:`state_dict`, assigned
+    by :meth:`put` into the object in its place at the restore. ``holder``: the saved name whose
+    value holds it; ``namespace``, ``restore_layers``: as :func:`load` takes them."""
+
+    __slots__ = ("state", "holder", "namespace", "restore_layers", "placed")
+
+    def __init__(self, state: Mapping[str, Any], holder: str, namespace: Mapping[str, Any],
+                 restore_layers: Callable[[], None]):
+        self.state, self.holder, self.namespace, self.restore_layers = state, holder, namespace, restore_layers
+        self.placed = False
+
+    def put(self, target: Any) -> bool:
+        """Assign the saved variables into ``target``, a Keras object of the saved kind (raises
+        :class:`~colab_resilience.errors.CheckpointError` where they do not fit); False, with nothing
+        done, where ``target`` is not one."""
+        if kind(target) != self.state.get("keras"):
+            return False
+        load(self.holder, target, self.state, self.namespace, self.restore_layers)
+        self.placed = True
+        return True
+
+    def unplaced(self) -> str:
+        """The line that stops a restore where no Keras object took this one's variables."""
+        what = "model or layer" if self.state.get("keras") == "layer" else self.state.get("keras")
+        paths = self.state.get("paths") or []
+        named = f" ({paths[0].split('/')[0]})" if paths else ""
+        return (f"colab_resilience: cannot restore {self.holder!r}: it holds a Keras {what}{named}, saved by its "
+                f"variables, and no Keras {what} is in its place now to take them; build {self.holder!r} in a "
+                "%%replay cell as it was built, and change it in the loop in place rather than binding it anew")
+
+
 def compiled_optimizer(model: Any) -> Any:
     """The Keras optimizer ``model.compile`` gave ``model``, or None."""
     try:
@@ -152,8 +197,7 @@ def _built_for(name: str, state: Mapping[str, Any], namespace: Mapping[str, Any]
     shapes."""
     from ..errors import CheckpointError
 
-    layers = [v for k, v in list(namespace.items())
-              if isinstance(k, str) and not k.startswith("_") and kind(v) == "layer"]
+    layers = layers_of(namespace)
     by_path: dict[str, Any] = {}
     for layer in layers:
         for v in layer.trainable_variables:
@@ -171,6 +215,18 @@ def _built_for(name: str, state: Mapping[str, Any], namespace: Mapping[str, Any]
         f"colab_resilience: cannot restore {name!r}: the optimizer was built for the variables {shown}, and "
         f"{'no Keras model' if not alike else 'more than one Keras model'} of the notebook holds them now; build "
         f"the model in a %%replay cell and save it with the optimizer (--save model,{name})")
+
+
+def layers_of(namespace: Mapping[str, Any]) -> list:
+    """The Keras models and layers of the notebook: those its names hold, and those in the lists,
+    tuples and dicts its names hold (``nets = {"a": ..., "b": ...}``)."""
+    layers = []
+    for k, v in list(namespace.items()):
+        if not isinstance(k, str) or k.startswith("_"):
+            continue
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)
+        layers.extend(item for item in list(items) if kind(item) == "layer")
+    return layers
 
 
 def _mismatch(name: str, what: str, paths: list[str], values: list, now: list) -> str | None:

@@ -34,7 +34,7 @@ from ..errors import CheckpointCorruptError, CheckpointError, CheckpointWarning
 from . import blobs, codec, hashing, keras_state, pytree, tensorfile
 from .manifest import Entry, Manifest
 from .rng import generator_state, is_generator, restore_rng, set_generator_state
-from .values import REF, first_line, holds_state, type_name
+from .values import KERAS, REF, first_line, holds_state, type_name
 
 
 class LoadedBlob:
@@ -180,8 +180,10 @@ class Checkpoint:
             if e is None or e.kind in ("state_dict", "pytree") or n not in namespace:
                 continue
             target = namespace[n]
-            value = self._value(e, place=True, restoring=_Restoring(self, namespace, []))
-            if into(target, value) is target:
+            keras: list[keras_state.Saved] = []
+            value = self._value(e, place=True, restoring=_Restoring(self, namespace, []), keras=keras)
+            if into(target, value, keras=bool(keras)) is target:
+                _all_placed(keras)
                 done.append(n)
         return done
 
@@ -220,11 +222,18 @@ class Checkpoint:
             )
         return None
 
-    def _value(self, e: LoadedBlob, place: bool, *, private: bool = True, restoring: _Restoring | None = None) -> Any:
+    def _value(self, e: LoadedBlob, place: bool, *, private: bool = True, restoring: _Restoring | None = None,
+               keras: list | None = None) -> Any:
+        """The value of ``e``; the Keras objects its pickle holds (:class:`.keras_state.Saved`) are
+        appended to ``keras``."""
         got = e.take(private=private)
         if e.format == "pickle":
             try:
-                return _Unpickler(io.BytesIO(got[0]), e.name, restoring).load()
+                unpickler = _Unpickler(io.BytesIO(got[0]), e.name, restoring)
+                value = unpickler.load()
+                if keras is not None:
+                    keras.extend(unpickler.keras)
+                return value
             except CheckpointError:
                 raise
             except Exception as err:
@@ -271,11 +280,16 @@ class Checkpoint:
         if e.kind == "pytree":
             namespace[e.name] = pytree.restore_into(e.name, namespace[e.name], self._value(e, place=True))
             return
-        value = self._value(e, place=True, restoring=restoring)
-        if e.name in restoring.in_place and e.name in namespace:
-            namespace[e.name] = into(namespace[e.name], value)
-        elif not _generator_state_put_back(namespace.get(e.name), value):
-            namespace[e.name] = value
+        keras: list[keras_state.Saved] = []
+        value = self._value(e, place=True, restoring=restoring, keras=keras)
+        if keras and e.name in namespace:  # its Keras objects' variables go into those in their places
+            value = into(namespace[e.name], value, keras=True)
+        elif e.name in restoring.in_place and e.name in namespace:
+            value = into(namespace[e.name], value)
+        elif _generator_state_put_back(namespace.get(e.name), value):
+            return
+        _all_placed(keras)
+        namespace[e.name] = value
 
 
 class _Restoring:
@@ -305,7 +319,8 @@ class _Restoring:
         """Restore the Keras models and layers of this restore now, ahead of the optimizer ``but``
         (built for their variables: an unbuilt model is built by its restore)."""
         for n in list(self.pending):
-            if n != but and n not in self.busy and keras_state.kind(self.namespace.get(n)) == "layer":
+            if n != but and n not in self.busy and n in self.namespace \
+                    and keras_state.layers_of({n: self.namespace[n]}):
                 self.restore(n)
 
     def referred(self, holder: str, name: str, key: Sequence[str]) -> Any:
@@ -344,8 +359,16 @@ class _Unpickler(pickle.Unpickler):
     def __init__(self, f, name: str, restoring: _Restoring | None):
         super().__init__(f)
         self.name, self.restoring = name, restoring
+        self.keras: list[keras_state.Saved] = []  # the Keras objects it held, to be put in their places
 
     def persistent_load(self, pid):
+        if isinstance(pid, tuple) and len(pid) == 2 and pid[0] == KERAS and isinstance(pid[1], dict):
+            restoring, name = self.restoring, self.name
+            saved = keras_state.Saved(pid[1], name, restoring.namespace if restoring is not None else {},
+                                      (lambda: restoring.restore_keras_layers(name)) if restoring is not None
+                                      else (lambda: None))
+            self.keras.append(saved)
+            return saved
         if not (isinstance(pid, tuple) and len(pid) >= 2 and pid[0] == REF and self.restoring is not None):
             raise pickle.UnpicklingError(f"a reference this restore cannot resolve: {pid!r}")
         return self.restoring.referred(self.name, pid[1], pid[2:])
@@ -356,7 +379,7 @@ _CONTAINERS = (list, dict, set, collections.OrderedDict, collections.defaultdict
                collections.deque)
 
 
-def into(target: Any, saved: Any, _seen: dict[int, Any] | None = None) -> Any:
+def into(target: Any, saved: Any, _seen: dict[int, Any] | None = None, *, keras: bool = False) -> Any:
     """What a name that holds ``target`` holds once ``saved`` is restored into it: ``target``
     itself, with the saved contents, where it is of the saved one's kind and can take them; else
     ``saved``. Kept objects are a list, dict or set and their kin (their items; a dict's values and
@@ -369,51 +392,95 @@ def into(target: Any, saved: Any, _seen: dict[int, Any] | None = None) -> Any:
     into it, as ``load_state_dict`` does; where that fails, ``saved``). A tuple of the same length stays
     the same tuple where every item did. Whatever else holds ``target`` (a logger given the
     history list, an optimizer given a hand-made weight tensor) then sees the restored values, as
-    it did at the safe point."""
+    it did at the safe point. A Keras object saved by its variables (:class:`.keras_state.Saved`)
+    has them assigned into the Keras object of its kind in its place; with ``keras`` (``saved``
+    holds such objects), where none is in its place, :class:`CheckpointError` says so, before the
+    container that would hold it is changed."""
+    if isinstance(saved, keras_state.Saved):  # its variables, into the Keras object in its place
+        if saved.put(target):
+            return target
+        raise CheckpointError(saved.unplaced())
     if target is saved or type(saved) in _ATOMS:
         return saved
     seen = {} if _seen is None else _seen
     if id(target) in seen:
         return seen[id(target)]
+
+    def fresh(value: Any) -> Any:  # bound as saved: nothing of the notebook's takes a Keras object in it
+        if keras and (found := _saved_in(value, set())) is not None:
+            raise CheckpointError(found.unplaced())
+        return value
+
     kind = type(saved)
     if type(target) is not kind:
-        return saved
+        return fresh(saved)
     if kind in _CONTAINERS:
+        if kind is collections.deque and target.maxlen != saved.maxlen:
+            return fresh(saved)
         seen[id(target)] = target
         if kind is collections.deque:
-            if target.maxlen != saved.maxlen:
-                return saved
             target.clear()
-            target.extend(saved)
+            target.extend(fresh(saved))
         elif isinstance(target, list):
-            items = [into(t, v, seen) for t, v in zip(target, saved)] if len(target) == len(saved) else saved
+            items = ([into(t, v, seen, keras=keras) for t, v in zip(target, saved)] if len(target) == len(saved)
+                     else fresh(saved))
             target[:] = items
         elif isinstance(target, dict):
-            items = {k: into(target[k], v, seen) if k in target else v for k, v in saved.items()}
+            items = {k: into(target[k], v, seen, keras=keras) if k in target else fresh(v) for k, v in saved.items()}
             target.clear()
             target.update(items)
             if kind is collections.defaultdict:
                 target.default_factory = saved.default_factory
         else:
             target.clear()
-            target.update(saved)
+            target.update(fresh(saved))
         return target
     if kind is tuple and len(target) == len(saved):
-        items = tuple(into(t, v, seen) for t, v in zip(target, saved))
+        items = tuple(into(t, v, seen, keras=keras) for t, v in zip(target, saved))
         return target if all(a is b for a, b in zip(items, target)) else items
     if (_tensor_into(target, saved) or _array_into(target, saved) or _variable_into(target, saved)
             or _generator_state_put_back(target, saved)):
         return target
     if notebook_object(saved):
         seen[id(target)] = target
-        attributes = {k: into(target.__dict__[k], v, seen) if k in target.__dict__ else v
+        attributes = {k: into(target.__dict__[k], v, seen, keras=keras) if k in target.__dict__ else fresh(v)
                       for k, v in vars(saved).items()}
         target.__dict__.clear()
         target.__dict__.update(attributes)
         return target
     if _state_loaded(target, saved):
         return target
-    return saved
+    return fresh(saved)
+
+
+def _saved_in(value: Any, seen: set[int]) -> keras_state.Saved | None:
+    """A Keras object saved by its variables (:class:`.keras_state.Saved`) that ``value`` holds, in
+    its containers or the attributes of the notebook's objects, or None."""
+    if isinstance(value, keras_state.Saved):
+        return value
+    if id(value) in seen:
+        return None
+    seen.add(id(value))
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple, set, frozenset, collections.deque)):
+        items = list(value)
+    elif notebook_object(value):
+        items = list(vars(value).values())
+    else:
+        return None
+    for item in items:
+        if (found := _saved_in(item, seen)) is not None:
+            return found
+    return None
+
+
+def _all_placed(keras: list) -> None:
+    """CheckpointError where a Keras object of a restored pickle found no object to take its
+    variables (:class:`.keras_state.Saved`): bound, it would be a placeholder, not a model."""
+    for saved in keras:
+        if not saved.placed:
+            raise CheckpointError(saved.unplaced())
 
 
 def goes_into(value: Any) -> bool:

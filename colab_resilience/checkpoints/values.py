@@ -27,7 +27,9 @@ turns "no mask" into a full False mask and drops the hard-mask flag.
 A pickled value keeps the objects it shares with the other names of its save (:class:`Shared`):
 where it reaches the object another saved name holds (``trainer.model is model``, both saved), or a
 tensor of a saved module (``trainer.params``), the pickle holds a reference to that name, and the
-restore puts the restored object there, not a copy cut off from it. Where it reaches the object of
+restore puts the restored object there, not a copy cut off from it. A Keras object it reaches is
+held by its variables, assigned at the restore into the object in its place (:mod:`.keras_state`).
+Where it reaches the object of
 a name that is not saved (and has a state: a module, an optimizer, a tensor, an array, a random
 number generator), :attr:`Prepared.cut_off` names it, for the save to say so once.
 """
@@ -84,6 +86,7 @@ def first_line(e: BaseException) -> str:
 
 
 REF = "colab_resilience"  # the first item of a pickle's reference to another saved name
+KERAS = "colab_resilience.keras"  # the first item of a pickle's Keras object, saved by its variables
 
 
 class Shared:
@@ -140,6 +143,8 @@ class _SharingPickler(pickle.Pickler):
         if hit is not None and hit[0] is obj and hit[1][0] != self.name:
             self.refs[hit[1][0]] = None
             return (REF, *hit[1])
+        if keras_state.kind(obj) is not None:  # by its variables, assigned into the object in its place
+            return (KERAS, keras_state.state_dict(obj))
         hit = self.elsewhere.get(id(obj))
         if hit is not None and hit[0] is obj:
             self.cut_off[hit[1]] = None
@@ -301,8 +306,13 @@ def encode(name: str, kind: str, of_type: str, value: Any, owner: Any = None, de
         except (NotPlainError, RecursionError):
             pass
     f = io.BytesIO()
-    pickler = (shared.pickler(f, name, value if owner is None else owner)
-               if shared is not None and name.isidentifier() else pickle.Pickler(f, protocol=pickle.HIGHEST_PROTOCOL))
+    root = value if owner is None else owner
+    if shared is not None and name.isidentifier():
+        pickler = shared.pickler(f, name, root)
+    elif keras_state.loaded():  # the Keras objects it holds, by their variables
+        pickler = _SharingPickler(f, name, root, {}, {})
+    else:
+        pickler = pickle.Pickler(f, protocol=pickle.HIGHEST_PROTOCOL)
     try:
         dump(pickler, value)
     except Exception as e:
