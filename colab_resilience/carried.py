@@ -20,8 +20,12 @@ a module's or optimizer's ``state_dict`` in place brings back their tensors, but
   a ``Metric`` registers them as non-persistent, so its ``state_dict()`` is empty and a restored
   metric came back reset (a mean over the run read ``nan``; a rolled-back one kept the failed
   attempt's updates). They go into the saved state dict under the keys torchmetrics itself uses
-  for persistent states (:func:`with_metric_states`), are put back as copies on the metric's
-  device (:func:`put_metric_states`), and the count of updates goes with the modes.
+  for persistent states (:func:`with_module_states`), are put back as copies on the metric's
+  device (:func:`put_module_states`), and the count of updates goes with the modes;
+- **non-persistent buffers** (``register_buffer(..., persistent=False)``: a running mean the
+  forward keeps, a step count): left out of ``state_dict()``, they came back as the set-up cells
+  made them after a restart and kept the failed attempt's updates after a rollback. They go into
+  the saved state dict under their own keys and are copied back into the module's buffers.
 
 Only objects already restored are touched; nothing here imports torch.
 """
@@ -145,25 +149,54 @@ def metrics_of(module: Any) -> list[tuple[str, Any]]:
     return [(f"{n}." if n else "", m) for n, m in named if isinstance(m, metric)]
 
 
-def with_metric_states(module: Any, sd: Any) -> Any:
-    """``sd``, the state dict of ``module``, with the states of the torchmetrics metrics among its
-    submodules added where it lacks them (detached, not copied: the save copies)."""
+def non_persistent_buffers(module: Any) -> list[tuple[str, Any, str]]:
+    """The non-persistent buffers of ``module`` and its submodules that hold a tensor: each as
+    (its key in a state dict, its module, its name there)."""
+    try:
+        named = list(module.named_modules(remove_duplicate=False))
+    except Exception:
+        return []
+    found, seen = [], set()
+    for n, m in named:
+        names = getattr(m, "_non_persistent_buffers_set", None)
+        buffers = getattr(m, "_buffers", None)
+        if not names or not isinstance(buffers, dict):
+            continue
+        for b in sorted(names):
+            if buffers.get(b) is not None and (id(m), b) not in seen:
+                seen.add((id(m), b))
+                found.append((f"{n}.{b}" if n else b, m, b))
+    return found
+
+
+def with_module_states(module: Any, sd: Any) -> Any:
+    """``sd``, the state dict of ``module``, with what it leaves out added where it lacks them
+    (detached, not copied: the save copies): the states of the torchmetrics metrics among its
+    submodules, and its non-persistent buffers."""
     for prefix, m in metrics_of(module):
         for key in getattr(m, "_defaults", {}):
             if prefix + key not in sd:
                 sd[prefix + key] = _detached(getattr(m, key, None))
+    for key, m, b in non_persistent_buffers(module):
+        if key not in sd:
+            sd[key] = m._buffers[b].detach()
     return sd
 
 
-def put_metric_states(module: Any, sd: Any) -> Any:
-    """Put the metric states in ``sd`` (see :func:`with_metric_states`) into the metrics among
-    ``module``'s submodules, as copies on each metric's device (a restored state dict's tensors
-    may lie in a buffer that is reused or mapped); return ``sd`` without them, for
-    ``load_state_dict``. A metric's cached ``compute()`` result is dropped."""
-    metrics = metrics_of(module)
-    if not metrics:
+def put_module_states(module: Any, sd: Any) -> Any:
+    """Put what :func:`with_module_states` added to ``sd`` back into ``module``; return ``sd``
+    without it, for ``load_state_dict``. A metric's states are put in as copies on its device (a
+    restored state dict's tensors may lie in a buffer that is reused or mapped), and its cached
+    ``compute()`` result is dropped; a non-persistent buffer is copied into the buffer the module
+    holds (what else holds that sees the saved values), or replaces it where its shape or dtype
+    differs."""
+    metrics, buffers = metrics_of(module), non_persistent_buffers(module)
+    if not metrics and not buffers:
         return sd
     sd = sd.copy()
+    for key, m, b in buffers:
+        if key in sd:
+            _put_buffer(m, b, sd.pop(key))
     for prefix, m in metrics:
         device = getattr(m, "device", None)
         for key in getattr(m, "_defaults", {}):
@@ -171,6 +204,20 @@ def put_metric_states(module: Any, sd: Any) -> Any:
                 setattr(m, key, _copied(sd.pop(prefix + key), device))
         m._computed = None
     return sd
+
+
+def _put_buffer(module: Any, name: str, saved: Any) -> None:
+    torch = _torch()
+    if torch is None or not isinstance(saved, torch.Tensor):
+        return
+    own = module._buffers[name]
+    if isinstance(own, torch.Tensor) and own.shape == saved.shape and own.dtype == saved.dtype \
+            and not own.is_inference():
+        with torch.no_grad():
+            own.copy_(saved)
+    else:
+        device = own.device if isinstance(own, torch.Tensor) else saved.device
+        module._buffers[name] = saved.to(device, copy=True)
 
 
 def _detached(v: Any) -> Any:
@@ -193,9 +240,9 @@ def _copied(v: Any, device: Any) -> Any:
 
 def load_module(target: Any, saved: Any) -> None:
     """Load ``saved`` (an unpickled module of ``target``'s kind) into ``target``: its state dict,
-    the states of its metrics, its modes, flags and plain attributes."""
+    the states of its metrics, its non-persistent buffers, its modes, flags and plain attributes."""
     facts = snapshot({"m": saved}, ["m"])
-    target.load_state_dict(put_metric_states(target, with_metric_states(saved, saved.state_dict())))
+    target.load_state_dict(put_module_states(target, with_module_states(saved, saved.state_dict())))
     apply({"m": target}, ["m"], facts)
 
 

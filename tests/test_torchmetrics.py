@@ -88,10 +88,10 @@ def test_a_restored_metric_holds_copies_on_its_device_its_update_count_and_no_st
     saved.update(torch.tensor([3.0]))
     target.update(torch.tensor([9.0]))
     assert target.compute().reshape(-1).tolist() == [9.0]  # cached now
-    sd = carried.with_metric_states(saved, saved.state_dict())
+    sd = carried.with_module_states(saved, saved.state_dict())
     assert set(sd) == {"value"} and isinstance(sd["value"], list) and len(sd["value"]) == 2
     facts = carried.snapshot({"m": saved}, ["m"])
-    rest = carried.put_metric_states(target, sd)
+    rest = carried.put_module_states(target, sd)
     carried.apply({"m": target}, ["m"], facts)
     assert rest == {} and "value" in sd  # the caller's dict is left whole
     assert target.compute().tolist() == [1.0, 2.0, 3.0] and target.update_count == 2

@@ -258,10 +258,10 @@ class Checkpoint:
             copies = torch is not None and isinstance(target, torch.nn.Module)
             value = self._value(e, place=False, private=not copies, restoring=restoring)
             try:
-                if copies:  # the states of its torchmetrics metrics (which keep what they are given)
+                if copies:  # its metrics' states (kept as given), its non-persistent buffers
                     from .. import carried
 
-                    value = carried.put_metric_states(target, value)
+                    value = carried.put_module_states(target, value)
                 result = target.load_state_dict(value)
             except Exception as err:
                 raise CheckpointError(

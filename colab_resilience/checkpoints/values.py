@@ -250,10 +250,10 @@ def _prepare(name: str, value: Any, device_copy, shared: Shared | None) -> Prepa
         try:
             sd = sd_fn()
             torch = sys.modules.get("torch")
-            if torch is not None and isinstance(value, torch.nn.Module):  # torchmetrics keeps its states out
+            if torch is not None and isinstance(value, torch.nn.Module):  # what its state dict leaves out
                 from .. import carried
 
-                sd = carried.with_metric_states(value, sd)
+                sd = carried.with_module_states(value, sd)
         except Exception as e:
             _unless_oom(e)
             raise unsaveable(name, value, f"its state_dict() failed: {first_line(e)}") from None

@@ -94,7 +94,7 @@ class FitCheckpoint:
         checkpoint = t._checkpoint_connector.dump_checkpoint(weights_only=False)
         # the states of the module's torchmetrics metrics (a sum over the fit, an epoch's mean so
         # far), which its state_dict leaves out: a resume reset them
-        checkpoint["state_dict"] = carried.with_metric_states(t.lightning_module, checkpoint["state_dict"])
+        checkpoint["state_dict"] = carried.with_module_states(t.lightning_module, checkpoint["state_dict"])
         return {
             "checkpoint": checkpoint,
             # the state the fit goes on from: between two epochs, what the next one's order is drawn
@@ -215,7 +215,7 @@ class ResilienceCallback(pl.Callback):
         _keep_effective_batch(trainer, batch, state.effective_batch, run)
         if state.loaded is not None:
             saved = state.loaded["checkpoint"]
-            saved["state_dict"] = carried.put_metric_states(pl_module, saved["state_dict"])
+            saved["state_dict"] = carried.put_module_states(pl_module, saved["state_dict"])
             carried.apply({"module": pl_module}, ["module"], state.loaded["carried"])
         if state.loaded is not None and self._first == 0:  # saved as the fit began: its module as it was
             pl_module.load_state_dict(state.loaded["checkpoint"]["state_dict"])
