@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import faults as fault_env
-from .driver import EXIT_OK, RunResult, read_notebook, inject_parameters, run_notebook
+from .driver import EXIT_OK, HASH_SEED, RunResult, hash_seed, inject_parameters, read_notebook, run_notebook
 from .tempdirs import TempFolder
 
 MARK = "colab-resilience-check"
@@ -445,11 +445,14 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
     cwd = str(folder or os.getcwd())
     place = Folder(Path(cwd), ignore=work)
 
+    # the runs' kernels hash strings alike, as the kernels of one supervised run do (driver.hash_seed)
+    hashing = {HASH_SEED: os.environ.get(HASH_SEED) or hash_seed(work)}
+
     def run(name: str, env: dict, standby: bool = standby) -> RunResult:
         try:
             return run_notebook(nbformat.from_dict(json.loads(json.dumps(nb))), work / f"{name}.ipynb", cwd=cwd,
                                 run_dir=work / f"runs-{name}", kernel_name=kernel_name,
-                                cell_timeout=cell_timeout, env=env, standby=standby)
+                                cell_timeout=cell_timeout, env={**hashing, **env}, standby=standby)
         finally:
             place.after_run()
 

@@ -15,6 +15,11 @@ retries, exit code :data:`colab_resilience.restart.EXIT_RESTART`), the :class:`S
 4. puts a visible marker in that cell's outputs (why, where, how long the recovery took) and the
    restart log in ``metadata.colab_resilience``.
 
+Every kernel it starts for a run folder gets the same ``PYTHONHASHSEED`` (:func:`hash_seed`,
+unless the environment sets one): strings hash alike in the kernel that replaces one, so a set
+of them iterates in the same order when the set-up cells are replayed (``chars =
+list(set(text))`` makes the same vocabulary), as it did in the kernel that began the run.
+
 Restarts are bounded twice: by each run's budget on disk (``--max-restarts`` of the cell, which
 the kernel enforces) and by the driver's own ``max_restarts`` for the whole notebook (a kernel
 that dies before a run can count anything, at start-up or during a replay, cannot loop forever).
@@ -25,6 +30,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -104,6 +110,16 @@ def read_notebook(notebook) -> tuple[Any, Path | None]:
         raise NotebookInputError(f"{path}: not a readable notebook ({first[:120]})") from None
 
 
+HASH_SEED = "PYTHONHASHSEED"
+
+
+def hash_seed(run_root: str | os.PathLike) -> str:
+    """The ``PYTHONHASHSEED`` of the kernels started for the runs in ``run_root``: the same for
+    every kernel of that folder, in this process and in a driver started again on it later (a
+    nonzero number: hashing stays randomised, only not from kernel to kernel)."""
+    return str(zlib.crc32(os.fsencode(os.path.abspath(run_root))) or 1)
+
+
 def run_notebook(
     notebook: str | os.PathLike | Any,
     output: str | os.PathLike | None = None,
@@ -145,7 +161,8 @@ def run_notebook(
     run_root = Path(own_run_dir.path if own_run_dir else run_dir).absolute()
     sockets_folder = TempFolder("kernel")  # 0700: the kernel is ours alone
     sockets = sockets_folder.path
-    kernel_env = {**os.environ, **(env or {}), SUPERVISED_ENV: "1", RUN_DIR_ENV: str(run_root)}
+    kernel_env = {HASH_SEED: hash_seed(run_root), **os.environ, **(env or {}), SUPERVISED_ENV: "1",
+                  RUN_DIR_ENV: str(run_root)}
     # An async manager: with a blocking one, nbclient's wait for output blocks its event loop and
     # it never notices that the kernel died.
     km = AsyncKernelManager(kernel_name=kernel_name, transport="ipc", ip=os.path.join(sockets, "kernel"))

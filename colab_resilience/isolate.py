@@ -38,7 +38,7 @@ from typing import Any
 from nbclient.exceptions import DeadKernelError
 
 from .client import api_call, discard, expression_value, kernel_pid, process_exit_code
-from .driver import LOAD_EXTENSION, Supervisor
+from .driver import HASH_SEED, LOAD_EXTENSION, Supervisor, hash_seed
 from .replay import is_replay_cell
 from .restart import SUPERVISED_ENV
 from .session import RUN_DIR_ENV
@@ -317,7 +317,9 @@ class Relay:
         # the workers' sockets (0700: ours alone), held until this process ends, however it ends
         self.folder = TempFolder("worker", f"{os.getpid()}-")
         self.sockets = self.folder.path
-        env = {**os.environ, SUPERVISED_ENV: "1", WORKER_ENV: "1", RUN_DIR_ENV: str(session.root())}
+        # every worker hashes strings alike: a replayed set-up cell's set iterates as it did (driver.hash_seed)
+        env = {HASH_SEED: hash_seed(session.root()), **os.environ, SUPERVISED_ENV: "1", WORKER_ENV: "1",
+               RUN_DIR_ENV: str(session.root())}
         self.client = WorkerClient(self.sockets, env, os.getcwd())
         self.client.nb = nbformat.v4.new_notebook()
         # a second worker, started ahead of need and warmed with the worker's imports: a restart

@@ -117,6 +117,9 @@ class Journal:
     # a resume_range loop ran in code the cell calls (def train(): for epoch in resume_range(...)):
     # the cell's safe points are that loop's, though its own code holds none
     loops: bool = False
+    # what the names the set-up cells bind and the cell reads (not in --save) held when the run
+    # began, as fingerprints: a kernel that resumes it after a replay compares (setup_state)
+    setup: dict[str, str] = field(default_factory=dict)
 
     @property
     def path(self) -> Path:
@@ -203,6 +206,7 @@ class Journal:
             replay_cells=[ReplayCell(c["key"], c["source"]) for c in data["replay_cells"]],
             names=list(data["names"]),
             shrink=dict(data["shrink"]),
+            setup=dict(data.get("setup") or {}),
             policy=RestartPolicy(data["policy"]["every"], data["policy"]["memory_percent"]),
             **values,
         )

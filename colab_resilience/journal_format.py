@@ -115,6 +115,9 @@ def validate(data: Any, path: Path) -> None:
             bad(path, "a saved name is not a string")
         if not all(is_type(v, (int,)) for v in data["shrink"].values()):
             bad(path, "a shrunk value is not an integer")
+        setup = data.get("setup", {})
+        if not isinstance(setup, dict) or not all(is_type(v, (str,)) for v in setup.values()):
+            bad(path, "the set-up cells' fingerprints are not strings")
         policy = data["policy"]
         if set(policy) != {"every", "memory_percent"} or not is_type(policy["every"], (int, type(None))) \
                 or not is_type(policy["memory_percent"], (int, float, type(None))):

@@ -322,12 +322,29 @@ class Run:
         if self.resuming:
             put_back_shrunk(self.shell.user_ns, j.shrink)
         merge_replay_cells(j.replay_cells, setup_cells)
+        self._check_setup()
         j.save()
         from .lint import kept_objects, set_in_loops_read_after
 
         self.kept = kept_objects(self.shell, self.body, self.names, [c.source for c in j.replay_cells])
         # a loss set in the loop and printed after it: kept with each checkpoint where it is small
         self.after_loop = set_in_loops_read_after(self.shell, self.body, self.names)
+
+    def _check_setup(self) -> None:
+        """A run that begins records what the set-up cells made that the cell reads; one that a
+        new kernel resumes after replaying them says, in one line, what the replay made otherwise
+        (:mod:`.setup_state`)."""
+        from . import setup_state
+
+        j = self.journal
+        if not self.resuming:
+            sources = [c.source for c in j.replay_cells]
+            j.setup = setup_state.fingerprint(self.shell.user_ns, setup_state.watched(
+                self.shell, self.body, sources, self.names + self.shrink))
+        elif self.after_restart and j.setup:
+            differ = setup_state.differing(j.setup, self.shell.user_ns)
+            if differ:
+                self.say(setup_state.message(differ))
 
     def _restore(self, where: str) -> tuple[Checkpoint, list[str]] | None:
         """Restore the last safe point's declared names (not yet its random state) and what a

@@ -624,6 +624,72 @@ def test_a_non_persistent_buffer_comes_back_with_its_module(tmp_path, fault):
     assert harness.result(nb).startswith("RESULT False "), harness.result(nb)
 
 
+def _setup_draws_notebook(mark, *, seeded: bool):
+    """A vocabulary in a set's order (``list(set(text))``) and a train split drawn in the %%replay
+    cell before its seed (``seeded``: after it), read by the training; the model and optimizer in
+    --save; a time the training never reads. A SIGKILL in epoch 2, once."""
+    draws = ("text = 'the quick brown fox jumps over the lazy dog ' * 2\n"
+             "chars = list(set(text))\n"
+             "stoi = {c: i for i, c in enumerate(chars)}\n"
+             "data = torch.tensor([stoi[c] for c in text])\n"
+             "perm = torch.randperm(len(data) - 1)\n"
+             "train_idx = perm[:64]\n")
+    seed = "torch.manual_seed(0)\n"
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        f"%%replay\nimport os, signal, torch\nMARK = {str(mark)!r}\n" + (seed + draws if seeded else draws + seed) +
+        "model = torch.nn.Sequential(torch.nn.Embedding(len(chars), 8), torch.nn.Linear(8, len(chars)))\n"
+        "opt = torch.optim.Adam(model.parameters(), lr=0.01)\nstarted = __import__('time').time()",
+        "%%resilient --save model,opt\n"
+        "for epoch in resume_range(4):\n"
+        "    for i in range(0, 64, 16):\n"
+        "        idx = train_idx[i:i+16]\n"
+        "        loss = torch.nn.functional.cross_entropy(model(data[idx]), data[idx + 1])\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()\n"
+        "    if epoch == 2 and not os.path.exists(MARK):\n"
+        f"        open(MARK, 'w').close(); {_FAULTS['kill']}\n",
+        "print('RESULT', ''.join(chars), model[1].weight.detach().numpy().tobytes().hex())",
+    )
+
+
+def test_what_the_replayed_set_up_cells_made_otherwise_is_named_when_the_run_resumes(tmp_path):
+    """A train split drawn before the seed is drawn otherwise by the new kernel's replay: the
+    resumed run trained on other data, and said nothing. The kernel that began the run fingerprints
+    what the set-up cells made and the training reads (not the time it never reads, not the saved
+    model); the new kernel says, in one line, which of them its replay made otherwise. The
+    vocabulary made in a set's order is not among them: the supervisor's kernels hash strings
+    alike."""
+    nb = _setup_draws_notebook(tmp_path / "m", seeded=False)
+    run = harness.run(nb, tmp_path, standby=False)
+    assert run.status == 0 and len(run.restarts) == 1, run.message
+    train = harness.cell_text(nb.cells[2])
+    lines = [line for line in train.splitlines() if "replayed set-up cells" in line]
+    assert lines == [
+        "colab_resilience: the replayed set-up cells made train_idx otherwise than the kernel that began this "
+        "run had them, and the training reads them (drawn without a seed, a set's order of strings, which differs "
+        "from process to process, or changed since by a cell that is not replayed): the resumed run will not end as "
+        "the uninterrupted one; seed the draws in the %%replay cell (torch.manual_seed(0), random_state=0), sort "
+        "sets (sorted(set(...))), make the change in the %%replay cell, or --save them"], train
+
+
+def test_set_up_cells_that_make_the_same_again_resume_bit_identical_and_say_nothing(tmp_path):
+    """The same notebook with the split drawn after the seed: the replay makes what the first kernel
+    had (the vocabulary in its set's order too: the supervisor's kernels hash strings alike), nothing
+    is said of it, and the run ends bit for bit as its twin (a kernel with the hash seed the
+    supervisor gave the faulted run's kernels: without it, they hashed strings each their own way)."""
+    from colab_resilience.driver import HASH_SEED, hash_seed
+
+    nb = _setup_draws_notebook(tmp_path / "m", seeded=True)
+    run = harness.run(nb, tmp_path, standby=False)
+    assert run.status == 0 and len(run.restarts) == 1, run.message
+    assert "replayed set-up cells" not in harness.cell_text(nb.cells[2])
+    (tmp_path / "twin").mkdir()
+    (tmp_path / "twin" / "m").touch()  # the fault has struck already: none
+    twin = _setup_draws_notebook(tmp_path / "twin" / "m", seeded=True)  # its kernel hashes as the faulted run's did
+    assert harness.run(twin, tmp_path / "twin", standby=False, env={HASH_SEED: hash_seed(tmp_path / "runs")}).status == 0
+    assert harness.result(nb) == harness.result(twin)
+
+
 def _train_function_notebook(fault: str, mark):
     """The loop in a function a %%replay cell defines (``train(epochs)``), which the %%resilient
     cell calls; early stopping whose state it declares global, saved. One fault (a SIGKILL or an

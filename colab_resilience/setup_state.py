@@ -1,0 +1,308 @@
+"""Whether the replayed set-up cells made again what the training reads: a fingerprint.
+
+A resume in a new kernel replays the set-up cells and restores the ``--save`` names; every other
+name the set-up cells bind is what the replay made. Where the replay made it otherwise than the
+kernel that began the run had it, the resumed run trains on other data and ends otherwise: a
+split drawn without a seed (``torch.randperm(n)``, ``train_test_split`` without
+``random_state``), a vocabulary in a set's order (``list(set(text))``: strings hash otherwise in
+each process), a value a later cell that is not replayed changed (``lr = 3e-4`` typed in a
+scratch cell). Nothing of that is in a checkpoint, and nothing said so.
+
+When a run begins, :func:`fingerprint` records what those names hold, in the run's journal:
+the names the set-up cells bind at their top level that the cell (or a function of the notebook
+it calls, or a method of an object of the notebook's classes it uses) reads, not in ``--save``.
+A kernel that resumes the run compares, after its replay, and :func:`differing` names those that
+differ, for one line (:func:`message`). The run goes on: the line says what to fix.
+
+The fingerprint is bounded, and copies little: a tensor or array of more than 1 MiB by its
+shape, dtype and a strided sample of its elements (taken where it lies: of a GPU tensor, only
+the sample is copied), a container by its first 100,000 items and its length, a set by its items
+in any order, a module by its state dict, an object of the notebook's classes by its attributes,
+to a depth of 6. Code, modules, and a library's own objects (a loader, a tokenizer, a summary
+writer) are left out, as are numbers a dict names as a time (they differ in any two runs).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import types
+from typing import Any, Iterable, Mapping
+
+from . import lint
+
+WHOLE = 1 << 20  # bytes of a tensor or array fingerprinted whole
+SAMPLE = 1 << 16  # elements of a larger one's strided sample
+ITEMS = 100_000  # items of a container looked at
+DEPTH = 6
+
+
+def setup_names(shell, sources: Iterable[str]) -> set[str]:
+    """The names the set-up cells ``sources`` bind at their top level (not inside a function or a
+    class, not by an import)."""
+    names: set[str] = set()
+    for source in sources:
+        code = source.partition("\n")[2] if source.lstrip().startswith("%%") else source
+        tree = lint._parse(shell, code)
+        if tree is not None:
+            names |= _top_level_bound(tree)
+    return names
+
+
+def _top_level_bound(tree: ast.AST) -> set[str]:
+    found: set[str] = set()
+    stack = list(ast.iter_child_nodes(tree))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda, ast.Import,
+                             ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            found.add(node.id)
+        stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def read_names(shell, body: str) -> set[str]:
+    """The names the cell's code reads, and those the functions of the notebook it reaches read
+    (the functions it calls, those they call, the methods of the notebook's objects it uses)."""
+    tree = lint._parse(shell, body)
+    if tree is None:
+        return set()
+    ns = shell.user_ns
+    read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    todo, seen = list(read), set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        value = ns.get(name)
+        for code in _code_of(value):
+            for n in code.co_names:
+                if n in ns and n not in read:
+                    read.add(n)
+                    todo.append(n)
+    return read
+
+
+def _code_of(value: Any) -> list[types.CodeType]:
+    """The code a name's value runs that reads the notebook's names: a function the notebook
+    defined, or the methods of the class of an object of the notebook's classes."""
+    if isinstance(value, types.FunctionType) and value.__module__ == "__main__":
+        return _codes(value.__code__)
+    cls = value if isinstance(value, type) else type(value)
+    if getattr(cls, "__module__", None) != "__main__":
+        return []
+    codes = []
+    for attr in vars(cls).values():
+        function = getattr(attr, "__func__", attr)
+        if isinstance(function, types.FunctionType):
+            codes.extend(_codes(function.__code__))
+    return codes
+
+
+def _codes(code: types.CodeType) -> list[types.CodeType]:
+    """``code`` and the code nested in it (comprehensions, inner functions)."""
+    found, stack = [], [code]
+    while stack:
+        c = stack.pop()
+        found.append(c)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return found
+
+
+def watched(shell, body: str, sources: Iterable[str], saved: Iterable[str]) -> list[str]:
+    """The names to fingerprint: bound by the set-up cells, read by the cell, not saved."""
+    ns, hidden = shell.user_ns, getattr(shell, "user_ns_hidden", {})
+    names = setup_names(shell, sources) & read_names(shell, body)
+    return sorted(n for n in names - set(saved)
+                  if n in ns and not n.startswith("_") and n not in hidden and _kind(ns[n]) is not None)
+
+
+def fingerprint(ns: Mapping[str, Any], names: Iterable[str]) -> dict[str, str]:
+    """``name -> fingerprint`` (hex) for those of ``names`` whose values it knows; a value whose
+    fingerprint fails is left out (it is a guard: it never stops a run)."""
+    import blake3
+
+    out: dict[str, str] = {}
+    for name in names:
+        if name not in ns:
+            continue
+        h = blake3.blake3()
+        try:
+            if not _feed(ns[name], h, set(), 0):
+                continue
+        except Exception as e:
+            from .oom import is_oom
+
+            if is_oom(e):
+                raise
+            continue
+        out[name] = h.hexdigest()[:32]
+    return out
+
+
+def differing(recorded: Mapping[str, str], ns: Mapping[str, Any]) -> list[str]:
+    """The recorded names whose values in ``ns`` fingerprint otherwise now (those gone, or no
+    longer fingerprinted, are not counted: nothing says the training reads them)."""
+    now = fingerprint(ns, [n for n in recorded if n in ns])
+    return [n for n in recorded if n in now and now[n] != recorded[n]]
+
+
+def message(names: list[str]) -> str:
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (f"colab_resilience: the replayed set-up cells made {shown} otherwise than the kernel that began this "
+            "run had them, and the training reads them (drawn without a seed, a set's order of strings, which "
+            "differs from process to process, or changed since by a cell that is not replayed): the resumed run "
+            "will not end as the uninterrupted one; seed the draws in the %%replay cell (torch.manual_seed(0), "
+            "random_state=0), sort sets (sorted(set(...))), make the change in the %%replay cell, or --save them")
+
+
+# ------------------------------------------------------------------------------------ the walk
+
+
+def _kind(value: Any) -> str | None:
+    """What the fingerprint takes ``value`` for, or None where it leaves it out."""
+    if isinstance(value, (bool, int, float, complex, str, bytes, type(None))):
+        return "plain"
+    if isinstance(value, (list, tuple, dict, set, frozenset, range)):
+        return "container"
+    torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return "tensor"
+    if np is not None and isinstance(value, (np.ndarray, np.generic)):
+        return "array"
+    if torch is not None and isinstance(value, torch.nn.Module):
+        return "module"
+    from .checkpoints import keras_state
+    from .checkpoints.rng import is_generator
+
+    if keras_state.kind(value) is not None:
+        return "keras"
+    if is_generator(value):
+        return "generator"
+    pd = sys.modules.get("pandas")
+    if pd is not None and isinstance(value, (pd.DataFrame, pd.Series)):
+        return "pandas"
+    if isinstance(value, (types.FunctionType, types.ModuleType, type, types.BuiltinFunctionType)):
+        return None
+    from .checkpoints.restore import notebook_object
+
+    if notebook_object(value):
+        return "object"
+    return None
+
+
+def _feed(value: Any, h, seen: set[int], depth: int) -> bool:
+    """Feed ``h`` with what ``value`` holds; False where it is left out (see :func:`_kind`)."""
+    kind = _kind(value)
+    if kind is None or depth > DEPTH:
+        return False
+    h.update(f"<{type(value).__qualname__}>".encode())
+    if kind == "plain":
+        h.update(repr(value).encode())
+        return True
+    if id(value) in seen:
+        h.update(b"<seen>")
+        return True
+    seen.add(id(value))
+    if kind == "container":
+        if isinstance(value, range):
+            h.update(repr(value).encode())
+        elif isinstance(value, dict):
+            h.update(str(len(value)).encode())
+            for i, (k, v) in enumerate(value.items()):
+                if i >= ITEMS:
+                    break
+                _feed(k, h, seen, depth + 1)
+                if _time_named(k, v) or not _feed(v, h, seen, depth + 1):
+                    h.update(b"<left out>")
+        elif isinstance(value, (set, frozenset)):  # equal sets, in whatever order they iterate
+            import blake3
+
+            items = []
+            for i, v in enumerate(value):
+                if i >= ITEMS:
+                    break
+                g = blake3.blake3()
+                _feed(v, g, seen, depth + 1)
+                items.append(g.digest())
+            h.update(str(len(value)).encode() + b"".join(sorted(items)))
+        else:
+            h.update(str(len(value)).encode())
+            for i, v in enumerate(value):
+                if i >= ITEMS:
+                    break
+                if not _feed(v, h, seen, depth + 1):
+                    h.update(b"<left out>")
+        return True
+    if kind == "tensor":
+        _tensor(value, h)
+    elif kind == "array":
+        _array(value, h)
+    elif kind == "module":
+        for k, t in value.state_dict(keep_vars=True).items():
+            h.update(k.encode())
+            _feed(t, h, seen, depth + 1)
+    elif kind == "keras":
+        for v in value.variables:
+            h.update(v.path.encode())
+            _array(v.numpy(), h)
+    elif kind == "generator":
+        from .checkpoints.rng import generator_state
+
+        _feed(generator_state(value), h, seen, depth + 1)
+    elif kind == "pandas":
+        h.update(repr(value.shape).encode())
+        if value.memory_usage(deep=False).sum() <= WHOLE:
+            pd = sys.modules["pandas"]
+            _array(pd.util.hash_pandas_object(value).to_numpy(), h)
+    else:  # an object of the notebook's classes: its attributes
+        for k, v in vars(value).items():
+            h.update(k.encode())
+            if not _feed(v, h, seen, depth + 1):
+                h.update(b"<left out>")
+    return True
+
+
+def _time_named(key: Any, value: Any) -> bool:
+    from .kernelapi import _is_a_time
+
+    return isinstance(key, str) and _is_a_time(key, value)
+
+
+def _tensor(t, h) -> None:
+    torch = sys.modules["torch"]
+    h.update(f"{t.dtype}{tuple(t.shape)}{t.layout}".encode())
+    if t.layout != torch.strided or t.is_meta or t.numel() == 0:
+        return
+    t = t.detach()
+    flat = t.reshape(-1) if t.is_contiguous() else None
+    if t.numel() * t.element_size() > WHOLE:
+        if flat is None:
+            return  # a view of a larger tensor: its sample would be a copy of it
+        flat = flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE]
+    elif flat is None:
+        flat = t.contiguous().reshape(-1)
+    host = flat.cpu().contiguous()
+    if host.dtype.is_complex:
+        host = torch.view_as_real(host)
+    h.update(host.view(torch.uint8).numpy().tobytes())
+
+
+def _array(a, h) -> None:
+    np = sys.modules["numpy"]
+    a = np.asarray(a)
+    h.update(f"{a.dtype}{a.shape}".encode())
+    if a.dtype == object:
+        for v in a.reshape(-1)[:ITEMS] if a.flags.c_contiguous else ():
+            h.update(repr(v).encode())
+        return
+    if a.nbytes > WHOLE:
+        if not a.flags.c_contiguous:
+            return
+        flat = a.reshape(-1)
+        a = flat[:: max(1, flat.size // SAMPLE)][:SAMPLE]
+    h.update(np.ascontiguousarray(a).tobytes())
+

@@ -1,0 +1,106 @@
+"""What the set-up cells made, fingerprinted when a run begins and compared when a new kernel
+resumes it (:mod:`colab_resilience.setup_state`): which names, and what counts as the same.
+The resumed runs themselves are in test_exact_resume (real kernels, a SIGKILL)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from colab_resilience import setup_state
+from colab_resilience.errors import JournalError
+from colab_resilience.journal import Journal
+
+SETUP = """%%replay
+import torch
+X = torch.randn(8, 2)
+split = torch.randperm(8)
+lr = 0.1
+started = 0.0
+def helper():
+    inner = 1
+    return scale * 2
+scale = 3.0
+model = torch.nn.Linear(2, 1)
+for unused_loop_name in range(2):
+    pass
+"""
+
+
+def test_the_names_watched_are_the_set_up_cells_top_level_ones_the_training_reads_not_saved(ip):
+    """Bound at the top level of a set-up cell (not inside a function, not an import), read by the
+    cell or by a function of the notebook it calls (``scale``, through ``helper``), not in --save
+    (``model``), and a value it knows (not a function)."""
+    ip.run_cell(SETUP.partition("\n")[2])
+    body = "for epoch in resume_range(2):\n    loss = (model(X[split]) * lr * helper()).sum()\n"
+    assert setup_state.watched(ip, body, [SETUP], ["model"]) == ["X", "lr", "scale", "split"]
+    assert "inner" not in setup_state.setup_names(ip, [SETUP]) and "torch" not in setup_state.setup_names(ip, [SETUP])
+
+
+def test_equal_values_fingerprint_alike_and_any_change_the_training_would_see_otherwise():
+    a = {"x": torch.arange(6.0).reshape(2, 3), "idx": np.arange(5), "words": ["a", "b"], "n": 3,
+         "m": torch.nn.Linear(2, 1), "g": torch.Generator().manual_seed(1)}
+    b = {"x": torch.arange(6.0).reshape(2, 3), "idx": np.arange(5), "words": ["a", "b"], "n": 3,
+         "m": torch.nn.Linear(2, 1), "g": torch.Generator().manual_seed(1)}
+    b["m"].load_state_dict(a["m"].state_dict())
+    assert setup_state.fingerprint(a, a) == setup_state.fingerprint(b, b)
+    for name, other in [("x", torch.arange(6.0).reshape(3, 2)), ("idx", np.arange(5)[::-1].copy()),
+                        ("words", ["b", "a"]), ("n", 4), ("g", torch.Generator().manual_seed(2))]:
+        assert setup_state.differing(setup_state.fingerprint(a, a), {**a, name: other}) == [name]
+    with torch.no_grad():
+        b["m"].weight.add_(1)
+    assert setup_state.differing(setup_state.fingerprint(a, a), b) == ["m"]
+
+
+def test_a_set_is_the_same_in_whatever_order_it_iterates():
+    """Equal sets (their order differs from process to process for strings; here two ints that
+    collide iterate in the order they were added) fingerprint alike; the list made from one in its
+    order does not."""
+    one, two = {8, 16}, {16, 8}
+    assert list(one) != list(two)
+    assert setup_state.fingerprint({"s": one}, ["s"]) == setup_state.fingerprint({"s": two}, ["s"])
+    assert setup_state.fingerprint({"s": list(one)}, ["s"]) != setup_state.fingerprint({"s": list(two)}, ["s"])
+
+
+def test_a_large_tensor_is_fingerprinted_by_a_sample_and_a_view_of_one_by_its_shape():
+    """Over 1 MiB: a strided sample (a random permutation differs in it); a view that is not
+    contiguous, by its shape and dtype only (its sample would be a copy of it)."""
+    n = 1 << 20  # 4 MiB of float32
+    a = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    b = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    assert setup_state.fingerprint({"t": a}, ["t"]) == setup_state.fingerprint({"t": a.clone()}, ["t"])
+    assert setup_state.fingerprint({"t": a}, ["t"]) != setup_state.fingerprint({"t": b}, ["t"])
+    va, vb = a.reshape(1024, 1024).t(), b.reshape(1024, 1024).t()
+    assert setup_state.fingerprint({"t": va}, ["t"]) == setup_state.fingerprint({"t": vb}, ["t"])
+
+
+def test_what_it_does_not_know_or_a_time_is_left_out():
+    """A library's object, a function, a module: no fingerprint (nothing says what in them the
+    training reads); a number a dict names as a time: left out of the dict's."""
+    import json
+
+    ns = {"loader": torch.utils.data.DataLoader([1, 2]), "f": lambda: 1, "json": json,
+          "stats": {"loss": 1.0, "train_runtime": 12.5}}
+    got = setup_state.fingerprint(ns, ns)
+    assert set(got) == {"stats"}
+    assert got == setup_state.fingerprint({"stats": {"loss": 1.0, "train_runtime": 99.0}}, ["stats"])
+    assert got != setup_state.fingerprint({"stats": {"loss": 2.0, "train_runtime": 12.5}}, ["stats"])
+
+
+def test_a_notebook_object_is_fingerprinted_by_its_attributes(ip):
+    ip.run_cell("class Vocab:\n    def __init__(self, chars):\n        self.itos = list(chars)\n")
+    Vocab = ip.user_ns["Vocab"]
+    a, b, c = Vocab("ab"), Vocab("ab"), Vocab("ba")
+    assert setup_state.fingerprint({"v": a}, ["v"]) == setup_state.fingerprint({"v": b}, ["v"])
+    assert setup_state.fingerprint({"v": a}, ["v"]) != setup_state.fingerprint({"v": c}, ["v"])
+
+
+def test_the_journal_keeps_the_fingerprints_and_refuses_others(tmp_path):
+    j = Journal.create(tmp_path / "run-x", "x", max_restarts=3, save=False)
+    j.setup = {"split": "ab" * 16}
+    j.save()
+    assert Journal.load(tmp_path / "run-x").setup == {"split": "ab" * 16}
+    j.setup = {"split": 3}
+    with pytest.raises(JournalError, match="the set-up cells' fingerprints are not strings"):
+        j.save()
