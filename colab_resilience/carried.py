@@ -22,10 +22,12 @@ a module's or optimizer's ``state_dict`` in place brings back their tensors, but
   attempt's updates). They go into the saved state dict under the keys torchmetrics itself uses
   for persistent states (:func:`with_module_states`), are put back as copies on the metric's
   device (:func:`put_module_states`), and the count of updates goes with the modes;
-- **non-persistent buffers** (``register_buffer(..., persistent=False)``: a running mean the
-  forward keeps, a step count): left out of ``state_dict()``, they came back as the set-up cells
-  made them after a restart and kept the failed attempt's updates after a rollback. They go into
-  the saved state dict under their own keys and are copied back into the module's buffers.
+- **tensors no state dict holds**: non-persistent buffers (``register_buffer(...,
+  persistent=False)``: a running mean the forward keeps) and public attributes that hold a tensor
+  without registering it (``self.running = torch.zeros(4)``). Left out of ``state_dict()``, they
+  came back as the set-up cells made them after a restart and kept the failed attempt's updates
+  after a rollback. They go into the saved state dict under their own keys and are copied back
+  into the module's tensors (:func:`unsaved_tensors`).
 
 Only objects already restored are touched; nothing here imports torch.
 """
@@ -149,37 +151,48 @@ def metrics_of(module: Any) -> list[tuple[str, Any]]:
     return [(f"{n}." if n else "", m) for n, m in named if isinstance(m, metric)]
 
 
-def non_persistent_buffers(module: Any) -> list[tuple[str, Any, str]]:
-    """The non-persistent buffers of ``module`` and its submodules that hold a tensor: each as
-    (its key in a state dict, its module, its name there)."""
+def unsaved_tensors(module: Any) -> list[tuple[str, Any, str]]:
+    """The tensors of ``module`` and its submodules that ``state_dict()`` leaves out: their
+    non-persistent buffers, and their public attributes that hold a tensor (``self.running =
+    torch.zeros(4)``, not registered; a torchmetrics metric's states aside, which go on their own).
+    Each as (its key in a state dict, its module, its name there)."""
+    torch = _torch()
     try:
         named = list(module.named_modules(remove_duplicate=False))
     except Exception:
         return []
     found, seen = [], set()
     for n, m in named:
-        names = getattr(m, "_non_persistent_buffers_set", None)
+        names = set(getattr(m, "_non_persistent_buffers_set", None) or ())
         buffers = getattr(m, "_buffers", None)
-        if not names or not isinstance(buffers, dict):
-            continue
+        names = {b for b in names if isinstance(buffers, dict) and buffers.get(b) is not None}
+        if torch is not None and not _is_metric(m):
+            names |= {k for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, torch.Tensor)}
         for b in sorted(names):
-            if buffers.get(b) is not None and (id(m), b) not in seen:
+            if (id(m), b) not in seen:
                 seen.add((id(m), b))
                 found.append((f"{n}.{b}" if n else b, m, b))
     return found
 
 
+def _tensor_of(module: Any, name: str) -> Any:
+    buffers = getattr(module, "_buffers", None)
+    if isinstance(buffers, dict) and name in buffers:
+        return buffers[name]
+    return vars(module).get(name)
+
+
 def with_module_states(module: Any, sd: Any) -> Any:
     """``sd``, the state dict of ``module``, with what it leaves out added where it lacks them
     (detached, not copied: the save copies): the states of the torchmetrics metrics among its
-    submodules, and its non-persistent buffers."""
+    submodules, and its tensors no state dict holds (:func:`unsaved_tensors`)."""
     for prefix, m in metrics_of(module):
         for key in getattr(m, "_defaults", {}):
             if prefix + key not in sd:
                 sd[prefix + key] = _detached(getattr(m, key, None))
-    for key, m, b in non_persistent_buffers(module):
+    for key, m, b in unsaved_tensors(module):
         if key not in sd:
-            sd[key] = m._buffers[b].detach()
+            sd[key] = _tensor_of(m, b).detach()
     return sd
 
 
@@ -187,16 +200,16 @@ def put_module_states(module: Any, sd: Any) -> Any:
     """Put what :func:`with_module_states` added to ``sd`` back into ``module``; return ``sd``
     without it, for ``load_state_dict``. A metric's states are put in as copies on its device (a
     restored state dict's tensors may lie in a buffer that is reused or mapped), and its cached
-    ``compute()`` result is dropped; a non-persistent buffer is copied into the buffer the module
-    holds (what else holds that sees the saved values), or replaces it where its shape or dtype
-    differs."""
-    metrics, buffers = metrics_of(module), non_persistent_buffers(module)
-    if not metrics and not buffers:
+    ``compute()`` result is dropped; a tensor no state dict holds is copied into the one the module
+    holds (what else holds that sees the saved values), or replaces it where its shape, dtype or
+    device differs."""
+    metrics, tensors = metrics_of(module), unsaved_tensors(module)
+    if not metrics and not tensors:
         return sd
     sd = sd.copy()
-    for key, m, b in buffers:
+    for key, m, b in tensors:
         if key in sd:
-            _put_buffer(m, b, sd.pop(key))
+            _put_tensor(m, b, sd.pop(key))
     for prefix, m in metrics:
         device = getattr(m, "device", None)
         for key in getattr(m, "_defaults", {}):
@@ -206,18 +219,21 @@ def put_module_states(module: Any, sd: Any) -> Any:
     return sd
 
 
-def _put_buffer(module: Any, name: str, saved: Any) -> None:
+def _put_tensor(module: Any, name: str, saved: Any) -> None:
     torch = _torch()
     if torch is None or not isinstance(saved, torch.Tensor):
         return
-    own = module._buffers[name]
+    own = _tensor_of(module, name)
     if isinstance(own, torch.Tensor) and own.shape == saved.shape and own.dtype == saved.dtype \
             and not own.is_inference():
         with torch.no_grad():
             own.copy_(saved)
-    else:
-        device = own.device if isinstance(own, torch.Tensor) else saved.device
+        return
+    device = own.device if isinstance(own, torch.Tensor) else saved.device
+    if name in getattr(module, "_buffers", {}):
         module._buffers[name] = saved.to(device, copy=True)
+    else:
+        setattr(module, name, saved.to(device, copy=True))
 
 
 def _detached(v: Any) -> Any:
@@ -240,7 +256,7 @@ def _copied(v: Any, device: Any) -> Any:
 
 def load_module(target: Any, saved: Any) -> None:
     """Load ``saved`` (an unpickled module of ``target``'s kind) into ``target``: its state dict,
-    the states of its metrics, its non-persistent buffers, its modes, flags and plain attributes."""
+    the states of its metrics, its tensors no state dict holds, its modes, flags and plain attributes."""
     facts = snapshot({"m": saved}, ["m"])
     target.load_state_dict(put_module_states(target, with_module_states(saved, saved.state_dict())))
     apply({"m": target}, ["m"], facts)

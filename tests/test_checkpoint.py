@@ -442,30 +442,34 @@ def test_in_place_restore_then_training_is_bit_identical(store):
 
 
 
-def test_non_persistent_buffers_go_with_the_state_dict_and_back_into_the_module(store):
-    """Buffers registered with ``persistent=False`` (not in ``state_dict()``), in a submodule and in
-    a module inside a saved list: saved, and copied back into the buffers the modules hold (the same
-    tensors: what else holds them sees the saved values); one whose shape changed since (a cache that
-    grew) is replaced. ``state_dict()`` itself stays as torch makes it."""
+def test_tensors_no_state_dict_holds_go_with_it_and_back_into_the_module(store):
+    """Buffers registered with ``persistent=False`` and tensor attributes (neither in
+    ``state_dict()``), in a submodule and in a module inside a saved list: saved, and copied back
+    into the tensors the modules hold (the same tensors: what else holds them sees the saved
+    values); one whose shape changed since (a cache that grew) is replaced. ``state_dict()`` itself
+    stays as torch makes it."""
     def build():
         m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
         m[0].register_buffer("mu", torch.zeros(2), persistent=False)
         m[0].register_buffer("cache", torch.zeros(1), persistent=False)
         m[0].register_buffer("none", None, persistent=False)
+        m[1].spread = torch.ones(2)  # a tensor attribute, not registered
         return m
 
     model, in_list = build(), [build()]
     model[0].mu += torch.tensor([1.5, -2.0])
     model[0].cache = torch.arange(3.0)
     in_list[0][0].mu += 7
+    model[1].spread = torch.tensor([3.0, 4.0])
     store.save({"model": model, "models": in_list}, ["model", "models"])
     assert "0.mu" not in model.state_dict()
     fresh, fresh_list = build(), [build()]
-    mu, listed_mu = fresh[0].mu, fresh_list[0][0].mu
+    mu, listed_mu, spread = fresh[0].mu, fresh_list[0][0].mu, fresh[1].spread
     store.load().restore({"model": fresh, "models": fresh_list}, ["model", "models"], in_place=["models"])
     assert fresh[0].mu is mu and mu.tolist() == [1.5, -2.0]
     assert fresh[0].cache.tolist() == [0.0, 1.0, 2.0] and fresh[0].none is None
     assert fresh_list[0][0].mu is listed_mu and listed_mu.tolist() == [7.0, 7.0]
+    assert fresh[1].spread is spread and spread.tolist() == [3.0, 4.0]
     assert list(fresh.state_dict()) == list(model.state_dict())
 
 

@@ -583,8 +583,9 @@ def test_a_model_copy_the_loop_makes_comes_back_whole(tmp_path, fault):
 
 def _non_persistent_buffer_notebook(fault: str, mark):
     """A module whose forward keeps a running mean of its inputs in a non-persistent buffer
-    (``register_buffer(..., persistent=False)``: not in its state dict) and centres them with it,
-    in a submodule; --save model,opt. One fault in epoch 3, once."""
+    (``register_buffer(..., persistent=False)``: not in its state dict) and a running spread in a
+    tensor attribute it rebinds (not registered: not in its state dict either), and scales them
+    with both, in a submodule; --save model,opt. One fault in epoch 3, once."""
     return harness.notebook(
         "%load_ext colab_resilience",
         _setup(mark) +
@@ -593,11 +594,13 @@ def _non_persistent_buffer_notebook(fault: str, mark):
         "        super().__init__()\n"
         "        self.lin = torch.nn.Linear(4, 1)\n"
         "        self.register_buffer('mu', torch.zeros(4), persistent=False)\n"
+        "        self.scale = torch.ones(4)\n"
         "    def forward(self, x):\n"
         "        if self.training:\n"
         "            with torch.no_grad():\n"
         "                self.mu.mul_(0.9).add_(0.1 * x.mean(0))\n"
-        "        return self.lin(x - self.mu)\n"
+        "            self.scale = 0.9 * self.scale + 0.1 * x.detach().std(0)\n"
+        "        return self.lin((x - self.mu) / self.scale)\n"
         "model = torch.nn.Sequential(Centred(), torch.nn.Tanh())\n"
         "opt = torch.optim.SGD(model.parameters(), lr=0.05)\nX, Y = torch.randn(64, 4), torch.randn(64, 1)",
         "%%resilient --save model,opt\n"
@@ -607,17 +610,18 @@ def _non_persistent_buffer_notebook(fault: str, mark):
         "        opt.zero_grad(); loss.backward(); opt.step()\n"
         "    if epoch == 3 and not os.path.exists(MARK):\n"
         f"        open(MARK, 'w').close(); {_FAULTS[fault]}\n",
-        "print('RESULT', 'mu' in model.state_dict(), model[0].mu.numpy().tobytes().hex(),\n"
+        "print('RESULT', 'mu' in model.state_dict(), model[0].mu.numpy().tobytes().hex(), model[0].scale.numpy().tobytes().hex(),\n"
         "      model[0].lin.weight.detach().numpy().tobytes().hex())",
     )
 
 
 @pytest.mark.parametrize("fault", ["kill", "oom"])
-def test_a_non_persistent_buffer_comes_back_with_its_module(tmp_path, fault):
-    """A buffer registered with ``persistent=False`` is left out of ``state_dict()``: after a kill
-    it came back as the set-up cell made it (zeros), after an out-of-memory error it kept the failed
-    attempt's updates, and the run said done with other weights. It goes with the checkpoint and is
-    copied back into the module's buffer; the run ends bit for bit as its twin."""
+def test_a_modules_tensors_no_state_dict_holds_come_back_with_it(tmp_path, fault):
+    """A buffer registered with ``persistent=False`` and a tensor attribute are left out of
+    ``state_dict()``: after a kill they came back as the set-up cell made them, after an
+    out-of-memory error they kept the failed attempt's updates, and the run said done with other
+    weights. They go with the checkpoint and are copied back into the module; the run ends bit for
+    bit as its twin."""
     run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _non_persistent_buffer_notebook(fault, mark))
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
