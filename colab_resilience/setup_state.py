@@ -17,9 +17,11 @@ differ, for one line (:func:`message`). The run goes on: the line says what to f
 The fingerprint is bounded, and copies little: a tensor or array of more than 1 MiB by its
 shape, dtype and a strided sample of its elements (taken where it lies: of a GPU tensor, only
 the sample is copied), a container by its first 100,000 items and its length, a set by its items
-in any order, a module by its state dict, an object of the notebook's classes by its attributes,
-to a depth of 6. Code, modules, and a library's own objects (a loader, a tokenizer, a summary
-writer) are left out, as are numbers a dict names as a time (they differ in any two runs).
+in any order, a module by its state dict, a torch ``DataLoader`` by its batching and its dataset
+(``random_split``'s subsets by their indices, a ``TensorDataset`` by its tensors), an object of
+the notebook's classes by its attributes, to a depth of 6. Code, modules, and other libraries'
+objects (a tokenizer, a summary writer) are left out, as are numbers a dict names as a time
+(they differ in any two runs).
 """
 
 from __future__ import annotations
@@ -185,6 +187,12 @@ def _kind(value: Any) -> str | None:
     pd = sys.modules.get("pandas")
     if pd is not None and isinstance(value, (pd.DataFrame, pd.Series)):
         return "pandas"
+    data = sys.modules.get("torch.utils.data")
+    if data is not None:
+        if isinstance(value, data.DataLoader):
+            return "loader"
+        if isinstance(value, (data.Subset, data.TensorDataset, data.ConcatDataset)):
+            return "dataset"
     if isinstance(value, (types.FunctionType, types.ModuleType, type, types.BuiltinFunctionType)):
         return None
     from .checkpoints.restore import notebook_object
@@ -258,6 +266,16 @@ def _feed(value: Any, h, seen: set[int], depth: int) -> bool:
         if value.memory_usage(deep=False).sum() <= WHOLE:
             pd = sys.modules["pandas"]
             _array(pd.util.hash_pandas_object(value).to_numpy(), h)
+    elif kind == "loader":  # the data it yields, and how it batches them
+        h.update(f"{value.batch_size} {value.drop_last} {type(value.sampler).__qualname__}".encode())
+        if not _feed(value.dataset, h, seen, depth + 1):
+            h.update(b"<left out>")
+    elif kind == "dataset":  # random_split's subsets: their indices; tensors; the parts of a concatenation
+        parts = ([value.indices, value.dataset] if hasattr(value, "indices") else
+                 list(value.tensors) if hasattr(value, "tensors") else list(value.datasets))
+        for part in parts:
+            if not _feed(part, h, seen, depth + 1):
+                h.update(b"<left out>")
     else:  # an object of the notebook's classes: its attributes
         for k, v in vars(value).items():
             h.update(k.encode())

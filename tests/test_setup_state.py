@@ -76,11 +76,11 @@ def test_a_large_tensor_is_fingerprinted_by_a_sample_and_a_view_of_one_by_its_sh
 
 
 def test_what_it_does_not_know_or_a_time_is_left_out():
-    """A library's object, a function, a module: no fingerprint (nothing says what in them the
-    training reads); a number a dict names as a time: left out of the dict's."""
+    """Another library's object, a function, a module: no fingerprint (nothing says what in them
+    the training reads); a number a dict names as a time: left out of the dict's."""
     import json
 
-    ns = {"loader": torch.utils.data.DataLoader([1, 2]), "f": lambda: 1, "json": json,
+    ns = {"decoder": json.JSONDecoder(), "f": lambda: 1, "json": json,
           "stats": {"loss": 1.0, "train_runtime": 12.5}}
     got = setup_state.fingerprint(ns, ns)
     assert set(got) == {"stats"}
@@ -104,3 +104,21 @@ def test_the_journal_keeps_the_fingerprints_and_refuses_others(tmp_path):
     j.setup = {"split": 3}
     with pytest.raises(JournalError, match="the set-up cells' fingerprints are not strings"):
         j.save()
+
+
+def test_a_loader_over_a_random_split_is_fingerprinted_by_the_indices_it_draws_from():
+    """``random_split`` without a generator draws its subsets from the global state; the loader the
+    training reads is what the set-up cell binds: it is fingerprinted by its batching and its
+    dataset, the subset by its indices, the dataset under it by its tensors."""
+    from torch.utils.data import DataLoader, TensorDataset, random_split
+
+    data = TensorDataset(torch.arange(20.0).reshape(10, 2), torch.arange(10))
+
+    def loader(seed, batch_size=4):
+        train, _ = random_split(data, [8, 2], generator=torch.Generator().manual_seed(seed))
+        return DataLoader(train, batch_size=batch_size)
+
+    same = setup_state.fingerprint({"l": loader(0)}, ["l"])
+    assert same == setup_state.fingerprint({"l": loader(0)}, ["l"]) and set(same) == {"l"}
+    assert same != setup_state.fingerprint({"l": loader(1)}, ["l"])
+    assert same != setup_state.fingerprint({"l": loader(0, batch_size=2)}, ["l"])
