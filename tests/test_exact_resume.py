@@ -8,6 +8,7 @@ where both apply. Each case once ended "done" with another result and no warning
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from IPython.core.error import UsageError
@@ -675,6 +676,23 @@ def test_what_the_replayed_set_up_cells_made_otherwise_is_named_when_the_run_res
         "the uninterrupted one; seed the draws in the %%replay cell (torch.manual_seed(0), random_state=0), sort "
         "sets (sorted(set(...))), make the change in the %%replay cell, or --save them"], train
 
+
+
+def test_a_vocabulary_in_a_sets_order_is_named_when_jupyter_restarts_the_kernel(kernel, tmp_path):
+    """Interactively, the kernel Jupyter restarts hashes strings its own way (no supervisor gives
+    it the first kernel's hash seed): the replayed ``list(set(text))`` makes another vocabulary, and
+    the cell run again says so when it resumes (it said nothing before, and trained on)."""
+    assert "PYTHONHASHSEED" not in os.environ  # else the restarted kernel would hash as the first
+    cells = [c.source for c in _setup_draws_notebook(tmp_path / "m", seeded=True).cells]
+    kernel.ok(cells[0])
+    kernel.ok(f"%resilience dir {tmp_path / 'runs'}")
+    kernel.ok(cells[1])
+    _, code = kernel.execute_until_exit(cells[2])
+    assert code == -9
+    kernel.restart()
+    out = kernel.ok(cells[2]).stdout
+    assert "colab_resilience: the replayed set-up cells made data otherwise than the kernel that began this run" \
+        in out, out
 
 def test_set_up_cells_that_make_the_same_again_resume_bit_identical_and_say_nothing(tmp_path):
     """The same notebook with the split drawn after the seed: the replay makes what the first kernel
