@@ -85,6 +85,24 @@ class ReplayLog:
 
     def __init__(self):
         self._cells: dict[str, ReplayCell] = {}
+        # what the names the set-up cells bind held when the last of them ran in this kernel
+        # (:func:`.setup_state.fingerprint`): a run that begins compares, for a change since
+        self.names: set[str] = set()
+        self.prints: dict[str, str] = {}
+
+    def ran(self, shell, source: str) -> None:
+        """A set-up cell ran in this kernel: fingerprint what the set-up cells bind, as it is now."""
+        from . import setup_state
+
+        self.names |= setup_state.setup_names(shell, [source])
+        try:
+            self.prints = setup_state.fingerprint(shell.user_ns, sorted(self.names))
+        except Exception as e:  # a guard: never the cell's failure, but for running out of memory
+            from .oom import is_oom
+
+            if is_oom(e):
+                raise
+            self.prints = {}
 
     def record(self, key: str | None, source: str) -> ReplayCell:
         key = key or source_key(source)
@@ -116,6 +134,7 @@ def run_replay_cell(shell, log: ReplayLog, line: str, body: str) -> None:
     if failure is not None:
         execution.reraise(shell, failure.exc, failure.tb)
     log.record(current_cell_key(shell), header + "\n" + body)
+    log.ran(shell, body)
 
 
 def replay(shell, cells: Iterable[ReplayCell], log: ReplayLog, say: Callable[[str], None]) -> int:
@@ -137,6 +156,7 @@ def replay(shell, cells: Iterable[ReplayCell], log: ReplayLog, say: Callable[[st
             say(f"colab_resilience: replaying a set-up cell failed ({first[:60]}); fix it, run it, then run this cell again")
             execution.reraise(shell, failure.exc, failure.tb)
         log.record(cell.key, cell.source)
+        log.ran(shell, body)
         say(f"colab_resilience: replayed {first[:70]}")
         count += 1
     return count

@@ -312,17 +312,19 @@ class Run:
         self.journal.phase = "replay"
         self.journal.save()
 
-    def start(self, setup_cells: list[ReplayCell], *, replayed: int = 0, replay_seconds: float = 0.0) -> None:
+    def start(self, setup_cells: list[ReplayCell], *, replayed: int = 0, replay_seconds: float = 0.0,
+              setup: dict[str, str] | None = None) -> None:
         """The run goes on in this kernel: the set-up cells it knows are recorded, the shrunk
         values of a resumed run are put back, and the saved names a restore puts into the objects
-        they hold are known (:func:`.lint.kept_objects`)."""
+        they hold are known (:func:`.lint.kept_objects`). ``setup``: what the set-up cells' names
+        held when the last of them ran in this kernel (:attr:`.replay.ReplayLog.prints`)."""
         self._replayed, self._replay_seconds = replayed, replay_seconds
         j = self.journal
         j.phase = None
         if self.resuming:
             put_back_shrunk(self.shell.user_ns, j.shrink)
         merge_replay_cells(j.replay_cells, setup_cells)
-        self._check_setup()
+        self._check_setup(setup or {})
         j.save()
         from .lint import kept_objects, set_in_loops_read_after
 
@@ -330,10 +332,10 @@ class Run:
         # a loss set in the loop and printed after it: kept with each checkpoint where it is small
         self.after_loop = set_in_loops_read_after(self.shell, self.body, self.names)
 
-    def _check_setup(self) -> None:
-        """A run that begins records what the set-up cells made that the cell reads; one that a
-        new kernel resumes after replaying them says, in one line, what the replay made otherwise
-        (:mod:`.setup_state`)."""
+    def _check_setup(self, after_setup: dict[str, str]) -> None:
+        """A run that begins records what the set-up cells made that the cell reads, and says in
+        one line what of it changed since they ran (``after_setup``); one that a new kernel resumes
+        after replaying them says what the replay made otherwise (:mod:`.setup_state`)."""
         from . import setup_state
 
         j = self.journal
@@ -341,6 +343,9 @@ class Run:
             sources = [c.source for c in j.replay_cells]
             j.setup = setup_state.fingerprint(self.shell.user_ns, setup_state.watched(
                 self.shell, self.body, sources, self.names + self.shrink))
+            changed = [n for n, p in j.setup.items() if n in after_setup and after_setup[n] != p]
+            if changed:
+                self.say(setup_state.changed_message(changed))
         elif self.after_restart and j.setup:
             differ = setup_state.differing(j.setup, self.shell.user_ns)
             if differ:

@@ -12,7 +12,10 @@ When a run begins, :func:`fingerprint` records what those names hold, in the run
 the names the set-up cells bind at their top level that the cell (or a function of the notebook
 it calls, or a method of an object of the notebook's classes it uses) reads, not in ``--save``.
 A kernel that resumes the run compares, after its replay, and :func:`differing` names those that
-differ, for one line (:func:`message`). The run goes on: the line says what to fix.
+differ, for one line (:func:`message`). The run goes on: the line says what to fix. A change
+made after the set-up cells ran is found sooner, when the run begins: each ``%%replay`` cell
+fingerprints what the set-up cells bind once it has run (:meth:`.replay.ReplayLog.ran`), and the
+run names what differs from that (:func:`changed_message`).
 
 The fingerprint is bounded, and copies little: a tensor or array of more than 1 MiB by its
 shape, dtype and a strided sample of its elements (taken where it lies: of a GPU tensor, only
@@ -34,7 +37,7 @@ from typing import Any, Iterable, Mapping
 from . import lint
 
 WHOLE = 1 << 20  # bytes of a tensor or array fingerprinted whole
-SAMPLE = 1 << 16  # elements of a larger one's strided sample
+SAMPLE = 1 << 14  # elements of a larger one's strided sample
 ITEMS = 100_000  # items of a container looked at
 DEPTH = 6
 
@@ -152,8 +155,20 @@ def differing(recorded: Mapping[str, str], ns: Mapping[str, Any]) -> list[str]:
     return [n for n in recorded if n in now and now[n] != recorded[n]]
 
 
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def changed_message(names: list[str]) -> str:
+    """The line a run that begins says of what changed since the set-up cells ran."""
+    return (f"colab_resilience: {_shown(names)} changed since the %%replay cells ran (in a cell that is not "
+            "replayed, or in an earlier run), and the training reads them: a resume after a restart would have "
+            "what the %%replay cells make instead; make the change in a %%replay cell and run it, or --save them")
+
+
 def message(names: list[str]) -> str:
-    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    """The line a resumed run says of what its replay made otherwise."""
+    shown = _shown(names)
     return (f"colab_resilience: the replayed set-up cells made {shown} otherwise than the kernel that began this "
             "run had them, and the training reads them (drawn without a seed, a set's order of strings, which "
             "differs from process to process, or changed since by a cell that is not replayed): the resumed run "

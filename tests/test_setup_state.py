@@ -122,3 +122,24 @@ def test_a_loader_over_a_random_split_is_fingerprinted_by_the_indices_it_draws_f
     assert same == setup_state.fingerprint({"l": loader(0)}, ["l"]) and set(same) == {"l"}
     assert same != setup_state.fingerprint({"l": loader(1)}, ["l"])
     assert same != setup_state.fingerprint({"l": loader(0, batch_size=2)}, ["l"])
+
+
+def test_a_run_that_begins_names_what_changed_since_the_set_up_cells_ran(ip, tmp_path, capsys):
+    """A learning rate typed in a scratch cell after the %%replay cell: a resume after a restart
+    would train with the %%replay cell's. The run says so when it begins (before any fault), once
+    per run; a change a later %%replay cell makes (X scaled in place) is what a replay makes too,
+    and is not named; nor is what the cell saves."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell("%%replay\nimport torch\ntorch.manual_seed(0)\nlr = 0.1\nX = torch.randn(8, 2)\n"
+                "w = torch.zeros(2, requires_grad=True)\n")
+    ip.run_cell("%%replay\nX *= 2\n")
+    train = "%%resilient --save w\nfor epoch in resume_range(2):\n    loss = (X @ w * lr).sum()\n"
+    capsys.readouterr()
+    assert ip.run_cell(train).success
+    assert "changed since the %%replay cells ran" not in capsys.readouterr().out
+    ip.run_cell("lr = 0.5")
+    assert ip.run_cell(train).success
+    lines = [line for line in capsys.readouterr().out.splitlines() if "changed since" in line]
+    assert lines == ["colab_resilience: lr changed since the %%replay cells ran (in a cell that is not replayed, or "
+                     "in an earlier run), and the training reads them: a resume after a restart would have what the "
+                     "%%replay cells make instead; make the change in a %%replay cell and run it, or --save them"]
