@@ -20,11 +20,13 @@ run names what differs from that (:func:`changed_message`).
 The fingerprint is bounded, and copies little: a tensor or array of more than 1 MiB by its
 shape, dtype and a strided sample of its elements (taken where it lies: of a GPU tensor, only
 the sample is copied), a container by its first 100,000 items and its length, a set by its items
-in any order, a module by its state dict, a torch ``DataLoader`` by its batching and its dataset
+in any order, a frozen module (a teacher, a pretrained backbone: no parameter that requires a
+gradient) by its state dict, a torch ``DataLoader`` by its batching and its dataset
 (``random_split``'s subsets by their indices, a ``TensorDataset`` by its tensors), an object of
-the notebook's classes by its attributes, to a depth of 6. Code, modules, and other libraries'
-objects (a tokenizer, a summary writer) are left out, as are numbers a dict names as a time
-(they differ in any two runs).
+the notebook's classes by its attributes, to a depth of 6. Left out: a model the training
+trains (it is its checkpoint's, through ``--save`` or a framework's callback, which restores it;
+one that is neither is named at the first run), code, modules, other libraries' objects (a
+tokenizer, a summary writer), and numbers a dict names as a time (they differ in any two runs).
 """
 
 from __future__ import annotations
@@ -190,13 +192,15 @@ def _kind(value: Any) -> str | None:
         return "tensor"
     if np is not None and isinstance(value, (np.ndarray, np.generic)):
         return "array"
+    # a model the training trains is its checkpoint's (--save, or a framework's callback that
+    # restores it): only a frozen one (a teacher, a pretrained backbone) is the set-up cells' alone
     if torch is not None and isinstance(value, torch.nn.Module):
-        return "module"
+        return None if any(p.requires_grad for p in value.parameters()) else "module"
     from .checkpoints import keras_state
     from .checkpoints.rng import is_generator
 
     if keras_state.kind(value) is not None:
-        return "keras"
+        return "keras" if keras_state.kind(value) == "layer" and not value.trainable_variables else None
     if is_generator(value):
         return "generator"
     pd = sys.modules.get("pandas")

@@ -31,20 +31,23 @@ for unused_loop_name in range(2):
 def test_the_names_watched_are_the_set_up_cells_top_level_ones_the_training_reads_not_saved(ip):
     """Bound at the top level of a set-up cell (not inside a function, not an import), read by the
     cell or by a function of the notebook it calls (``scale``, through ``helper``), not in --save
-    (``model``), and a value it knows (not a function)."""
+    (``lr``), and a value it knows (not a function; not a model the training trains)."""
     ip.run_cell(SETUP.partition("\n")[2])
     body = "for epoch in resume_range(2):\n    loss = (model(X[split]) * lr * helper()).sum()\n"
-    assert setup_state.watched(ip, body, [SETUP], ["model"]) == ["X", "lr", "scale", "split"]
+    assert setup_state.watched(ip, body, [SETUP], ["lr"]) == ["X", "scale", "split"]
     assert "inner" not in setup_state.setup_names(ip, [SETUP]) and "torch" not in setup_state.setup_names(ip, [SETUP])
 
 
 def test_equal_values_fingerprint_alike_and_any_change_the_training_would_see_otherwise():
+    """A frozen module (a teacher) by its weights; one the training trains is left out (its
+    checkpoint's, or a framework callback's, which restores it)."""
     a = {"x": torch.arange(6.0).reshape(2, 3), "idx": np.arange(5), "words": ["a", "b"], "n": 3,
-         "m": torch.nn.Linear(2, 1), "g": torch.Generator().manual_seed(1)}
+         "m": torch.nn.Linear(2, 1).requires_grad_(False), "g": torch.Generator().manual_seed(1)}
     b = {"x": torch.arange(6.0).reshape(2, 3), "idx": np.arange(5), "words": ["a", "b"], "n": 3,
-         "m": torch.nn.Linear(2, 1), "g": torch.Generator().manual_seed(1)}
+         "m": torch.nn.Linear(2, 1).requires_grad_(False), "g": torch.Generator().manual_seed(1)}
     b["m"].load_state_dict(a["m"].state_dict())
-    assert setup_state.fingerprint(a, a) == setup_state.fingerprint(b, b)
+    assert setup_state.fingerprint(a, a) == setup_state.fingerprint(b, b) and "m" in setup_state.fingerprint(a, a)
+    assert setup_state.fingerprint({"t": torch.nn.Linear(2, 1)}, ["t"]) == {}
     for name, other in [("x", torch.arange(6.0).reshape(3, 2)), ("idx", np.arange(5)[::-1].copy()),
                         ("words", ["b", "a"]), ("n", 4), ("g", torch.Generator().manual_seed(2))]:
         assert setup_state.differing(setup_state.fingerprint(a, a), {**a, name: other}) == [name]
