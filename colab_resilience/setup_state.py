@@ -45,8 +45,8 @@ DEPTH = 6
 
 
 def setup_names(shell, sources: Iterable[str]) -> set[str]:
-    """The names the set-up cells ``sources`` bind at their top level (not inside a function or a
-    class, not by an import)."""
+    """The names the set-up cells ``sources`` bind at their top level (not inside a function, a
+    class or a comprehension, not by an import)."""
     names: set[str] = set()
     for source in sources:
         code = source.partition("\n")[2] if source.lstrip().startswith("%%") else source
@@ -62,8 +62,8 @@ def _top_level_bound(tree: ast.AST) -> set[str]:
     while stack:
         node = stack.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda, ast.Import,
-                             ast.ImportFrom)):
-            continue
+                             ast.ImportFrom, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            continue  # their names are their own
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             found.add(node.id)
         stack.extend(ast.iter_child_nodes(node))

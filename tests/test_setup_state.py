@@ -25,6 +25,7 @@ scale = 3.0
 model = torch.nn.Linear(2, 1)
 for unused_loop_name in range(2):
     pass
+squares = [k * k for k in range(3)]
 """
 
 
@@ -35,7 +36,8 @@ def test_the_names_watched_are_the_set_up_cells_top_level_ones_the_training_read
     ip.run_cell(SETUP.partition("\n")[2])
     body = "for epoch in resume_range(2):\n    loss = (model(X[split]) * lr * helper()).sum()\n"
     assert setup_state.watched(ip, body, [SETUP], ["lr"]) == ["X", "scale", "split"]
-    assert "inner" not in setup_state.setup_names(ip, [SETUP]) and "torch" not in setup_state.setup_names(ip, [SETUP])
+    bound = setup_state.setup_names(ip, [SETUP])
+    assert {"X", "squares", "unused_loop_name"} <= bound and not bound & {"inner", "torch", "k", "helper"}
 
 
 def test_equal_values_fingerprint_alike_and_any_change_the_training_would_see_otherwise():
