@@ -258,7 +258,7 @@ class Checkpoint:
             copies = torch is not None and isinstance(target, torch.nn.Module)
             value = self._value(e, place=False, private=not copies, restoring=restoring)
             try:
-                if copies:  # its metrics' states (kept as given), its non-persistent buffers
+                if copies:  # its metrics' states (kept as given), the tensors its state dict leaves out
                     from .. import carried
 
                     value = carried.put_module_states(target, value)
