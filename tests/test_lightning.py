@@ -255,18 +255,19 @@ def test_what_the_callback_refuses_where_it_warns_and_where_it_does_nothing(kern
     assert reply.stdout.count("colab_resilience: fit reads its training data from an iterable whose order the "
                               "callback cannot put back") == 1, reply.stdout
     reply = kernel.ok("%%resilient\n"
-                      "class Best(L.Callback):  # no state_dict: its plain attributes are saved, not the tensor\n"
+                      "import threading\n"
+                      "class Best(L.Callback):  # no state_dict: its plain attributes and tensors are saved, not the lock\n"
                       "    def __init__(self):\n"
-                      "        self.count, self.best = 0, torch.zeros(1)\n"
+                      "        self.count, self.best, self.lock = 0, torch.zeros(1), threading.Lock()\n"
                       "make(callbacks=[Best(), ResilienceCallback()]).fit(model, train_data)")
     assert reply.stdout.count(
         "colab_resilience: the state of the fit's callbacks without a state_dict goes with each checkpoint, but not "
-        "Best.best (not plain values): after a resume they hold what the callback has in this kernel") == 1, reply.stdout
-    reply = kernel.ok("%%resilient\nmodel.last = torch.zeros(1)  # a tensor attribute: not in its state_dict\n"
+        "Best.lock (not plain values or tensors): after a resume they hold what the callback has in this kernel") == 1, reply.stdout
+    reply = kernel.ok("%%resilient\nmodel.guard = threading.Lock()  # no checkpoint holds a lock\n"
                       "make(callbacks=[ResilienceCallback()]).fit(model, train_data)")
     assert reply.stdout.count(
-        "colab_resilience: the plain attributes of the Model module go with each checkpoint, but not last (not plain "
-        "values): after a resume they hold what the module has in this kernel") == 1, reply.stdout
+        "colab_resilience: the plain attributes of the Model module go with each checkpoint, but not guard (not plain "
+        "values or tensors): after a resume they hold what the module has in this kernel") == 1, reply.stdout
 
 
 def test_colab_resilience_check_passes_the_lightning_notebook(tmp_path):
@@ -402,3 +403,68 @@ def test_a_modules_torchmetrics_metrics_come_back_with_the_fit(tmp_path, fault):
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(nb).startswith("RESULT ") and " 36 " in harness.result(nb), harness.result(nb)
+
+
+def ema_fit_notebook(fault: str, mark) -> "nbformat.NotebookNode":
+    """A fit whose own callback (no state_dict) keeps an exponential moving average of the weights
+    as a list of tensors and a count of its updates, and whose module keeps a running mean of its
+    losses in a tensor attribute it rebinds; one fault after step 13, once."""
+    faults = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
+              "oom": "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')"}
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        textwrap.dedent(f"""\
+            %%replay
+            import os, signal, torch, lightning as L
+            from torch.utils.data import DataLoader, TensorDataset
+            MARK = {str(mark)!r}
+            L.seed_everything(0, verbose=False)
+
+            class Model(L.LightningModule):
+                def __init__(self):
+                    super().__init__()
+                    self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+                    self.smooth = torch.zeros(())
+                def training_step(self, batch, i):
+                    loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+                    self.smooth = 0.9 * self.smooth + 0.1 * loss.detach()
+                    return loss
+                def on_train_batch_end(self, outputs, batch, i):
+                    if self.global_step == 13 and not os.path.exists(MARK):
+                        open(MARK, "w").close(); {faults[fault]}
+                def configure_optimizers(self):
+                    return torch.optim.Adam(self.parameters(), lr=0.01)
+
+            class EMA(L.Callback):
+                def __init__(self):
+                    self.shadow, self.updates = None, 0
+                def on_train_batch_end(self, trainer, pl_module, outputs, batch, i):
+                    w = [p.detach().clone() for p in pl_module.parameters()]
+                    self.shadow = w if self.shadow is None else [0.9 * s + 0.1 * p for s, p in zip(self.shadow, w)]
+                    self.updates += 1
+
+            model, ema = Model(), EMA()
+            loader = DataLoader(TensorDataset(torch.randn(96, 4), torch.randn(96, 1)), batch_size=8, shuffle=True)"""),
+        textwrap.dedent("""\
+            %%resilient
+            from colab_resilience.integrations.lightning import ResilienceCallback
+            trainer = L.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_progress_bar=False,
+                                enable_checkpointing=False, enable_model_summary=False,
+                                callbacks=[ResilienceCallback(every_steps=5), ema])
+            trainer.fit(model, loader)"""),
+        "print('RESULT', ema.updates, b''.join(s.numpy().tobytes() for s in ema.shadow).hex()[:64],\n"
+        "      model.smooth.item(), model.net[0].weight.detach().numpy().tobytes().hex())",
+    )
+
+
+@pytest.mark.parametrize("fault", ["kill", "oom"])
+def test_a_callbacks_tensors_and_a_modules_tensor_attribute_come_back_with_the_fit(tmp_path, fault):
+    """A callback without a state_dict that keeps tensors (an EMA of the weights): only its plain
+    attributes were saved, so after a kill its shadow weights came back as the replayed cell made
+    them (None, then the next step's weights) while its count came back, and the fit said done. Its
+    tensors go with each safe point now, as does the module's tensor attribute; the fit ends bit
+    for bit as its twin."""
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: ema_fit_notebook(fault, mark))
+    assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).startswith("RESULT 36 "), harness.result(nb)

@@ -68,15 +68,45 @@ def is_plain(value) -> bool:
     return False
 
 
-def plain_attributes(callback) -> tuple[dict, list[str]]:
-    """A callback's own state: its attributes that are plain values (counters, the best metric so
-    far, flags, lists and dicts of them), copied; and the names of the others, which are not saved.
-    Bound methods are behaviour, not state, and neither (Lightning gives every callback the
-    module's ``log`` and ``log_dict``)."""
+def kept(value) -> bool:
+    """A value a checkpoint holds as it is (:func:`is_plain`), or a torch tensor or a NumPy array of
+    numbers, or lists, tuples and dicts of such (an EMA's shadow weights a callback keeps)."""
+    if is_plain(value):
+        return True
+    torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.layout == torch.strided
+    if np is not None and isinstance(value, np.ndarray):
+        return value.dtype != object
+    if isinstance(value, (list, tuple)):
+        return all(kept(v) for v in value)
+    if isinstance(value, dict):
+        return all((k is None or isinstance(k, (bool, int, float, str))) and kept(v) for k, v in value.items())
+    return False
+
+
+def _snapshot(value):
+    """``value`` (:func:`kept`) for a checkpoint: plain values copied, tensors detached (the save
+    copies them as it takes the safe point)."""
     import copy
 
-    kept = {name: copy.deepcopy(value) for name, value in _attributes(callback) if is_plain(value)}
-    return kept, _unplain(callback)
+    if is_plain(value):
+        return copy.deepcopy(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_snapshot(v) for v in value) if type(value) in (list, tuple) else copy.deepcopy(value)
+    if isinstance(value, dict):
+        return {k: _snapshot(v) for k, v in value.items()}
+    detach = getattr(value, "detach", None)
+    return detach() if callable(detach) else value
+
+
+def plain_attributes(callback) -> tuple[dict, list[str]]:
+    """A callback's own state: its attributes that a checkpoint holds (:func:`kept`: counters, the
+    best metric so far, flags, tensors, lists and dicts of them); and the names of the others,
+    which are not saved. Bound methods are behaviour, not state, and neither (Lightning gives every
+    callback the module's ``log`` and ``log_dict``)."""
+    saved = {name: _snapshot(value) for name, value in _attributes(callback) if kept(value)}
+    return saved, _unplain(callback)
 
 
 def _attributes(callback):
@@ -86,8 +116,8 @@ def _attributes(callback):
 
 
 def _unplain(callback) -> list[str]:
-    """The names of a callback's attributes that are not plain values (not saved)."""
-    return [name for name, value in _attributes(callback) if not is_plain(value)]
+    """The names of a callback's attributes that a checkpoint does not hold (not :func:`kept`)."""
+    return [name for name, value in _attributes(callback) if not kept(value)]
 
 
 def unsaved_attributes(callbacks: dict, whose: str) -> str | None:
@@ -101,7 +131,7 @@ def unsaved_attributes(callbacks: dict, whose: str) -> str | None:
     if not parts:
         return None
     return (f"colab_resilience: the state of {whose} goes with each checkpoint, but not {'; '.join(parts)} (not "
-            "plain values): after a resume they hold what the callback has in this kernel")
+            "plain values or tensors): after a resume they hold what the callback has in this kernel")
 
 
 def put_attributes(pending: dict, callbacks: dict) -> list[str]:

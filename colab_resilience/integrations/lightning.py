@@ -239,7 +239,7 @@ class ResilienceCallback(pl.Callback):
         if left:
             self._run.say_once(
                 f"colab_resilience: the plain attributes of the {type(pl_module).__name__} module go with each "
-                f"checkpoint, but not {', '.join(left)} (not plain values): after a resume they hold what the module "
+                f"checkpoint, but not {', '.join(left)} (not plain values or tensors): after a resume they hold what the module "
                 "has in this kernel")
         loaded = self._state.loaded
         if loaded is not None:  # restored: the copy the Trainer loaded from goes
@@ -334,7 +334,9 @@ def _module_attributes(module: pl.LightningModule) -> tuple[dict, list[str]]:
     parameters, buffers and submodules are in its state_dict, its modes in ``carried``, and
     Lightning's own attributes are private."""
     kept, left = plain_attributes(module)
-    keep = {name: value for name, value in kept.items() if not name.startswith("_") and name != "training"}
+    # a tensor attribute goes with its state dict (carried.unsaved_tensors)
+    keep = {name: value for name, value in kept.items()
+            if not name.startswith("_") and name != "training" and not isinstance(value, torch.Tensor)}
     return keep, [name for name in left if not name.startswith("_")]
 
 
