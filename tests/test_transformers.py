@@ -127,6 +127,43 @@ def test_a_kill_in_a_cell_after_the_training_finds_the_trained_trainer(tmp_path,
     assert harness.result(nb) == reference
 
 
+
+def _classifier_notebook(mark):
+    """A BERT sequence classifier built from a config (its first forward sets the config's
+    ``problem_type``), trained by a Trainer with its printer (which takes ``total_flos`` out of the
+    metrics ``train()`` returns); the result cell is killed once, after the training cell ended."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        "%%replay\nimport os, signal, torch, transformers\n"
+        f"MARK = {str(mark)!r}\n"
+        "from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments\n"
+        "transformers.logging.set_verbosity_error()\ntorch.manual_seed(0)\n"
+        "model = BertForSequenceClassification(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,\n"
+        "    num_attention_heads=2, intermediate_size=32, num_labels=2))\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        "data = [{'input_ids': x, 'labels': y} for x, y in zip(torch.randint(0, 50, (32, 8), generator=g),\n"
+        "                                                      torch.randint(0, 2, (32,), generator=g))]\n"
+        f"args = TrainingArguments(output_dir={str(mark) + '-out'!r}, num_train_epochs=2, per_device_train_batch_size=8,\n"
+        "    save_strategy='no', report_to=[], disable_tqdm=True, use_cpu=True, seed=0)\n"
+        "trainer = Trainer(model=model, args=args, train_dataset=data)",
+        "%%resilient\nfrom colab_resilience.integrations.transformers import ResilienceCallback\n"
+        "trainer.add_callback(ResilienceCallback())\nout = trainer.train()",
+        "if not os.path.exists(MARK):\n    open(MARK, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n"
+        "print('RESULT', model.config.problem_type, model.config.use_cache, sorted(out.metrics), out.training_loss)",
+    )
+
+
+def test_a_finished_train_brought_back_returns_what_it_returned_and_leaves_the_config_as_it_was(tmp_path):
+    """Killed in the result cell: the training cell, run again silently, trains nothing and returns
+    what train() returned (its metrics as its printer left them: without ``total_flos``, which only
+    its log holds), and the model's config is as the training left it (``problem_type``, set by
+    the first forward, which the replayed set-up cell's model has not had): before, both differed."""
+    run, nb, twin = harness.faulted_and_twin(tmp_path, _classifier_notebook)
+    assert len(run.restarts) == 1
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).startswith("RESULT single_label_classification False ['epoch', 'train_loss', "), \
+        harness.result(nb)
+
 def test_a_trainer_killed_in_a_kernel_goes_on_when_its_cell_runs_again(kernel, tmp_path, tmp_path_factory):
     """Interactive, as in Jupyter: the kernel dies after step 12, the user runs the training cell
     again: the set-up cell is replayed (a new Trainer), and train() goes on at step 12."""

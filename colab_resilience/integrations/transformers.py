@@ -44,7 +44,7 @@ from transformers.trainer_utils import TrainOutput
 from ..checkpoints import capture_rng, restore_rng
 from ..errors import RunStoppedError
 from ..loops import active_run
-from . import (accumulation_for, caller_locals, plain_attributes, put_attributes, require_loop, say_outside,
+from . import (accumulation_for, caller_locals, is_plain, plain_attributes, put_attributes, require_loop, say_outside,
                unsaved_attributes)
 from . import every_steps as check_every_steps
 
@@ -66,6 +66,7 @@ class TrainerCheckpoint:
         self.effective_batch = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
         self.epoch_rng: dict | None = None  # the random state when the epoch in progress began
         self.finished = False  # train() ended: a resume returns its output without training
+        self.metrics: dict | None = None  # the metrics the ended train() returned (as its callbacks left them)
         self.loaded: dict[str, Any] | None = None
         self.callbacks_pending: dict[str, dict] = {}  # the other callbacks' loaded state, until they have begun
 
@@ -91,11 +92,17 @@ class TrainerCheckpoint:
             "epoch_rng": self.epoch_rng,
             "rng": capture_rng(),  # the state at the safe point, for where the Trainer puts it back
             "finished": self.finished,
+            "metrics": self.metrics,
+            # the model's config as training left it (its first forward sets problem_type): a resume
+            # that trains nothing more (the end) would leave the rebuilt model's as the set-up made it
+            "config": plain_attributes(t.model.config)[0] if _config(t.model) is not None else None,
             "effective_batch": self.effective_batch,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.trainer.model.load_state_dict(state["model"])
+        if state.get("config") and _config(self.trainer.model) is not None:
+            put_attributes({"config": state["config"]}, {"config": self.trainer.model.config})
         self.epoch_rng, self.finished = state["epoch_rng"], bool(state["finished"])
         self.effective_batch = int(state.get("effective_batch") or self.effective_batch)
         self.loaded = state
@@ -220,7 +227,7 @@ class ResilienceCallback(TrainerCallback):
         trainer._memory_tracker.stop_and_update_metrics({})
         trainer.is_in_train = False
         restore_rng(loaded["rng"])  # as the end of training left it
-        return _output(trainer.state)
+        return _output(trainer.state, loaded.get("metrics"))
 
     def _load_optimizer_and_scheduler(self, trainer: Trainer) -> None:
         loaded = self._state.loaded
@@ -295,6 +302,9 @@ class ResilienceCallback(TrainerCallback):
         if self._steps is None:
             return
         self._state.finished = True
+        # what train() returns: its final log, as the callbacks left it (a printer pops its total_flos)
+        metrics = caller_locals("_finalize_training", self._state.trainer).get("metrics")
+        self._state.metrics = dict(metrics) if isinstance(metrics, dict) and is_plain(dict(metrics)) else None
         self._safe_point()
 
     def _safe_point(self) -> None:
@@ -333,11 +343,21 @@ def _keep_effective_batch(trainer: Trainer, effective: int, run) -> None:
     trainer._train_batch_size = args.train_batch_size
 
 
-def _output(state: TrainerState) -> TrainOutput:
-    """The ``TrainOutput`` a finished ``train`` returned: its final log holds the metrics."""
-    final = next((log for log in reversed(state.log_history) if "train_loss" in log), {})
-    metrics = {k: v for k, v in final.items() if k not in ("epoch", "step")}
-    return TrainOutput(state.global_step, metrics.get("train_loss", 0.0), metrics)
+def _config(model) -> Any:
+    """The model's ``PretrainedConfig``, or None."""
+    from transformers import PretrainedConfig
+
+    config = getattr(model, "config", None)
+    return config if isinstance(config, PretrainedConfig) else None
+
+
+def _output(state: TrainerState, returned: dict | None = None) -> TrainOutput:
+    """The ``TrainOutput`` a finished ``train`` returned: with the metrics it returned where the
+    checkpoint holds them, else those of its final log."""
+    if returned is None:
+        final = next((log for log in reversed(state.log_history) if "train_loss" in log), {})
+        returned = {k: v for k, v in final.items() if k not in ("epoch", "step")}
+    return TrainOutput(state.global_step, returned.get("train_loss", 0.0), dict(returned))
 
 
 _original_train = getattr(Trainer.train, "__wrapped__", Trainer.train)  # imported again: wrapped once
