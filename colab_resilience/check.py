@@ -281,6 +281,16 @@ def _add_check_cells(nb) -> None:
     nb.cells.append(nbformat.v4.new_code_cell(CHECK_CELL, metadata={MARK: "after"}))
 
 
+# a number printed as a time or a rate under its name: {'train_runtime': '0.9376', 'train_samples_per_second': 204.8}
+_PRINTED_TIME = re.compile(r"""(['"]?)(\w*?(?:runtime|time|seconds|duration|per_second))\1(\s*[:=]\s*)(['"]?)[-+0-9.eE]+\4""")
+
+
+def _untimed(lines: list[str]) -> list[str]:
+    """Printed lines with the numbers they name as times or rates left out: they differ between
+    any two runs (the metrics a Hugging Face ``Trainer`` prints at its end)."""
+    return [_PRINTED_TIME.sub(r"\1\2\1\3<time>", line) for line in lines]
+
+
 def _output_difference(reference: list[str], faulted: list[str]) -> str | None:
     """How a cell's printed lines differ from what it printed uninterrupted (the first line that
     does not fit, quoted), or None where they are the same: exactly, or, where it was recovered
@@ -345,7 +355,8 @@ def compare(reference: Outcome, faulted: Outcome) -> list[str]:
             values = f" (uninterrupted {a[1]}, faulted {b[1]})" if a[1] is not None and b[1] is not None else ""
             found.append(f"{name} differs{values}")
     for index, lines in reference.outputs.items():
-        how = _output_difference(lines, faulted.outputs.get(index, [])) if index >= reference.training else None
+        how = (_output_difference(_untimed(lines), _untimed(faulted.outputs.get(index, [])))
+               if index >= reference.training else None)
         if how is not None:
             source = reference.sources.get(index, "")
             found.append(f"the printed output of cell {index}{f' ({_quote(source, 40)})' if source else ''} "

@@ -374,6 +374,19 @@ def test_a_line_the_fault_cut_short_is_not_a_difference_and_a_changed_line_is():
     assert _output_difference(reference, ["0 2.31", "1 2.2"]) == "first at '1 2.2'"  # no fault: cut is a difference
 
 
+
+def test_printed_times_and_rates_are_not_a_difference_and_the_rest_of_the_line_is():
+    """The metrics a Hugging Face Trainer prints at its end: its runtime and rates differ between
+    any two runs; its loss does not."""
+    from colab_resilience.check import _output_difference, _untimed
+
+    ran = ["{'train_runtime': '2.707', 'train_samples_per_second': '70.92', 'train_loss': '0.6931', 'epoch': '3.0'}"]
+    again = ["{'train_runtime': '1.184', 'train_samples_per_second': '162.2', 'train_loss': '0.6931', 'epoch': '3.0'}"]
+    other = ["{'train_runtime': '1.184', 'train_samples_per_second': '162.2', 'train_loss': '0.7012', 'epoch': '3.0'}"]
+    assert _output_difference(_untimed(ran), _untimed(again)) is None
+    assert _output_difference(_untimed(ran), _untimed(other)).startswith("first at ")
+    assert _untimed(["epoch_time=3.2s loss=0.5", "timer 3"]) == ["epoch_time=<time>s loss=0.5", "timer 3"]
+
 def test_a_global_a_set_up_cells_function_changes_is_not_excused_as_recomputed():
     """``steps = 0`` in a set-up cell, changed by ``tick()`` (``global steps``) that the training
     calls: a difference in it after a restart is the training's, not the replayed cell's, and is
