@@ -468,3 +468,62 @@ def test_a_callbacks_tensors_and_a_modules_tensor_attribute_come_back_with_the_f
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(nb).startswith("RESULT 36 "), harness.result(nb)
+
+
+def plateau_fit_notebook(fault: str, mark) -> "nbformat.NotebookNode":
+    """A fit whose learning rate a ReduceLROnPlateau halves when the epoch's training loss stops
+    falling (interval "epoch", monitor "train_loss"), a safe point every 5 steps; one fault after
+    step 13 (resumed within an epoch), once."""
+    faults = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
+              "oom": "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')"}
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        textwrap.dedent(f"""\
+            %%replay
+            import os, signal, torch, lightning as L
+            from torch.utils.data import DataLoader, TensorDataset
+            MARK = {str(mark)!r}
+            L.seed_everything(0, verbose=False)
+
+            class Model(L.LightningModule):
+                def __init__(self):
+                    super().__init__()
+                    self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+                def training_step(self, batch, i):
+                    loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+                    self.log("train_loss", loss, on_step=False, on_epoch=True)
+                    return loss
+                def on_train_batch_end(self, outputs, batch, i):
+                    if self.global_step == 13 and not os.path.exists(MARK):
+                        open(MARK, "w").close(); {faults[fault]}
+                def configure_optimizers(self):
+                    opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+                    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+                    return {{"optimizer": opt, "lr_scheduler": {{"scheduler": plateau, "monitor": "train_loss"}}}}
+
+            model = Model()
+            loader = DataLoader(TensorDataset(torch.randn(96, 4), torch.randn(96, 1)), batch_size=8, shuffle=True)"""),
+        textwrap.dedent("""\
+            %%resilient
+            from colab_resilience.integrations.lightning import ResilienceCallback
+            trainer = L.Trainer(max_epochs=5, accelerator="cpu", logger=False, enable_progress_bar=False,
+                                enable_checkpointing=False, enable_model_summary=False,
+                                callbacks=[ResilienceCallback(every_steps=5)])
+            trainer.fit(model, loader)"""),
+        "plateau = trainer.lr_scheduler_configs[0].scheduler\n"
+        "print('RESULT', plateau.last_epoch, plateau.num_bad_epochs, plateau.best, trainer.optimizers[0].param_groups[0]['lr'],\n"
+        "      model.net[0].weight.detach().numpy().tobytes().hex())",
+    )
+
+
+@pytest.mark.parametrize("fault", ["kill", "oom"])
+def test_a_plateau_scheduler_steps_at_the_end_of_an_epoch_resumed_within(tmp_path, fault):
+    """Lightning does not step a ReduceLROnPlateau at the end of an epoch it resumed within (its
+    own checkpoints hold no metrics of the epoch): resumed from our safe point within an epoch,
+    the scheduler missed that epoch's step (its count one behind, its learning rate halved later),
+    and the fit said done. The epoch's metrics are in our checkpoint, complete: it steps, and the fit
+    ends bit for bit as its twin."""
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: plateau_fit_notebook(fault, mark))
+    assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).startswith("RESULT 5 "), harness.result(nb)

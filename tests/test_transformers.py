@@ -164,6 +164,7 @@ def test_a_finished_train_brought_back_returns_what_it_returned_and_leaves_the_c
     assert harness.result(nb).startswith("RESULT single_label_classification False ['epoch', 'train_loss', "), \
         harness.result(nb)
 
+
 def test_a_trainer_killed_in_a_kernel_goes_on_when_its_cell_runs_again(kernel, tmp_path, tmp_path_factory):
     """Interactive, as in Jupyter: the kernel dies after step 12, the user runs the training cell
     again: the set-up cell is replayed (a new Trainer), and train() goes on at step 12."""
@@ -198,19 +199,20 @@ def test_what_the_callback_refuses_and_where_it_does_nothing(kernel, tmp_path):
 
 
 def test_a_callbacks_state_that_cannot_be_saved_is_said_once_before_training(kernel, tmp_path):
-    """The Trainer's other callbacks' plain attributes go with each checkpoint (train_hf.ipynb's
-    `seen`, compared in every twin test); one holding something else (a tensor) is named in one
-    line before training starts, once, and training goes on."""
+    """The Trainer's other callbacks' plain attributes and tensors go with each checkpoint
+    (train_hf.ipynb's `seen`, compared in every twin test); one holding something else (a lock) is
+    named in one line before training starts, once, and training goes on."""
     nb = load(tmp_path, epochs=1)
     harness.run_interactive(kernel, nb, stop="train")
-    kernel.ok("class Best(TrainerCallback):\n"
+    kernel.ok("import threading\n"
+              "class Best(TrainerCallback):\n"
               "    def __init__(self):\n"
-              "        self.patience, self.best = 3, torch.tensor(0.0)\n"
+              "        self.patience, self.best, self.lock = 3, torch.tensor(0.0), threading.Lock()\n"
               "trainer.add_callback(Best())")
     reply = kernel.ok("%%resilient\nfrom colab_resilience.integrations.transformers import ResilienceCallback\n"
                       "trainer.add_callback(ResilienceCallback())\nprint(trainer.train().global_step)")
-    line = ("colab_resilience: the state of the Trainer's callbacks goes with each checkpoint, but not Best.best (not "
-            "plain values): after a resume they hold what the callback has in this kernel")
+    line = ("colab_resilience: the state of the Trainer's callbacks goes with each checkpoint, but not Best.lock (not "
+            "plain values or tensors): after a resume they hold what the callback has in this kernel")
     assert (reply.stdout + reply.stderr).count(line) == 1, reply.stdout + reply.stderr
     assert reply.stdout.strip().endswith("10"), reply.stdout
 

@@ -186,6 +186,7 @@ class ResilienceCallback(pl.Callback):
         self._run = None
         self._pending = False  # every_steps: a step is due a safe point, taken when the next batch begins
         self._stepped_at: int | None = None  # the optimizer step whose safe point is due or taken
+        self._resumed_within = False  # this fit resumed within an epoch, which has not ended yet
 
     # ------------------------------------------------------------------------------- events
 
@@ -245,6 +246,7 @@ class ResilienceCallback(pl.Callback):
         if loaded is not None:  # restored: the copy the Trainer loaded from goes
             _put_metrics(trainer, loaded["metrics"])  # as the callbacks saw them at the safe point
             if loaded["position"]["mid_epoch"]:  # within the epoch: its finished batches are dropped
+                self._resumed_within = True
                 trainer.fit_loop.epoch_loop._results = _load_results(trainer, loaded["results"])
                 trainer._logger_connector._first_loop_iter = True  # the next batch is not the epoch's first
                 iterator = trainer.fit_loop._data_fetcher.iterator
@@ -264,6 +266,14 @@ class ResilienceCallback(pl.Callback):
                 self._give_callbacks()
             return
         next(self._epochs, None)  # the safe point of the epoch that ended: saves when due, may restart
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._resumed_within:
+            # Lightning does not step a ReduceLROnPlateau at the end of an epoch it resumed within
+            # (the epoch's metrics are in no checkpoint of its own): they are in ours, complete, and
+            # the uninterrupted fit stepped it (its step count lagged one, its learning rate too)
+            self._resumed_within = False
+            trainer.fit_loop._restarting = False
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch,
                            batch_idx: int) -> None:
