@@ -26,7 +26,8 @@ gradient) by its state dict, a torch ``DataLoader`` by its batching and its data
 the notebook's classes by its attributes, to a depth of 6. Left out: a model the training
 trains (it is its checkpoint's, through ``--save`` or a framework's callback, which restores it;
 one that is neither is named at the first run), code, modules, other libraries' objects (a
-tokenizer, a summary writer), and numbers a dict names as a time (they differ in any two runs).
+tokenizer, a summary writer), numbers a dict names as a time, and a name bound to a clock's
+reading or a process's id (``t0 = time.time()``): they differ in any two runs.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ def setup_names(shell, sources: Iterable[str]) -> set[str]:
     return names
 
 
+# what differs in every process, by design: a name bound to one of these calls is not watched
+_CLOCKS = frozenset({"time", "perf_counter", "monotonic", "process_time", "time_ns", "perf_counter_ns", "now",
+                     "today", "utcnow", "getpid", "uuid1", "uuid4", "mkdtemp", "gettempdir"})
+
+
 def _top_level_bound(tree: ast.AST) -> set[str]:
     found: set[str] = set()
     stack = list(ast.iter_child_nodes(tree))
@@ -64,10 +70,18 @@ def _top_level_bound(tree: ast.AST) -> set[str]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda, ast.Import,
                              ast.ImportFrom, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
             continue  # their names are their own
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Call) \
+                and _called(node.value) in _CLOCKS:
+            continue  # started = time.time(): a clock's reading, another in every kernel
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             found.add(node.id)
         stack.extend(ast.iter_child_nodes(node))
     return found
+
+
+def _called(call: ast.Call) -> str | None:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
 
 
 def read_names(shell, body: str) -> set[str]:

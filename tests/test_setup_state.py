@@ -26,6 +26,7 @@ model = torch.nn.Linear(2, 1)
 for unused_loop_name in range(2):
     pass
 squares = [k * k for k in range(3)]
+t0 = __import__("time").time()
 """
 
 
@@ -37,7 +38,7 @@ def test_the_names_watched_are_the_set_up_cells_top_level_ones_the_training_read
     body = "for epoch in resume_range(2):\n    loss = (model(X[split]) * lr * helper()).sum()\n"
     assert setup_state.watched(ip, body, [SETUP], ["lr"]) == ["X", "scale", "split"]
     bound = setup_state.setup_names(ip, [SETUP])
-    assert {"X", "squares", "unused_loop_name"} <= bound and not bound & {"inner", "torch", "k", "helper"}
+    assert {"X", "squares", "unused_loop_name"} <= bound and not bound & {"inner", "torch", "k", "helper", "t0"}
 
 
 def test_equal_values_fingerprint_alike_and_any_change_the_training_would_see_otherwise():
