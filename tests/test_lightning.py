@@ -345,52 +345,61 @@ def test_an_oom_while_lightning_makes_the_data_leaves_no_data_loader_patched(ker
     assert kernel.value("fingerprint(model)") == reference
 
 
+_FIT_FAULTS = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
+               "oom": "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')"}
+
+
+def _fit_notebook(fault: str, mark, model: str, result: str, *, imports: str = "", callbacks: str = "",
+                  epochs: int = 3) -> "nbformat.NotebookNode":
+    """A seeded fit of ``model`` (the code of a ``LightningModule`` named ``Model``, and of what
+    else the set-up cell makes; ``{strike}`` in it: its ``on_train_batch_end`` hook that strikes
+    with ``fault`` after step 13, once) over 12 batches an epoch, shuffled, for ``epochs`` epochs,
+    a safe point every 5 steps, with ``callbacks`` after ``ResilienceCallback``; ``result``: the
+    result cell's code."""
+    strike = textwrap.indent(textwrap.dedent(f"""\
+        def on_train_batch_end(self, outputs, batch, i):
+            if self.global_step == 13 and not os.path.exists(MARK):
+                open(MARK, "w").close(); {_FIT_FAULTS[fault]}"""), "    ")
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        f"%%replay\nimport os, signal, torch, {imports}lightning as L\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        f"MARK = {str(mark)!r}\nL.seed_everything(0, verbose=False)\n\n"
+        + textwrap.dedent(model).replace("{strike}", strike.strip()) +
+        "\nloader = DataLoader(TensorDataset(torch.randn(96, 4), torch.randn(96, 1)), batch_size=8, shuffle=True)",
+        "%%resilient\nfrom colab_resilience.integrations.lightning import ResilienceCallback\n"
+        f"trainer = L.Trainer(max_epochs={epochs}, accelerator=\"cpu\", logger=False, enable_progress_bar=False,\n"
+        "                    enable_checkpointing=False, enable_model_summary=False,\n"
+        f"                    callbacks=[ResilienceCallback(every_steps=5){callbacks}])\n"
+        "trainer.fit(model, loader)",
+        result,
+    )
+
+
 def metrics_fit_notebook(fault: str, mark):
     """A LightningModule with two torchmetrics metrics: an MSE logged per epoch
     (``self.log("mse", self.mse, on_epoch=True)``) and a sum of every step's loss over the whole fit
-    (``self.total``, not logged); safe points every 5 steps. One fault after step 13 (inside epoch
-    1), once."""
-    faults = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
-              "oom": "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')"}
-    return harness.notebook(
-        "%load_ext colab_resilience",
-        textwrap.dedent(f"""\
-            %%replay
-            import os, signal, torch, torchmetrics, lightning as L
-            from torch.utils.data import DataLoader, TensorDataset
-            MARK = {str(mark)!r}
-            L.seed_everything(0, verbose=False)
+    (``self.total``, not logged). One fault after step 13 (inside epoch 1), once."""
+    return _fit_notebook(fault, mark, """\
+        class Model(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+                self.mse, self.total = torchmetrics.MeanSquaredError(), torchmetrics.SumMetric()
+            def training_step(self, batch, i):
+                out = self.net(batch[0])
+                loss = torch.nn.functional.mse_loss(out, batch[1])
+                self.mse(out, batch[1])
+                self.total.update(loss.detach())
+                self.log("mse", self.mse, on_step=False, on_epoch=True)
+                return loss
+            {strike}
+            def configure_optimizers(self):
+                return torch.optim.Adam(self.parameters(), lr=0.01)
 
-            class Model(L.LightningModule):
-                def __init__(self):
-                    super().__init__()
-                    self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
-                    self.mse, self.total = torchmetrics.MeanSquaredError(), torchmetrics.SumMetric()
-                def training_step(self, batch, i):
-                    out = self.net(batch[0])
-                    loss = torch.nn.functional.mse_loss(out, batch[1])
-                    self.mse(out, batch[1])
-                    self.total.update(loss.detach())
-                    self.log("mse", self.mse, on_step=False, on_epoch=True)
-                    return loss
-                def on_train_batch_end(self, outputs, batch, i):
-                    if self.global_step == 13 and not os.path.exists(MARK):
-                        open(MARK, "w").close(); {faults[fault]}
-                def configure_optimizers(self):
-                    return torch.optim.Adam(self.parameters(), lr=0.01)
-
-            model = Model()
-            loader = DataLoader(TensorDataset(torch.randn(96, 4), torch.randn(96, 1)), batch_size=8, shuffle=True)"""),
-        textwrap.dedent("""\
-            %%resilient
-            from colab_resilience.integrations.lightning import ResilienceCallback
-            trainer = L.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_progress_bar=False,
-                                enable_checkpointing=False, enable_model_summary=False,
-                                callbacks=[ResilienceCallback(every_steps=5)])
-            trainer.fit(model, loader)"""),
+        model = Model()""",
         "print('RESULT', model.total.compute().item(), model.total.update_count, trainer.callback_metrics['mse'].item(),\n"
-        "      model.net[0].weight.detach().numpy().tobytes().hex())",
-    )
+        "      model.net[0].weight.detach().numpy().tobytes().hex())", imports="torchmetrics, ")
 
 
 @pytest.mark.parametrize("fault", ["kill", "oom"])
@@ -409,52 +418,31 @@ def ema_fit_notebook(fault: str, mark) -> "nbformat.NotebookNode":
     """A fit whose own callback (no state_dict) keeps an exponential moving average of the weights
     as a list of tensors and a count of its updates, and whose module keeps a running mean of its
     losses in a tensor attribute it rebinds; one fault after step 13, once."""
-    faults = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
-              "oom": "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')"}
-    return harness.notebook(
-        "%load_ext colab_resilience",
-        textwrap.dedent(f"""\
-            %%replay
-            import os, signal, torch, lightning as L
-            from torch.utils.data import DataLoader, TensorDataset
-            MARK = {str(mark)!r}
-            L.seed_everything(0, verbose=False)
+    return _fit_notebook(fault, mark, """\
+        class Model(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+                self.smooth = torch.zeros(())
+            def training_step(self, batch, i):
+                loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+                self.smooth = 0.9 * self.smooth + 0.1 * loss.detach()
+                return loss
+            {strike}
+            def configure_optimizers(self):
+                return torch.optim.Adam(self.parameters(), lr=0.01)
 
-            class Model(L.LightningModule):
-                def __init__(self):
-                    super().__init__()
-                    self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
-                    self.smooth = torch.zeros(())
-                def training_step(self, batch, i):
-                    loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
-                    self.smooth = 0.9 * self.smooth + 0.1 * loss.detach()
-                    return loss
-                def on_train_batch_end(self, outputs, batch, i):
-                    if self.global_step == 13 and not os.path.exists(MARK):
-                        open(MARK, "w").close(); {faults[fault]}
-                def configure_optimizers(self):
-                    return torch.optim.Adam(self.parameters(), lr=0.01)
+        class EMA(L.Callback):
+            def __init__(self):
+                self.shadow, self.updates = None, 0
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, i):
+                w = [p.detach().clone() for p in pl_module.parameters()]
+                self.shadow = w if self.shadow is None else [0.9 * s + 0.1 * p for s, p in zip(self.shadow, w)]
+                self.updates += 1
 
-            class EMA(L.Callback):
-                def __init__(self):
-                    self.shadow, self.updates = None, 0
-                def on_train_batch_end(self, trainer, pl_module, outputs, batch, i):
-                    w = [p.detach().clone() for p in pl_module.parameters()]
-                    self.shadow = w if self.shadow is None else [0.9 * s + 0.1 * p for s, p in zip(self.shadow, w)]
-                    self.updates += 1
-
-            model, ema = Model(), EMA()
-            loader = DataLoader(TensorDataset(torch.randn(96, 4), torch.randn(96, 1)), batch_size=8, shuffle=True)"""),
-        textwrap.dedent("""\
-            %%resilient
-            from colab_resilience.integrations.lightning import ResilienceCallback
-            trainer = L.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_progress_bar=False,
-                                enable_checkpointing=False, enable_model_summary=False,
-                                callbacks=[ResilienceCallback(every_steps=5), ema])
-            trainer.fit(model, loader)"""),
+        model, ema = Model(), EMA()""",
         "print('RESULT', ema.updates, b''.join(s.numpy().tobytes() for s in ema.shadow).hex()[:64],\n"
-        "      model.smooth.item(), model.net[0].weight.detach().numpy().tobytes().hex())",
-    )
+        "      model.smooth.item(), model.net[0].weight.detach().numpy().tobytes().hex())", callbacks=", ema")
 
 
 @pytest.mark.parametrize("fault", ["kill", "oom"])
@@ -472,48 +460,27 @@ def test_a_callbacks_tensors_and_a_modules_tensor_attribute_come_back_with_the_f
 
 def plateau_fit_notebook(fault: str, mark) -> "nbformat.NotebookNode":
     """A fit whose learning rate a ReduceLROnPlateau halves when the epoch's training loss stops
-    falling (interval "epoch", monitor "train_loss"), a safe point every 5 steps; one fault after
-    step 13 (resumed within an epoch), once."""
-    faults = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
-              "oom": "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')"}
-    return harness.notebook(
-        "%load_ext colab_resilience",
-        textwrap.dedent(f"""\
-            %%replay
-            import os, signal, torch, lightning as L
-            from torch.utils.data import DataLoader, TensorDataset
-            MARK = {str(mark)!r}
-            L.seed_everything(0, verbose=False)
+    falling (interval "epoch", monitor "train_loss"); one fault after step 13 (resumed within an
+    epoch), once."""
+    return _fit_notebook(fault, mark, """\
+        class Model(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+            def training_step(self, batch, i):
+                loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+                self.log("train_loss", loss, on_step=False, on_epoch=True)
+                return loss
+            {strike}
+            def configure_optimizers(self):
+                opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+                plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+                return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "train_loss"}}
 
-            class Model(L.LightningModule):
-                def __init__(self):
-                    super().__init__()
-                    self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
-                def training_step(self, batch, i):
-                    loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
-                    self.log("train_loss", loss, on_step=False, on_epoch=True)
-                    return loss
-                def on_train_batch_end(self, outputs, batch, i):
-                    if self.global_step == 13 and not os.path.exists(MARK):
-                        open(MARK, "w").close(); {faults[fault]}
-                def configure_optimizers(self):
-                    opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-                    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
-                    return {{"optimizer": opt, "lr_scheduler": {{"scheduler": plateau, "monitor": "train_loss"}}}}
-
-            model = Model()
-            loader = DataLoader(TensorDataset(torch.randn(96, 4), torch.randn(96, 1)), batch_size=8, shuffle=True)"""),
-        textwrap.dedent("""\
-            %%resilient
-            from colab_resilience.integrations.lightning import ResilienceCallback
-            trainer = L.Trainer(max_epochs=5, accelerator="cpu", logger=False, enable_progress_bar=False,
-                                enable_checkpointing=False, enable_model_summary=False,
-                                callbacks=[ResilienceCallback(every_steps=5)])
-            trainer.fit(model, loader)"""),
+        model = Model()""",
         "plateau = trainer.lr_scheduler_configs[0].scheduler\n"
         "print('RESULT', plateau.last_epoch, plateau.num_bad_epochs, plateau.best, trainer.optimizers[0].param_groups[0]['lr'],\n"
-        "      model.net[0].weight.detach().numpy().tobytes().hex())",
-    )
+        "      model.net[0].weight.detach().numpy().tobytes().hex())", epochs=5)
 
 
 @pytest.mark.parametrize("fault", ["kill", "oom"])
