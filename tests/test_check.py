@@ -110,6 +110,10 @@ def test_the_demo_passes_though_it_really_runs_out_of_memory_and_writes_in_its_f
     nb = nbformat.read(Path(harness.REPO) / "notebooks" / "demo.ipynb", as_version=4)
     cell = next(c for c in nb.cells if "VmData" in c.source)
     cell.source += "\nstarted = time.time_ns()"
+    train = next(c for c in nb.cells if "resume_range" in c.source)  # and a log of its own, beside the marker
+    train.source = train.source.replace("    print(f'epoch", "    with open(os.path.join(workdir, 'epochs.log'), 'a') as f:\n"
+                                        "        f.write(f'{epoch}\\n')\n    print(f'epoch")
+    assert "epochs.log" in train.source
     nbformat.write(nb, folder / "demo.ipynb")
     (folder / "epochs.log").write_text("from before\n")
     r = check(str(folder / "demo.ipynb"), "--faults", "2", "--seed", "14", "--kernel", harness.KERNEL_NAME,
