@@ -27,7 +27,12 @@ a module's or optimizer's ``state_dict`` in place brings back their tensors, but
   without registering it (``self.running = torch.zeros(4)``). Left out of ``state_dict()``, they
   came back as the set-up cells made them after a restart and kept the failed attempt's updates
   after a rollback. They go into the saved state dict under their own keys and are copied back
-  into the module's tensors (:func:`unsaved_tensors`).
+  into the module's tensors (:func:`unsaved_tensors`);
+- **an accelerate loader's count of epochs** (``DataLoaderShard.iteration``, one more each time it
+  is iterated to its end): a seedable sampler draws each epoch's order from it, and the
+  ``Accelerator`` that prepared the loader holds it. A new kernel counted from 0 again, and the
+  resumed epochs drew the first epochs' orders. The count of each loader bound to a name goes with
+  every checkpoint (:func:`loader_epochs`) and is put back (:func:`put_loader_epochs`).
 
 Only objects already restored are touched; nothing here imports torch.
 """
@@ -260,6 +265,36 @@ def load_module(target: Any, saved: Any) -> None:
     facts = snapshot({"m": saved}, ["m"])
     target.load_state_dict(put_module_states(target, with_module_states(saved, saved.state_dict())))
     apply({"m": target}, ["m"], facts)
+
+
+def _counts_epochs(value: Any) -> bool:
+    """An accelerate loader (``DataLoaderShard``, ``DataLoaderDispatcher``): it wraps a loader
+    (``base_dataloader``) and counts the epochs it was iterated (``iteration``, the epoch
+    ``set_epoch`` sets)."""
+    count = getattr(value, "iteration", None)
+    return (type(count) is int and hasattr(value, "base_dataloader")
+            and callable(getattr(value, "set_epoch", None)))
+
+
+def loader_epochs(namespace: Mapping[str, Any]) -> dict[str, int]:
+    """The count of epochs of each accelerate loader bound to a public name (see the module's
+    documentation)."""
+    counts = {}
+    for name, value in list(namespace.items()):
+        if isinstance(name, str) and not name.startswith("_") and _counts_epochs(value):
+            counts[name] = value.iteration
+    return counts
+
+
+def put_loader_epochs(namespace: Mapping[str, Any], counts: Any) -> None:
+    """Set each loader :func:`loader_epochs` found back to its count (the name's loader now: the
+    one the replayed set-up cells prepared); its ``__iter__`` hands it to the sampler."""
+    if not isinstance(counts, Mapping):
+        return
+    for name, count in counts.items():
+        value = namespace.get(name)
+        if type(count) is int and _counts_epochs(value):
+            value.iteration = count
 
 
 def _is_grad_scaler(torch, value: Any) -> bool:

@@ -314,13 +314,6 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
             "loop appends to: it runs again on resume, over what the iterations before the fault wrote; write "
             "it in a %%replay cell, or the whole file after the loop"
         )
-    for name in epoch_seeded_loaders(tree, shell.user_ns):
-        lines.append(
-            f"colab_resilience: the resume_range loop iterates {name}, whose order accelerate seeds with its own "
-            "count of epochs (a seedable sampler), which no checkpoint holds: after a restart it counts from 0 "
-            f"again and the resumed epochs would draw the first epochs' orders; call {name}.set_epoch(epoch) at "
-            "the top of each epoch"
-        )
     for name in accelerate_accumulation(tree, shell.user_ns):
         steps = shell.user_ns[name].gradient_accumulation_steps
         lines.append(
@@ -913,26 +906,6 @@ def loader_generators(tree: ast.AST, saved: list[str], namespace) -> list[tuple[
             if not any(k in saved for k in holders):
                 found.append((n, holders[0] if holders else None, type(gen).__name__))
             break
-    return found
-
-
-def epoch_seeded_loaders(tree: ast.AST, namespace) -> list[str]:
-    """Loaders a ``resume_range`` loop's body uses that seed each epoch's order with a count of
-    their own epochs (accelerate's ``DataLoaderShard`` over a seedable sampler: its ``iteration``,
-    which no checkpoint holds: a new kernel counts from 0 again), where the cell does not set it
-    (``loader.set_epoch(epoch)``)."""
-    found = []
-    for n in _used_by_loops(tree):
-        loader = namespace.get(n)
-        if not (isinstance(getattr(loader, "iteration", None), int) and callable(getattr(loader, "set_epoch", None))):
-            continue
-        base = getattr(loader, "base_dataloader", loader)
-        samplers = (getattr(base, "sampler", None), getattr(getattr(base, "batch_sampler", None), "sampler", None))
-        if not any(callable(getattr(sampler, "set_epoch", None)) for sampler in samplers):
-            continue
-        if not any(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "set_epoch"
-                   and isinstance(c.func.value, ast.Name) and c.func.value.id == n for c in ast.walk(tree)):
-            found.append(n)
     return found
 
 

@@ -383,6 +383,7 @@ class Run:
                 "`%resilience reset` to start the run afresh") from None
         self._restore_extras(ckpt)
         carried.apply(ns, restored, _meta(ckpt).get("carried", {}))
+        carried.put_loader_epochs(ns, _meta(ckpt).get("loaders"))
         self._later = [n for n in later if n in ckpt.names]
         shown = [n for n in ckpt.names if n in restored or n in self._later]  # those too, once the cell made them
         self.resuming = False
@@ -490,6 +491,7 @@ class Run:
                 ckpt.restore(ns, objects, rng=False, strict=False)
             ckpt.put_back_in_place(ns, [n for n in kept if n not in objects])
         carried.apply(ns, list(plan.restored), _meta(ckpt).get("carried", {}))
+        carried.put_loader_epochs(ns, _meta(ckpt).get("loaders"))  # the code above may have iterated one
         try:
             ckpt.restore(ns, [], rng=True)
         except BuiltSinceError as e:  # Keras's seed generator, made by the failed attempt
@@ -647,6 +649,9 @@ class Run:
         after_loop = self._kept_after_loop(ns)
         meta = {"loops": [list(p) for p in position], "carried": carried.snapshot(ns, present), "end": end,
                 "where": where}
+        loaders = carried.loader_epochs(ns)
+        if loaders:
+            meta["loaders"] = loaders
         if end:
             meta["left"] = left_values(self.shell, self.body, self.names)
         namespace: Mapping = ChainMap({LOOP_RNG: rngs, **self.extras}, ns) if rngs or self.extras else ns

@@ -1,8 +1,9 @@
 """A hand-written loop on Hugging Face accelerate (``Accelerator.prepare``, ``accelerator.backward``,
 ``accelerator.accumulate``): the prepared model and optimizer restored into the ones the replayed
 set-up cell prepared, bit-identical to the uninterrupted run, in the form the first run asks for;
-and what would make a resume differ named at the first run (a loader that seeds each epoch's order
-with a count no checkpoint holds, micro-batch safe points inside an accumulation window).
+a loader's own count of epochs (which a seedable sampler seeds each epoch's order with) carried
+with the checkpoints; and what would make a resume differ named at the first run (micro-batch
+safe points inside an accumulation window).
 
 Skipped where accelerate is not installed; CI's trainers stack (``.ci/run``) has it.
 """
@@ -71,12 +72,57 @@ def test_an_accelerate_loop_killed_or_out_of_memory_resumes_bit_identical(tmp_pa
     assert harness.result(nb) == harness.result(twin)
 
 
-def test_the_first_run_names_an_epoch_seeded_loader_and_micro_batch_safe_points_inside_an_accumulation(ip):
-    """A seedable sampler draws each epoch's order from the loader's own count of epochs: a new
-    kernel counted from 0 again and the resumed epochs drew the first epochs' orders, and the run
-    said done (found by a probe); named, unless the loop sets the epoch. Micro-batch safe points
-    (``resume_range(loader)``) inside ``accumulate`` with 2 steps to a window: named; with 1, not.
-    The loader itself is not named as a state to save (its ``state_dict`` raises: saving it fails)."""
+def counted_epochs_notebook(fault: str, mark, seedable: bool):
+    """Epochs over an accelerate loader the loop never sets the epoch of: with a seedable sampler
+    each epoch's order is drawn from the loader's own count of its epochs; without one, from the
+    global random state (the count still goes up). One fault in the middle of epoch 2's batches."""
+    config = "dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True)" if seedable else ""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        f"%%replay\nimport os, signal, torch\nMARK = {str(mark)!r}\ntorch.manual_seed(0)\n"
+        "from accelerate import Accelerator, DataLoaderConfiguration\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "ds = TensorDataset(torch.randn(96, 4), torch.randn(96, 1))\n"
+        f"accelerator = Accelerator(cpu=True, {config})\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))\n"
+        "opt = torch.optim.AdamW(model.parameters(), lr=0.01)\n"
+        "loader = DataLoader(ds, batch_size=16, shuffle=True)\n"
+        "model, opt, loader = accelerator.prepare(model, opt, loader)\nlosses = []",
+        "%%resilient --save model,opt,losses\n"
+        "for epoch in resume_range(5):\n"
+        "    for i, (x, y) in enumerate(loader):\n"
+        "        if epoch == 2 and i == 3 and not os.path.exists(MARK):\n"
+        f"            open(MARK, 'w').close(); {_FAULTS[fault]}\n"
+        "        loss = ((model(x) - y) ** 2).mean()\n"
+        "        opt.zero_grad(); accelerator.backward(loss); opt.step()\n"
+        "    losses.append(round(loss.item(), 7))\n",
+        "print('RESULT', losses, loader.iteration, accelerator._dataloaders[0].iteration, accelerator.gradient_state.in_dataloader, len(accelerator.gradient_state.dataloader_references),\n"
+        "      model[0].weight.detach().numpy().tobytes().hex())",
+    )
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("seedable", [True, False], ids=["seedable-sampler", "shuffled"])
+@pytest.mark.parametrize("fault", ["kill", "oom"])
+def test_a_loaders_own_count_of_epochs_comes_back_with_the_checkpoint(tmp_path, fault, seedable):
+    """accelerate's loader counts the epochs it was iterated, and a seedable sampler draws each
+    epoch's order from that count. A new kernel counted from 0 again: the resumed epochs drew the
+    first epochs' orders and the run said done (found by a probe; before, the first run only named
+    it). The count goes with each checkpoint and is put back into the loader the replayed set-up
+    prepared: the run ends bit for bit as its twin, the loader's count (and its Accelerator's,
+    which holds the same loader) as uninterrupted, with nothing said at the first run."""
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: counted_epochs_notebook(fault, mark, seedable))
+    assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
+    assert "colab_resilience:" not in harness.cell_text(twin.cells[2]), harness.cell_text(twin.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(twin).split()[6:8] == ["5", "5"], harness.result(twin)
+
+
+def test_the_first_run_names_micro_batch_safe_points_inside_an_accumulation(ip):
+    """Micro-batch safe points (``resume_range(loader)``) inside ``accumulate`` with 2 steps to a
+    window: named; with 1, not. A loop over a loader that seeds its order with its own count of
+    epochs is not named (the count goes with the checkpoints), nor is the loader as a state to save
+    (its ``state_dict`` raises: saving it fails)."""
     from colab_resilience import lint
 
     # one Accelerator per process: accelerate shares its state between them
@@ -89,12 +135,7 @@ def test_the_first_run_names_an_epoch_seeded_loader_and_micro_batch_safe_points_
     replayed = ["accelerator = model = opt = loader = plain = ..."]
     epochs = ("for epoch in resume_range(3):\n    for x, y in loader:\n"
               "        with accelerator.accumulate(model):\n            model(x)\n")
-    lines = lint.warnings(ip, epochs, ["model", "opt"], replayed)
-    assert len(lines) == 1 and lines[0].startswith(
-        "colab_resilience: the resume_range loop iterates loader, whose order accelerate seeds with its own count "
-        "of epochs (a seedable sampler)") and lines[0].endswith("call loader.set_epoch(epoch) at the top of each epoch"), lines
-    assert lint.warnings(ip, epochs.replace("    for x", "    loader.set_epoch(epoch)\n    for x"), ["model", "opt"],
-                         replayed) == []
+    assert lint.warnings(ip, epochs, ["model", "opt"], replayed) == []
     micro = ("for epoch in resume_range(3):\n    for x, y in resume_range(plain):\n"
              "        with accelerator.accumulate(model):\n            model(x)\n")
     lines = lint.warnings(ip, micro, ["model", "opt"], replayed)
