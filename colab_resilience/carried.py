@@ -201,6 +201,37 @@ def with_module_states(module: Any, sd: Any) -> Any:
     return sd
 
 
+def mismatch(module: Any, sd: Any, most: int = 4) -> str | None:
+    """How ``sd`` (a state dict :func:`with_module_states` made) cannot go into ``module``: the keys
+    it has that the module has not, those it lacks, the tensors of another shape; None where they
+    fit. Checked before anything is loaded: torch's ``load_state_dict`` copies every tensor that
+    fits before it raises for those that do not, leaving a model half restored."""
+    torch = _torch()
+    if torch is None or not isinstance(sd, Mapping):
+        return None
+    try:
+        own = module.state_dict()
+    except Exception:
+        return None
+    expected = {*own, *(key for key, _, _ in unsaved_tensors(module)),
+                *(prefix + key for prefix, m in metrics_of(module) for key in getattr(m, "_defaults", {}))}
+    extra = [k for k in sd if k not in expected]
+    lacking = [k for k in own if k not in sd]  # (a tensor no state dict holds, not saved, is left as it is)
+    lazy = getattr(torch.nn.parameter, "is_lazy", lambda t: False)
+    # (one no state dict holds is replaced where its shape changed: a cache that grew)
+    shapes = [f"{k} {list(sd[k].shape)} saved, {list(t.shape)} now" for k, t in own.items()
+              if k in sd and isinstance(t, torch.Tensor) and isinstance(sd[k], torch.Tensor)
+              and not lazy(t) and sd[k].shape != t.shape]
+
+    def listed(keys: list[str]) -> str:
+        return ", ".join(keys[:most]) + (f" and {len(keys) - most} more" if len(keys) > most else "")
+
+    parts = ([f"saved, not in it: {listed(extra)}"] if extra else []) + \
+        ([f"in it, not saved: {listed(lacking)}"] if lacking else []) + \
+        ([f"other shapes: {listed(shapes)}"] if shapes else [])
+    return "; ".join(parts) or None
+
+
 def put_module_states(module: Any, sd: Any) -> Any:
     """Put what :func:`with_module_states` added to ``sd`` back into ``module``; return ``sd``
     without it, for ``load_state_dict``. A metric's states are put in as copies on its device (a

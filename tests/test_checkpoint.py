@@ -557,6 +557,37 @@ def test_names_restored_in_place_keep_their_objects_and_what_else_holds_them_see
     assert again["history"] == [1.5, 2.5] and before["history"] == []
 
 
+def test_a_model_whose_structure_changed_is_refused_naming_the_keys_that_differ(store):
+    """A model the loop pruned in place (``weight`` became ``weight_orig`` and ``weight_mask``)
+    cannot go into the one the set-up cells build: the one-line refusal names the keys saved and not
+    there (its ``weight``, a tensor the pruning recomputes, is saved with it), and the shapes that
+    differ (before, the line ended at "Error(s) in loading state_dict for Sequential:", what differs
+    was on torch's lines below it). Nothing is changed: torch's ``load_state_dict`` copies what fits
+    before it raises, and left the model half restored."""
+    import torch.nn.utils.prune as prune
+
+    pruned = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    prune.l1_unstructured(pruned[0], "weight", amount=0.5)
+    store.save({"model": pruned}, ["model"])
+    built = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    before = {k: v.clone() for k, v in built.state_dict().items()}
+    with pytest.raises(CheckpointError) as info:
+        store.load().restore({"model": built}, ["model"])
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert message == ("colab_resilience: cannot restore 'model' in place: the Sequential it holds now is not the "
+                       "one saved (saved, not in it: 0.weight_orig, 0.weight_mask): the set-up cells build another "
+                       "architecture, or the cell changed the model after they built it (pruning, a layer added in "
+                       "place)"), message
+    assert all(torch.equal(v, before[k]) for k, v in built.state_dict().items())
+    wider = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Linear(16, 1))
+    store.save({"model": wider}, ["model"])
+    with pytest.raises(CheckpointError, match=r"\(other shapes: 0\.weight \[16, 4\] saved, \[8, 4\] now, "
+                                              r"0\.bias \[16\] saved, \[8\] now, 1\.weight \[1, 16\] saved, \[1, 8\] now\)"):
+        store.load().restore({"model": built}, ["model"])
+    assert all(torch.equal(v, before[k]) for k, v in built.state_dict().items())
+
+
 def test_restore_into_missing_object_says_so_and_invents_nothing(store):
     """A module's state cannot be restored without a module to put it in: one line says to define it
     in a %%replay cell; nothing is invented; a module of another class or a misspelt name is

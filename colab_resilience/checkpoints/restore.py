@@ -257,6 +257,16 @@ class Checkpoint:
             # a module copies what it is given into its own tensors; an optimizer keeps them
             copies = torch is not None and isinstance(target, torch.nn.Module)
             value = self._value(e, place=False, private=not copies, restoring=restoring)
+            if copies and not _loads_its_own_way(torch, target):
+                from .. import carried
+
+                differs = carried.mismatch(target, value)
+                if differs:
+                    raise CheckpointError(
+                        f"colab_resilience: cannot restore {e.name!r} in place: the {type(target).__name__} it holds "
+                        f"now is not the one saved ({differs}): the set-up cells build another architecture, or "
+                        "the cell changed the model after they built it (pruning, a layer added in place)"
+                    )
             try:
                 if copies:  # its metrics' states (kept as given), the tensors its state dict leaves out
                     from .. import carried
@@ -266,7 +276,7 @@ class Checkpoint:
             except Exception as err:
                 raise CheckpointError(
                     f"colab_resilience: cannot restore {e.name!r} in place: load_state_dict failed "
-                    f"({first_line(err)})"
+                    f"({_load_failure(err)})"
                 ) from None
             missing = getattr(result, "missing_keys", None)
             if missing or getattr(result, "unexpected_keys", None):
@@ -290,6 +300,31 @@ class Checkpoint:
             return
         _all_placed(keras)
         namespace[e.name] = value
+
+
+def _loads_its_own_way(torch, module: Any) -> bool:
+    """Whether a submodule of ``module`` renames or adds keys as it loads (a load pre-hook: a lazy
+    module's, an old-style spectral norm's): its state dict need not match its keys beforehand."""
+    base = torch.nn.Module._load_from_state_dict
+    norm = getattr(getattr(torch.nn.modules, "batchnorm", None), "_NormBase", None)
+    for m in module.modules():
+        if getattr(m, "_load_state_dict_pre_hooks", None):
+            return True
+        own = type(m)._load_from_state_dict
+        if own is not base and not (norm is not None and own is norm._load_from_state_dict):
+            return True
+    return False
+
+
+def _load_failure(err: BaseException, most: int = 300) -> str:
+    """``err`` of a ``load_state_dict`` in one line: torch's puts what failed on the lines below
+    its first (``Error(s) in loading state_dict for Sequential:``, then the missing and unexpected
+    keys, the shapes that differ), which are what says why."""
+    lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
+    if len(lines) < 2 or not lines[0].startswith("Error(s) in loading state_dict"):
+        return first_line(err)
+    text = f"{type(err).__name__}: {lines[0]} " + "; ".join(ln.rstrip(". ") for ln in lines[1:])
+    return text if len(text) <= most else text[:most - 3] + "..."
 
 
 class _Restoring:
