@@ -165,6 +165,7 @@ class CheckReport:
     seconds: float
     results: list[FaultResult] = field(default_factory=list)
     broken: str = ""  # why the uninterrupted run itself failed
+    apart: list[str] = field(default_factory=list)  # what the set-up cells made otherwise in another kernel
 
     @property
     def status(self) -> int:
@@ -187,6 +188,9 @@ class CheckReport:
         if caught:
             parts.append(f"{caught} of {n} out-of-memory errors were caught where they were raised (by the notebook's "
                          "code or a library's), even aimed again (try another --seed)")
+        if self.apart and differ:
+            parts.append(f"the set-up cells make {_names(self.apart, 4)} otherwise in each kernel: seed them, "
+                         "then check again")
         return "; ".join(parts) + f" (seed {seed})"
 
 
@@ -523,6 +527,10 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
                         log(f"    it said: {line}")
             for why, names in not_compared(reference, outcome).items():
                 log(f"    not compared: {', '.join(names)} ({why})")
+            apart = set_up_apart(work / "runs-uninterrupted", work / f"runs-fault-{i}")
+            if apart and result.differences:
+                log(apart_line(apart, again=bool(report.apart)))
+                report.apart += [n for n in apart if n not in report.apart]
         return report
     finally:
         note = place.note()
@@ -530,6 +538,32 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
             log(note)
         if own is not None:
             own.remove()
+
+
+def set_up_apart(reference: Path, faulted: Path) -> list[str]:
+    """The names the set-up cells made otherwise in the faulted run's first kernel than in the
+    uninterrupted run's, before any fault: what each run recorded when it began (the journal's
+    fingerprints of what the set-up cells bind and the training reads: :mod:`.setup_state`),
+    for each run of a ``%%resilient`` cell found in both."""
+    from .journal import read_journals
+
+    began = {j.run_id: j.setup for j in read_journals(reference)}
+    apart: list[str] = []
+    for j in read_journals(faulted):
+        before = began.get(j.run_id) or {}
+        apart += [n for n, f in j.setup.items() if n in before and before[n] != f and n not in apart]
+    return sorted(apart)
+
+
+def apart_line(names: list[str], again: bool = False) -> str:
+    shown = _names(names, 4)
+    if again:
+        return f"    the set-up cells made {shown} otherwise in this run's kernel too, before any fault (see above)"
+    return (f"    the set-up cells made {shown} otherwise in this run's kernel than in the uninterrupted run's, before "
+            "any fault (drawn without a seed, a set's order of strings): no two runs of this notebook agree, so what "
+            "differs may come from there and not from the fault, and a resume after a restart trains on what the "
+            "replay makes; seed the draws in the %%replay cell (torch.manual_seed(0), random_state=0), sort sets "
+            "(sorted(set(...)))")
 
 
 def warned(outcome: Outcome, since: int | None = None) -> list[str]:

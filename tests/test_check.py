@@ -401,3 +401,32 @@ def test_a_global_a_set_up_cells_function_changes_is_not_excused_as_recomputed()
                           "%%replay\nsteps, size = 0, 4\ndef tick():\n    global steps\n    steps += 1",
                           "%%resilient\nfor i in resume_range(3):\n    tick()")
     assert set_up_names(nb) == {"size", "tick"}
+
+
+def test_a_set_up_drawn_without_a_seed_is_named_as_why_no_two_runs_agree(tmp_path):
+    """A split drawn without a seed in the %%replay cell: every kernel draws another, the
+    uninterrupted run's included, so every faulted run differs, the kill's and the OOM's alike
+    (its kernel began from another split before any fault). check says why under each (from the
+    fingerprints each run's journal recorded when it began: the names the set-up binds and the
+    training reads), and its last line says what to do; the model, which only the training
+    changes, is not among the names."""
+    nb = harness.notebook(
+        "%load_ext colab_resilience",
+        "%%replay\nimport torch\nperm = torch.randperm(64)\ntrain_idx = perm[:48]\ntorch.manual_seed(0)\n"
+        "X, Y = torch.randn(64, 4), torch.randn(64, 1)\nmodel = torch.nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.05)",
+        "%%resilient --save model,opt\nfor epoch in resume_range(6):\n    for i in range(0, 48, 16):\n"
+        "        idx = train_idx[i:i + 16]\n        loss = ((model(X[idx]) - Y[idx]) ** 2).mean()\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()",
+        "print(model.weight.sum().item())")
+    path = tmp_path / "unseeded.ipynb"
+    nbformat.write(nb, path)
+    r = check(str(path), "--faults", "2", "--seed", "5")
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert ("    the set-up cells made train_idx otherwise in this run's kernel than in the uninterrupted run's, before "
+            "any fault (drawn without a seed, a set's order of strings): no two runs of this notebook agree") in \
+        r.stdout, r.stdout
+    assert "    the set-up cells made train_idx otherwise in this run's kernel too, before any fault (see above)" in lines
+    assert lines[-1] == (f"colab-resilience check: {path}: 2 of 2 faulted runs differ; the set-up cells make train_idx "
+                         "otherwise in each kernel: seed them, then check again (seed 5)"), r.stdout
