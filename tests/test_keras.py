@@ -381,6 +381,77 @@ def test_a_compiled_model_fit_one_epoch_at_a_time_resumes_with_its_optimizer(tmp
     assert harness.result(nb).startswith("RESULT [") and "] 16 " in harness.result(nb), harness.result(nb)
 
 
+def subclassed_fit_notebook(fault: str, mark, epoch: int) -> "nbformat.NotebookNode":
+    """A subclassed model without an Input (Keras's TensorFlow backend builds it when it traces the
+    first step) with its own ``train_step``, a ``Mean`` it lists in ``metrics`` and a ``Sum`` of the
+    samples seen that it does not (fit never resets it: it counts across epochs), Dropout; fit with
+    a ``CSVLogger(append=True)`` and a callback that opens a file of its own when fit starts
+    (``None`` before). One fault (``fault``) after batch 2 of ``epoch``, once."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        _setup(mark) +
+        "class Net(keras.Model):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.d1, self.drop, self.d2 = keras.layers.Dense(16, activation='relu'), keras.layers.Dropout(0.3), keras.layers.Dense(1)\n"
+        "        self.tracker, self.seen = keras.metrics.Mean(name='loss'), keras.metrics.Sum(name='seen')\n"
+        "    def call(self, x, training=False):\n"
+        "        return self.d2(self.drop(self.d1(x), training=training))\n"
+        "    def train_step(self, data):\n"
+        "        x, y = data\n"
+        "        with tf.GradientTape() as tape:\n"
+        "            loss = tf.reduce_mean((self(x, training=True) - y) ** 2)\n"
+        "        grads = tape.gradient(loss, self.trainable_variables)\n"
+        "        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))\n"
+        "        self.tracker.update_state(loss); self.seen.update_state(tf.cast(tf.shape(x)[0], 'float32'))\n"
+        "        return {'loss': self.tracker.result(), 'seen': self.seen.result()}\n"
+        "    @property\n"
+        "    def metrics(self):\n"
+        "        return [self.tracker]\n"
+        "class Strike(keras.callbacks.Callback):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.out = None\n"
+        "    def on_train_begin(self, logs=None):\n"
+        "        self.out = open('epochs.txt', 'a')\n"
+        "    def on_epoch_begin(self, epoch, logs=None):\n"
+        "        self.epoch = epoch\n"
+        "    def on_epoch_end(self, epoch, logs=None):\n"
+        "        print(epoch, file=self.out, flush=True)\n"
+        "    def on_train_batch_end(self, batch, logs=None):\n"
+        f"        if (self.epoch, batch) == ({epoch}, 2) and not os.path.exists(MARK):\n"
+        f"            open(MARK, 'w').close(); {_STRIKE[fault]}\n"
+        "model = Net()\nmodel.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9))",
+        "%%resilient\nfrom colab_resilience.integrations.keras import ResilienceCallback\n"
+        "history = model.fit(X, Y, batch_size=8, epochs=4, verbose=0, callbacks=[\n"
+        "    ResilienceCallback(), keras.callbacks.CSVLogger('fit.csv', append=True), Strike()])",
+        "import hashlib\nprint('RESULT', history.history, float(model.seen.result()), open('fit.csv').read().replace('\\n', '|'), "
+        "open('epochs.txt').read().split(), "
+        "int(model.optimizer.iterations.numpy()), hashlib.sha256(b''.join("
+        "v.numpy().tobytes() for v in model.variables + model.optimizer.variables)).hexdigest())",
+    )
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("fault,epoch", [("kill", 2), ("oom", 2), ("oom", 0)],
+                         ids=["killed", "out-of-memory", "out-of-memory-in-the-first-epoch"])
+def test_a_subclassed_model_built_by_its_first_step_resumes_with_its_own_metrics_and_csv_log(tmp_path, fault, epoch):
+    """Found by probes. The callback's first safe point built the optimizer on the unbuilt model's
+    no variables, and the first step failed ("Unknown variable"); the model is built first now, from
+    the data's shapes, as Keras's other backends build it. A metric the model does not list in
+    ``metrics`` (fit never resets it) was in no checkpoint: after a kill its count started again
+    (the logs said 128 where 384 was due), and the run said done; it goes with the model's
+    variables now. After an OOM at the first epoch, the CSVLogger's file was put back as the first
+    safe point found it (None) over the one its on_train_begin had opened, and the retry failed
+    (so was a notebook's callback's); with a kill the header went in again mid-file. Each ends bit for bit as its twin: the logs, the
+    count, the CSV file, the weights and the optimizer's variables; the first run says nothing."""
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: subclassed_fit_notebook(fault, mark, epoch))
+    assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
+    assert "colab_resilience:" not in harness.cell_text(twin.cells[2]), harness.cell_text(twin.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+    assert " 256.0 epoch,loss,seen,val_loss,val_seen|0," in harness.result(nb), harness.result(nb)
+    assert "| ['0', '1', '2', '3'] " in harness.result(nb), harness.result(nb)
+
+
 def test_a_compiled_model_restored_into_one_not_compiled_is_refused_in_one_line(tmp_path):
     """Saved compiled (with its optimizer), restored into the same architecture left uncompiled: one
     line saying what to do, and nothing assigned."""
@@ -418,6 +489,25 @@ def test_the_first_run_names_an_unsaved_keras_optimizer_and_a_dataset_that_reshu
     reshuffled = [line for line in lines if "tf.data" in line]
     assert len(reshuffled) == 1 and "iterates ds, a tf.data dataset that shuffles anew" in reshuffled[0], lines
     assert "fixed" not in reshuffled[0] and "ds.shuffle(n, seed=epoch)" in reshuffled[0], lines
+
+
+def test_the_first_run_names_a_csv_logger_that_writes_its_file_anew(tmp_path):
+    """A ``CSVLogger`` with ``append=False`` (its default) empties its file each time fit starts,
+    and a resume starts fit again: the file would hold only the epochs from the resume on. Named
+    in the lines a fit's first run says; with ``append=True`` (a resumed fit appends the epochs it
+    trains, as the uninterrupted one did), not."""
+    from colab_resilience.integrations.keras import _inexact
+
+    x = np.zeros((8, 4), "float32")
+    keras.utils.set_random_seed(0)
+    anew = keras.callbacks.CSVLogger(str(tmp_path / "log.csv"))
+    lines = _inexact({"x": x, "callbacks": keras.callbacks.CallbackList([anew])})
+    assert lines == [f"colab_resilience: CSVLogger writes {tmp_path / 'log.csv'} anew each time fit starts "
+                     "(append=False): a resume after an out-of-memory error or a restart starts fit again, and the "
+                     "file would hold only the epochs from there on; pass append=True (a checkpoint holds no file, "
+                     "and nothing here truncates yours)"], lines
+    appends = keras.callbacks.CSVLogger(str(tmp_path / "log.csv"), append=True)
+    assert _inexact({"x": x, "callbacks": keras.callbacks.CallbackList([appends])}) == []
 
 
 def test_a_model_built_otherwise_is_refused_in_one_line_and_left_as_it_was(tmp_path):

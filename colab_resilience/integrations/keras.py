@@ -48,7 +48,7 @@ a fit begins, unless given ``append=True``).
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Mapping
 
 import keras
 import numpy as np
@@ -58,6 +58,7 @@ from ..checkpoints.rng import keras_seed_generator
 from ..errors import RunStoppedError
 from ..lint import reshuffles
 from ..loops import active_run
+from ..oom import is_oom
 from . import accumulation_for, caller_locals, is_plain, require_loop, say_outside
 from . import every_steps as check_every_steps
 
@@ -112,6 +113,9 @@ class FitState:
             # the gradient accumulators go apart: a --shrink may add them to an optimizer already built
             accumulators = {id(a) for a in _accumulators(optimizer)}
             groups["optimizer"] = [v for v in optimizer.variables if id(v) not in accumulators]
+        others = _other_metrics_variables(model)
+        if others:  # Keras never resets them: they go on from epoch to epoch
+            groups["other_metrics"] = others
         seeds = keras_seed_generator()
         if seeds is not None:
             groups["seed_generator"] = [seeds.state]
@@ -216,6 +220,25 @@ def _metrics_variables(model) -> list:
         return []
 
 
+def _other_metrics_variables(model) -> list:
+    """The variables of the metrics the model's layers track that ``model.metrics`` leaves out (a
+    ``train_step``'s own counter where the model lists only some in its ``metrics``): ``fit``
+    resets only those it lists at each epoch, and ``model.variables`` holds neither."""
+    listed = {id(v) for v in _metrics_variables(model)}
+    found = []
+    try:
+        layers = list(model._flatten_layers())
+    except (AttributeError, TypeError):
+        return []
+    for layer in layers:
+        for metric in getattr(layer, "_metrics", None) or []:
+            for v in getattr(metric, "variables", []):
+                if id(v) not in listed:
+                    listed.add(id(v))
+                    found.append(v)
+    return found
+
+
 def _steps(optimizer) -> int:
     """The batches an optimizer step takes (its ``gradient_accumulation_steps``; 1 without)."""
     return int(getattr(optimizer, "gradient_accumulation_steps", None) or 1)
@@ -270,8 +293,10 @@ _NOT_STATE = {"model", "_model", "params", "validation_data"}
 
 def _stateful(callbacks: list) -> dict[str, Any]:
     """The callbacks whose state goes with a checkpoint: all but this package's, ``History``
-    (the epochs' logs are saved apart) and the progress bar; keyed by place and type."""
-    skip = (keras.callbacks.History, keras.callbacks.ProgbarLogger)
+    (the epochs' logs are saved apart), the progress bar and ``CSVLogger`` (what it holds is of its
+    file as it found it when fit started: whether it has a header yet; put back, a resumed fit
+    wrote the header again in the middle of the file); keyed by place and type."""
+    skip = (keras.callbacks.History, keras.callbacks.ProgbarLogger, keras.callbacks.CSVLogger)
     return {f"{i}:{type(cb).__name__}": cb for i, cb in enumerate(callbacks)
             if not isinstance(cb, skip) and not isinstance(cb, ResilienceCallback)}
 
@@ -326,7 +351,10 @@ def _library_function(value) -> tuple[str, str] | None:
 def _set_attributes(callback, saved: dict[str, Any]) -> None:
     import copy
 
+    own = vars(callback)
     for name, value in saved["values"].items():
+        if name in own and not is_plain(_plain(own[name])):
+            continue  # it holds something else now: what its on_train_begin made (CSVLogger's open file)
         setattr(callback, name, copy.deepcopy(value))  # (the callback may change it in place)
     for name, (module, function) in saved["functions"].items():
         if module.startswith(_LIBRARIES) and module in sys.modules:  # only what is imported already
@@ -334,7 +362,8 @@ def _set_attributes(callback, saved: dict[str, Any]) -> None:
 
 
 def _mismatch(group: str, paths: list[str], values: list, now: list) -> str | None:
-    what = {"model": "the model", "optimizer": "its optimizer", "seed_generator": "Keras's global SeedGenerator"}[group]
+    what = {"model": "the model", "optimizer": "its optimizer", "seed_generator": "Keras's global SeedGenerator",
+            "other_metrics": "the metrics its layers track beside model.metrics"}.get(group, group)
     for i in range(max(len(paths), len(now))):
         if i >= len(paths) or i >= len(now):
             shown = f"{i + 1} was {paths[i] if i < len(paths) else 'nothing more'}, now " \
@@ -421,6 +450,23 @@ def _within_epoch(epoch_iterator, done: int) -> None:
     epoch_iterator._enumerate_iterator = going_on
 
 
+def _build(model, fit: Mapping[str, Any]) -> None:
+    """Build a model that is not built yet (a subclassed one without an ``Input``), and its
+    optimizer, as Keras's JAX and torch backends build them before ``on_train_begin``: from the
+    shapes of the data (the dataset's element spec; no batch is drawn). TensorFlow's builds them
+    when it traces the first step, after: a checkpoint taken before would hold no variables (and
+    the optimizer built on none, the first step failed), a resume would have none to load into."""
+    try:
+        if all(layer.built for layer in model._flatten_layers()):
+            return
+        spec = getattr(getattr(fit.get("epoch_iterator"), "_distributed_dataset", None), "element_spec", None)
+        if spec is not None:
+            model._symbolic_build(data_batch=spec)
+    except Exception as e:  # Keras says why a model cannot be built when its first step runs
+        if is_oom(e):
+            raise
+
+
 class ResilienceCallback(keras.callbacks.Callback):
     """Make the epochs of ``fit`` safe points of the ``%%resilient`` cell it runs in, and resume
     ``fit`` at the first unfinished epoch (see the module documentation). Outside a
@@ -457,6 +503,7 @@ class ResilienceCallback(keras.callbacks.Callback):
             return
         require_loop(run, "epochs", "callbacks=[ResilienceCallback()]")
         fit = caller_locals("fit", self.model)  # its data, its initial_epoch, its callbacks
+        _build(self.model, fit)
         epochs = self.params["epochs"]
         initial = int(fit.get("initial_epoch", 0) or 0)
         for line in _inexact(fit):
@@ -579,6 +626,12 @@ def _inexact(fit: dict) -> list[str]:
         out.append("colab_resilience: no random seed is set, so Keras initialises, shuffles and drops out "
                    "differently in every kernel, and a resumed fit is not identical to an uninterrupted one; "
                    "call keras.utils.set_random_seed(...) in a %%replay cell for an exact resume")
+    for callback in getattr(fit.get("callbacks"), "callbacks", None) or []:
+        if isinstance(callback, keras.callbacks.CSVLogger) and not getattr(callback, "append", True):
+            out.append(f"colab_resilience: CSVLogger writes {getattr(callback, 'filename', 'its file')} anew each "
+                       "time fit starts (append=False): a resume after an out-of-memory error or a restart starts "
+                       "fit again, and the file would hold only the epochs from there on; pass append=True (a "
+                       "checkpoint holds no file, and nothing here truncates yours)")
     x = fit.get("x")
     tf = sys.modules.get("tensorflow")
     if x is None or isinstance(x, (np.ndarray, list, tuple, dict)) or _is_tensor(x):
