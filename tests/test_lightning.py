@@ -494,3 +494,27 @@ def test_a_plateau_scheduler_steps_at_the_end_of_an_epoch_resumed_within(tmp_pat
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(nb).startswith("RESULT 5 "), harness.result(nb)
+
+
+def test_the_first_run_names_a_csv_loggers_file_that_a_resume_writes_anew(tmp_path):
+    """Lightning's CSVLogger writes its metrics.csv from the rows it logged in its own kernel: a
+    kernel that resumes wrote the steps from the resume on alone, into the next version folder, or
+    into the same file after emptying it where the version was given (found by a probe: a twin's
+    file had 40 rows, the resumed one's 20). Named among what a fit's first run says; a Trainer
+    without a logger says nothing."""
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from colab_resilience.integrations.lightning import _inexact
+
+    trainer = L.Trainer(accelerator="cpu", logger=CSVLogger(tmp_path, name="run", version=0),
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    path = tmp_path / "run" / "version_0" / "metrics.csv"
+    assert _inexact(trainer) == [
+        f"colab_resilience: the Trainer's CSVLogger writes {path} from what it logged in its own kernel: after a "
+        "restart the kernel that resumes writes only the steps from the resume on (into that file, which it empties, "
+        "where a version is given; else into the next version folder, the earlier steps staying in this one); the "
+        "model and the callbacks' state come back whole, that file does not"]
+    other = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=False)
+    assert _inexact(other) == []

@@ -48,6 +48,7 @@ What is not put back: files. A logger writes on where the new kernel's logger wr
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import warnings
 from typing import Any
@@ -598,6 +599,13 @@ def _inexact(trainer: pl.Trainer) -> list[str]:
         out.append("colab_resilience: the training DataLoader has persistent_workers=True, whose workers keep their "
                    "random state from epoch to epoch, so a resumed fit is not identical to an uninterrupted one; "
                    "drop persistent_workers for an exact resume")
+    for logger in getattr(trainer, "loggers", None) or []:
+        if isinstance(logger, pl.loggers.CSVLogger):
+            out.append(f"colab_resilience: the Trainer's CSVLogger writes {os.path.join(logger.log_dir, 'metrics.csv')} "
+                       "from what it logged in its own kernel: after a restart the kernel that resumes writes only the "
+                       "steps from the resume on (into that file, which it empties, where a version is given; else into "
+                       "the next version folder, the earlier steps staying in this one); the model and the callbacks' "
+                       "state come back whole, that file does not")
     if trainer.strategy.root_device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
         out.append("colab_resilience: on a GPU without Trainer(deterministic=True) every run differs, so a resumed "
                    "fit is not identical to an uninterrupted one; pass deterministic=True for an exact resume")
