@@ -329,14 +329,38 @@ def _output_difference(reference: list[str], faulted: list[str]) -> str | None:
         if at < len(faulted):
             return f"first at {_quote(faulted[at])}"
         return f"it ends before {_quote(reference[at])}"
-    for p, short in zip(parts, cut):
+    for i, (p, short) in enumerate(zip(parts, cut)):
+        if i and not within(p, short):
+            # a part after a recovery ran in the process that had shown the library's warnings once
+            # already: Python shows a warning once per place, so the retry does not repeat them
+            reference, p = _unwarned(reference), _unwarned(p)
         if not within(p, short):
             fits = max(n for n in range(len(p)) if within(p[:n]))
             return f"first at {_quote(p[fits])}"
     last = parts[-1]
-    if last and reference[len(reference) - len(last):] != last:
+    if last and reference[len(reference) - len(last):] != last and \
+            _unwarned(reference)[len(_unwarned(reference)) - len(_unwarned(last)):] != _unwarned(last):
         return f"it ends otherwise, at {_quote(last[-1])}"
     return None
+
+
+# a warning as Python shows it: "/path/module.py:21: UserWarning: message" (the source line below
+# it, indented, goes with it)
+_WARNING = re.compile(r"^\S.*\.py:\d+: ")
+
+
+def _unwarned(lines: list[str]) -> list[str]:
+    """``lines`` without the warnings Python showed in them (see :data:`_WARNING`)."""
+    out, skip = [], False
+    for line in lines:
+        if _WARNING.match(line):
+            skip = True
+            continue
+        if skip and line.startswith("  "):
+            continue
+        skip = False
+        out.append(line)
+    return out
 
 
 def _quote(line: str, most: int = 80) -> str:

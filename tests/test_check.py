@@ -378,6 +378,24 @@ def test_a_line_the_fault_cut_short_is_not_a_difference_and_a_changed_line_is():
     assert _output_difference(reference, ["0 2.31", "1 2.2"]) == "first at '1 2.2'"  # no fault: cut is a difference
 
 
+def test_a_warning_a_retry_does_not_show_again_is_not_a_difference():
+    """Python shows a warning once per place in a process: an out-of-memory retry in the same
+    kernel does not show again what the failed attempt showed (found by a probe: a Lightning fit
+    retried at its start "differed" by a deprecation warning). A part after a recovery may lack
+    them; a part that lacks another line, or a run without a recovery that lacks one, differs."""
+    from colab_resilience.check import _output_difference
+
+    warned = "/venv/lib/python3.11/site-packages/lightning/pytorch/utilities/_pytree.py:21: `LeafSpec` is deprecated"
+    shown = "/venv/lib/python3.11/site-packages/torch/nn/modules/loss.py:610: UserWarning: Using a target size"
+    source = "  return F.mse_loss(input, target, reduction=self.reduction)"
+    reference = ["GPU available: False", warned, shown, source, "epoch 0 1.5", "stopped"]
+    oom = "colab_resilience: OOM (out of memory) — freed 66.0 MiB; retry 1/2"
+    retried = ["GPU available: False", warned, shown, source, oom, "GPU available: False", "epoch 0 1.5", "stopped"]
+    assert _output_difference(reference, retried) is None
+    assert _output_difference(reference, retried[:-2] + ["stopped"]) == "first at 'stopped'"
+    assert _output_difference(reference, [line for line in reference if line != warned]).startswith("first at ")
+
+
 
 def test_printed_times_and_rates_are_not_a_difference_and_the_rest_of_the_line_is():
     """The metrics a Hugging Face Trainer prints at its end: its runtime and rates differ between
