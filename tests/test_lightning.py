@@ -496,25 +496,66 @@ def test_a_plateau_scheduler_steps_at_the_end_of_an_epoch_resumed_within(tmp_pat
     assert harness.result(nb).startswith("RESULT 5 "), harness.result(nb)
 
 
-def test_the_first_run_names_a_csv_loggers_file_that_a_resume_writes_anew(tmp_path):
-    """Lightning's CSVLogger writes its metrics.csv from the rows it logged in its own kernel: a
-    kernel that resumes wrote the steps from the resume on alone, into the next version folder, or
-    into the same file after emptying it where the version was given (found by a probe: a twin's
-    file had 40 rows, the resumed one's 20). Named among what a fit's first run says; a Trainer
-    without a logger says nothing."""
-    import lightning as L
-    from lightning.pytorch.loggers import CSVLogger
+def csv_fit_notebook(fault: str, mark, version, every_steps):
+    """A fit that logs to a ``CSVLogger`` (``version`` given or not): a step's and an epoch's
+    training loss, a validation loss, and a ``LearningRateMonitor`` (before ResilienceCallback: it
+    logs as each epoch begins, before the safe point is taken) over 12 batches an epoch, 4 epochs,
+    a ``StepLR``; ``every_steps`` safe points within epochs, or none. One fault after step 17 (in
+    epoch 1), once."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        "%%replay\nimport os, signal, torch, lightning as L\n"
+        "from lightning.pytorch.callbacks import LearningRateMonitor\nfrom lightning.pytorch.loggers import CSVLogger\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        f"MARK = {str(mark)!r}\nL.seed_everything(0, verbose=False)\n"
+        "class Model(L.LightningModule):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))\n"
+        "    def training_step(self, batch, i):\n"
+        "        loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])\n"
+        "        self.log('train_loss', loss, on_step=True, on_epoch=True)\n"
+        "        return loss\n"
+        "    def validation_step(self, batch, i):\n"
+        "        self.log('val_loss', torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]))\n"
+        "    def on_train_batch_end(self, outputs, batch, i):\n"
+        "        if self.global_step == 17 and not os.path.exists(MARK):\n"
+        f"            open(MARK, 'w').close(); {_FIT_FAULTS[fault]}\n"
+        "    def configure_optimizers(self):\n"
+        "        opt = torch.optim.SGD(self.parameters(), lr=0.05)\n"
+        "        return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)]\n"
+        "model = Model()\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        "x, y = torch.randn(112, 4, generator=g), torch.randn(112, 1, generator=g)\n"
+        "loader = DataLoader(TensorDataset(x[:96], y[:96]), batch_size=8, shuffle=True)\n"
+        "val = DataLoader(TensorDataset(x[96:], y[96:]), batch_size=8)",
+        "%%resilient\nfrom colab_resilience.integrations.lightning import ResilienceCallback\n"
+        f"trainer = L.Trainer(max_epochs=4, accelerator='cpu', logger=CSVLogger('logs', name='run', version={version}),\n"
+        "                    log_every_n_steps=2, enable_progress_bar=False, enable_checkpointing=False,\n"
+        f"                    enable_model_summary=False, callbacks=[LearningRateMonitor(), ResilienceCallback({every_steps})])\n"
+        "trainer.fit(model, loader, val)",
+        "print('RESULT', os.path.relpath(trainer.logger.log_dir), sorted(os.listdir('logs/run')),\n"
+        "      open(os.path.join(trainer.logger.log_dir, 'metrics.csv')).read().replace('\\n', '|'))",
+    )
 
-    from colab_resilience.integrations.lightning import _inexact
 
-    trainer = L.Trainer(accelerator="cpu", logger=CSVLogger(tmp_path, name="run", version=0),
-                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
-    path = tmp_path / "run" / "version_0" / "metrics.csv"
-    assert _inexact(trainer) == [
-        f"colab_resilience: the Trainer's CSVLogger writes {path} from what it logged in its own kernel: after a "
-        "restart the kernel that resumes writes only the steps from the resume on (into that file, which it empties, "
-        "where a version is given; else into the next version folder, the earlier steps staying in this one); the "
-        "model and the callbacks' state come back whole, that file does not"]
-    other = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      enable_checkpointing=False)
-    assert _inexact(other) == []
+@pytest.mark.parametrize("fault,version,every_steps", [("kill", None, None), ("kill", 0, None), ("oom", None, None),
+                                                       ("kill", None, 5), ("oom", 0, 5)],
+                         ids=["killed", "killed-version-given", "out-of-memory", "killed-within-an-epoch",
+                              "out-of-memory-within-an-epoch-version-given"])
+def test_a_csv_loggers_file_holds_every_row_after_a_resume(tmp_path, fault, version, every_steps):
+    """Lightning's CSVLogger writes its metrics.csv from the rows its writer holds: a resumed
+    kernel's logged into the next version folder (or emptied the file, where a version was given)
+    and wrote the steps from the resume on alone; a fit retried in the kernel made a new logger,
+    which did the same (found by a probe; the first run now says nothing of it). Each checkpoint
+    holds the logger's version and every row it logged, the resumed fit's logger gets them, and
+    logs nothing until the fit is back where the safe point was taken (what the hooks before it log
+    again, the learning rate as the epoch begins, is among them). The file is the twin's, line for
+    line, in the twin's folder, and no other folder is made."""
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: csv_fit_notebook(fault, mark, version, every_steps))
+    assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
+    assert "colab_resilience:" not in harness.cell_text(twin.cells[2]), harness.cell_text(twin.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).startswith("RESULT logs/run/version_0 ['version_0'] epoch,lr-SGD,step,train_loss_epoch,"), \
+        harness.result(nb)
+    assert harness.result(nb).count("|") == 37, harness.result(nb)  # the header and 36 rows

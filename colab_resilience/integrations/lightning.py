@@ -39,14 +39,19 @@ cell from that variable), ``accumulate_grad_batches`` is raised so that an optim
 the samples it took when the run began, and a retry that goes back within an epoch counts the
 epoch's finished samples in batches of the new size.
 
-What is not put back: files. A logger writes on where the new kernel's logger writes (give
-``CSVLogger``/``TensorBoardLogger`` a fixed ``version`` to keep one folder); a checkpoint
+A ``CSVLogger`` logs on into the version it logged into, and its ``metrics.csv`` holds every
+row an uninterrupted fit's would: each checkpoint holds its version and the rows it logged so far
+(up to 16 MiB of file), and the fit that resumes gives them to its logger's writer, which writes
+the file anew with them. What is not put back: other files. A ``TensorBoardLogger`` writes on
+where the new kernel's logger writes (give it a fixed ``version`` to keep one folder); a checkpoint
 ``ModelCheckpoint`` had saved after the last safe point is saved again under another name
 (``-v1``), and the callback names such files before training starts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import csv
 import io
 import os
 import pickle
@@ -89,6 +94,7 @@ class FitCheckpoint:
         self.callbacks_pending: dict[str, dict] = {}
         self.module_pending: dict[str, Any] = {}  # loaded: the module's plain attributes, put back with them
         self.callbacks_mid_epoch = False
+        self.muted: list = []  # loaded: the CSV loggers' writers, which log nothing until the fit is back
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
@@ -120,6 +126,9 @@ class FitCheckpoint:
             # flag, and a fit restored from one goes on where it had ended
             "should_stop": t.should_stop,
             "effective_batch": self.effective_batch,
+            # each CSVLogger's version and the rows it logged so far: its file is written from what
+            # its writer holds, which a new writer (a resumed kernel's, a retried fit's) has not
+            "csv_logs": _csv_logs(t),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -216,6 +225,7 @@ class ResilienceCallback(pl.Callback):
         self._first = next(self._epochs, None)  # a resumed run: the checkpoint is loaded here
         _keep_effective_batch(trainer, batch, state.effective_batch, run)
         if state.loaded is not None:
+            state.muted = _put_csv_logs(trainer, state.loaded.get("csv_logs"), mute=self._first != 0)
             saved = state.loaded["checkpoint"]
             saved["state_dict"] = carried.put_module_states(pl_module, saved["state_dict"])
             carried.apply({"module": pl_module}, ["module"], state.loaded["carried"])
@@ -321,6 +331,9 @@ class ResilienceCallback(pl.Callback):
         """The callbacks that Lightning does not checkpoint get the plain attributes they had at the
         safe point, where it was taken (their hooks before this callback's had run then too);
         what the checkpoint holds for a callback this fit does not have is said once."""
+        if self._state is not None:
+            muted, self._state.muted = self._state.muted, []
+            _unmute(muted)
         if self._state is None or not (self._state.callbacks_pending or self._state.module_pending):
             return
         missing = self._state.give_callbacks()
@@ -329,6 +342,9 @@ class ResilienceCallback(pl.Callback):
                                "fit does not have at that place in its callbacks; that state was not put back")
 
     def _close(self, trainer: pl.Trainer) -> None:
+        if self._state is not None:
+            muted, self._state.muted = self._state.muted, []
+            _unmute(muted)
         if self._epochs is not None:
             self._epochs.close()
             self._epochs = self._first = self._run = None
@@ -585,6 +601,79 @@ def _saved_before(trainer: pl.Trainer) -> list[str]:
     return out
 
 
+CSV_LOG_BUDGET = 16 << 20  # bytes of a CSVLogger's file read at a safe point: a larger one is not kept
+
+
+def _csv_rows_kept() -> bool:
+    """Whether this Lightning's CSV writer empties its rows once it has written them to its file
+    (which it appends to): then the rows of a log are its file's and the writer's."""
+    writer = getattr(getattr(pl.loggers, "csv_logs", None), "ExperimentWriter", None)
+    return writer is not None and callable(getattr(writer, "_record_new_keys", None))
+
+
+def _csv_logs(trainer: pl.Trainer) -> dict[str, Any]:
+    """For each ``CSVLogger`` of the Trainer, by its place among its loggers: its version and
+    every row it has logged (those its file holds, read, and those its writer holds to write); None
+    where its file is larger than :data:`CSV_LOG_BUDGET`."""
+    out: dict[str, Any] = {}
+    if not _csv_rows_kept():
+        return out
+    for i, logger in enumerate(getattr(trainer, "loggers", None) or []):
+        if not isinstance(logger, pl.loggers.CSVLogger):
+            continue
+        writer, rows = getattr(logger, "_experiment", None), []
+        if writer is not None:
+            path = writer.metrics_file_path
+            try:
+                if os.path.getsize(path) > CSV_LOG_BUDGET:
+                    out[str(i)] = None
+                    continue
+                with open(path, newline="") as f:
+                    rows = list(csv.DictReader(f))
+            except FileNotFoundError:
+                pass
+            rows += [dict(row) for row in writer.metrics]
+        out[str(i)] = {"version": logger.version, "rows": rows}
+    return out
+
+
+def _put_csv_logs(trainer: pl.Trainer, saved: Any, mute: bool) -> list:
+    """Give each ``CSVLogger`` of this fit what :func:`_csv_logs` saved at the safe point: its
+    version (a resumed kernel's would take the next one: the folder the Trainer made for it as the
+    fit began goes, while nothing is in it), and a new writer holding every row logged until then. Lightning's writer, made for a folder it finds written, empties the file
+    (as it does for any new logger there), and its next save writes all the rows: the file is the
+    uninterrupted run's, and so are the rows the fit logs from here on. ``mute``: the writers log
+    nothing until the fit is back where the safe point was taken (:func:`_unmute`): what the hooks
+    before it log again (a LearningRateMonitor as an epoch begins) is among the saved rows.
+    Returns the writers muted."""
+    muted = []
+    loggers = getattr(trainer, "loggers", None) or []
+    for key, log in (saved or {}).items() if isinstance(saved, dict) else ():
+        index = int(key)
+        if not isinstance(log, dict) or index >= len(loggers) or not isinstance(loggers[index], pl.loggers.CSVLogger):
+            continue
+        logger = loggers[index]
+        # the Trainer made a writer as the fit began, in the next version's new folder where none was given
+        made = getattr(getattr(logger, "_experiment", None), "log_dir", None)
+        logger._version, logger._experiment = log["version"], None
+        with warnings.catch_warnings():  # "Previous log files in this directory will be deleted": they come back
+            warnings.filterwarnings("ignore", message="Experiment logs directory")
+            writer = logger.experiment
+        writer.metrics = [dict(row) for row in log["rows"]]
+        if made and os.path.abspath(made) != os.path.abspath(writer.log_dir):
+            with contextlib.suppress(OSError):  # (only while empty: nothing was written in it)
+                os.rmdir(made)
+        if mute:
+            writer.log_metrics = lambda metrics, step=None: None
+            muted.append(writer)
+    return muted
+
+
+def _unmute(writers: list) -> None:
+    for writer in writers:
+        vars(writer).pop("log_metrics", None)
+
+
 def _inexact(trainer: pl.Trainer) -> list[str]:
     """Why a resumed fit would not be identical to an uninterrupted one, one line each."""
     out = []
@@ -600,12 +689,11 @@ def _inexact(trainer: pl.Trainer) -> list[str]:
                    "random state from epoch to epoch, so a resumed fit is not identical to an uninterrupted one; "
                    "drop persistent_workers for an exact resume")
     for logger in getattr(trainer, "loggers", None) or []:
-        if isinstance(logger, pl.loggers.CSVLogger):
+        if isinstance(logger, pl.loggers.CSVLogger) and not _csv_rows_kept():
             out.append(f"colab_resilience: the Trainer's CSVLogger writes {os.path.join(logger.log_dir, 'metrics.csv')} "
-                       "from what it logged in its own kernel: after a restart the kernel that resumes writes only the "
-                       "steps from the resume on (into that file, which it empties, where a version is given; else into "
-                       "the next version folder, the earlier steps staying in this one); the model and the callbacks' "
-                       "state come back whole, that file does not")
+                       "from what it logged in its own kernel, and this version of Lightning keeps every row in it: "
+                       "after a restart the kernel that resumes writes only the steps from the resume on; the model and "
+                       "the callbacks' state come back whole, that file does not")
     if trainer.strategy.root_device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
         out.append("colab_resilience: on a GPU without Trainer(deterministic=True) every run differs, so a resumed "
                    "fit is not identical to an uninterrupted one; pass deterministic=True for an exact resume")
