@@ -350,12 +350,12 @@ _FIT_FAULTS = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
 
 
 def _fit_notebook(fault: str, mark, model: str, result: str, *, imports: str = "", callbacks: str = "",
-                  epochs: int = 3) -> "nbformat.NotebookNode":
+                  epochs: int = 3, trainer: str = "") -> "nbformat.NotebookNode":
     """A seeded fit of ``model`` (the code of a ``LightningModule`` named ``Model``, and of what
     else the set-up cell makes; ``{strike}`` in it: its ``on_train_batch_end`` hook that strikes
     with ``fault`` after step 13, once) over 12 batches an epoch, shuffled, for ``epochs`` epochs,
-    a safe point every 5 steps, with ``callbacks`` after ``ResilienceCallback``; ``result``: the
-    result cell's code."""
+    a safe point every 5 steps, with ``callbacks`` after ``ResilienceCallback`` and ``trainer``'s
+    arguments; ``result``: the result cell's code."""
     strike = textwrap.indent(textwrap.dedent(f"""\
         def on_train_batch_end(self, outputs, batch, i):
             if self.global_step == 13 and not os.path.exists(MARK):
@@ -370,7 +370,7 @@ def _fit_notebook(fault: str, mark, model: str, result: str, *, imports: str = "
         "%%resilient\nfrom colab_resilience.integrations.lightning import ResilienceCallback\n"
         f"trainer = L.Trainer(max_epochs={epochs}, accelerator=\"cpu\", logger=False, enable_progress_bar=False,\n"
         "                    enable_checkpointing=False, enable_model_summary=False,\n"
-        f"                    callbacks=[ResilienceCallback(every_steps=5){callbacks}])\n"
+        f"                    callbacks=[ResilienceCallback(every_steps=5){callbacks}]{trainer})\n"
         "trainer.fit(model, loader)",
         result,
     )
@@ -559,3 +559,33 @@ def test_a_csv_loggers_file_holds_every_row_after_a_resume(tmp_path, fault, vers
     assert harness.result(nb).startswith("RESULT logs/run/version_0 ['version_0'] epoch,lr-SGD,step,train_loss_epoch,"), \
         harness.result(nb)
     assert harness.result(nb).count("|") == 37, harness.result(nb)  # the header and 36 rows
+
+
+@pytest.mark.parametrize("fault", ["kill", "oom"])
+def test_safe_points_within_an_epoch_fall_between_accumulation_windows(tmp_path, fault):
+    """With ``accumulate_grad_batches=3`` the first two batches leave ``global_step`` at 0, which
+    ``every_steps=5`` divides: a safe point was taken after the first batch, in the middle of the
+    window, whose gradient no checkpoint holds, and a fault after the second batch resumed there
+    without it (found by a probe: the weights differed, the run said done). The next safe point
+    within an epoch is due after an optimizer step: the fault goes back to the fit's start, and the
+    run ends bit for bit as its twin."""
+    model = """\
+        class Model(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+            def training_step(self, batch, i):
+                return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            def on_train_batch_end(self, outputs, batch, i):
+                if (self.current_epoch, i) == (0, 1) and not os.path.exists(MARK):
+                    open(MARK, "w").close(); {fault}
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        model = Model()""".replace("{fault}", _FIT_FAULTS[fault])
+    result = ("print('RESULT', trainer.global_step, "
+              "[t.detach().numpy().tobytes().hex() for t in model.state_dict().values()])")
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: _fit_notebook(
+        fault, mark, model, result, trainer=", accumulate_grad_batches=3"))
+    assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).startswith("RESULT 12 "), harness.result(nb)

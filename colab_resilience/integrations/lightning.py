@@ -240,6 +240,10 @@ class ResilienceCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._epochs is None:
             return
+        # the step the fit starts (or resumes) at has its safe point already: the next is due after
+        # an optimizer step (with accumulate_grad_batches, the batches of a window before its step
+        # leave global_step as it was, and their gradients are in no checkpoint)
+        self._stepped_at = trainer.global_step
         for line in _inexact(trainer):  # the training data is loaded now: what it is
             self._run.say_once(line)
         for line in _saved_before(trainer):
