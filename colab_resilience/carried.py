@@ -302,6 +302,8 @@ def _counts_epochs(value: Any) -> bool:
     """An accelerate loader (``DataLoaderShard``, ``DataLoaderDispatcher``): it wraps a loader
     (``base_dataloader``) and counts the epochs it was iterated (``iteration``, the epoch
     ``set_epoch`` sets)."""
+    if not getattr(type(value), "__module__", "").startswith("accelerate"):
+        return False  # (not every object's attributes are safe to ask for: a proxy's may raise)
     count = getattr(value, "iteration", None)
     return (type(count) is int and hasattr(value, "base_dataloader")
             and callable(getattr(value, "set_epoch", None)))
