@@ -142,6 +142,7 @@ class Outcome:
     set_up: frozenset[str] = frozenset()  # the names only set-up cells bind (see set_up_names)
     training: int = 0  # the first %%resilient cell's number: the cells before it ran before any fault
     sources: dict[int, str] = field(default_factory=dict)  # each code cell's first line
+    logged: dict[int, set[str]] = field(default_factory=dict)  # each code cell's lines written to stderr
 
 
 @dataclass
@@ -245,6 +246,13 @@ def _lines(cell) -> list[str]:
     return _KERNEL_FOLDER.sub("ipykernel_PID", "".join(text)).splitlines()
 
 
+def _logged(cell) -> set[str]:
+    """The lines a cell wrote to stderr: warnings, a library's logging, progress."""
+    text = "".join(out.get("text", "") for out in cell.get("outputs", [])
+                   if out.get("output_type") == "stream" and out.get("name") == "stderr")
+    return set(_KERNEL_FOLDER.sub("ipykernel_PID", text).splitlines())
+
+
 def _digests(cell, mark: str) -> dict[str, list]:
     for line in _lines(cell):
         if line.startswith(mark + " "):
@@ -260,12 +268,13 @@ def _outcome(result: RunResult, set_up: frozenset[str] = frozenset()) -> Outcome
     mine = [c for c in cells if not c.get("metadata", {}).get(MARK)]
     by_role = {c["metadata"][MARK]: c for c in ours}
     outputs = {i: _lines(c) for i, c in enumerate(mine) if c.get("cell_type") == "code"}
+    logged = {i: _logged(c) for i, c in enumerate(mine) if c.get("cell_type") == "code"}
     training = next((i for i, c in enumerate(mine) if c.get("cell_type") == "code"
                      and "".join(c.get("source", "")).lstrip().startswith("%%resilient")), 0)
     sources = {i: next((ln for ln in "".join(c.get("source", "")).splitlines() if ln.strip()), "")
                for i, c in enumerate(mine) if c.get("cell_type") == "code"}
     return Outcome(result, _digests(by_role.get("after", {}), MARK), outputs,
-                   _digests(by_role.get("before", {}), BEFORE), set_up, training, sources)
+                   _digests(by_role.get("before", {}), BEFORE), set_up, training, sources, logged)
 
 
 def _first_resilient(nb) -> int | None:
@@ -295,7 +304,8 @@ def _untimed(lines: list[str]) -> list[str]:
     return [_PRINTED_TIME.sub(r"\1\2\1\3<time>", line) for line in lines]
 
 
-def _output_difference(reference: list[str], faulted: list[str]) -> str | None:
+def _output_difference(reference: list[str], faulted: list[str], logged: frozenset[str] | set[str] = frozenset()
+                       ) -> str | None:
     """How a cell's printed lines differ from what it printed uninterrupted (the first line that
     does not fit, quoted), or None where they are the same: exactly, or, where it was recovered
     (its own lines of this package split it into parts), every part a run of the uninterrupted
@@ -331,22 +341,31 @@ def _output_difference(reference: list[str], faulted: list[str]) -> str | None:
         return f"it ends before {_quote(reference[at])}"
     for i, (p, short) in enumerate(zip(parts, cut)):
         if i and not within(p, short):
-            # a part after a recovery ran in the process that had shown the library's warnings once
-            # already: Python shows a warning once per place, so the retry does not repeat them
-            reference, p = _unwarned(reference), _unwarned(p)
+            # a part after a recovery: what it logged may differ (a warning Python shows once per
+            # place in a process, which the retry does not repeat; a library's log line of how it
+            # found its files); what it printed may not
+            reference, p = _quiet(reference, logged), _quiet(p, logged)
         if not within(p, short):
             fits = max(n for n in range(len(p)) if within(p[:n]))
             return f"first at {_quote(p[fits])}"
     last = parts[-1]
-    if last and reference[len(reference) - len(last):] != last and \
-            _unwarned(reference)[len(_unwarned(reference)) - len(_unwarned(last)):] != _unwarned(last):
-        return f"it ends otherwise, at {_quote(last[-1])}"
+    if last and reference[len(reference) - len(last):] != last:
+        # what it printed last (not logged) must be what the uninterrupted run printed last
+        quiet_reference = _quiet(reference, logged)
+        tail = next((q for q in (_quiet(p, logged) for p in reversed(parts)) if q), [])
+        if quiet_reference[len(quiet_reference) - len(tail):] != tail or (not tail and quiet_reference):
+            return f"it ends otherwise, at {_quote(last[-1])}"
     return None
 
 
 # a warning as Python shows it: "/path/module.py:21: UserWarning: message" (the source line below
 # it, indented, goes with it)
 _WARNING = re.compile(r"^\S.*\.py:\d+: ")
+
+
+def _quiet(lines: list[str], logged: frozenset[str] | set[str]) -> list[str]:
+    """``lines`` without what was written to stderr (``logged``) and the warnings in them."""
+    return [line for line in _unwarned(lines) if line not in logged]
 
 
 def _unwarned(lines: list[str]) -> list[str]:
@@ -383,7 +402,9 @@ def compare(reference: Outcome, faulted: Outcome) -> list[str]:
             values = f" (uninterrupted {a[1]}, faulted {b[1]})" if a[1] is not None and b[1] is not None else ""
             found.append(f"{name} differs{values}")
     for index, lines in reference.outputs.items():
-        how = (_output_difference(_untimed(lines), _untimed(faulted.outputs.get(index, [])))
+        logged = set(_untimed(list(reference.logged.get(index, ())))) | \
+            set(_untimed(list(faulted.logged.get(index, ()))))
+        how = (_output_difference(_untimed(lines), _untimed(faulted.outputs.get(index, [])), logged)
                if index >= reference.training else None)
         if how is not None:
             source = reference.sources.get(index, "")

@@ -396,6 +396,26 @@ def test_a_warning_a_retry_does_not_show_again_is_not_a_difference():
     assert _output_difference(reference, [line for line in reference if line != warned]).startswith("first at ")
 
 
+def test_what_a_resumed_part_logs_otherwise_is_not_a_difference_and_what_it_prints_is():
+    """After a recovery, what the cell wrote to stderr may differ: a library's log line of how it
+    found its files (the Hugging Face Trainer's "mtime may not be reliable", said only where its
+    checkpoints were written within one second: not so where a kernel died between them; found by
+    a probe), or its warning of a folder the resumed run finds written. Lines written to stderr in
+    either run are left out of the parts after a recovery; a line printed to stdout is compared."""
+    from colab_resilience.check import _output_difference, _quote
+
+    mtime = "[transformers] mtime may not be reliable on this filesystem, falling back to numerical ordering"
+    keys = "[transformers] There were missing keys in the checkpoint model loaded: ['lm_head.weight']."
+    reference = ["[transformers] loss_type=None", "step 10", mtime, keys, "done 0.51"]
+    died = "colab_resilience: the kernel died (killed by SIGKILL); switched to the standby kernel"
+    resumed = ["[transformers] loss_type=None", died, "[transformers] loss_type=None", keys, "done 0.51"]
+    logged = {"[transformers] loss_type=None", mtime, keys}
+    assert _output_difference(reference, resumed, logged) is None
+    assert _output_difference(reference, resumed) == f"first at {_quote(keys)}"  # were they printed: a difference
+    assert _output_difference(reference, resumed[:-1] + ["done 0.52"], logged) == "first at 'done 0.52'"
+    assert _output_difference(reference, resumed[:-1], logged) == f"it ends otherwise, at {_quote(keys)}"
+
+
 
 def test_printed_times_and_rates_are_not_a_difference_and_the_rest_of_the_line_is():
     """The metrics a Hugging Face Trainer prints at its end: its runtime and rates differ between
