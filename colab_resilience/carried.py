@@ -309,25 +309,39 @@ def _counts_epochs(value: Any) -> bool:
             and callable(getattr(value, "set_epoch", None)))
 
 
-def loader_epochs(namespace: Mapping[str, Any]) -> dict[str, int]:
+_LOADER_FLAGS = ("end_of_dataloader", "remainder")  # what an accelerate loader's last iteration left
+
+
+def loader_epochs(namespace: Mapping[str, Any]) -> dict[str, dict]:
     """The count of epochs of each accelerate loader bound to a public name (see the module's
-    documentation)."""
+    documentation), with the flags its last iteration left (whether it reached its end, the size
+    of its last batch's remainder)."""
     counts = {}
     for name, value in list(namespace.items()):
         if isinstance(name, str) and not name.startswith("_") and _counts_epochs(value):
-            counts[name] = value.iteration
+            own = vars(value)
+            counts[name] = {"iteration": value.iteration,
+                            "flags": {k: own[k] for k in _LOADER_FLAGS if type(own.get(k)) in (bool, int)}}
     return counts
 
 
 def put_loader_epochs(namespace: Mapping[str, Any], counts: Any) -> None:
-    """Set each loader :func:`loader_epochs` found back to its count (the name's loader now: the
-    one the replayed set-up cells prepared); its ``__iter__`` hands it to the sampler."""
+    """Set each loader :func:`loader_epochs` found back to its count and flags (the name's loader
+    now: the one the replayed set-up cells prepared); its ``__iter__`` hands the count to the
+    sampler."""
     if not isinstance(counts, Mapping):
         return
-    for name, count in counts.items():
+    for name, saved in counts.items():
         value = namespace.get(name)
-        if type(count) is int and _counts_epochs(value):
-            value.iteration = count
+        if not isinstance(saved, Mapping) or type(saved.get("iteration")) is not int or not _counts_epochs(value):
+            continue
+        value.iteration = saved["iteration"]
+        flags = saved.get("flags") if isinstance(saved.get("flags"), Mapping) else {}
+        for k in _LOADER_FLAGS:
+            if k in flags:
+                setattr(value, k, flags[k])
+            else:
+                vars(value).pop(k, None)  # (not iterated yet at the safe point)
 
 
 def _is_grad_scaler(torch, value: Any) -> bool:

@@ -76,11 +76,16 @@ def restore_latest(store: CheckpointStore, namespace: MutableMapping, names: Ite
     too; with ``oldest``, from the run's first checkpoint). Returns the checkpoint and the names
     restored; :class:`NoCheckpointError` when there is none. A name that cannot be restored is
     a warning, or with ``strict`` a :class:`CheckpointError`. The names in ``in_place`` keep their
-    objects where those can take the saved contents (:meth:`Checkpoint.restore`)."""
+    objects where those can take the saved contents (:meth:`Checkpoint.restore`). With them goes
+    what a step carries (:mod:`colab_resilience.carried`: modules' modes, flags and plain
+    attributes, loaders' counts of epochs)."""
     ckpt = store.load(trust=trust, oldest=oldest)
     wanted = set(names)
-    return ckpt, ckpt.restore(namespace, [n for n in ckpt.names if n in wanted], rng=rng, strict=strict,
-                              in_place=set(in_place))
+    restored = ckpt.restore(namespace, [n for n in ckpt.names if n in wanted], rng=rng, strict=strict,
+                            in_place=set(in_place))
+    carried.apply(namespace, restored, _meta(ckpt).get("carried", {}))
+    carried.put_loader_epochs(namespace, _meta(ckpt).get("loaders"))
+    return ckpt, restored
 
 
 def finished_run(root: Path, run_id: str) -> Journal | None:

@@ -72,10 +72,11 @@ def test_an_accelerate_loop_killed_or_out_of_memory_resumes_bit_identical(tmp_pa
     assert harness.result(nb) == harness.result(twin)
 
 
-def counted_epochs_notebook(fault: str, mark, seedable: bool):
+def counted_epochs_notebook(fault: str, mark, seedable: bool, after: bool = False):
     """Epochs over an accelerate loader the loop never sets the epoch of: with a seedable sampler
     each epoch's order is drawn from the loader's own count of its epochs; without one, from the
-    global random state (the count still goes up). One fault in the middle of epoch 2's batches."""
+    global random state (the count still goes up). One fault in the middle of epoch 2's batches,
+    or (``after``) a kill in the cell after the training, once."""
     config = "dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True)" if seedable else ""
     return harness.notebook(
         "%load_ext colab_resilience",
@@ -91,31 +92,38 @@ def counted_epochs_notebook(fault: str, mark, seedable: bool):
         "%%resilient --save model,opt,losses\n"
         "for epoch in resume_range(5):\n"
         "    for i, (x, y) in enumerate(loader):\n"
-        "        if epoch == 2 and i == 3 and not os.path.exists(MARK):\n"
+        f"        if epoch == 2 and i == 3 and not {after} and not os.path.exists(MARK):\n"
         f"            open(MARK, 'w').close(); {_FAULTS[fault]}\n"
         "        loss = ((model(x) - y) ** 2).mean()\n"
         "        opt.zero_grad(); accelerator.backward(loss); opt.step()\n"
         "    losses.append(round(loss.item(), 7))\n",
+        (f"if not os.path.exists(MARK):\n    open(MARK, 'w').close(); {_FAULTS['kill']}\n" if after else "") +
         "print('RESULT', losses, loader.iteration, accelerator._dataloaders[0].iteration, accelerator.gradient_state.in_dataloader, len(accelerator.gradient_state.dataloader_references),\n"
+        "      vars(loader).get('end_of_dataloader'), vars(loader).get('remainder'),\n"
         "      model[0].weight.detach().numpy().tobytes().hex())",
     )
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("seedable", [True, False], ids=["seedable-sampler", "shuffled"])
-@pytest.mark.parametrize("fault", ["kill", "oom"])
-def test_a_loaders_own_count_of_epochs_comes_back_with_the_checkpoint(tmp_path, fault, seedable):
+@pytest.mark.parametrize("seedable,fault,after", [(True, "kill", False), (False, "kill", False), (True, "oom", False),
+                                                  (False, "oom", False), (False, "kill", True)],
+                         ids=["seedable-sampler-kill", "shuffled-kill", "seedable-sampler-oom", "shuffled-oom",
+                              "kill-after-the-training"])
+def test_a_loaders_own_count_of_epochs_comes_back_with_the_checkpoint(tmp_path, fault, seedable, after):
     """accelerate's loader counts the epochs it was iterated, and a seedable sampler draws each
     epoch's order from that count. A new kernel counted from 0 again: the resumed epochs drew the
     first epochs' orders and the run said done (found by a probe; before, the first run only named
     it). The count goes with each checkpoint and is put back into the loader the replayed set-up
     prepared: the run ends bit for bit as its twin, the loader's count (and its Accelerator's,
-    which holds the same loader) as uninterrupted, with nothing said at the first run."""
-    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: counted_epochs_notebook(fault, mark, seedable))
+    which holds the same loader) as uninterrupted, with nothing said at the first run. A kill after
+    the training finds the loader as its last epoch left it (it had reached its end: an accelerate
+    loader says so, and the Accelerator's state differed, found by a probe)."""
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: counted_epochs_notebook(fault, mark, seedable, after))
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert "colab_resilience:" not in harness.cell_text(twin.cells[2]), harness.cell_text(twin.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(twin).split()[6:8] == ["5", "5"], harness.result(twin)
+    assert harness.result(twin).split()[10:12] == ["True", "0"], harness.result(twin)
 
 
 def test_the_first_run_names_micro_batch_safe_points_inside_an_accumulation(ip):

@@ -1569,3 +1569,36 @@ def test_a_rollback_to_the_end_of_an_inner_loop_over_a_list_says_the_end(ip, tmp
     assert r.success, r.error_in_exec
     assert "rolled back to the last safe point; continuing at 0, the end" in capsys.readouterr().out
     assert ip.user_ns["seen"] == [(0, 1), (0, 2), (1, 1), (1, 2)]
+
+
+def after_training_notebook(mark):
+    """A loop that leaves its model in eval mode (its validation's), with the first layer frozen in
+    the last epoch and a count of epochs in a plain attribute of that layer; a cell after the
+    training that the kernel dies in, once, then evaluates the model (dropout: its mode shows)."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        f"%%replay\nimport os, signal, torch\nMARK = {str(mark)!r}\ntorch.manual_seed(0)\n"
+        "X, Y = torch.randn(64, 4), torch.randn(64, 1)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))\n"
+        "model[0].epochs = 0\nopt = torch.optim.Adam(model.parameters(), lr=0.01)",
+        "%%resilient --save model,opt\nfor epoch in resume_range(4):\n    model.train()\n"
+        "    for i in range(0, 64, 16):\n        loss = ((model(X[i:i + 16]) - Y[i:i + 16]) ** 2).mean()\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()\n"
+        "    model[0].epochs += 1\n    model.eval()\n"
+        "    for p in model[0].parameters():\n        p.requires_grad_(epoch < 3)",
+        "if not os.path.exists(MARK):\n    open(MARK, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n"
+        "print('RESULT', model.training, model[0].epochs, [p.requires_grad for p in model.parameters()],\n"
+        "      model(X).detach().numpy().tobytes().hex())",
+    )
+
+
+def test_a_kill_in_a_cell_after_the_training_finds_the_model_as_the_training_left_it(tmp_path):
+    """The model of a finished run came back with its weights but as the set-up cell built it
+    otherwise: in train mode (its validation had left it in eval mode: the next cell's dropout
+    was on), its frozen layer trainable again, its plain attribute reset, and the run said done
+    (found writing a probe). Its modes, flags and plain attributes go with the end-of-cell
+    checkpoint and come back with it, as they do on a resume: the evaluation is the twin's."""
+    run, nb, twin = harness.faulted_and_twin(tmp_path, after_training_notebook)
+    assert len(run.restarts) == 1 and "from the finished training" in harness.cell_text(nb.cells[3])
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(twin).startswith("RESULT False 4 [False, False, True, True] "), harness.result(twin)
