@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 from . import fsutil, replay, restart
 from .checkpoints import manifest as checkpoint_manifest
-from .errors import JournalError, OptionError, ResilienceError, RunLockedError, UnsafeDirectoryError
+from .errors import CheckpointWarning, JournalError, OptionError, ResilienceError, RunLockedError, UnsafeDirectoryError
 from .journal import Journal, find_runs
 from .lock import RunLock
 from .recovery import put_back_shrunk
@@ -235,14 +236,17 @@ def resume(session, run_dir: Path, *, trust: bool = False) -> None:
 
 
 def restore_finished_runs(session, dead_pid: int | None = None, rerun_source: str | None = None,
-                          kernels: list[int] | None = None) -> tuple[list[str], list[str], list[tuple[str, str]]]:
+                          kernels: list[int] | None = None
+                          ) -> tuple[list[str], list[str], list[tuple[str, str]], list[str]]:
     """Put back the final state of every run that finished in the run directory, oldest first (a
     later run's values win); with ``kernels``, only of the runs last held by one of those kernel
     PIDs (a run directory shared with other notebooks holds their runs too). Returns the names
     restored; the runs that finished in the kernel ``dead_pid`` but save nothing (no ``--save``),
     so that nothing of what they computed is back; and, as (run id, what it holds), the runs
-    whose framework state (a callback's) only :func:`rerun_finished` can put back. The run of the
-    cell ``rerun_source``, which is run again now, is in neither of the last two."""
+    whose framework state (a callback's) only :func:`rerun_finished` can put back (the run of the
+    cell ``rerun_source``, which is run again now, is in neither of those two); and one line for
+    each saved name that could not be put back (an optimizer the loop rebound to another kind than
+    the set-up cells build), which holds what the set-up cells made."""
     from .signing import load_or_create_key
 
     key = load_or_create_key()
@@ -255,6 +259,7 @@ def restore_finished_runs(session, dead_pid: int | None = None, rerun_source: st
         if j.status == "done" and (kernels is None or j.kernel_pid in kernels):
             done.append((run_dir, j))
     restored: list[str] = []
+    not_back: list[str] = []
     others = [j for _, j in done if rerun_source is None or not _same_cell(j.interrupted_cell, rerun_source)]
     unsaved = [j.run_id for j in others if not j.names and not j.framework and dead_pid is not None
                and j.kernel_pid == dead_pid]
@@ -263,15 +268,24 @@ def restore_finished_runs(session, dead_pid: int | None = None, rerun_source: st
         if j.framework:  # running its cell again (rerun_finished) puts back its names too
             continue
         try:
-            ckpt, got = restore_latest(open_store(run_dir, key), session.shell.user_ns, j.names,
-                                       in_place=_kept(session, j))
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always", CheckpointWarning)
+                ckpt, got = restore_latest(open_store(run_dir, key), session.shell.user_ns, j.names,
+                                           in_place=_kept(session, j))
             got += put_back_left(ckpt, session.shell.user_ns)
         except ResilienceError as e:
             session.say(str(e).splitlines()[0])
             continue
+        for w in said:  # a name that could not be put back (an optimizer the loop rebound to another kind)
+            if issubclass(w.category, CheckpointWarning):
+                not_back.append(f"{str(w.message).splitlines()[0]} (run {j.run_id}'s final state); it holds what the "
+                                "set-up cells made, and the cells after the training would run on that")
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        session.not_back.update(n for n in j.names if n not in got)
         got += [n for n in put_back_shrunk(session.shell.user_ns, j.shrink) if n not in got]  # the batch sizes
         restored += [n for n in got if n not in restored]
-    return restored, unsaved, rerun
+    return restored, unsaved, rerun, not_back
 
 
 def rerun_finished(session, run_id: str) -> None:

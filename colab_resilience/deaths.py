@@ -35,6 +35,7 @@ class Restart:
     time: float = field(default_factory=time.time)
     restored: list = field(default_factory=list)  # names put back from runs finished earlier
     unsaved: list = field(default_factory=list)  # runs finished in the dead kernel that saved nothing
+    not_back: list = field(default_factory=list)  # one line for each saved name a finished run could not put back
     recovered: bool = True  # False: the new kernel died too (while starting or replaying)
     standby: bool = False  # True: the standby kernel took over; False: a kernel was (re)started
     requested: bool = False  # the kernel left on its own request (an OOM past its retries, a plan)
@@ -64,7 +65,7 @@ class Restart:
                     "run; --save the model and optimizer\n")
         return (
             f"{what}; {how}, replayed {self.replayed} cell{'s' if self.replayed != 1 else ''}{state} "
-            f"and resumed{at} in {self.seconds:.1f} s\n{lost}"
+            f"and resumed{at} in {self.seconds:.1f} s\n{lost}" + "".join(f"{line}\n" for line in self.not_back)
         )
 
     def to_metadata(self) -> dict:
@@ -101,9 +102,10 @@ class Death:
 
     def restart(self, cell: int, seconds: float, *, replayed: int = 0, recovered: bool = True,
                 standby: bool = False, restored: list | None = None, unsaved: list | None = None,
-                then: str = "", cold: str | None = None) -> Restart:
+                then: str = "", cold: str | None = None, not_back: list | None = None) -> Restart:
         return Restart(cell, f"{self.reason}; then {then}" if then else self.reason, self.exit_code, self.at,
                        replayed, seconds, restored=restored or [], unsaved=unsaved or [], recovered=recovered,
+                       not_back=not_back or [],
                        standby=standby, requested=self.requested, planned=self.planned, cold=cold)
 
 

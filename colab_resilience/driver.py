@@ -368,7 +368,7 @@ class Supervisor:
             self.spare.spawn()
         self.result.restarts.append(death.restart(
             index, time.perf_counter() - t0, replayed=replayed, standby=adopted is not None,
-            restored=restored, unsaved=_strings(finished, "unsaved"),
+            restored=restored, unsaved=_strings(finished, "unsaved"), not_back=_strings(finished, "not_back"),
             cold=self.spare.off if self.spare is not None else None))
         return True
 

@@ -38,8 +38,8 @@ def restore_finished_runs(dead_pid: int | None = None, rerun_source: str | None 
     from .commands import restore_finished_runs as restore
     from .session import session_of
 
-    restored, unsaved, rerun = restore(session_of(), dead_pid, rerun_source, kernels)
-    return {"restored": restored, "unsaved": unsaved, "rerun": [list(r) for r in rerun]}
+    restored, unsaved, rerun, not_back = restore(session_of(), dead_pid, rerun_source, kernels)
+    return {"restored": restored, "unsaved": unsaved, "rerun": [list(r) for r in rerun], "not_back": not_back}
 
 
 def rerun_finished(run_id: str) -> None:

@@ -46,9 +46,12 @@ def execute(session, line: str, body: str, options: Options) -> None:
     # state, in a later cell: see kernelapi.rerun_finished); a framework's state comes back only
     # by running the cell again, which resumes at its end and trains nothing
     if done is not None and done.names and done.framework is None:
+        back = [n for n in done.names if n not in session.not_back]
+        missing = [n for n in done.names if n in session.not_back]
         session.say(f"colab_resilience: run {done.run_id} had finished before the kernel died; its final "
-                    f"state ({', '.join(done.names)}) is back, and the cell is not run again"
-                    + unset_note(shell, body, done.names))
+                    f"state ({', '.join(back) or 'nothing'}) is back"
+                    + (f", but not {', '.join(missing)} (said above)" if missing else "")
+                    + ", and the cell is not run again" + unset_note(shell, body, done.names))
         return
     run = Run.open(
         shell, session.root(), session.adopt or run_id_for(key),

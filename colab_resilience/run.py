@@ -235,6 +235,10 @@ class Run:
         self.at_loop_start: Callable[[], list[str]] | None = None
         self._saved_point = -1  # the safe point the last successful save was made at
         self._names_at_checkpoint: set[str] | None = None  # the namespace's names then
+        # the saved objects that load a state dict, as the names held them then: a retry whose
+        # failed attempt rebound one to an object of another kind (opt = SGD(...) in the loop) puts
+        # the safe point's object back under its name, to load its saved state into
+        self._objects_at_checkpoint: dict[str, object] = {}
         self._said: set = set()  # names already reported as missing
         self._said_lines: set[str] = set()  # what say_once said
         self._said_retry_unsaved = False  # said that a retry without --save may not be exact
@@ -364,6 +368,10 @@ class Run:
         # after a restart, a run that saves no values has nothing of its progress back: it goes
         # back to its start (the random state of then), never on from a later safe point
         from_start = self.after_restart and not self.names and not self.extras
+        if not self.after_restart:
+            for n, obj in self._objects_at_checkpoint.items():
+                if n in ns and ns[n] is not obj and type(ns[n]) is not type(obj):
+                    ns[n] = obj
         try:
             ckpt = self.store.load(oldest=from_start)
             # an object the cell makes below its first loop, not there yet (opt2 = Adam(...) between
@@ -671,6 +679,7 @@ class Run:
         self._last_save = time.monotonic()
         self._saved_point = self.safe_points
         self._names_at_checkpoint = set(ns)
+        self._objects_at_checkpoint = {n: ns[n] for n in present if callable(getattr(ns[n], "load_state_dict", None))}
 
     def _kept_after_loop(self, ns: Mapping) -> list[str]:
         """The names a ``resume_range`` loop sets and the code after it reads, without ``--save``

@@ -1602,3 +1602,50 @@ def test_a_kill_in_a_cell_after_the_training_finds_the_model_as_the_training_lef
     assert len(run.restarts) == 1 and "from the finished training" in harness.cell_text(nb.cells[3])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(twin).startswith("RESULT False 4 [False, False, True, True] "), harness.result(twin)
+
+
+def switched_optimizer_notebook(fault: str, mark, after: bool = False):
+    """Adam for three epochs, then the loop rebinds ``opt`` to an SGD; ``--save model,opt``. One
+    fault in epoch 3 after the switch (``fault``: a kill or an OOM), or (``after``) a kill in the
+    cell after the training."""
+    strike = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
+              "oom": "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')"}[fault]
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        f"%%replay\nimport os, signal, torch\nMARK = {str(mark)!r}\ntorch.manual_seed(0)\n"
+        "X, Y = torch.randn(64, 4), torch.randn(64, 1)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))\n"
+        "opt = torch.optim.Adam(model.parameters(), lr=0.01)",
+        "%%resilient --save model,opt\nfor epoch in resume_range(5):\n    if epoch == 3:\n"
+        "        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)\n"
+        "    for i in range(0, 64, 16):\n        loss = ((model(X[i:i + 16]) - Y[i:i + 16]) ** 2).mean()\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()\n"
+        f"        if epoch == 3 and i == 16 and not {after} and not os.path.exists(MARK):\n"
+        f"            open(MARK, 'w').close(); {strike}\n",
+        (f"if not os.path.exists(MARK):\n    open(MARK, 'w').close(); {strike}\n" if after else "")
+        + "print('RESULT', type(opt).__name__, model[0].weight.detach().numpy().tobytes().hex())",
+    )
+
+
+def test_a_retry_after_the_loop_rebound_an_optimizer_to_another_kind_goes_back_to_the_first(tmp_path):
+    """The failed attempt rebound ``opt`` to an SGD; the safe point's ``opt`` was an Adam. The retry
+    stopped ("saved from a torch.optim.adam.Adam and now holds a torch.optim.sgd.SGD"; found by a
+    probe): the name gets the object it held at the safe point back, its state is loaded into it,
+    and the retried epoch switches again, as uninterrupted. Bit for bit its twin."""
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: switched_optimizer_notebook("oom", mark))
+    assert not run.restarts and "rolled back to the last safe point" in harness.cell_text(nb.cells[2])
+    assert harness.result(nb) == harness.result(twin) and harness.result(nb).startswith("RESULT SGD ")
+
+
+def test_a_finished_runs_name_that_cannot_be_put_back_is_said_in_the_marker(tmp_path):
+    """After a kill in the cell after the training, the finished run's ``opt`` (an SGD the loop
+    made) cannot go into the Adam the set-up cell builds: it was left out without a word, and the
+    later cells ran on the fresh Adam (found by a probe). The marker says it, in one line; the
+    model is back."""
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: switched_optimizer_notebook("kill", mark, True))
+    marker = harness.cell_text(nb.cells[3])
+    assert ("colab_resilience: cannot restore 'opt' in place: it was saved from a torch.optim.sgd.SGD and now holds "
+            "a torch.optim.adam.Adam (run ") in marker, marker
+    assert "it holds what the set-up cells made, and the cells after the training would run on that" in marker
+    assert harness.result(nb).split()[2] == harness.result(twin).split()[2]  # the weights
+    assert harness.result(nb).split()[1] == "Adam" and harness.result(twin).split()[1] == "SGD"

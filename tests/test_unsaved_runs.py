@@ -123,7 +123,8 @@ def test_a_done_run_that_saves_nothing_runs_again_when_a_driver_brings_its_cell_
         # the plain values it left are put back; it is the run of the cell run again, so it is not
         # among the finished runs whose result is lost
         assert first.value(api_call("restore_finished_runs", dead, train)) == {"restored": ["losses", "epoch"],
-                                                                              "unsaved": [], "rerun": []}
+                                                                              "unsaved": [], "rerun": [],
+                                                                              "not_back": []}
         first.ok(api_call("expect_reexecution"))
         text = first.ok(train).stdout
         assert "nothing to restore (no --save), so the cell starts again from its beginning" in text, text
