@@ -131,7 +131,7 @@ def state_digest() -> dict[str, list]:
             out[name] = [f"keras:{h.hexdigest()}", None]
             continue
         try:
-            prepared = values.prepare(name, value)
+            prepared = values.prepare(name, _in_key_order(value))
         except UnsaveableValueError:
             out[name] = [f"unsaveable:{values.type_name(value)}", None]
             continue
@@ -151,6 +151,23 @@ def state_digest() -> dict[str, list]:
         plain = isinstance(value, (int, float, complex, str, bytes, bool, type(None)))
         out[name] = [f"{prepared.kind}:{h.hexdigest()}", repr(value)[:60] if plain else None]
     return out
+
+
+def _in_key_order(value, depth: int = 0):
+    """``value`` with its plain dicts (and those in its lists, tuples and dicts) in the order of
+    their keys: two equal dicts are one value whatever the order their keys were set in (an
+    optimizer's param group, loaded from a state dict, has ``params`` last, not first)."""
+    if depth > 20:
+        return value
+    if type(value) is dict:
+        try:
+            items = sorted(value.items(), key=lambda kv: (type(kv[0]).__name__, repr(kv[0])))
+        except Exception:
+            return value
+        return {k: _in_key_order(v, depth + 1) for k, v in items}
+    if type(value) in (list, tuple):
+        return type(value)(_in_key_order(v, depth + 1) for v in value)
+    return value
 
 
 def _walk(value, h, seen: set, depth: int) -> None:

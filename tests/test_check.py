@@ -271,6 +271,28 @@ def test_a_warning_whose_location_names_the_kernels_folder_is_the_same_output_in
     assert "SIGKILL" in r.stdout and ": identical (1 kernel restart" in r.stdout, r.stdout
 
 
+def test_two_dicts_that_are_equal_are_one_value_whatever_the_order_of_their_keys(ip):
+    """``for g in opt.param_groups: g["lr"] *= 0.5`` leaves ``g`` bound to a param group; a resumed
+    run's optimizer, loaded from a state dict, has ``params`` last in it, the uninterrupted one's
+    first: check called the run different ("g differs"; found by a probe). Dicts, and those in
+    lists, are digested in the order of their keys; a value that differs still differs."""
+    import torch
+
+    from colab_resilience.kernelapi import state_digest
+
+    w = torch.nn.Parameter(torch.ones(2))
+    fresh = torch.optim.Adam([w], lr=0.01)
+    loaded = torch.optim.Adam([w], lr=0.01)
+    loaded.load_state_dict(fresh.state_dict())
+    assert list(fresh.param_groups[0]) != list(loaded.param_groups[0])  # the order of their keys
+    ip.user_ns.update(a=fresh.param_groups[0], b=loaded.param_groups[0], c={"x": [{"p": 1, "q": 2}]},
+                      d={"x": [{"q": 2, "p": 1}]})
+    digests = state_digest()
+    assert digests["a"] == digests["b"] and digests["c"] == digests["d"]
+    loaded.param_groups[0]["lr"] = 0.005
+    assert state_digest()["b"] != digests["b"]
+
+
 def test_a_python_random_generator_is_compared_by_its_state(ip):
     """A random.Random in the notebook is digested by its state: one that drew more is another
     value (it was digested by its __dict__, which holds none of its state: check called a run
