@@ -88,6 +88,25 @@ def restore_latest(store: CheckpointStore, namespace: MutableMapping, names: Ite
     return ckpt, restored
 
 
+def _same_build(now: object, then: object) -> bool:
+    """Whether ``now`` can take the state ``then`` had: the same kind, and for a torch module the
+    same tensors by name and shape (a model the loop rebuilt bigger cannot), for an optimizer
+    parameters of the same shapes in its groups."""
+    if type(now) is not type(then):
+        return False
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(now, torch.nn.Module):
+        try:
+            shapes = [{k: tuple(v.shape) for k, v in m.state_dict().items()} for m in (now, then)]
+        except Exception:
+            return True
+        return shapes[0] == shapes[1]
+    if torch is not None and isinstance(now, torch.optim.Optimizer):
+        return ([[tuple(p.shape) for p in g["params"]] for g in now.param_groups]
+                == [[tuple(p.shape) for p in g["params"]] for g in then.param_groups])
+    return True
+
+
 def finished_run(root: Path, run_id: str) -> Journal | None:
     """The journal of run ``run_id`` if it ended ``done``, signed by this installation."""
     from .signing import load_or_create_key
@@ -370,7 +389,7 @@ class Run:
         from_start = self.after_restart and not self.names and not self.extras
         if not self.after_restart:
             for n, obj in self._objects_at_checkpoint.items():
-                if n in ns and ns[n] is not obj and type(ns[n]) is not type(obj):
+                if n in ns and ns[n] is not obj and not _same_build(ns[n], obj):
                     ns[n] = obj
         try:
             ckpt = self.store.load(oldest=from_start)

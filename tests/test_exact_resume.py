@@ -1604,9 +1604,15 @@ def test_a_kill_in_a_cell_after_the_training_finds_the_model_as_the_training_lef
     assert harness.result(twin).startswith("RESULT False 4 [False, False, True, True] "), harness.result(twin)
 
 
-def switched_optimizer_notebook(fault: str, mark, after: bool = False):
-    """Adam for three epochs, then the loop rebinds ``opt`` to an SGD; ``--save model,opt``. One
-    fault in epoch 3 after the switch (``fault``: a kill or an OOM), or (``after``) a kill in the
+SWITCH = "        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)\n"
+GROW = ("        model = torch.nn.Sequential(*model, torch.nn.Tanh(), torch.nn.Linear(1, 1))\n"
+        "        opt = torch.optim.Adam(model.parameters(), lr=0.01)\n")
+
+
+def switched_optimizer_notebook(fault: str, mark, after: bool = False, change: str = SWITCH):
+    """Adam for three epochs, then the loop rebinds ``opt`` to an SGD (or, ``change=GROW``, the
+    model to a bigger one and ``opt`` to an Adam of its parameters); ``--save model,opt``. One
+    fault in epoch 3 after the change (``fault``: a kill or an OOM), or (``after``) a kill in the
     cell after the training."""
     strike = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
               "oom": "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')"}[fault]
@@ -1617,7 +1623,7 @@ def switched_optimizer_notebook(fault: str, mark, after: bool = False):
         "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))\n"
         "opt = torch.optim.Adam(model.parameters(), lr=0.01)",
         "%%resilient --save model,opt\nfor epoch in resume_range(5):\n    if epoch == 3:\n"
-        "        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)\n"
+        + change +
         "    for i in range(0, 64, 16):\n        loss = ((model(X[i:i + 16]) - Y[i:i + 16]) ** 2).mean()\n"
         "        opt.zero_grad(); loss.backward(); opt.step()\n"
         f"        if epoch == 3 and i == 16 and not {after} and not os.path.exists(MARK):\n"
@@ -1627,14 +1633,19 @@ def switched_optimizer_notebook(fault: str, mark, after: bool = False):
     )
 
 
-def test_a_retry_after_the_loop_rebound_an_optimizer_to_another_kind_goes_back_to_the_first(tmp_path):
-    """The failed attempt rebound ``opt`` to an SGD; the safe point's ``opt`` was an Adam. The retry
-    stopped ("saved from a torch.optim.adam.Adam and now holds a torch.optim.sgd.SGD"; found by a
-    probe): the name gets the object it held at the safe point back, its state is loaded into it,
-    and the retried epoch switches again, as uninterrupted. Bit for bit its twin."""
-    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: switched_optimizer_notebook("oom", mark))
+@pytest.mark.parametrize("change", [SWITCH, GROW], ids=["optimizer-of-another-kind", "model-rebuilt-bigger"])
+def test_a_retry_after_the_loop_rebound_a_model_or_optimizer_goes_back_to_the_first(tmp_path, change):
+    """The failed attempt rebound ``opt`` to an SGD (or ``model`` to a bigger Sequential, ``opt``
+    to an Adam of its parameters); the safe point's were an Adam (and the smaller model). The
+    retry stopped ("saved from a torch.optim.adam.Adam and now holds a torch.optim.sgd.SGD", "the
+    Sequential it holds now is not the one saved"; found by probes): each name gets the object it
+    held at the safe point back, its state is loaded into it, and the retried epoch makes the
+    change again, as uninterrupted. Bit for bit its twin."""
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: switched_optimizer_notebook("oom", mark,
+                                                                                                 change=change))
     assert not run.restarts and "rolled back to the last safe point" in harness.cell_text(nb.cells[2])
-    assert harness.result(nb) == harness.result(twin) and harness.result(nb).startswith("RESULT SGD ")
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).startswith("RESULT SGD " if change == SWITCH else "RESULT Adam "), harness.result(nb)
 
 
 def test_a_finished_runs_name_that_cannot_be_put_back_is_said_in_the_marker(tmp_path):
