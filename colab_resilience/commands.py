@@ -260,6 +260,7 @@ def restore_finished_runs(session, dead_pid: int | None = None, rerun_source: st
             done.append((run_dir, j))
     restored: list[str] = []
     not_back: list[str] = []
+    session.not_back = set()
     others = [j for _, j in done if rerun_source is None or not _same_cell(j.interrupted_cell, rerun_source)]
     unsaved = [j.run_id for j in others if not j.names and not j.framework and dead_pid is not None
                and j.kernel_pid == dead_pid]
