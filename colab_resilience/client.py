@@ -57,7 +57,7 @@ class SupervisedClient(NotebookClient):
         """A kernel manager for another kernel of this notebook (the standby), sockets under ``ip``."""
         from jupyter_client import AsyncKernelManager
 
-        return AsyncKernelManager(kernel_name=self.kernel_name, transport="ipc", ip=ip)
+        return AsyncKernelManager(kernel_name=self.kernel_name, transport="ipc", ip=ip, connection_file=ip + ".json")
 
     def connect(self) -> bool:
         """Connect to the kernel the manager just started; False if it died first.

@@ -165,7 +165,10 @@ def run_notebook(
                   RUN_DIR_ENV: str(run_root)}
     # An async manager: with a blocking one, nbclient's wait for output blocks its event loop and
     # it never notices that the kernel died.
-    km = AsyncKernelManager(kernel_name=kernel_name, transport="ipc", ip=os.path.join(sockets, "kernel"))
+    # Its connection file (with the key that signs its messages) beside its sockets: a bare
+    # manager writes it to the temporary directory itself, where a killed run leaves it.
+    ip = os.path.join(sockets, "kernel")
+    km = AsyncKernelManager(kernel_name=kernel_name, transport="ipc", ip=ip, connection_file=ip + ".json")
     client = SupervisedClient(
         nb, km=km, kernel_name=kernel_name, timeout=cell_timeout, resources={"metadata": {"path": cwd}},
         extra_arguments=[f"--IPKernelApp.exec_lines={LOAD_EXTENSION}"],

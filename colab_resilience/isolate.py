@@ -87,7 +87,8 @@ class WorkerClient:
                 return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
                                   display_name="colab_resilience worker", language="python")
 
-        return KernelManager(kernel_name=self.kernel_name, kernel_spec_manager=ThisPython(), transport="ipc", ip=ip)
+        return KernelManager(kernel_name=self.kernel_name, kernel_spec_manager=ThisPython(), transport="ipc", ip=ip,
+                             connection_file=ip + ".json")
 
     def start(self) -> bool:
         self.km.start_kernel(extra_arguments=list(self.extra_arguments), env=self.env, cwd=self.cwd)

@@ -139,7 +139,8 @@ class Kernel:
         import tempfile
 
         self._sockets = tempfile.mkdtemp(prefix="cr-test-kernel-")  # not the working directory
-        self.km = KernelManager(kernel_name=KERNEL_NAME, transport="ipc", ip=os.path.join(self._sockets, "kernel"))
+        ip = os.path.join(self._sockets, "kernel")
+        self.km = KernelManager(kernel_name=KERNEL_NAME, transport="ipc", ip=ip, connection_file=ip + ".json")
         env = dict(os.environ)
         env.update(extra_env or {})
         self.km.start_kernel(env=env)
@@ -271,7 +272,8 @@ def run_notebook(nb, *, allow_errors: bool = False, timeout: int = 180):
     import tempfile
 
     sockets = tempfile.mkdtemp(prefix="cr-test-kernel-")
-    km = AsyncKernelManager(kernel_name=KERNEL_NAME, transport="ipc", ip=os.path.join(sockets, "kernel"))
+    ip = os.path.join(sockets, "kernel")
+    km = AsyncKernelManager(kernel_name=KERNEL_NAME, transport="ipc", ip=ip, connection_file=ip + ".json")
     client = NotebookClient(nb, km=km, kernel_name=KERNEL_NAME, timeout=timeout, allow_errors=allow_errors)
     try:
         client.execute()

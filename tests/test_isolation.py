@@ -317,6 +317,11 @@ def test_a_killed_notebook_kernels_worker_sockets_are_removed_by_the_next_relay(
     tmp = tempfile.gettempdir()
     (stale,) = [n for n in os.listdir(tmp) if n.startswith(f"colab-resilience-worker-{relay.pid}-")]
     worker = worker_pid(relay)
+    # the worker's connection file (its signing key) is in that folder, not loose in the temporary
+    # directory where nothing would remove it
+    assert os.path.isfile(os.path.join(tmp, stale, "worker.json"))
+    loose = [n for n in os.listdir(tmp) if n.endswith(".json") and os.path.isfile(os.path.join(tmp, n))]
+    assert not [n for n in loose if stale in open(os.path.join(tmp, n)).read()]
     live = tempfile.mkdtemp(prefix="colab-resilience-worker-")
     held = _hold(live)  # as a relay alive in this process holds its folder
     young = tempfile.mkdtemp(prefix="colab-resilience-worker-")

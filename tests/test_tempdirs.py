@@ -119,6 +119,8 @@ def test_a_supervisor_killed_with_sigkill_leaves_its_folders_to_the_next_run(tmp
         proc.wait()
     os.kill(kernel, signal.SIGKILL)
     left = ours(tmp)
+    # nothing else: the kernel's connection file (its signing key) lies in its sockets' folder
+    assert sorted(set(os.listdir(tmp)) - set(left)) == ["kernel.pid", "slow.ipynb"]
     assert [n for n in left if n.startswith("colab-resilience-kernel-")], left
     (runs,) = [tmp / n for n in left if n.startswith("colab-resilience-runs-")]
     assert any(p.is_file() for p in runs.rglob("*") if p.name != tempdirs.LOCK), "no checkpoint was written"
