@@ -131,7 +131,8 @@ def test_a_kill_in_a_cell_after_the_training_finds_the_trained_trainer(tmp_path,
 def _classifier_notebook(mark):
     """A BERT sequence classifier built from a config (its first forward sets the config's
     ``problem_type``), trained by a Trainer with its printer (which takes ``total_flos`` out of the
-    metrics ``train()`` returns); the result cell is killed once, after the training cell ended."""
+    metrics ``train()`` returns) and evaluated at each epoch's end (which leaves it in eval mode);
+    the result cell is killed once, after the training cell ended."""
     return harness.notebook(
         "%load_ext colab_resilience",
         "%%replay\nimport os, signal, torch, transformers\n"
@@ -144,25 +145,29 @@ def _classifier_notebook(mark):
         "data = [{'input_ids': x, 'labels': y} for x, y in zip(torch.randint(0, 50, (32, 8), generator=g),\n"
         "                                                      torch.randint(0, 2, (32,), generator=g))]\n"
         f"args = TrainingArguments(output_dir={str(mark) + '-out'!r}, num_train_epochs=2, per_device_train_batch_size=8,\n"
-        "    save_strategy='no', report_to=[], disable_tqdm=True, use_cpu=True, seed=0)\n"
-        "trainer = Trainer(model=model, args=args, train_dataset=data)",
+        "    save_strategy='no', eval_strategy='epoch', report_to=[], disable_tqdm=True, use_cpu=True, seed=0)\n"
+        "trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:8])",
         "%%resilient\nfrom colab_resilience.integrations.transformers import ResilienceCallback\n"
         "trainer.add_callback(ResilienceCallback())\nout = trainer.train()",
         "if not os.path.exists(MARK):\n    open(MARK, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n"
-        "print('RESULT', model.config.problem_type, model.config.use_cache, sorted(out.metrics), out.training_loss)",
+        "print('RESULT', model.config.problem_type, model.config.use_cache, sorted(out.metrics), out.training_loss,\n"
+        "      'training' if model.training else 'eval')",
     )
 
 
 def test_a_finished_train_brought_back_returns_what_it_returned_and_leaves_the_config_as_it_was(tmp_path):
     """Killed in the result cell: the training cell, run again silently, trains nothing and returns
     what train() returned (its metrics as its printer left them: without ``total_flos``, which only
-    its log holds), and the model's config is as the training left it (``problem_type``, set by
-    the first forward, which the replayed set-up cell's model has not had): before, both differed."""
+    its log holds), the model's config is as the training left it (``problem_type``, set by the
+    first forward, which the replayed set-up cell's model has not had), and so is its mode (the
+    last evaluation's eval mode: the resumed train() had put it in train mode): before, all
+    three differed."""
     run, nb, twin = harness.faulted_and_twin(tmp_path, _classifier_notebook)
     assert len(run.restarts) == 1
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(nb).startswith("RESULT single_label_classification False ['epoch', 'train_loss', "), \
         harness.result(nb)
+    assert harness.result(nb).endswith(" eval"), harness.result(nb)
 
 
 def test_a_trainer_killed_in_a_kernel_goes_on_when_its_cell_runs_again(kernel, tmp_path, tmp_path_factory):

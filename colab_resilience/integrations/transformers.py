@@ -8,11 +8,13 @@
 
 The end of every epoch is a safe point, and with ``ResilienceCallback(every_steps=N)`` every N-th
 optimizer step too (``--every`` and ``%restart_after`` count these); each is taken once the
-Trainer has logged and evaluated after it (when the next step begins, or training ends). With every checkpoint, beside the cell's ``--save`` names, go the model's ``state_dict``,
-the optimizer's and the scheduler's, the ``TrainerState`` (its step, epoch, log history), what
-the Trainer accumulates for its next log (the loss since the last one, the running total), the
-plain attributes of its other callbacks (``EarlyStoppingCallback``'s count), the random state
-when the epoch began, and Python's, NumPy's and torch's random states.
+Trainer has logged and evaluated after it (when the next step begins, or training ends). With
+every checkpoint, beside the cell's ``--save`` names, go the model's ``state_dict`` (with the
+tensors it leaves out), its modes, ``requires_grad`` flags and plain attributes, the optimizer's
+and the scheduler's state dicts, the ``TrainerState`` (its step, epoch, log history), what the
+Trainer accumulates for its next log (the loss since the last one, the running total), the plain
+attributes of its other callbacks (``EarlyStoppingCallback``'s count), the random state when the
+epoch began, and Python's, NumPy's and torch's random states.
 
 A ``Trainer`` cannot be resumed from a callback alone: ``train`` works out the epochs and steps
 to skip from a checkpoint folder before the first callback event. So importing this module wraps
@@ -41,6 +43,7 @@ from typing import Any
 from transformers import Trainer, TrainerCallback, TrainerState
 from transformers.trainer_utils import TrainOutput
 
+from .. import carried
 from ..checkpoints import capture_rng, restore_rng
 from ..errors import RunStoppedError
 from ..loops import active_run
@@ -73,7 +76,10 @@ class TrainerCheckpoint:
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
         return {
-            "model": t.model.state_dict(),
+            # with what its state dict leaves out (non-persistent buffers, metrics' states)
+            "model": carried.with_module_states(t.model, t.model.state_dict()),
+            # its modes (evaluation leaves it in eval mode), requires_grad flags, plain attributes
+            "carried": carried.snapshot({"model": t.model}, ["model"]),
             "optimizer": t.optimizer.state_dict() if t.optimizer is not None else None,
             "scheduler": t.lr_scheduler.state_dict() if t.lr_scheduler is not None else None,
             "trainer_state": json.dumps(dataclasses.asdict(t.state), sort_keys=True),
@@ -100,7 +106,9 @@ class TrainerCheckpoint:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.trainer.model.load_state_dict(state["model"])
+        model = self.trainer.model
+        model.load_state_dict(carried.put_module_states(model, state["model"]))
+        carried.apply({"model": model}, ["model"], state.get("carried") or {})
         if state.get("config") and _config(self.trainer.model) is not None:
             put_attributes({"config": state["config"]}, {"config": self.trainer.model.config})
         self.epoch_rng, self.finished = state["epoch_rng"], bool(state["finished"])
@@ -226,6 +234,9 @@ class ResilienceCallback(TrainerCallback):
             deactivate_neftune(trainer.model, trainer.neftune_hook_handle, trainer.accelerator)
         trainer._memory_tracker.stop_and_update_metrics({})
         trainer.is_in_train = False
+        # the model's modes as training left them (its last evaluation's eval mode): this call's
+        # set-up put it in train mode
+        carried.apply({"model": trainer.model}, ["model"], loaded.get("carried") or {})
         restore_rng(loaded["rng"])  # as the end of training left it
         return _output(trainer.state, loaded.get("metrics"))
 
