@@ -14,6 +14,9 @@ a module's or optimizer's ``state_dict`` in place brings back their tensors, but
   annealed ``self.temperature``, a list it appends to): the public ones in each submodule's
   ``__dict__`` that are plain values (numbers, strings, flags, lists and dicts of them), saved
   and put back the same way (a list or dict into the one the module holds);
+- **whether an optimizer's ``step`` was called** since a learning-rate scheduler wrapped it (the
+  flag the scheduler's first ``step()`` looks at to warn that it came first): saved and put back
+  with the modes, for the optimizer and the one an accelerate wrapper holds;
 - **a GradScaler's per-step record** (whether ``unscale_``/``step`` were called since the last
   ``update()``): reset, so a retried step may call them again;
 - **the states of torchmetrics metrics** (``MeanMetric``'s running sum, ``Accuracy``'s counts):
@@ -64,7 +67,23 @@ def snapshot(namespace: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
             if metrics_of(value):  # how many updates each metric has had (compute() warns at none)
                 facts[name]["updates"] = [getattr(m, "_update_count", None) if _is_metric(m) else None
                                           for m in value.modules()]
+        elif isinstance(value, torch.optim.Optimizer):
+            called = [vars(o).get(_STEP_CALLED) for o in _optimizers(torch, value)]
+            if any(flag is not None for flag in called):
+                facts[name] = {"step_called": called}
     return facts
+
+
+# what a learning-rate scheduler's wrapper of ``optimizer.step`` sets on the optimizer when it is
+# called (the scheduler's first step warns where it is not set); a new kernel's has not been called
+_STEP_CALLED = "_opt_called"
+
+
+def _optimizers(torch, value: Any) -> list:
+    """``value`` and, for a wrapper of an optimizer (accelerate's ``AcceleratedOptimizer``), the
+    optimizer it wraps, which the schedulers made before it hold."""
+    inner = getattr(value, "optimizer", None)
+    return [value, inner] if isinstance(inner, torch.optim.Optimizer) and inner is not value else [value]
 
 
 def plain_attributes(module: Any) -> dict[str, Any]:
@@ -112,6 +131,13 @@ def apply(namespace: Mapping[str, Any], names: list[str], facts: Mapping[str, An
             for group in value.param_groups:
                 for p in group["params"]:
                     p.grad = None
+            fact = facts.get(name) if isinstance(facts, Mapping) else None
+            called = fact.get("step_called") if isinstance(fact, Mapping) else None
+            optimizers = _optimizers(torch, value)
+            if isinstance(called, list) and len(called) == len(optimizers):
+                for o, flag in zip(optimizers, called):
+                    if isinstance(flag, bool):
+                        setattr(o, _STEP_CALLED, flag)
         elif _is_grad_scaler(torch, value):
             _reset_scaler(value)
 

@@ -87,20 +87,23 @@ def counted_epochs_notebook(fault: str, mark, seedable: bool, after: bool = Fals
         f"accelerator = Accelerator(cpu=True, {config})\n"
         "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))\n"
         "opt = torch.optim.AdamW(model.parameters(), lr=0.01)\n"
+        "sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)\n"
         "loader = DataLoader(ds, batch_size=16, shuffle=True)\n"
-        "model, opt, loader = accelerator.prepare(model, opt, loader)\nlosses = []",
-        "%%resilient --save model,opt,losses\n"
+        "model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)\nlosses = []",
+        "%%resilient --save model,opt,sched,losses\n"
         "for epoch in resume_range(5):\n"
         "    for i, (x, y) in enumerate(loader):\n"
         f"        if epoch == 2 and i == 3 and not {after} and not os.path.exists(MARK):\n"
         f"            open(MARK, 'w').close(); {_FAULTS[fault]}\n"
         "        loss = ((model(x) - y) ** 2).mean()\n"
         "        opt.zero_grad(); accelerator.backward(loss); opt.step()\n"
+        "    sched.step()\n"
         "    losses.append(round(loss.item(), 7))\n",
         (f"if not os.path.exists(MARK):\n    open(MARK, 'w').close(); {_FAULTS['kill']}\n" if after else "") +
         "print('RESULT', losses, loader.iteration, accelerator._dataloaders[0].iteration, accelerator.gradient_state.in_dataloader, len(accelerator.gradient_state.dataloader_references),\n"
         "      vars(loader).get('end_of_dataloader'), vars(loader).get('remainder'),\n"
-        "      model[0].weight.detach().numpy().tobytes().hex())",
+        "      model[0].weight.detach().numpy().tobytes().hex(), sched.get_last_lr(),\n"
+        "      vars(opt.optimizer).get('_opt_called'))",  # the scheduler's record of a step called
     )
 
 
@@ -117,13 +120,16 @@ def test_a_loaders_own_count_of_epochs_comes_back_with_the_checkpoint(tmp_path, 
     prepared: the run ends bit for bit as its twin, the loader's count (and its Accelerator's,
     which holds the same loader) as uninterrupted, with nothing said at the first run. A kill after
     the training finds the loader as its last epoch left it (it had reached its end: an accelerate
-    loader says so, and the Accelerator's state differed, found by a probe)."""
+    loader says so, and the Accelerator's state differed, found by a probe), and its optimizer as
+    having been stepped (the flag a scheduler's wrapper of ``step`` sets, which the Accelerator
+    holds too: a new kernel's had not been stepped, and check said the Accelerator differs)."""
     run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: counted_epochs_notebook(fault, mark, seedable, after))
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert "colab_resilience:" not in harness.cell_text(twin.cells[2]), harness.cell_text(twin.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(twin).split()[6:8] == ["5", "5"], harness.result(twin)
     assert harness.result(twin).split()[10:12] == ["True", "0"], harness.result(twin)
+    assert harness.result(twin).endswith(" True"), harness.result(twin)
 
 
 def test_the_first_run_names_micro_batch_safe_points_inside_an_accumulation(ip):
