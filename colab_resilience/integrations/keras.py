@@ -8,9 +8,11 @@ Every epoch is a safe point (``--every`` counts epochs, ``%restart_after`` too),
 callback has seen the epoch's end (when the next one begins, or training ends). With
 ``ResilienceCallback(every_steps=N)`` every N-th batch of an epoch is one too (taken when the next
 batch begins), and a resumed fit goes on at the batch after it: the batches before are drawn from
-the epoch's data but not trained, and the epoch's running metrics go on from the safe point's
-(TensorFlow backend, data of known length, one batch per step; otherwise the callback says why
-and keeps to epochs). With every checkpoint, beside the cell's ``--save`` names, go:
+the epoch's data but not trained, the epoch's running metrics go on from the safe point's, and
+what the epoch's ``on_epoch_begin`` hooks change when they run again (a ``LearningRateScheduler``
+scales the rate once more) goes back to the safe point's as the first batch begins (TensorFlow
+backend, data of known length, one batch per step; otherwise the callback says why and keeps to
+epochs). With every checkpoint, beside the cell's ``--save`` names, go:
 
 - every variable of the model: its weights, its layers' state (normalisation statistics) and the
   state of their ``SeedGenerator``s (the randomness of ``Dropout``);
@@ -92,6 +94,7 @@ class FitState:
         # samples of an optimizer step, which a --shrink of the batch keeps (keep_effective_batch)
         self.accumulation = _steps(getattr(model, "optimizer", None))
         self._saved: dict[str, Any] = {}  # the accumulation and its gradients when the loaded state was saved
+        self._variables: dict[str, list] = {}  # the loaded variables' values, by group
         self.metrics: list = []  # the loaded running metrics of the epoch in progress
 
     @property
@@ -154,9 +157,8 @@ class FitState:
             problem = _mismatch(group, saved_paths, values, now)
             if problem:
                 raise ValueError(problem)
-        for group, values in state["variables"].items():
-            for variable, value in zip(groups[group], values):
-                variable.assign(value)
+        self._assign(groups, state["variables"])
+        self._variables = state["variables"]
         self.epochs = list(state["epochs"])
         self.logs = {k: list(v) for k, v in state["logs"].items()}
         self.kept = dict(state["callbacks"])
@@ -167,13 +169,40 @@ class FitState:
         self.metrics = list(state.get("metrics") or [])
         self.loaded = True
 
-    def give_metrics(self) -> None:
+    @staticmethod
+    def _assign(groups: dict[str, list], values: dict[str, list]) -> None:
+        for group, saved in values.items():
+            for variable, value in zip(groups[group], saved):
+                variable.assign(value)
+
+    def put_back(self, callbacks: dict[str, Any]) -> None:
+        """A fit resumed within an epoch has run that epoch's ``on_epoch_begin`` hooks again
+        after the state was loaded (a ``LearningRateScheduler`` scaled the optimizer's rate once
+        more, a callback counted the epoch twice); the safe point was taken after them, as a
+        batch began. Everything goes back as the checkpoint holds it: the variables (the
+        optimizer's accumulation as :meth:`keep_effective_batch` made it), the callbacks' state
+        (``callbacks``, as loaded) and the epoch's running metrics."""
+        if not self.loaded:
+            return
+        self._assign(self._groups(), self._variables)
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None:
+            _accumulate(optimizer, _steps(optimizer), self._saved["steps"], self._saved["accumulators"])
+        self.kept = dict(callbacks)
+        self.give_callbacks()
+        self.give_metrics()  # (where they do not fit, that was said as the epoch began)
+
+    def give_metrics(self) -> str | None:
         """The epoch's running metrics as they were at the safe point within it (a resume there),
-        once ``fit`` has reset them for the epoch."""
+        once ``fit`` has reset them for the epoch; the line that says why not, where they do not fit."""
         now = _metrics_variables(self.model)
         if len(now) == len(self.metrics) and all(tuple(v.shape) == np.shape(a) for v, a in zip(now, self.metrics)):
             for variable, value in zip(now, self.metrics):
                 variable.assign(value)
+            return None
+        return (f"colab_resilience: the epoch's running metrics at the safe point ({len(self.metrics)} variables) do "
+                f"not fit this model's ({len(now)} now): the loss and metrics History logs for the epoch the fit "
+                "resumed in count from the resume on, not from the epoch's start")
 
     def keep_effective_batch(self, batch: int | None) -> str | None:
         """After a ``--shrink`` of fit's batch (``batch`` now, :attr:`batch_size` when the run
@@ -451,13 +480,17 @@ def _within_epoch(epoch_iterator, done: int) -> None:
 
 
 def _build(model, fit: Mapping[str, Any]) -> None:
-    """Build a model that is not built yet (a subclassed one without an ``Input``), and its
-    optimizer, as Keras's JAX and torch backends build them before ``on_train_begin``: from the
-    shapes of the data (the dataset's element spec; no batch is drawn). TensorFlow's builds them
-    when it traces the first step, after: a checkpoint taken before would hold no variables (and
-    the optimizer built on none, the first step failed), a resume would have none to load into."""
+    """Build a model that is not built yet (a subclassed one without an ``Input``), its optimizer
+    and its compiled metrics and loss, as Keras's JAX and torch backends build them before
+    ``on_train_begin``: from the shapes of the data (the dataset's element spec; no batch is drawn).
+    TensorFlow's builds them when it traces the first step, after: a checkpoint taken before would
+    hold no variables (and the optimizer built on none, the first step failed), a resume would have
+    none to load into (a fit resumed within an epoch found its compiled metrics, ``metrics=["mae"]``,
+    without their variables, and the epoch's logged loss and metrics counted from the resume on)."""
     try:
-        if all(layer.built for layer in model._flatten_layers()):
+        compiled = [getattr(model, "_compile_metrics", None), getattr(model, "_compile_loss", None)]
+        if all(layer.built for layer in model._flatten_layers()) and \
+                all(part is None or part.built for part in compiled):
             return
         spec = getattr(getattr(fit.get("epoch_iterator"), "_distributed_dataset", None), "element_spec", None)
         if spec is not None:
@@ -495,6 +528,8 @@ class ResilienceCallback(keras.callbacks.Callback):
         self._due = False  # a batch ended a stretch: its safe point comes when the next batch begins
         self._ended: int | None = None  # the last epoch that ended (its safe point is next)
         self._before: list[int] = []  # the epochs a resumed fit finished before (History's epoch list)
+        self._put_back = False  # a fit resumed within an epoch: the state goes back as its first batch begins
+        self._loaded_callbacks: dict[str, Any] = {}  # the callbacks' state as loaded, for that
 
     def on_train_begin(self, logs=None):
         run = active_run()
@@ -518,6 +553,7 @@ class ResilienceCallback(keras.callbacks.Callback):
         self._epochs = run.loops.iterate(self._stretches)
         # a resumed run: the variables are loaded here
         self._first, self._within = next(self._epochs, (epochs, 0))
+        self._loaded_callbacks, self._put_back = dict(self._state.kept), False
         said = self._state.keep_effective_batch(batch)  # a --shrink since the run began
         if said:
             run.say_once(said)
@@ -542,11 +578,17 @@ class ResilienceCallback(keras.callbacks.Callback):
                     "this version of Keras does not resume through ResilienceCallback"
                 )
             if self._within:  # fit has reset the epoch's metrics: they go on from the safe point's
-                self._state.give_metrics()
+                unfit = self._state.give_metrics()
+                if unfit:
+                    self._run.say_once(unfit)
+                self._put_back = True  # once the epoch's other on_epoch_begin hooks have run
             return
         self._safe_point()
 
     def on_train_batch_begin(self, batch, logs=None):
+        if self._put_back:
+            self._put_back = False
+            self._state.put_back(self._loaded_callbacks)
         if self._due:
             self._due = False
             self._safe_point()
