@@ -170,6 +170,64 @@ def test_a_finished_train_brought_back_returns_what_it_returned_and_leaves_the_c
     assert harness.result(nb).endswith(" eval"), harness.result(nb)
 
 
+def _unfreezing_notebook(mark, kill_step: int):
+    """A GPT-2 whose token embedding a callback freezes as training begins and unfreezes as the
+    second epoch begins, by its own count of the epochs begun (as a notebook's "unfreeze after N
+    epochs" callback does); 4 epochs of 10 steps, a safe point every 3 steps; a SIGKILL after
+    ``kill_step``, once."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        "%%replay\nimport os, signal, torch\n"
+        "%config ResilienceMagics.staging_memory = 'off'\n"  # each save done before the next step: where it resumes is known
+        f"MARK, KILL_STEP = {str(mark)!r}, {kill_step}\n"
+        "from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed\n"
+        "import transformers\ntransformers.logging.set_verbosity_error()\ntorch.set_num_threads(1)\nset_seed(0)\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        "data = [{'input_ids': t, 'labels': t} for t in torch.randint(0, 64, (40, 16), generator=g)]\n"
+        "model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))\n"
+        "class Unfreeze(TrainerCallback):\n"
+        "    def __init__(self):\n        self.begun = 0\n"
+        "    def on_train_begin(self, args, state, control, model=None, **kwargs):\n"
+        "        model.transformer.wte.weight.requires_grad_(False)\n"
+        "    def on_epoch_begin(self, args, state, control, model=None, **kwargs):\n"
+        "        self.begun += 1\n"
+        "        if self.begun == 2:\n            model.transformer.wte.weight.requires_grad_(True)\n"
+        "        print('epoch', self.begun, 'begins')\n"
+        "class Kill(TrainerCallback):\n"
+        "    def on_step_end(self, args, state, control, **kwargs):\n"
+        "        if state.global_step == KILL_STEP and not os.path.exists(MARK):\n"
+        "            open(MARK, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"args = TrainingArguments(output_dir={str(mark) + '-out'!r}, per_device_train_batch_size=4, num_train_epochs=4,\n"
+        "    learning_rate=3e-3, save_strategy='no', report_to=[], disable_tqdm=True, use_cpu=True, seed=0)\n"
+        "unfreeze = Unfreeze()\ntrainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[unfreeze, Kill()])",
+        "%%resilient\nfrom colab_resilience.integrations.transformers import ResilienceCallback\n"
+        "trainer.add_callback(ResilienceCallback(every_steps=3))\nout = trainer.train()",
+        "import hashlib\n"
+        "print('RESULT', unfreeze.begun, trainer.state.global_step, out.training_loss,\n"
+        "      hashlib.sha256(b''.join(t.detach().numpy().tobytes() for t in model.state_dict().values())).hexdigest()[:16])",
+    )
+
+
+@pytest.mark.parametrize("kill_step", [25, 21], ids=["within-an-epoch", "at-an-epochs-start"])
+def test_a_callback_that_acts_as_an_epoch_begins_acts_as_in_the_uninterrupted_run(tmp_path, kill_step):
+    """The resumed train() begins its epoch again, and the notebook's callbacks' on_epoch_begin
+    ran again, with the state a new kernel gives them (a count of 0: the embedding frozen again
+    for the rest of the run; the run said done with other weights, found by a probe), and then
+    counted that epoch twice. Their on_train_begin froze the embedding again, too. Every safe point is taken as a step begins, after its epoch's
+    hooks: what they did is in the checkpoint, and the epoch the run goes on with is not begun
+    again for them (its line is not printed twice); what the other hooks before the first step
+    change (the model's requires_grad flags, the optimizer and scheduler, the callbacks' state)
+    goes back to the safe point's as it begins. Killed after step 25 the run goes on within the
+    third epoch (at step 25), after step 21 at that epoch's start."""
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: _unfreezing_notebook(mark, kill_step))
+    assert len(run.restarts) == 1
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(twin).startswith("RESULT 4 40 "), harness.result(twin)
+    after = harness.cell_text(nb.cells[2]).split("resumed run", 1)[1]
+    assert f"continuing at step {kill_step}" in after, after
+    assert re.findall(r"epoch \d begins", after) == ["epoch 4 begins"], after
+
+
 def test_a_trainer_killed_in_a_kernel_goes_on_when_its_cell_runs_again(kernel, tmp_path, tmp_path_factory):
     """Interactive, as in Jupyter: the kernel dies after step 12, the user runs the training cell
     again: the set-up cell is replayed (a new Trainer), and train() goes on at step 12."""

@@ -23,7 +23,11 @@ to skip from a checkpoint folder before the first callback event. So importing t
 run's own holding only ``trainer_state.json`` (written from the checkpoint), and stands in, for
 that call, for the Trainer's own loading of model, optimizer, scheduler and random state: they
 come from this package's checkpoint, into the objects the Trainer has. The Trainer then skips
-the finished epochs and, within an epoch, the finished batches, as its own resume does.
+the finished epochs and, within an epoch, the finished batches, as its own resume does. The
+other callbacks get their state back after their ``on_train_begin``; the epoch the run goes on
+with is not begun again for them (every safe point is taken as a step begins, after its epoch's
+``on_epoch_begin`` hooks, whose doing the checkpoint holds), and what the hooks before the first
+step change goes back to the safe point's as it begins.
 
 A resumed run is identical to an uninterrupted one where the Trainer is deterministic (CPU, or
 ``full_determinism``): weights, optimizer, log history and ``training_loss``.
@@ -117,6 +121,20 @@ class TrainerCheckpoint:
         self.callbacks_pending = dict(state.get("callbacks") or {})
         self.trainer.state = self.trainer_state()  # what train() loads again from the folder it is given
 
+    def put_back(self) -> None:
+        """A resumed ``train`` has run the other callbacks' ``on_train_begin`` and its first
+        step's ``on_step_begin`` hooks again (a callback that freezes a layer as training begins);
+        the safe point was taken after them, as a step began. What they may have changed
+        goes back as the checkpoint holds it: the model's modes, ``requires_grad`` flags and plain
+        attributes, the optimizer and the scheduler, the other callbacks' state."""
+        loaded, t = self.loaded, self.trainer
+        carried.apply({"model": t.model}, ["model"], loaded.get("carried") or {})
+        if t.optimizer is not None and loaded["optimizer"] is not None:
+            t.optimizer.load_state_dict(loaded["optimizer"])
+        if t.lr_scheduler is not None and loaded["scheduler"] is not None:
+            t.lr_scheduler.load_state_dict(loaded["scheduler"])
+        put_attributes(dict(loaded.get("callbacks") or {}), _stateful(t))
+
     def trainer_state(self) -> TrainerState:
         return TrainerState(**json.loads(self.loaded["trainer_state"]))
 
@@ -162,6 +180,7 @@ class ResilienceCallback(TrainerCallback):
         self._pending = False  # a step ended; its safe point comes when the Trainer has logged it
         self._logging: dict | None = None  # to put back once train() has reset it
         self._epoch_start = False  # the resumed run goes on at the start of an epoch
+        self._put_back = False  # resumed: the state goes back as its first step begins
 
     # --------------------------------------------------------------------- the wrapped train()
 
@@ -169,7 +188,7 @@ class ResilienceCallback(TrainerCallback):
         require_loop(run, "steps", "trainer.add_callback(ResilienceCallback())")
         self._state = state = TrainerCheckpoint(trainer)
         run.extras[STATE] = state
-        self._pending, self._logging, self._epoch_start = False, None, False
+        self._pending, self._logging, self._epoch_start, self._put_back = False, None, False, False
         self._steps = run.loops.iterate(Steps(state))
         try:
             self._new_epoch = False
@@ -277,6 +296,29 @@ class ResilienceCallback(TrainerCallback):
             t._initial_global_step = logging["initial_step"]
             t.current_flos = logging.get("current_flos", t.current_flos)
             self._logging = None
+            # the other callbacks' state, after their on_train_begin (this callback comes last), before
+            # their on_epoch_begin: an epoch they begin again is counted from the safe point's count
+            self._give_callbacks()
+            if not self._state.finished:
+                # every safe point is taken as a step begins, after its epoch's on_epoch_begin hooks
+                # (an epoch's end too, as the next one's first step begins): what they did is in the
+                # checkpoint, and the epoch the run goes on with is not begun again for them; what
+                # the other hooks before the first step change goes back as it begins
+                self._skip_epoch_begin(self._state.trainer)
+                self._put_back = True
+
+    def _skip_epoch_begin(self, trainer: Trainer) -> None:
+        """The next ``on_epoch_begin`` event reaches this callback only (the Trainer's handler
+        still clears ``should_epoch_stop``, as it does for every epoch)."""
+        handler = trainer.callback_handler
+
+        def resumed_epoch(args, state, control):
+            vars(handler).pop("on_epoch_begin", None)
+            control.should_epoch_stop = False
+            self.on_epoch_begin(args, state, control)
+            return control
+
+        handler.on_epoch_begin = resumed_epoch
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         if self._steps is not None:
@@ -285,10 +327,9 @@ class ResilienceCallback(TrainerCallback):
             self._give_callbacks()
 
     def _give_callbacks(self) -> None:
-        """A resumed run's first epoch begins (or training had ended): the other callbacks get the
-        state they had at the safe point (what their ``on_train_begin`` and ``on_epoch_begin`` set
-        then too: this callback, added in the cell, comes after them); and what cannot be saved
-        in them is said once."""
+        """A resumed ``train`` has begun (their ``on_train_begin`` has run: this callback, added in
+        the cell, comes after them): the other callbacks get the state they had at the safe point;
+        what the checkpoint holds for a callback this Trainer lacks is said once."""
         if not self._state.callbacks_pending:
             return
         missing = self._state.give_callbacks()
@@ -300,6 +341,9 @@ class ResilienceCallback(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         if self._steps is None:
             return
+        if self._put_back:
+            self._put_back = False
+            self._state.put_back()
         due = self._new_epoch or (self.every_steps is not None and state.global_step % self.every_steps == 0)
         self._new_epoch = False
         if self._pending and due:
