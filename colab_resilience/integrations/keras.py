@@ -175,6 +175,14 @@ class FitState:
             for variable, value in zip(groups[group], saved):
                 variable.assign(value)
 
+    def assign_again(self) -> None:
+        """The loaded variables assigned again, the optimizer's accumulation as
+        :meth:`keep_effective_batch` made it."""
+        self._assign(self._groups(), self._variables)
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None:
+            _accumulate(optimizer, _steps(optimizer), self._saved["steps"], self._saved["accumulators"])
+
     def put_back(self, callbacks: dict[str, Any]) -> None:
         """A fit resumed within an epoch has run that epoch's ``on_epoch_begin`` hooks again
         after the state was loaded (a ``LearningRateScheduler`` scaled the optimizer's rate once
@@ -184,10 +192,7 @@ class FitState:
         (``callbacks``, as loaded) and the epoch's running metrics."""
         if not self.loaded:
             return
-        self._assign(self._groups(), self._variables)
-        optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None:
-            _accumulate(optimizer, _steps(optimizer), self._saved["steps"], self._saved["accumulators"])
+        self.assign_again()
         self.kept = dict(callbacks)
         self.give_callbacks()
         self.give_metrics()  # (where they do not fit, that was said as the epoch began)
@@ -571,6 +576,11 @@ class ResilienceCallback(keras.callbacks.Callback):
             return
         if self._first is not None:
             first = self._first
+            if self._state.loaded and not self._within:
+                # the callbacks before this one in the fit's list have begun the epoch again; the
+                # safe point, taken here as it began, holds what they did then (a
+                # LearningRateScheduler's rate): the variables go back to it
+                self._state.assign_again()
             self._started()
             if epoch != first:
                 raise RunStoppedError(
