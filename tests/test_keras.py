@@ -691,29 +691,32 @@ def test_every_steps_resumes_a_fit_within_its_epoch_bit_identical(tmp_path, tmp_
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("every_steps,lr_scheduler", [(2, True), (2, "first"), (None, "first")],
-                         ids=["within-an-epoch", "within-an-epoch-scheduler-first", "at-an-epochs-start-scheduler-first"])
+@pytest.mark.parametrize("every_steps,lr_scheduler,fault_epoch", [(2, True, 1), (2, "first", 1), (None, "first", 1),
+                                                                  (None, "first", 0)],
+                         ids=["within-an-epoch", "within-an-epoch-scheduler-first", "at-an-epochs-start-scheduler-first",
+                              "at-the-fits-start-scheduler-first"])
 @pytest.mark.parametrize("fault,retries", [("sigkill", 2), ("oom-error", 2)], ids=["killed", "out-of-memory"])
 def test_a_resumed_fit_begins_its_epoch_once_with_its_compiled_metrics(tmp_path, tmp_path_factory, fault, retries,
-                                                                      every_steps, lr_scheduler):
+                                                                      every_steps, lr_scheduler, fault_epoch):
     """A resumed fit runs its epoch's on_epoch_begin hooks again after the state was loaded, and
     a LearningRateScheduler scaled the optimizer's rate by 0.8 once more (the rest of the run
     trained at 0.8 of the uninterrupted rate, and the run said done: found by a probe): within an
     epoch (every_steps=2, the fault after batch 2 of epoch 1), where the safe point was taken after
     all the hooks, as a batch began; and at an epoch's start where the scheduler comes before
     ResilienceCallback in the fit's list (the safe point, taken in ResilienceCallback's hook, holds
-    its scaling). The notebook's own callback, after ResilienceCallback, counted the epoch twice
-    within it. What the safe point holds comes back after those hooks. And a model compiled with
+    its scaling; not where the fault strikes in the first epoch, and the fit goes back to its
+    start, taken before any epoch began). The notebook's own callback, after ResilienceCallback,
+    counted the epoch twice within it. What the safe point holds comes back after those hooks. And a model compiled with
     metrics=["mae"] has no variables for them in a new kernel until its first step: the epoch's
     running loss and MAE, saved with them, were not put back, and History's epoch-1 loss and MAE
     counted from the resume on. Bit for bit as the twin: rate, count, losses and MAEs."""
     twin_parameters = dict(lr_scheduler=lr_scheduler, metrics=["mae"])
     reference = plain_twin(tmp_path_factory, dropout=0.25, batch_norm=True, every_steps=every_steps, **twin_parameters)
     nb = harness.load("train_keras.ipynb", tmp_path, fault=fault, retries=retries, every_steps=every_steps,
-                      **twin_parameters)
+                      fault_epoch=fault_epoch, **twin_parameters)
     run, out = harness.run_ok(nb, tmp_path)
-    where = "epoch 2/4, batch 3/10" if every_steps else "epoch 2/4"
-    assert f"continuing at {where}" in out, out
+    where = f"epoch {fault_epoch + 1}/4, batch 3/10" if every_steps else f"epoch {fault_epoch + 1}/4"
+    assert fault_epoch == 0 or f"continuing at {where}" in out, out
     assert len(run.restarts) == (1 if fault == "sigkill" else 0), out
     assert harness.result(nb) == reference
     assert re.search(r" rate=0\.0040\d* ", reference) and "],4 seen=" in reference and " mae=[" in reference, reference

@@ -534,6 +534,7 @@ class ResilienceCallback(keras.callbacks.Callback):
         self._ended: int | None = None  # the last epoch that ended (its safe point is next)
         self._before: list[int] = []  # the epochs a resumed fit finished before (History's epoch list)
         self._put_back = False  # a fit resumed within an epoch: the state goes back as its first batch begins
+        self._initial = 0  # the epoch fit was asked to start at (its initial_epoch)
         self._loaded_callbacks: dict[str, Any] = {}  # the callbacks' state as loaded, for that
 
     def on_train_begin(self, logs=None):
@@ -558,7 +559,7 @@ class ResilienceCallback(keras.callbacks.Callback):
         self._epochs = run.loops.iterate(self._stretches)
         # a resumed run: the variables are loaded here
         self._first, self._within = next(self._epochs, (epochs, 0))
-        self._loaded_callbacks, self._put_back = dict(self._state.kept), False
+        self._loaded_callbacks, self._put_back, self._initial = dict(self._state.kept), False, initial
         said = self._state.keep_effective_batch(batch)  # a --shrink since the run began
         if said:
             run.say_once(said)
@@ -576,10 +577,11 @@ class ResilienceCallback(keras.callbacks.Callback):
             return
         if self._first is not None:
             first = self._first
-            if self._state.loaded and not self._within:
+            if self._state.loaded and not self._within and first > self._initial:
                 # the callbacks before this one in the fit's list have begun the epoch again; the
                 # safe point, taken here as it began, holds what they did then (a
-                # LearningRateScheduler's rate): the variables go back to it
+                # LearningRateScheduler's rate): the variables go back to it (not the fit's start,
+                # taken before any epoch began)
                 self._state.assign_again()
             self._started()
             if epoch != first:
