@@ -350,19 +350,21 @@ _FIT_FAULTS = {"kill": "os.kill(os.getpid(), signal.SIGKILL)",
 
 
 def _fit_notebook(fault: str, mark, model: str, result: str, *, imports: str = "", callbacks: str = "",
-                  epochs: int = 3, trainer: str = "") -> "nbformat.NotebookNode":
+                  epochs: int = 3, trainer: str = "", before: str = "", step: int = 13,
+                  set_up: str = "") -> "nbformat.NotebookNode":
     """A seeded fit of ``model`` (the code of a ``LightningModule`` named ``Model``, and of what
     else the set-up cell makes; ``{strike}`` in it: its ``on_train_batch_end`` hook that strikes
-    with ``fault`` after step 13, once) over 12 batches an epoch, shuffled, for ``epochs`` epochs,
-    a safe point every 5 steps, with ``callbacks`` after ``ResilienceCallback`` and ``trainer``'s
-    arguments; ``result``: the result cell's code."""
+    with ``fault`` after ``step``, once) over 12 batches an epoch, shuffled, for ``epochs`` epochs,
+    a safe point every 5 steps, with ``before`` and ``callbacks`` before and after
+    ``ResilienceCallback`` and ``trainer``'s arguments; ``set_up``: the set-up cell's first lines;
+    ``result``: the result cell's code."""
     strike = textwrap.indent(textwrap.dedent(f"""\
         def on_train_batch_end(self, outputs, batch, i):
-            if self.global_step == 13 and not os.path.exists(MARK):
+            if self.global_step == {step} and not os.path.exists(MARK):
                 open(MARK, "w").close(); {_FIT_FAULTS[fault]}"""), "    ")
     return harness.notebook(
         "%load_ext colab_resilience",
-        f"%%replay\nimport os, signal, torch, {imports}lightning as L\n"
+        f"%%replay\n{set_up}import os, signal, torch, {imports}lightning as L\n"
         "from torch.utils.data import DataLoader, TensorDataset\n"
         f"MARK = {str(mark)!r}\nL.seed_everything(0, verbose=False)\n\n"
         + textwrap.dedent(model).replace("{strike}", strike.strip()) +
@@ -370,7 +372,7 @@ def _fit_notebook(fault: str, mark, model: str, result: str, *, imports: str = "
         "%%resilient\nfrom colab_resilience.integrations.lightning import ResilienceCallback\n"
         f"trainer = L.Trainer(max_epochs={epochs}, accelerator=\"cpu\", logger=False, enable_progress_bar=False,\n"
         "                    enable_checkpointing=False, enable_model_summary=False,\n"
-        f"                    callbacks=[ResilienceCallback(every_steps=5){callbacks}]{trainer})\n"
+        f"                    callbacks=[{before}ResilienceCallback(every_steps=5){callbacks}]{trainer})\n"
         "trainer.fit(model, loader)",
         result,
     )
@@ -456,6 +458,68 @@ def test_a_callbacks_tensors_and_a_modules_tensor_attribute_come_back_with_the_f
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(nb).startswith("RESULT 36 "), harness.result(nb)
+
+
+def epoch_start_fit_notebook(fault: str, mark, step: int) -> "nbformat.NotebookNode":
+    """A fit whose callback, listed before ResilienceCallback, freezes the first layer as training
+    starts, unfreezes it as the second epoch starts (by its own count of the epochs started) and
+    scales the learning rate by 0.8 as each epoch starts; and whose module counts the epochs
+    started and lowers the momentum as each starts. Saves are synchronous (where the fit resumes
+    is known); one fault after ``step``, once."""
+    return _fit_notebook(fault, mark, """\
+        class Model(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+                self.started = 0
+            def training_step(self, batch, i):
+                return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            def on_train_epoch_start(self):
+                self.started += 1
+                for g in self.optimizers().optimizer.param_groups:
+                    g["momentum"] *= 0.9
+            {strike}
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+        class Unfreeze(L.Callback):
+            def __init__(self):
+                self.started = 0
+            def on_train_start(self, trainer, pl_module):
+                pl_module.net[0].weight.requires_grad_(False)
+            def on_train_epoch_start(self, trainer, pl_module):
+                self.started += 1
+                if self.started == 2:
+                    pl_module.net[0].weight.requires_grad_(True)
+                for g in trainer.optimizers[0].param_groups:
+                    g["lr"] *= 0.8
+
+        model, unfreeze = Model(), Unfreeze()""",
+        "g = trainer.optimizers[0].param_groups[0]\n"
+        "print('RESULT', unfreeze.started, model.started, g['lr'], g['momentum'], model.net[0].weight.requires_grad,\n"
+        "      model.net[0].weight.detach().numpy().tobytes().hex())",
+        before="unfreeze, ", step=step, set_up="%config ResilienceMagics.staging_memory = 'off'\n")
+
+
+@pytest.mark.parametrize("fault,step", [("kill", 13), ("oom", 13), ("kill", 17), ("oom", 17)],
+                         ids=["killed-resumed-as-an-epoch-starts", "out-of-memory-as-an-epoch-starts",
+                              "killed-resumed-within-an-epoch", "out-of-memory-within-an-epoch"])
+def test_the_hooks_a_resumed_fit_runs_again_leave_it_as_at_its_safe_point(tmp_path, fault, step):
+    """Lightning restores the checkpoint before on_train_start and runs the epoch's
+    on_train_epoch_start hooks again: a callback's on_train_start froze the layer that the second
+    epoch had unfrozen (for the rest of the fit), and a callback listed before ResilienceCallback
+    (as an epoch starts, the safe point is taken in its hook, after theirs) or the module's own
+    hook (within an epoch, the safe point is taken after all of them) scaled the learning rate and
+    the momentum once more: the fit said done with other weights (found by a probe). Once the fit
+    is back where its safe point was taken, the module's flags, the optimizers, the schedulers and
+    the callbacks' state are put back: bit for bit as its twin, the counts included."""
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: epoch_start_fit_notebook(fault, mark, step))
+    out = harness.cell_text(nb.cells[2])
+    assert len(run.restarts) == (fault == "kill"), out
+    assert ("continuing at epoch 1" if step == 13 else "continuing at step 16 of epoch 1") in out, out
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(twin).startswith("RESULT 3 3 "), harness.result(twin)
+    assert " True " in harness.result(twin), harness.result(twin)
 
 
 def plateau_fit_notebook(fault: str, mark) -> "nbformat.NotebookNode":

@@ -23,8 +23,11 @@ restores it **into** the module and the optimizers that the replayed set-up cell
 made, and starts at the first unfinished epoch, or within an epoch at the first unfinished batch:
 the epoch's order is drawn again from the random state it was drawn from, the finished batches are
 taken from the data iterator and dropped (loading them costs what loading them cost), and the
-random state is then put back as it was before the next batch was loaded. A fit that had ended
-trains nothing, and ``trainer.callback_metrics`` is what it was.
+random state is then put back as it was before the next batch was loaded. What the hooks Lightning
+runs again before the fit is back at the safe point change (``on_train_start``, an epoch's
+``on_train_epoch_start``) goes back as the checkpoint holds it once it is there: the module's
+modes, flags and plain attributes, the optimizers, the schedulers. A fit that had ended trains
+nothing, and ``trainer.callback_metrics`` is what it was.
 
 A resumed fit is identical to an uninterrupted one where Lightning is (on CPU; on a GPU with
 ``Trainer(deterministic=True)``), for training data whose order is drawn when an epoch begins
@@ -197,6 +200,7 @@ class ResilienceCallback(pl.Callback):
         self._pending = False  # every_steps: a step is due a safe point, taken when the next batch begins
         self._stepped_at: int | None = None  # the optimizer step whose safe point is due or taken
         self._resumed_within = False  # this fit resumed within an epoch, which has not ended yet
+        self._put_back: dict | None = None  # resumed: the saved optimizers, schedulers and module facts, until back
 
     # ------------------------------------------------------------------------------- events
 
@@ -220,7 +224,7 @@ class ResilienceCallback(pl.Callback):
         batch = _batch_size(trainer)
         state.effective_batch = batch * trainer.accumulate_grad_batches if batch else None
         run.extras[STATE] = state
-        self._pending = False
+        self._pending, self._put_back = False, None
         self._epochs = run.loops.iterate(Stretches(state))
         self._first = next(self._epochs, None)  # a resumed run: the checkpoint is loaded here
         _keep_effective_batch(trainer, batch, state.effective_batch, run)
@@ -235,6 +239,9 @@ class ResilienceCallback(pl.Callback):
             state.callbacks_pending = state.module_pending = {}  # the fit starts over, and its callbacks with it
         elif state.loaded is not None:
             _resume(trainer, state)
+            # what the hooks that run again before the fit is back at the safe point may change
+            self._put_back = {"optimizers": saved.get("optimizer_states") or [],
+                              "schedulers": saved.get("lr_schedulers") or [], "carried": state.loaded["carried"]}
         _watch_data(trainer, state, self.every_steps is not None)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -278,6 +285,7 @@ class ResilienceCallback(pl.Callback):
         if self._first is not None:
             self._first = None
             if not self._state.callbacks_mid_epoch:  # resumed as this epoch began: where it was saved
+                self._put_state_back(trainer, pl_module)
                 self._give_callbacks()
             return
         next(self._epochs, None)  # the safe point of the epoch that ended: saves when due, may restart
@@ -302,6 +310,7 @@ class ResilienceCallback(pl.Callback):
         if self._epochs is None:
             return
         self._first = None  # a fit resumed within an epoch begins here
+        self._put_state_back(trainer, pl_module)
         self._give_callbacks()  # (resumed between two batches: where it was saved)
         if self._pending:  # every callback has seen the step's end, and validation has run
             self._pending = False
@@ -330,6 +339,25 @@ class ResilienceCallback(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         _undo_data_patches()
         self._close(trainer)
+
+    def _put_state_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A resumed fit is back where its safe point was taken (in this callback's hook as an epoch
+        began, or a batch within one): the hooks that ran again since Lightning restored the
+        checkpoint may have changed what it holds (a callback's ``on_train_start`` that freezes a
+        layer, an ``on_train_epoch_start`` that scales the learning rate, which had run before the
+        safe point): the module's modes, ``requires_grad`` flags and plain attributes, the
+        optimizers and the schedulers go back to the safe point's."""
+        saved, self._put_back = self._put_back, None
+        if saved is None:
+            return
+        carried.apply({"module": pl_module}, ["module"], saved["carried"])
+        optimizers, schedulers = trainer.optimizers, [c.scheduler for c in trainer.lr_scheduler_configs]
+        if len(optimizers) == len(saved["optimizers"]):
+            for optimizer, state in zip(optimizers, saved["optimizers"]):
+                optimizer.load_state_dict(state)
+        if len(schedulers) == len(saved["schedulers"]):
+            for scheduler, state in zip(schedulers, saved["schedulers"]):
+                scheduler.load_state_dict(state)
 
     def _give_callbacks(self) -> None:
         """The callbacks that Lightning does not checkpoint get the plain attributes they had at the
