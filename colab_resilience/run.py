@@ -529,7 +529,9 @@ class Run:
         except BuiltSinceError as e:  # Keras's seed generator, made by the failed attempt
             raise _elsewhere(e) from None
         note = self._take_note()
-        finished = at_text.endswith("the end")
+        finished = at_text == "the end"
+        if at_text.endswith(", the end"):  # an outer iteration whose inner loop had finished
+            at_text = f"{at_text[:-len(', the end')]}, its inner loop done"
         shrunk, self._shrunk = self._shrunk, {}
         if note:
             self.say(f"{note}; " + ("the loop had finished" if finished else f"continuing at {at_text}"))

@@ -523,8 +523,11 @@ def test_a_value_the_inner_loop_sets_and_the_code_below_it_reads_is_kept(tmp_pat
     loop and read after it goes with each checkpoint unasked, and the run ends as its twin."""
     run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _read_after_inner_loop_notebook(fault, mark))
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
+    said = harness.cell_text(nb.cells[2])
     if fault == "kill":
-        assert "resumed at iteration 2 (its inner loop done)" in harness.cell_text(nb.cells[2]), nb.cells[2]
+        assert "resumed at iteration 2 (its inner loop done)" in said, said
+    # (the outer loop had not finished: it went on with iteration 2's code below the inner loop)
+    assert "continuing at 2, its inner loop done" in said and "the loop had finished" not in said, said
     assert "colab_resilience:" not in harness.cell_text(twin.cells[2]), harness.cell_text(twin.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(nb).startswith("RESULT [(0, 64, ")
@@ -1563,9 +1566,9 @@ def test_a_retry_goes_on_with_the_optimizer_the_safe_point_had_not_the_one_the_c
     assert all(a.equal(b) for a, b in zip(ran, twin))
 
 
-def test_a_rollback_to_the_end_of_an_inner_loop_over_a_list_says_the_end(ip, tmp_path, capsys):
+def test_a_rollback_to_the_end_of_an_inner_loop_over_a_list_says_so(ip, tmp_path, capsys):
     """The last safe point was the inner loop's last item: the rollback goes on at its end, and
-    says so (it said "item 2" of a list of two)."""
+    says so (it said "item 2" of a list of two, then "0, the end")."""
     ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
     ip.run_cell("%%replay\nimport torch\nfired = [False]\nseen = []")
     capsys.readouterr()
@@ -1575,7 +1578,7 @@ def test_a_rollback_to_the_end_of_an_inner_loop_over_a_list_says_the_end(ip, tmp
                     "        seen.append((epoch, x))\n"
                     + oom_once("    ", "True"))
     assert r.success, r.error_in_exec
-    assert "rolled back to the last safe point; continuing at 0, the end" in capsys.readouterr().out
+    assert "rolled back to the last safe point; continuing at 0, its inner loop done" in capsys.readouterr().out
     assert ip.user_ns["seen"] == [(0, 1), (0, 2), (1, 1), (1, 2)]
 
 
