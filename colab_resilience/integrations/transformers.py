@@ -129,11 +129,16 @@ class TrainerCheckpoint:
         attributes, the optimizer and the scheduler, the other callbacks' state."""
         loaded, t = self.loaded, self.trainer
         carried.apply({"model": t.model}, ["model"], loaded.get("carried") or {})
+        self.load_optimizer_and_scheduler()
+        put_attributes(dict(loaded.get("callbacks") or {}), _stateful(t))
+
+    def load_optimizer_and_scheduler(self) -> None:
+        """The saved optimizer and scheduler state, into the ones ``train`` made."""
+        loaded, t = self.loaded, self.trainer
         if t.optimizer is not None and loaded["optimizer"] is not None:
             t.optimizer.load_state_dict(loaded["optimizer"])
         if t.lr_scheduler is not None and loaded["scheduler"] is not None:
             t.lr_scheduler.load_state_dict(loaded["scheduler"])
-        put_attributes(dict(loaded.get("callbacks") or {}), _stateful(t))
 
     def trainer_state(self) -> TrainerState:
         return TrainerState(**json.loads(self.loaded["trainer_state"]))
@@ -220,7 +225,7 @@ class ResilienceCallback(TrainerCallback):
         self._logging = self._state.loaded["logging"]
         # for this call, the Trainer loads from this package's checkpoint, into its own objects
         trainer._load_from_checkpoint = lambda *args, **kwargs: None  # the model is loaded already
-        trainer._load_optimizer_and_scheduler = lambda checkpoint: self._load_optimizer_and_scheduler(trainer)
+        trainer._load_optimizer_and_scheduler = lambda checkpoint: self._state.load_optimizer_and_scheduler()
         trainer._load_rng_state = lambda checkpoint: self._load_rng(trainer)
         stand_ins = ["_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_rng_state"]
         handler = trainer.callback_handler
@@ -258,13 +263,6 @@ class ResilienceCallback(TrainerCallback):
         carried.apply({"model": trainer.model}, ["model"], loaded.get("carried") or {})
         restore_rng(loaded["rng"])  # as the end of training left it
         return _output(trainer.state, loaded.get("metrics"))
-
-    def _load_optimizer_and_scheduler(self, trainer: Trainer) -> None:
-        loaded = self._state.loaded
-        if trainer.optimizer is not None and loaded["optimizer"] is not None:
-            trainer.optimizer.load_state_dict(loaded["optimizer"])
-        if trainer.lr_scheduler is not None and loaded["scheduler"] is not None:
-            trainer.lr_scheduler.load_state_dict(loaded["scheduler"])
 
     def _load_rng(self, trainer: Trainer) -> None:
         """Where the Trainer's own resume puts its saved random state back: at the start of the
