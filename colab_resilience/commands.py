@@ -15,7 +15,7 @@ from . import fsutil, replay, restart
 from .checkpoints import manifest as checkpoint_manifest
 from .errors import CheckpointWarning, JournalError, OptionError, ResilienceError, RunLockedError, UnsafeDirectoryError
 from .journal import Journal, find_runs
-from .lock import RunLock
+from .lock import RunLock, pid_alive
 from .recovery import put_back_shrunk
 from .run import open_store, put_back_left, restore_latest
 
@@ -84,7 +84,7 @@ def _pending_line(j: Journal) -> str:
     cell = "run its cell again (or Run all) to continue"
     where = f"from checkpoint {j.last_checkpoint}" if j.last_checkpoint else "from the start (no checkpoint yet)"
     how = uncounted_death(j)
-    if how is not None and _alive(j.kernel_pid):
+    if how is not None and pid_alive(j.kernel_pid):
         return f"held by kernel PID {j.kernel_pid}, which is still running"
     if how is not None:
         return (f"its kernel (PID {j.kernel_pid}) died without warning ({how}); not counted yet: "
@@ -94,18 +94,6 @@ def _pending_line(j: Journal) -> str:
     last = j.restarts[-1] if j.restarts else None
     why = f" ({last.reason})" if last is not None else ""
     return f"its kernel restarted{why}: {cell} {where}"
-
-
-def _alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process holds that PID now
-        return True
-    return True
 
 
 def set_dir(session, folder: str) -> None:

@@ -17,6 +17,7 @@ import errno
 import fcntl
 import os
 import threading
+import time
 from pathlib import Path
 
 from . import fsutil
@@ -34,6 +35,44 @@ def _read_pid(fd: int) -> int | None:
         return int(text) if text else None
     except (OSError, ValueError):
         return None
+
+
+ORPHAN_WAIT_S = 2.0  # how long a lock whose holder has died may still be held by its children
+
+
+def pid_alive(pid: int | None) -> bool:
+    """Whether a process of that PID exists (someone else's counts)."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _flock_or_wait_for_orphans(fd: int) -> None:
+    """Take the lock, or raise. Where the process the file names has died, the lock can only be
+    held by a child it forked that has not run yet (its at-fork hook closes the copy at once, see
+    :func:`_close_in_child`): wait a moment for it rather than refuse the kernel that takes over."""
+    deadline = None
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            pid = _read_pid(fd)
+            if not pid or pid_alive(pid):
+                raise
+            if deadline is None:
+                deadline = time.monotonic() + ORPHAN_WAIT_S
+            elif time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 class RunLock:
@@ -62,13 +101,15 @@ class RunLock:
             # never through a link planted as run_dir/lock, never someone else's file
             fd = fsutil.open_private_file(self.path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _flock_or_wait_for_orphans(fd)
             except OSError as e:
                 pid = _read_pid(fd)
                 os.close(fd)
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
                 who = f"process {pid}" if pid else "another process"
+                if pid and not pid_alive(pid):
+                    who = f"a process that process {pid} (now gone) left behind"
                 raise RunLockedError(
                     f"colab_resilience: run directory {self.run_dir} is in use by {who}; "
                     "stop that kernel or choose another run directory",

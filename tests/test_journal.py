@@ -157,7 +157,9 @@ def test_lock_held_by_another_process_names_its_pid(tmp_path):
 def test_a_forked_child_does_not_keep_the_lock_after_its_parent_is_killed(tmp_path):
     """A DataLoader worker is a child the kernel forked, which shares the kernel's open files: the
     run's lock must go with the kernel (SIGKILL), not wait for the worker, or the kernel that
-    takes over is refused ("in use by process ..."). The child still runs when the lock is taken."""
+    takes over is refused ("in use by process ..."). The child still runs when the lock is taken.
+    The child says it is ready itself: by then ``os.fork`` has returned in it, after its at-fork
+    hooks (a child the scheduler has not run yet still holds the parent's open files)."""
     run, ready = tmp_path / "run", tmp_path / "ready"
     code = (
         "import os, time, pathlib\n"
@@ -165,9 +167,48 @@ def test_a_forked_child_does_not_keep_the_lock_after_its_parent_is_killed(tmp_pa
         f"lock = RunLock({str(run)!r}).acquire()\n"
         "child = os.fork()\n"
         "if child == 0:\n"
+        f"    pathlib.Path({str(ready) + '.part'!r}).write_text(str(os.getpid()))\n"
+        f"    os.rename({str(ready) + '.part'!r}, {str(ready)!r})\n"
         "    time.sleep(60); os._exit(0)\n"
-        f"pathlib.Path({str(ready)!r}).write_text(str(child))\n"
         "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], env=child_env())
+    deadline = time.time() + 30
+    while not ready.exists():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.02)
+    child = int(ready.read_text())
+    try:
+        proc.kill()
+        proc.wait()
+        os.kill(child, 0)  # alive: it would hold the lock if it had kept the file open
+        with RunLock(run) as lock:
+            assert lock.held
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("closes_after", [0.5, None], ids=["child-closes-late", "child-keeps-it"])
+def test_a_lock_whose_holder_died_waits_a_moment_for_its_children(tmp_path, closes_after):
+    """A child that holds a copy of the lock's open file after its holder was killed (one forked
+    that the scheduler had not run yet, which closes it as soon as it runs) delays the kernel that
+    takes over by a moment, not refuses it; a child that keeps it is named as what holds it."""
+    run, ready = tmp_path / "run", tmp_path / "ready"
+    child_code = (
+        "import os, sys, time\n"
+        f"delay = {closes_after!r}\n"
+        "time.sleep(delay or 60)\n"
+        "os.close(int(sys.argv[1]))\n"
+        "time.sleep(60)\n"
+    )
+    code = (
+        "import os, sys, subprocess, pathlib\n"
+        "from colab_resilience.lock import RunLock, _held\n"
+        f"lock = RunLock({str(run)!r}).acquire()\n"
+        "fd = next(iter(_held.values()))[0]\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {child_code!r}, str(fd)], pass_fds=[fd])\n"
+        f"pathlib.Path({str(ready)!r}).write_text(str(child.pid))\n"
+        "import time; time.sleep(60)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], env=child_env())
     deadline = time.time() + 30
@@ -178,9 +219,12 @@ def test_a_forked_child_does_not_keep_the_lock_after_its_parent_is_killed(tmp_pa
     try:
         proc.kill()
         proc.wait()
-        os.kill(child, 0)  # alive: it would hold the lock if it had kept the file open
-        with RunLock(run) as lock:
-            assert lock.held
+        if closes_after is None:
+            with pytest.raises(RunLockedError, match="left behind"):
+                RunLock(run).acquire()
+        else:
+            with RunLock(run) as lock:
+                assert lock.held
     finally:
         os.kill(child, signal.SIGKILL)
 
