@@ -210,20 +210,28 @@ class WorkerClient:
                         buffers=msg.get("buffers") or None)
         msg_id = msg["header"]["msg_id"]
         wants_reply = msg["header"]["msg_type"].endswith("_request")
+        # A comm message has no reply, and ipykernel 7 handles one that comes while its shell is
+        # busy (even for the moment after an 'idle') alongside, with no 'busy' or 'idle' of its
+        # own: a request sent behind it, which waits its turn, says when it has been handled.
+        fence = None if wants_reply else kc.session.send(shell, "kernel_info_request", {})["header"]["msg_id"]
+        fenced = False
         reply, idle, last_check, replied = None, False, time.monotonic(), 0.0
         # after the reply, the worker's 'idle' comes at once; one lost to an interrupted receive
         # must not hold the cell forever
-        while not (idle and (reply is not None or not wants_reply)) and \
+        while not (idle and (reply is not None or not wants_reply)) and not fenced and \
                 not (reply is not None and time.monotonic() - replied > IDLE_AFTER_REPLY):
             try:
                 ready = dict(poller.poll(POLL * 1000))
                 if iopub in ready:
                     got = _receive(kc.session, iopub)
-                    if got is not None and got.get("parent_header", {}).get("msg_id") == msg_id:
+                    parent = got.get("parent_header", {}).get("msg_id") if got is not None else None
+                    if parent == msg_id:
                         if got["msg_type"] == "status":
                             idle = idle or got["content"].get("execution_state") == "idle"
                         else:
                             forward(got)
+                    elif parent == fence and got["msg_type"] == "status":
+                        fenced = got["content"].get("execution_state") == "idle"
                 if stdin in ready:
                     request = _receive(kc.session, stdin)
                     if request is not None and request.get("msg_type") == "input_request":

@@ -289,6 +289,37 @@ def test_widgets_cross_the_relay_both_ways(relay):
     assert "inert" not in relay.ok("2").stderr
 
 
+def test_a_widget_message_that_finds_the_worker_busy_is_handled_and_the_relay_goes_on(relay):
+    """ipykernel 7 handles a comm message that comes while its shell is busy alongside, with no
+    'busy' or 'idle' for it (even in the moment after an 'idle', when the relay sends the next
+    message: a moved slider hung the notebook's kernel now and then). Here the worker is made busy
+    for longer by a second client of its own (an awaiting cell holds its shell): the slider's value
+    and its callback's output still come, and the next cell runs."""
+    import glob
+    import tempfile
+
+    from jupyter_client import BlockingKernelClient
+
+    r = relay.ok("import ipywidgets as w\nslider = w.IntSlider(value=3)\n"
+                 "slider.observe(lambda change: print('slider at', change['new']), 'value')\nslider")
+    [model] = opened(r, "IntSliderModel")
+    [connection] = glob.glob(os.path.join(tempfile.gettempdir(), f"colab-resilience-worker-{relay.pid}-*", "worker.json"))
+    other = BlockingKernelClient(connection_file=connection)
+    other.load_connection_file()
+    other.start_channels()
+    try:
+        busy = other.execute("import asyncio\nawait asyncio.sleep(3)")
+        deadline = time.monotonic() + 30
+        while other.get_iopub_msg(timeout=30)["parent_header"].get("msg_id") != busy:  # its 'busy'
+            assert time.monotonic() < deadline
+        _, seen = frontend_sends(relay, "comm_msg", {"comm_id": model["comm_id"], "data": {
+            "method": "update", "state": {"value": 7}, "buffer_paths": []}})
+        assert [m["content"]["text"] for m in seen if m["msg_type"] == "stream"] == ["slider at 7\n"]
+    finally:
+        other.stop_channels()
+    assert relay.ok("print(slider.value)").stdout == "7\n"
+
+
 def test_isolate_off_ends_the_worker_and_bad_input_is_one_line(relay):
     pid = worker_pid(relay)
     bad = relay.execute("%resilience isolate sideways")
