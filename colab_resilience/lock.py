@@ -107,12 +107,12 @@ class RunLock:
                 os.close(fd)
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
-                who = f"process {pid}" if pid else "another process"
+                who, stop = (f"process {pid}" if pid else "another process"), "that kernel"
                 if pid and not pid_alive(pid):
-                    who = f"a process that process {pid} (now gone) left behind"
+                    who, stop = f"a process that process {pid} started and left running when it exited", "it"
                 raise RunLockedError(
                     f"colab_resilience: run directory {self.run_dir} is in use by {who}; "
-                    "stop that kernel or choose another run directory",
+                    f"stop {stop} or choose another run directory",
                     pid=pid,
                 ) from None
             os.ftruncate(fd, 0)

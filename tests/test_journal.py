@@ -220,7 +220,7 @@ def test_a_lock_whose_holder_died_waits_a_moment_for_its_children(tmp_path, clos
         proc.kill()
         proc.wait()
         if closes_after is None:
-            with pytest.raises(RunLockedError, match="left behind"):
+            with pytest.raises(RunLockedError, match="started and left running when it exited; stop it or"):
                 RunLock(run).acquire()
         else:
             with RunLock(run) as lock:
