@@ -268,6 +268,29 @@ def test_tensors_of_every_dtype_round_trip_byte_for_byte(store, dtype):
         assert raw(back[k]) == raw(v), k
 
 
+def test_tensors_come_back_laid_out_in_memory_as_they_were(store):
+    """A tensor in channels_last (2-D and 3-D images), a transpose and a permutation come back with
+    their strides, as do a Parameter's; what is not dense (an expanded view, every other row) comes
+    back row-major, its values the same."""
+    g = torch.Generator().manual_seed(0)
+    dense = {
+        "channels_last": torch.randn(2, 3, 4, 5, generator=g).to(memory_format=torch.channels_last),
+        "channels_last_3d": torch.randn(2, 3, 2, 4, 5, generator=g).to(memory_format=torch.channels_last_3d),
+        "transposed": torch.randn(4, 6, generator=g).t(),
+        "permuted": torch.randn(3, 4, 5, generator=g).permute(2, 0, 1),
+        "one_channel": torch.randn(2, 1, 3, 3, generator=g).to(memory_format=torch.channels_last),
+        "parameter": torch.nn.Parameter(torch.randn(8, 3, 3, 3, generator=g).to(memory_format=torch.channels_last)),
+    }
+    sparse = {"expanded": torch.randn(3, 1, generator=g).expand(3, 4), "every_other": torch.randn(6, 4, generator=g)[::2]}
+    back = roundtrip(store, {**dense, **sparse})
+    for k, v in dense.items():
+        assert back[k].stride() == v.stride() and torch.equal(back[k], v), k
+    assert back["parameter"].is_contiguous(memory_format=torch.channels_last)
+    assert isinstance(back["parameter"], torch.nn.Parameter)
+    for k, v in sparse.items():
+        assert back[k].is_contiguous() and torch.equal(back[k], v), k
+
+
 def test_parameters_and_requires_grad_survive(store):
     """A Parameter comes back a Parameter; requires_grad is kept for leaves and plain tensors."""
     p = torch.nn.Parameter(torch.randn(3))

@@ -632,6 +632,44 @@ def test_a_modules_tensors_no_state_dict_holds_come_back_with_it(tmp_path, fault
     assert harness.result(nb).startswith("RESULT False "), harness.result(nb)
 
 
+def _channels_last_notebook(fault: str, mark):
+    """A convolutional model in ``channels_last`` that starts with a BatchNorm, stepped by Adam; a
+    bank of earlier batches (channels_last slices, in --save) trained on again each step. One
+    fault in epoch 2, once."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        _setup(mark) + "cl = torch.channels_last\n"
+        "model = torch.nn.Sequential(torch.nn.BatchNorm2d(3), torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),\n"
+        "                            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 1)).to(memory_format=cl)\n"
+        "opt = torch.optim.Adam(model.parameters(), lr=0.01)\n"
+        "X = torch.randn(64, 3, 8, 8).to(memory_format=cl); Y = torch.randn(64, 1)\nbank = []",
+        "%%resilient --save model,opt,bank\n"
+        "for epoch in resume_range(5):\n"
+        "    for i in range(0, 64, 16):\n"
+        "        loss = ((model(X[i:i+16]) - Y[i:i+16]) ** 2).mean()\n"
+        "        if bank:\n"
+        "            loss = loss + ((model(bank[0][0]) - bank[0][1]) ** 2).mean()\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()\n"
+        "    bank.append((X[:8] * (epoch + 1) / 7, Y[:8]))\n"
+        "    if epoch == 2 and not os.path.exists(MARK):\n"
+        f"        open(MARK, 'w').close(); {_FAULTS[fault]}\n",
+        "print('RESULT', bank[0][0].stride(), opt.state[model[1].weight]['exp_avg'].stride(),\n"
+        "      b''.join(p.detach().numpy().tobytes() for p in model.parameters()).hex())",
+    )
+
+
+@pytest.mark.parametrize("fault", ["kill", "oom"])
+def test_tensors_come_back_laid_out_in_memory_as_they_were(tmp_path, fault):
+    """Saved tensors came back row-major: a bank of channels_last batches fed to a BatchNorm, which
+    reduces in memory order, gave other bits after a kill or an out-of-memory error, and the
+    optimizer's moments lost the parameters' layout. They come back with their strides; the run
+    ends bit for bit as its twin."""
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _channels_last_notebook(fault, mark))
+    assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).startswith("RESULT (192, 1, 24, 3) (27, 1, 9, 3) "), harness.result(nb)
+
+
 def _setup_draws_notebook(mark, *, seeded: bool):
     """A vocabulary in a set's order (``list(set(text))``) and a train split drawn in the %%replay
     cell before its seed (``seeded``: after it), read by the training; the model and optimizer in

@@ -89,6 +89,26 @@ def _cpu_contiguous(t, device_copy=None):
     return t.contiguous()
 
 
+def _memory_order(t) -> list[int] | None:
+    """The order of ``t``'s dimensions in memory, outermost first, where it is dense but not laid
+    out row-major (``channels_last``, a transpose, even a size-1 dimension's stride): written in
+    that order (no copy for a CPU tensor) and read back with its strides. Layout decides results:
+    a BatchNorm reduces in memory order, and gives other bits for another. None: row-major
+    already, or not dense (an expanded view is written, and comes back, row-major)."""
+    if t.numel() < 2 or list(t.stride()) == _row_major(t.shape):
+        return None
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    return order if t.permute(order).is_contiguous() else None
+
+
+def _row_major(shape) -> list[int]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(int(n), 1)
+    return strides[::-1]
+
+
 def _live(torch, c, x) -> bool:
     """Whether ``c``, the tensor or array written for ``x``, is ``x``'s own memory."""
     if torch is not None and isinstance(x, torch.Tensor):
@@ -172,7 +192,8 @@ def payload(tree: Any, leaves: list, device_copy=None) -> Payload:
         if descs[i] is not None:
             continue
         if torch is not None and isinstance(x, torch.Tensor):
-            c = _cpu_contiguous(x, device_copy)
+            order = _memory_order(x)
+            c = _cpu_contiguous(x.permute(order) if order else x, device_copy)
             keep.append(c)
             dname = str(x.dtype).removeprefix("torch.")
             st = _TORCH_ST.get(dname)
@@ -184,6 +205,8 @@ def payload(tree: Any, leaves: list, device_copy=None) -> Payload:
                 "device": str(x.device), "requires_grad": bool(x.requires_grad),
                 "parameter": type(x) is not torch.Tensor,
             }
+            if order:
+                descs[i]["stride"] = list(x.stride())
         elif "jax" in sys.modules and isinstance(x, sys.modules["jax"].Array):
             c, desc, live = _jax_host(x)
             st = _JAX_ST.get(desc["dtype"], "U8")
@@ -305,6 +328,12 @@ def leaves_over(buf, descs: list[dict], ranges: dict[str, tuple[int, int]]) -> l
             raise ValueError("a tensor has the wrong length")
         if count == 0:
             leaves.append(torch.empty(shape, dtype=dtype))
+        elif "stride" in d:  # laid out as it was (see _memory_order)
+            stride = [int(x) for x in d["stride"]]
+            if len(stride) != len(shape) or any(x < 0 for x in stride) or \
+                    sum((n - 1) * x for n, x in zip(shape, stride)) + 1 != count:
+                raise ValueError("a tensor's strides do not fit its data")
+            leaves.append(torch.from_numpy(buf[a:b]).view(dtype).as_strided(shape, stride))
         else:
             leaves.append(torch.from_numpy(buf[a:b]).view(dtype).reshape(shape))
     return leaves
