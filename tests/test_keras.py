@@ -723,6 +723,24 @@ def test_a_resumed_fit_begins_its_epoch_once_with_its_compiled_metrics(tmp_path,
 
 
 @pytest.mark.kernel
+@pytest.mark.parametrize("fault,retries", [("sigkill", 2), ("oom-error", 2)], ids=["killed", "out-of-memory"])
+def test_a_fit_with_steps_per_epoch_resumes_where_its_data_had_got_to(tmp_path, tmp_path_factory, fault, retries):
+    """With steps_per_epoch, Keras keeps the data's iterator from epoch to epoch: each epoch of 7
+    batches goes on where the one before it stopped in a repeated dataset of 10. A fit resumed at
+    epoch 2 drew from the data's beginning, trained on other batches, and said done. The 14
+    batches epochs 0 and 1 drew are drawn again (not trained), as one line says; bit for bit as
+    the twin."""
+    reference = plain_twin(tmp_path_factory, dropout=0.25, batch_norm=True, data="repeated")
+    nb = harness.load("train_keras.ipynb", tmp_path, fault=fault, retries=retries, data="repeated", fault_epoch=2)
+    run, out = harness.run_ok(nb, tmp_path)
+    assert len(run.restarts) == (1 if fault == "sigkill" else 0), out
+    assert "continuing at epoch 3/4" in out, out
+    assert "the 14 batches of epochs 1 to 2 were drawn again, not trained" in out, out
+    assert "callback=[(0, 7), (1, 7), (2, 7), (3, 7)]" in reference and "steps=28 " in reference, reference
+    assert harness.result(nb) == reference
+
+
+@pytest.mark.kernel
 @pytest.mark.parametrize("stop_epoch,kill", [(1, "end"), (3, "end"), (3, "result")],
                          ids=["in-an-early-epoch", "in-the-last-epoch", "in-the-last-epoch-killed-after-the-cell"])
 def test_a_fit_a_callback_stopped_within_an_epoch_stays_stopped(tmp_path, tmp_path_factory, stop_epoch, kill):

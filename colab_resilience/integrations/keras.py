@@ -50,6 +50,7 @@ a fit begins, unless given ``append=True``).
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, Mapping
 
 import keras
@@ -484,6 +485,29 @@ def _within_epoch(epoch_iterator, done: int) -> None:
     epoch_iterator._enumerate_iterator = going_on
 
 
+def _draw_again(epoch_iterator, initial: int, first: int) -> str:
+    """With ``steps_per_epoch``, an epoch draws its batches from where the epoch before it
+    stopped (Keras keeps the data's iterator from epoch to epoch), and a fit resumed at epoch
+    ``first`` would draw from the start of the data: the batches the epochs from ``initial`` on
+    drew are drawn again, as those epochs drew them, and not trained. What was done, in a line."""
+    if epoch_iterator is None or not hasattr(epoch_iterator, "catch_stop_iteration"):
+        return (f"colab_resilience: fit was given steps_per_epoch, so epoch {first + 1} draws its batches from where the "
+                "epoch before it stopped, and this version of Keras does not let the callback draw those again: the "
+                "resumed fit starts at the data's beginning and is not identical to an uninterrupted one")
+    started, drawn = time.monotonic(), 0
+    for _ in range(first - initial):
+        with epoch_iterator.catch_stop_iteration():  # data that ran out ends the epoch, as in fit
+            for _begin, _end, got in epoch_iterator:
+                if not isinstance(got, list):  # TensorFlow's: the iterator its step draws from
+                    for _ in range(epoch_iterator.steps_per_execution):
+                        next(got)
+                drawn += epoch_iterator.steps_per_execution
+    before = f"epoch {first}" if first - initial == 1 else f"epochs {initial + 1} to {first}"
+    return (f"colab_resilience: fit was given steps_per_epoch, so each epoch draws its batches from where the one "
+            f"before it stopped: the {drawn} batches of {before} were drawn again, not trained "
+            f"({time.monotonic() - started:.1f} s), and epoch {first + 1} goes on with the next")
+
+
 def _build(model, fit: Mapping[str, Any]) -> None:
     """Build a model that is not built yet (a subclassed one without an ``Input``), its optimizer
     and its compiled metrics and loss, as Keras's JAX and torch backends build them before
@@ -565,6 +589,8 @@ class ResilienceCallback(keras.callbacks.Callback):
             run.say_once(said)
         if self._within:
             _within_epoch(fit["epoch_iterator"], self._within)
+        if fit.get("steps_per_epoch") and initial < self._first < epochs:
+            run.say_once(_draw_again(fit.get("epoch_iterator"), initial, self._first))
         self.model._initial_epoch = self._first
         history = getattr(self.model, "history", None)
         if self._state.loaded and isinstance(history, keras.callbacks.History):
