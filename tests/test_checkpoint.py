@@ -291,6 +291,21 @@ def test_tensors_come_back_laid_out_in_memory_as_they_were(store):
         assert back[k].is_contiguous() and torch.equal(back[k], v), k
 
 
+def test_restored_tensors_and_arrays_lie_in_memory_of_their_own(store):
+    """What a restore hands out is not a view into the checkpoint's memory: each tensor has an
+    allocation of its own, aligned as the allocator aligns (a dot product sums an unaligned start
+    in another order), views of one storage share one copy, and an array owns its data."""
+    shared = torch.arange(12.0)
+    value = {"odd": torch.randn(3), "next": torch.randn(5, dtype=torch.float64), "scalar": torch.tensor(2.0),
+             "a": shared, "b": shared[2:], "array": np.arange(7, dtype=np.float32)}
+    back = roundtrip(store, value)
+    for k in ("odd", "next", "scalar"):
+        assert back[k].data_ptr() % 64 == 0 and back[k].untyped_storage().nbytes() == value[k].nbytes, k
+    assert back["b"].untyped_storage().data_ptr() == back["a"].untyped_storage().data_ptr() and back["b"].storage_offset() == 2
+    assert back["a"].untyped_storage().nbytes() == 48 and back["a"].data_ptr() % 64 == 0
+    assert back["array"].base is None and back["array"].flags.owndata
+
+
 def test_parameters_and_requires_grad_survive(store):
     """A Parameter comes back a Parameter; requires_grad is kept for leaves and plain tensors."""
     p = torch.nn.Parameter(torch.randn(3))

@@ -670,6 +670,39 @@ def test_tensors_come_back_laid_out_in_memory_as_they_were(tmp_path, fault):
     assert harness.result(nb).startswith("RESULT (192, 1, 24, 3) (27, 1, 9, 3) "), harness.result(nb)
 
 
+def _lbfgs_notebook(fault: str, mark):
+    """L-BFGS over minibatches (a closure; its state: the search direction, the last gradient and
+    the history of steps, kept in lists); --save model,opt,losses. One fault in epoch 2, once."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        _setup(mark) + "X = torch.randn(96, 5); Y = torch.sin(X.sum(1, keepdim=True))\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))\n"
+        "opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4, history_size=5)\nlosses = []",
+        "%%resilient --save model,opt,losses\n"
+        "for epoch in resume_range(5):\n"
+        "    for i in range(0, 96, 32):\n"
+        "        x, y = X[i:i+32], Y[i:i+32]\n"
+        "        def closure():\n"
+        "            opt.zero_grad(); loss = ((model(x) - y) ** 2).mean(); loss.backward(); return loss\n"
+        "        losses.append(opt.step(closure).item())\n"
+        "    if epoch == 2 and not os.path.exists(MARK):\n"
+        f"        open(MARK, 'w').close(); {_FAULTS[fault]}\n",
+        "print('RESULT', losses, b''.join(p.detach().numpy().tobytes() for p in model.parameters()).hex())",
+    )
+
+
+@pytest.mark.parametrize("fault", ["kill", "oom"])
+def test_an_optimizer_state_that_is_summed_comes_back_summed_in_the_same_order(tmp_path, fault):
+    """Tensors came back as views into the checkpoint's memory, at offsets aligned only to their
+    items, and BLAS peels an unaligned start off a dot product: L-BFGS, which takes dot products of
+    its saved history, summed in another order after a kill or an out-of-memory error, and the run
+    ended in other last bits. Each comes back in memory of its own; the run ends bit for bit as
+    its twin."""
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _lbfgs_notebook(fault, mark))
+    assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+
+
 def _setup_draws_notebook(mark, *, seeded: bool):
     """A vocabulary in a set's order (``list(set(text))``) and a train split drawn in the %%replay
     cell before its seed (``seeded``: after it), read by the training; the model and optimizer in

@@ -84,24 +84,11 @@ class LoadedBlob:
         self._buf = self._decoded = None
         if self.format == "pickle":
             return (bytes(buf),)
-        if private and blobs.is_mapped(buf):
-            own = _private_copy(buf)  # whole, so views of one storage stay views of one storage
-            tree, descs, ranges = tensorfile.parse(own)
-            return tree, descs, tensorfile.leaves_over(own, descs, ranges)
-        return decoded
-
-
-def _private_copy(buf):
-    """A copy of a (mapped) uint8 array in fresh memory, chunks copied on the pool: first-touch
-    page faults and copying are both CPU work, and one thread left the other cores idle."""
-    import numpy as np
-
-    own = np.empty_like(buf)
-    pool, step = hashing.pool(), hashing.CHUNK
-    futures = [pool.submit(np.copyto, own[a : a + step], buf[a : a + step]) for a in range(0, buf.size, step)]
-    for fu in futures:
-        fu.result()
-    return own
+        if not private:
+            return decoded
+        tree, descs, leaves = decoded
+        # each leaf in memory of its own, nothing left over the file's mapping or the blob
+        return tree, descs, tensorfile.own_copies(leaves, descs, everything=blobs.is_mapped(buf))
 
 
 class Checkpoint:

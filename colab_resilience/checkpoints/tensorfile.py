@@ -274,6 +274,30 @@ def parse(buf) -> tuple[Any, list[dict], dict[str, tuple[int, int]]]:
     return structure.get("tree"), structure["leaves"], ranges
 
 
+def own_copies(leaves: list[Any], descs: list[dict], *, everything: bool) -> list[Any]:
+    """:func:`leaves_over`'s leaves in memory of their own: each torch tensor in an allocation of
+    its own (the allocator's alignment, its strides kept; views of one storage stay views of one
+    copy), each NumPy array too, and with ``everything`` (a mapped file) what becomes a JAX array. A tensor left in the blob lies
+    at an offset aligned only to its item, and BLAS peels an unaligned start off a dot product:
+    an L-BFGS whose history came back so summed in another order, and a resumed run differed in
+    the last bits."""
+    out = list(leaves)
+    torch = sys.modules.get("torch")
+    storages: dict[int, Any] = {}
+    for i, (d, t) in enumerate(zip(descs, leaves)):
+        if d.get("lib") == "torch" and torch is not None and isinstance(t, torch.Tensor):
+            if "span" in d:  # a view of a storage others share: the storage copied once
+                key = t.untyped_storage().data_ptr()
+                if key not in storages:
+                    storages[key] = t.untyped_storage().clone()
+                out[i] = torch.empty(0, dtype=t.dtype).set_(storages[key], t.storage_offset(), t.shape, t.stride())
+            else:
+                out[i] = t.clone(memory_format=torch.preserve_format)
+        elif d.get("lib") == "numpy" or (everything and d.get("lib") == "jax"):  # (JAX copies its own)
+            out[i] = t.copy(order="K")
+    return out
+
+
 def leaves_over(buf, descs: list[dict], ranges: dict[str, tuple[int, int]]) -> list[Any]:
     """Tensors and arrays over ``buf`` (a NumPy uint8 array), on the CPU, without a copy."""
     import numpy as np
