@@ -228,6 +228,53 @@ def test_a_callback_that_acts_as_an_epoch_begins_acts_as_in_the_uninterrupted_ru
     assert re.findall(r"epoch \d begins", after) == ["epoch 4 begins"], after
 
 
+def _neftune_notebook(mark, fault: str):
+    """A GPT-2 trained with NEFTune (noise added to its embeddings' output by a forward hook the
+    Trainer adds as train() begins and removes as it ends); 3 epochs of 10 steps, a safe point
+    every 3 steps; an out-of-memory error after step 7 (``fault = "oom"``), or a SIGKILL in the
+    result cell once the training cell has ended (``"kill-after"``), once."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        "%%replay\nimport os, signal, torch\n"
+        f"MARK, FAULT = {str(mark)!r}, {fault!r}\n"
+        "from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed\n"
+        "import transformers\ntransformers.logging.set_verbosity_error()\ntorch.set_num_threads(1)\nset_seed(0)\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        "data = [{'input_ids': t, 'labels': t} for t in torch.randint(0, 64, (40, 16), generator=g)]\n"
+        "model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))\n"
+        "class Oom(TrainerCallback):\n"
+        "    def on_step_end(self, args, state, control, **kwargs):\n"
+        "        if FAULT == 'oom' and state.global_step == 7 and not os.path.exists(MARK):\n"
+        "            open(MARK, 'w').close(); raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n"
+        f"args = TrainingArguments(output_dir={str(mark) + '-out'!r}, per_device_train_batch_size=4, num_train_epochs=3,\n"
+        "    learning_rate=3e-3, save_strategy='no', report_to=[], disable_tqdm=True, use_cpu=True, seed=0,\n"
+        "    neftune_noise_alpha=5.0)\n"
+        "trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Oom()])",
+        "%%resilient\nfrom colab_resilience.integrations.transformers import ResilienceCallback\n"
+        "trainer.add_callback(ResilienceCallback(every_steps=3))\nout = trainer.train()",
+        "import hashlib\n"
+        "if FAULT == 'kill-after' and not os.path.exists(MARK):\n"
+        "    open(MARK, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n"
+        "wte = model.transformer.wte\n"
+        "print('RESULT', len(wte._forward_hooks), hasattr(wte, 'neftune_noise_alpha'), trainer.state.global_step, out.training_loss,\n"
+        "      hashlib.sha256(b''.join(t.detach().numpy().tobytes() for t in model.state_dict().values())).hexdigest()[:16])",
+    )
+
+
+@pytest.mark.parametrize("fault", ["oom", "kill-after"])
+def test_neftunes_noise_is_added_once_and_gone_when_training_ends(tmp_path, fault):
+    """NEFTune's hook, added as train() begins, was left on the embedding by a train() an
+    out-of-memory error ended, and the retry added a second: the noise was added twice and the
+    run said done with other weights (found by a probe). Now the hook goes with the call that
+    added it; bit for bit as the twin, without hook or setting at the end. Killed after the
+    training, the finished train() brought back (which removes the hook its set-up added, and
+    puts the model's plain attributes back) ends so too."""
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: _neftune_notebook(mark, fault))
+    assert len(run.restarts) == (fault == "kill-after"), harness.cell_text(nb.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(twin).startswith("RESULT 0 False 30 "), harness.result(twin)
+
+
 def test_a_trainer_killed_in_a_kernel_goes_on_when_its_cell_runs_again(kernel, tmp_path, tmp_path_factory):
     """Interactive, as in Jupyter: the kernel dies after step 12, the user runs the training cell
     again: the set-up cell is replayed (a new Trainer), and train() goes on at step 12."""
@@ -278,6 +325,32 @@ def test_a_callbacks_state_that_cannot_be_saved_is_said_once_before_training(ker
             "plain values or tensors): after a resume they hold what the callback has in this kernel")
     assert (reply.stdout + reply.stderr).count(line) == 1, reply.stdout + reply.stderr
     assert reply.stdout.strip().endswith("10"), reply.stdout
+
+
+def test_a_data_collator_that_draws_random_numbers_is_said_once_where_a_resume_within_an_epoch_would_differ(
+        kernel, tmp_path):
+    """A collator that masks tokens at random (as DataCollatorForLanguageModeling does) makes a
+    step's batches before its safe point: a resume within an epoch draws their masks again from
+    other random numbers (found by a probe: the run said done with other weights). With
+    every_steps its first batch says so, once; not without every_steps (resumes at epochs'
+    starts, which are exact), and not for a collator that draws nothing. The collator is the
+    notebook's again after train()."""
+    nb = load(tmp_path, epochs=1)
+    harness.run_interactive(kernel, nb, stop="train")
+    kernel.ok("def masking(features):\n"
+              "    ids = torch.stack([f['input_ids'] for f in features])\n"
+              "    return {'input_ids': ids, 'labels': ids.masked_fill(torch.rand(ids.shape) > 0.3, -100)}\n"
+              "plain = trainer.data_collator")
+    line = ("colab_resilience: the Trainer's data collator (masking) draws random numbers as it makes each batch, and the "
+            "Trainer makes a step's batches before that step's safe point: a resume within an epoch makes them again")
+    for every, collator, said in [(3, "masking", 1), (None, "masking", 0), (3, "plain", 0)]:
+        reply = kernel.ok(f"%%resilient\nfrom colab_resilience.integrations.transformers import ResilienceCallback\n"
+                          f"trainer.data_collator = {collator}\n"
+                          f"trainer.add_callback(ResilienceCallback(every_steps={every}))\nprint(trainer.train().global_step)")
+        out = reply.stdout + reply.stderr
+        assert out.count(line) == said and out.count("draws random numbers") == said, out
+        assert reply.stdout.strip().endswith("10"), out
+        assert kernel.value(f"trainer.data_collator is {collator}")
 
 
 def test_colab_resilience_check_passes_the_trainer_notebook(tmp_path):

@@ -202,10 +202,14 @@ class ResilienceCallback(TrainerCallback):
             unsaved = _unsaved_callback_state(trainer)
             if unsaved:
                 run.say_once(unsaved)
+            if self.every_steps is not None and trainer.data_collator is not None:
+                trainer.data_collator = _DrawWatch(trainer.data_collator, run)
             if state.loaded is None or first == 0:
                 return call(resume_from_checkpoint=None)
             return self._resume(trainer, run, call, finished=first is None)
         finally:
+            if isinstance(trainer.data_collator, _DrawWatch):
+                trainer.data_collator = trainer.data_collator.collate
             self._steps.close()
             self._steps = None
 
@@ -252,15 +256,12 @@ class ResilienceCallback(TrainerCallback):
         accumulation = loaded["logging"].get("accumulation")
         if accumulation is not None:
             trainer.current_gradient_accumulation_steps = accumulation
-        if trainer.neftune_noise_alpha is not None:
-            from transformers.integrations.neftune import deactivate_neftune
-
-            deactivate_neftune(trainer.model, trainer.neftune_hook_handle, trainer.accelerator)
         trainer._memory_tracker.stop_and_update_metrics({})
         trainer.is_in_train = False
         # the model's modes as training left them (its last evaluation's eval mode): this call's
         # set-up put it in train mode
         carried.apply({"model": trainer.model}, ["model"], loaded.get("carried") or {})
+        _without_neftune(trainer)  # (after: the plain attributes put back hold its setting)
         restore_rng(loaded["rng"])  # as the end of training left it
         return _output(trainer.state, loaded.get("metrics"))
 
@@ -365,6 +366,52 @@ class ResilienceCallback(TrainerCallback):
         next(self._steps, None)  # saves when due, may restart as planned
 
 
+class _DrawWatch:
+    """The Trainer's data collator, watched for drawing random numbers as it makes a batch
+    (``DataCollatorForLanguageModeling`` masks tokens at random): the Trainer makes a step's
+    batches before that step's safe point, so a resume within an epoch makes them again from
+    other random numbers. Said once, when it first draws; until then each batch compares the
+    random states before and after it."""
+
+    def __init__(self, collate, run):
+        self.collate, self._run, self._seen = collate, run, False
+
+    def __call__(self, features):
+        if self._seen:
+            return self.collate(features)
+        before = _random_marks()
+        batch = self.collate(features)
+        if _random_marks() != before:
+            self._seen = True
+            self._run.say_once(
+                f"colab_resilience: the Trainer's data collator ({_name(self.collate)}) draws random numbers "
+                "as it makes each batch, and the Trainer makes a step's batches before that step's safe point: a "
+                "resume within an epoch makes them again from other random numbers, and is not identical to an "
+                "uninterrupted run (one at an epoch's start is); ResilienceCallback() without every_steps resumes "
+                "at epochs' starts only")
+        return batch
+
+    def __getattr__(self, name):
+        if name == "collate":  # (not made yet: a copy)
+            raise AttributeError(name)
+        return getattr(self.collate, name)
+
+
+def _name(f) -> str:
+    return f.__name__ if isinstance(getattr(f, "__name__", None), str) else type(f).__name__
+
+
+def _random_marks() -> tuple:
+    """Where Python's, NumPy's and torch's global random streams are."""
+    import random
+
+    import numpy as np
+    import torch
+
+    legacy = np.random.get_state()
+    return random.getstate(), legacy[1].tobytes(), legacy[2], bytes(torch.random.get_rng_state().numpy())
+
+
 _DISPLAYS = ("ProgressCallback", "PrinterCallback", "NotebookProgressCallback")  # their state is a display's
 
 
@@ -433,6 +480,19 @@ def _train(self, resume_from_checkpoint=None, *args, **kwargs):
         # it belongs to this call: the cell adds a new one when it runs again (a retry), and the
         # Trainer would warn of two
         self.callback_handler.remove_callback(callback)
+        # so does NEFTune's hook, which train() removes only where it returns: a retry added a
+        # second, and the noise was added twice
+        _without_neftune(self)
+
+
+def _without_neftune(trainer: Trainer) -> None:
+    """NEFTune's hook off the model's embedding, and its setting, as train()'s end leaves them."""
+    handle = getattr(trainer, "neftune_hook_handle", None)
+    if getattr(trainer, "neftune_noise_alpha", None) is None or handle is None:
+        return
+    from transformers.integrations.neftune import deactivate_neftune
+
+    deactivate_neftune(trainer.model, handle, trainer.accelerator)
 
 
 Trainer.train = _train
