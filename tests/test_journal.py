@@ -119,20 +119,23 @@ def test_atomic_write_keeps_old_content_when_interrupted(tmp_path):
     assert Journal.load(tmp_path).interrupted_cell is None
 
 
+def _started(code: str, ready_file) -> subprocess.Popen:
+    """A Python process running ``code``, once it has written ``ready_file`` (whole)."""
+    proc = subprocess.Popen([sys.executable, "-c", code], env=child_env())
+    deadline = time.time() + 30
+    while not ready_file.exists() or not ready_file.read_text():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.02)
+    return proc
+
+
 def _holder(run_dir, ready_file):
-    code = (
+    return _started(
         "import sys, time, pathlib\n"
         "from colab_resilience.lock import RunLock\n"
         f"lock = RunLock({str(run_dir)!r}).acquire()\n"
         f"pathlib.Path({str(ready_file)!r}).write_text('ok')\n"
-        "time.sleep(60)\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], env=child_env())
-    deadline = time.time() + 30
-    while not ready_file.exists():
-        assert proc.poll() is None and time.time() < deadline
-        time.sleep(0.02)
-    return proc
+        "time.sleep(60)\n", ready_file)
 
 
 def test_lock_held_by_another_process_names_its_pid(tmp_path):
@@ -172,11 +175,7 @@ def test_a_forked_child_does_not_keep_the_lock_after_its_parent_is_killed(tmp_pa
         "    time.sleep(60); os._exit(0)\n"
         "time.sleep(60)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], env=child_env())
-    deadline = time.time() + 30
-    while not ready.exists():
-        assert proc.poll() is None and time.time() < deadline
-        time.sleep(0.02)
+    proc = _started(code, ready)
     child = int(ready.read_text())
     try:
         proc.kill()
@@ -210,11 +209,7 @@ def test_a_lock_whose_holder_died_waits_a_moment_for_its_children(tmp_path, clos
         f"pathlib.Path({str(ready)!r}).write_text(str(child.pid))\n"
         "import time; time.sleep(60)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], env=child_env())
-    deadline = time.time() + 30
-    while not ready.exists() or not ready.read_text():
-        assert proc.poll() is None and time.time() < deadline
-        time.sleep(0.02)
+    proc = _started(code, ready)
     child = int(ready.read_text())
     try:
         proc.kill()
