@@ -275,6 +275,63 @@ def test_neftunes_noise_is_added_once_and_gone_when_training_ends(tmp_path, faul
     assert harness.result(twin).startswith("RESULT 0 False 30 "), harness.result(twin)
 
 
+def _grouped_notebook(mark, fault: str):
+    """A GPT-2 trained on sequences of 4 to 15 tokens in batches of like length
+    (``train_sampling_strategy="group_by_length"``: LengthGroupedSampler draws each epoch's order
+    from torch's global random state as the epoch's data loader starts); 3 epochs of 10 steps, a
+    safe point every 3 steps; after step 14 (within the second epoch) a SIGKILL or an
+    out-of-memory error, once (``"kill-twice"``: a SIGKILL after step 17 as well)."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        "%%replay\nimport os, signal, torch\n"
+        "%config ResilienceMagics.staging_memory = 'off'\n"  # each save done before the next step: where it resumes is known
+        f"MARK, FAULT = {str(mark)!r}, {fault!r}\n"
+        "from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed\n"
+        "import transformers\ntransformers.logging.set_verbosity_error()\ntorch.set_num_threads(1)\nset_seed(0)\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        "data = [{'input_ids': torch.randint(0, 64, (int(n),), generator=g).tolist()} for n in torch.randint(4, 16, (40,), generator=g)]\n"
+        "def pad(batch):\n"
+        "    n = max(len(b['input_ids']) for b in batch)\n"
+        "    ids = torch.tensor([b['input_ids'] + [0] * (n - len(b['input_ids'])) for b in batch])\n"
+        "    mask = torch.tensor([[1] * len(b['input_ids']) + [0] * (n - len(b['input_ids'])) for b in batch])\n"
+        "    return {'input_ids': ids, 'attention_mask': mask, 'labels': ids.masked_fill(mask == 0, -100)}\n"
+        "model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))\n"
+        "class Fault(TrainerCallback):\n"
+        "    def on_step_end(self, args, state, control, **kwargs):\n"
+        "        for step, record in ((14, MARK), (17, MARK + '.2')):\n"
+        "            if state.global_step == step and (step == 14 or FAULT == 'kill-twice') and not os.path.exists(record):\n"
+        "                open(record, 'w').close()\n"
+        "                if FAULT == 'oom':\n"
+        "                    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n"
+        "                os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"args = TrainingArguments(output_dir={str(mark) + '-out'!r}, per_device_train_batch_size=4, num_train_epochs=3,\n"
+        "    learning_rate=3e-3, save_strategy='no', report_to=[], disable_tqdm=True, use_cpu=True, seed=0,\n"
+        "    train_sampling_strategy='group_by_length', remove_unused_columns=False)\n"
+        "trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=pad, callbacks=[Fault()])",
+        "%%resilient\nfrom colab_resilience.integrations.transformers import ResilienceCallback\n"
+        "trainer.add_callback(ResilienceCallback(every_steps=3))\nout = trainer.train()",
+        "import hashlib\n"
+        "print('RESULT', trainer.state.global_step, out.training_loss,\n"
+        "      hashlib.sha256(b''.join(t.detach().numpy().tobytes() for t in model.state_dict().values())).hexdigest()[:16])",
+    )
+
+
+@pytest.mark.parametrize("fault", ["kill", "oom", "kill-twice"])
+def test_an_epochs_order_drawn_from_the_global_random_state_is_drawn_again_within_it(tmp_path, fault):
+    """LengthGroupedSampler draws each epoch's order from torch's global random state as the
+    epoch's data loader starts. A run resumed within an epoch drew it from the state the resumed
+    train() had there (the Trainer puts the safe point's state back only after skipping the
+    epoch's finished batches): other batches, and the run said done with other weights (found by
+    a probe). The state the epoch began with goes back before its order is drawn; and the
+    checkpoints the resumed epoch takes keep that state as its beginning (a second kill in it
+    drew the order from the resumed kernel's). Bit for bit as the twin."""
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: _grouped_notebook(mark, fault))
+    assert len(run.restarts) == {"kill": 1, "oom": 0, "kill-twice": 2}[fault], harness.cell_text(nb.cells[2])
+    assert "continuing at step 13" in harness.cell_text(nb.cells[2]), harness.cell_text(nb.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(twin).startswith("RESULT 30 "), harness.result(twin)
+
+
 def test_a_trainer_killed_in_a_kernel_goes_on_when_its_cell_runs_again(kernel, tmp_path, tmp_path_factory):
     """Interactive, as in Jupyter: the kernel dies after step 12, the user runs the training cell
     again: the set-up cell is replayed (a new Trainer), and train() goes on at step 12."""

@@ -315,6 +315,15 @@ class ResilienceCallback(TrainerCallback):
             vars(handler).pop("on_epoch_begin", None)
             control.should_epoch_stop = False
             self.on_epoch_begin(args, state, control)
+            began = self._state.loaded.get("epoch_rng")
+            if began is not None:
+                # the random state as the epoch began, which the checkpoints taken in it keep; and
+                # the epoch's order, drawn as its data loader starts (LengthGroupedSampler draws
+                # from the global state), is drawn from it again: within the epoch too, where the
+                # safe point's state comes back once its finished batches are skipped
+                self._state.epoch_rng = began
+                if not self._epoch_start:
+                    restore_rng(began)
             return control
 
         handler.on_epoch_begin = resumed_epoch
