@@ -48,9 +48,9 @@ trained_steps = harness.by_kernel  # (kernel, step) for each step begun
 
 @pytest.mark.parametrize("fault,fault_step,retries,every_steps,resume", [
     ("sigkill", 12, 2, 1, 12), ("sigkill", 11, 2, 1, 11), ("oom-error", 12, 2, 1, 12), ("oom-error", 12, 0, 1, 12),
-    ("sigkill", 12, 2, None, 11), ("sigkill", "end", 2, 1, None),
+    ("sigkill", 12, 2, None, 11), ("sigkill", "end", 2, 1, None), ("sigkill", 1, 2, 1, 1),
 ], ids=["killed-mid-epoch", "killed-at-an-epoch-start", "out-of-memory", "out-of-memory-past-the-retries",
-        "killed-saving-at-epochs-only", "killed-after-train-returned"])
+        "killed-saving-at-epochs-only", "killed-after-train-returned", "killed-before-the-first-steps-safe-point"])
 def test_a_trainer_killed_or_out_of_memory_goes_on_at_its_step_bit_identical(
         tmp_path, tmp_path_factory, fault, fault_step, retries, every_steps, resume):
     """Supervised, with the standby kernel. The fault strikes after optimizer step 12 (epoch 2's
@@ -61,7 +61,10 @@ def test_a_trainer_killed_or_out_of_memory_goes_on_at_its_step_bit_identical(
     An OOM is retried in the kernel from the same safe point, or past the retries in a new one.
     Without every_steps the safe points are the epochs' ends only: the run goes on at step 11.
     Killed after train() returned (its last safe point saved), the cell run again trains nothing
-    and train() returns the training_loss it returned."""
+    and train() returns the training_loss it returned. Killed after step 1, before the safe point
+    step 2 begins with, the run goes on from the one train() began with: the other callbacks get
+    its state before they begin (given at the first epoch's start, it undid the epoch they had just
+    counted, and the run said done with a count of 2 epochs of 3; found by check)."""
     reference = twin(tmp_path_factory)
     nb = load(tmp_path, fault=fault, fault_step=fault_step, retries=retries, every_steps=every_steps)
     run, out = harness.run_ok(nb, tmp_path)

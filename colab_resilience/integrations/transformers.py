@@ -205,6 +205,11 @@ class ResilienceCallback(TrainerCallback):
             if self.every_steps is not None and trainer.data_collator is not None:
                 trainer.data_collator = _DrawWatch(trainer.data_collator, run)
             if state.loaded is None or first == 0:
+                if state.loaded is not None:
+                    # a checkpoint taken as train() began, before any callback event: the other
+                    # callbacks' state goes back now, and they begin as they did then (given at the
+                    # first epoch's start, it undid what their on_epoch_begin had just counted)
+                    self._give_callbacks()
                 return call(resume_from_checkpoint=None)
             return self._resume(trainer, run, call, finished=first is None)
         finally:
