@@ -400,6 +400,10 @@ def test_cuda_tensor_restores_on_cpu_with_one_warning_when_no_gpu(store):
     assert len(rec) == 1
     assert ns["x"]["t"].device.type == "cpu" and raw(ns["x"]["t"]) == raw(t)
     assert ns["x"]["b"].untyped_storage().data_ptr() == ns["x"]["a"].untyped_storage().data_ptr()
+    # in memory of their own, as any CPU tensor (a tensor bound for a GPU this machine has is left
+    # to its move there, which copies it)
+    assert ns["x"]["t"].data_ptr() % 64 == 0 and ns["x"]["t"].untyped_storage().nbytes() == t.nbytes
+    assert ns["x"]["a"].untyped_storage().nbytes() == tied.nbytes
 
 
 def rewrite_blob(store, name, change):

@@ -631,7 +631,7 @@ def _place_leaves(name: str, descs: list[dict], leaves: list[Any]) -> list[Any]:
             continue
         device = d.get("device", "cpu")
         if device != "cpu":
-            target = _device_if_present(torch, device)
+            target = tensorfile.device_if_present(torch, device)
             if target is None:
                 gone.add(device)
             elif "span" in d:
@@ -658,20 +658,3 @@ def _place_leaves(name: str, descs: list[dict], leaves: list[Any]) -> list[Any]:
             stacklevel=4,
         )
     return out
-
-
-def _device_if_present(torch, device: str):
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        return None
-    if dev.type == "cuda":
-        if torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count():
-            return dev
-        return None
-    backend = getattr(torch, dev.type, None)
-    available = getattr(backend, "is_available", None)
-    try:
-        return dev if callable(available) and available() else None
-    except Exception:
-        return None

@@ -274,18 +274,41 @@ def parse(buf) -> tuple[Any, list[dict], dict[str, tuple[int, int]]]:
     return structure.get("tree"), structure["leaves"], ranges
 
 
+def device_if_present(torch, device: str):
+    """The torch device named ``device`` where this machine has it, else None."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        return None
+    if dev.type == "cuda":
+        if torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count():
+            return dev
+        return None
+    backend = getattr(torch, dev.type, None)
+    available = getattr(backend, "is_available", None)
+    try:
+        return dev if callable(available) and available() else None
+    except Exception:
+        return None
+
+
 def own_copies(leaves: list[Any], descs: list[dict], *, everything: bool) -> list[Any]:
     """:func:`leaves_over`'s leaves in memory of their own: each torch tensor in an allocation of
     its own (the allocator's alignment, its strides kept; views of one storage stay views of one
     copy), each NumPy array too, and with ``everything`` (a mapped file) what becomes a JAX array. A tensor left in the blob lies
     at an offset aligned only to its item, and BLAS peels an unaligned start off a dot product:
     an L-BFGS whose history came back so summed in another order, and a resumed run differed in
-    the last bits."""
+    the last bits. A tensor going back to a device this machine has (a GPU) is left: its move
+    there (``restore._place_leaves``) is its own copy, and a second one on the host would hold
+    its bytes twice."""
     out = list(leaves)
     torch = sys.modules.get("torch")
     storages: dict[int, Any] = {}
     for i, (d, t) in enumerate(zip(descs, leaves)):
         if d.get("lib") == "torch" and torch is not None and isinstance(t, torch.Tensor):
+            device = d.get("device", "cpu")
+            if device != "cpu" and device_if_present(torch, device) is not None:
+                continue
             if "span" in d:  # a view of a storage others share: the storage copied once
                 key = t.untyped_storage().data_ptr()
                 if key not in storages:
