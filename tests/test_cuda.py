@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from harness import Kernel, cell_text, child_env, index, insert, load, result, run_interactive
+from harness import Kernel, cell_text, child_env, faulted_and_twin, index, insert, load, result, run_interactive
 from test_isolation import holds_torch, running, standby_pid, worker_pid
 from test_standby import SIBLINGS, WAIT_WARM, line, run
 
@@ -72,7 +72,12 @@ opt = torch.optim.AdamW(m.parameters(), lr=0.01)
 for _ in range(3):
     opt.zero_grad(); m(torch.randn(8, 64, device='cuda')).pow(2).mean().backward(); opt.step()
 base = torch.randn(6, 8, device='cuda').to(torch.bfloat16)
-ns = dict(m=m, opt=opt, views=(base.t(), base[2:4]), half=torch.randn(5, device='cuda').half(), step=3)
+conv = torch.nn.Conv2d(3, 8, 3).cuda().to(memory_format=torch.channels_last)
+copt = torch.optim.Adam(conv.parameters())
+conv(torch.randn(2, 3, 6, 6, device='cuda').to(memory_format=torch.channels_last)).sum().backward(); copt.step()
+ns = dict(m=m, opt=opt, views=(base.t(), base[2:4]), half=torch.randn(5, device='cuda').half(), step=3,
+          conv=conv, copt=copt, cl=torch.randn(2, 3, 4, 5, device='cuda').to(memory_format=torch.channels_last),
+          tt=torch.randn(8, 6, device='cuda').t())
 CheckpointStore(sys.argv[1]).save(ns, list(ns))
 """
 LOAD = """
@@ -80,8 +85,10 @@ import sys, hashlib, torch
 from colab_resilience.checkpoints import CheckpointStore
 m = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).cuda()
 opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+conv = torch.nn.Conv2d(3, 8, 3).cuda().to(memory_format=torch.channels_last)
+copt = torch.optim.Adam(conv.parameters())
 params = [id(p) for p in m.parameters()]
-ns = dict(m=m, opt=opt)
+ns = dict(m=m, opt=opt, conv=conv, copt=copt)
 CheckpointStore(sys.argv[1]).load().restore(ns)
 assert [id(p) for p in ns['m'].parameters()] == params and ns['opt'] is opt  # in place
 t, rows = ns['views']
@@ -93,14 +100,20 @@ def raw(x):
 state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
 print('devices', sorted({str(x.device) for x in [*m.parameters(), *[s for s in state if s.dim()], t, rows, ns['half']]}))
 print('dtypes', t.dtype, rows.dtype, ns['half'].dtype, ns['step'])
-print('bytes', hashlib.sha256(b''.join(raw(x) for x in [*m.state_dict().values(), *state, t, rows, ns['half']])).hexdigest())
+cstate = copt.state[conv.weight]
+print('layouts', conv.weight.stride(), cstate['exp_avg'].stride(), cstate['exp_avg'].device,
+      ns['cl'].stride(), ns['cl'].device, ns['tt'].stride(), ns['tt'].device)
+print('bytes', hashlib.sha256(b''.join(raw(x) for x in [*m.state_dict().values(), *state, t, rows, ns['half'],
+      *conv.state_dict().values(), cstate['exp_avg'], cstate['exp_avg_sq'], ns['cl'], ns['tt']])).hexdigest())
 print('next draws', torch.rand(3, device='cuda').tolist(), torch.rand(2).tolist())
 """
 
 
 def test_cuda_state_comes_back_on_the_gpu_in_another_process(tmp_path):
     """Modules and AdamW in place, a bf16 transposed view and a slice sharing its storage, fp16, the
-    CUDA and CPU random states: what the saving process has is what a fresh process restores."""
+    CUDA and CPU random states, a channels_last convolution with its Adam moments, a channels_last
+    tensor and a transpose of their own (on the GPU with their strides): what the saving process
+    has is what a fresh process restores."""
     env = child_env(COLAB_RESILIENCE_HOME=str(tmp_path / "home"))
     run = str(tmp_path / "run")
     saved = subprocess.run([sys.executable, "-c", SAVE + "t, rows = ns['views']\n" + REPORT, run],
@@ -109,6 +122,7 @@ def test_cuda_state_comes_back_on_the_gpu_in_another_process(tmp_path):
     loaded = subprocess.run([sys.executable, "-c", LOAD + REPORT, run], env=env, capture_output=True, text=True, check=False)
     assert loaded.returncode == 0, loaded.stderr
     assert "devices ['cuda:0']" in saved.stdout
+    assert "layouts (27, 1, 9, 3) (27, 1, 9, 3) cuda:0 (60, 1, 15, 3) cuda:0 (1, 6) cuda:0" in saved.stdout
     assert loaded.stdout == saved.stdout
 
 
@@ -172,6 +186,21 @@ def test_a_supervised_gpu_run_resumes_bit_identical_and_the_standby_never_opened
         assert "OOM (CUDA out of memory) — freed" in text and "retry 1/1" in text
     assert "switched to the standby kernel, replayed 3 cells and resumed at iteration 2 in" in text
     assert "continuing at 2" in text
+
+
+@pytest.mark.parametrize("fault", ["kill", "oom"])
+def test_a_channels_last_model_on_the_gpu_resumes_bit_identical(tmp_path, deterministic_cublas, fault):
+    """A BatchNorm-first convolutional model in channels_last on the GPU, with a bank of
+    channels_last batches in --save (snapshotted through pinned memory, in their memory order):
+    after a SIGKILL or an OOM the run ends bit for bit as its twin, the bank and Adam's moments
+    with their layout on the GPU."""
+    from test_exact_resume import _channels_last_notebook
+
+    faulted, nb, twin = faulted_and_twin(tmp_path, lambda mark: _channels_last_notebook(fault, mark, "cuda"))
+    assert len(faulted.restarts) == (fault == "kill"), cell_text(nb.cells[2])
+    assert result(nb) == result(twin)
+    assert result(nb).startswith("RESULT (192, 1, 24, 3) (27, 1, 9, 3) "), result(nb)
+    assert result(nb).endswith(" cuda:0"), result(nb)
 
 
 def test_gpu_memory_in_use_triggers_a_planned_restart(tmp_path):

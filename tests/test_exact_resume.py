@@ -632,17 +632,21 @@ def test_a_modules_tensors_no_state_dict_holds_come_back_with_it(tmp_path, fault
     assert harness.result(nb).startswith("RESULT False "), harness.result(nb)
 
 
-def _channels_last_notebook(fault: str, mark):
+def _channels_last_notebook(fault: str, mark, device: str = "cpu"):
     """A convolutional model in ``channels_last`` that starts with a BatchNorm, stepped by Adam; a
     bank of earlier batches (channels_last slices, in --save) trained on again each step. One
-    fault in epoch 2, once."""
+    fault in epoch 2, once. On a GPU (``device``), with deterministic algorithms, and a flattening
+    head instead of the pooling (whose backward on CUDA has no deterministic kernel)."""
+    head = ("torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 1)" if device == "cpu" else
+            "torch.nn.Flatten(), torch.nn.Linear(512, 1)")
     return harness.notebook(
         "%load_ext colab_resilience",
-        _setup(mark) + "cl = torch.channels_last\n"
+        _setup(mark) + "cl = torch.channels_last\n" +
+        ("" if device == "cpu" else "torch.use_deterministic_algorithms(True)\n") +
         "model = torch.nn.Sequential(torch.nn.BatchNorm2d(3), torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),\n"
-        "                            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 1)).to(memory_format=cl)\n"
+        f"                            {head}).to({device!r}, memory_format=cl)\n"
         "opt = torch.optim.Adam(model.parameters(), lr=0.01)\n"
-        "X = torch.randn(64, 3, 8, 8).to(memory_format=cl); Y = torch.randn(64, 1)\nbank = []",
+        f"X = torch.randn(64, 3, 8, 8).to({device!r}, memory_format=cl); Y = torch.randn(64, 1).to({device!r})\nbank = []",
         "%%resilient --save model,opt,bank\n"
         "for epoch in resume_range(5):\n"
         "    for i in range(0, 64, 16):\n"
@@ -654,7 +658,7 @@ def _channels_last_notebook(fault: str, mark):
         "    if epoch == 2 and not os.path.exists(MARK):\n"
         f"        open(MARK, 'w').close(); {_FAULTS[fault]}\n",
         "print('RESULT', bank[0][0].stride(), opt.state[model[1].weight]['exp_avg'].stride(),\n"
-        "      b''.join(p.detach().numpy().tobytes() for p in model.parameters()).hex())",
+        "      b''.join(p.detach().cpu().numpy().tobytes() for p in model.parameters()).hex(), bank[0][0].device)",
     )
 
 
