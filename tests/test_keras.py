@@ -722,7 +722,27 @@ def test_a_resumed_fit_begins_its_epoch_once_with_its_compiled_metrics(tmp_path,
     assert fault_epoch == 0 or f"continuing at {where}" in out, out
     assert len(run.restarts) == (1 if fault == "sigkill" else 0), out
     assert harness.result(nb) == reference
-    assert re.search(r" rate=0\.0040\d* ", reference) and "],4 seen=" in reference and " mae=[" in reference, reference
+    assert re.search(r" rate=0\.0040\d* ", reference) and "],4,1 seen=" in reference and " mae=[" in reference, reference
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("fault,first", [("sigkill", False), ("sigkill", True), ("oom-error", True)],
+                         ids=["killed-listed-after", "killed-listed-before", "out-of-memory-listed-before"])
+def test_a_fit_resumed_from_its_first_checkpoint_gives_the_callbacks_their_state_where_it_was_taken(
+        tmp_path, tmp_path_factory, fault, first):
+    """A fault in epoch 0 (a kill, or an OOM past the retries) goes back to the checkpoint taken as
+    fit began, in ResilienceCallback's on_train_begin: the state of a callback listed before it
+    holds its own on_train_begin, that of one listed after it does not yet. The state was given
+    back as the first epoch began: that undid the epoch a callback listed before had just counted
+    (it said 3 epochs of 4) and the fit a callback listed after had begun (0 fits). It goes back
+    where it was taken; the fit ends bit for bit as its twin, counts included."""
+    reference = twin(tmp_path_factory)
+    nb = harness.load("train_keras.ipynb", tmp_path, fault=fault, fault_epoch=0, fault_step=3, retries=0,
+                      fault_first=first)
+    run, out = harness.run_ok(nb, tmp_path)
+    assert len(run.restarts) == 1 and "continuing at epoch 1/4" in out, out
+    assert harness.result(nb) == reference
+    assert "],4,1 seen=[0, 1, 2, 3]" in reference, reference
 
 
 @pytest.mark.kernel

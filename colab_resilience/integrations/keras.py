@@ -587,6 +587,12 @@ class ResilienceCallback(keras.callbacks.Callback):
         said = self._state.keep_effective_batch(batch)  # a --shrink since the run began
         if said:
             run.say_once(said)
+        if self._state.loaded and not self._within and self._first == initial:
+            # resumed from the checkpoint taken here as the fit began: the other callbacks' state
+            # goes back at the place it was taken (those before this one in the list have begun
+            # training, those after begin it next), not as the first epoch begins, after those
+            # before this one have begun that too (a count of epochs begun came back one short)
+            self._give_callbacks()
         if self._within:
             _within_epoch(fit["epoch_iterator"], self._within)
         if fit.get("steps_per_epoch") and initial < self._first < epochs:
@@ -691,6 +697,10 @@ class ResilienceCallback(keras.callbacks.Callback):
         history = getattr(self.model, "history", None)
         if self._before and isinstance(history, keras.callbacks.History):
             history.epoch = self._before + list(getattr(history, "epoch", []))
+        self._give_callbacks()
+
+    def _give_callbacks(self) -> None:
+        """The loaded state into the fit's other callbacks (once); says which saved ones it lacks."""
         missing = self._state.give_callbacks()
         if missing:
             self._run.say_once(
