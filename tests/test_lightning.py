@@ -144,7 +144,9 @@ def test_a_kill_in_a_cell_after_the_fit_finds_the_trained_module(tmp_path, tmp_p
     replays the set-up cells, which build an untrained module, and runs the training cell again
     silently: a new Trainer whose fit loads the run's final state into the module and trains
     nothing. The result cell, run again, sees the trained module, the optimizer and scheduler,
-    the metrics and the callbacks' state (ModelCheckpoint's best file, EarlyStopping's count)."""
+    the metrics and the callbacks' state (ModelCheckpoint's best file, EarlyStopping's count), and
+    the random state the fit left (that fit, though it trained nothing, had drawn from it: the
+    numbers the result cell draws differed, as would a later fit's shuffle)."""
     reference = twin(tmp_path_factory)
     nb = load(tmp_path, fault="sigkill", fault_step="result")
     harness.run_killed_after_training(nb, tmp_path, "the Lightning module, its optimizers, schedulers, loops and callbacks")

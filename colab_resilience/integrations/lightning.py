@@ -332,6 +332,10 @@ class ResilienceCallback(pl.Callback):
         if self._epochs is not None and state.loaded is not None and state.loaded["finished"]:
             _put_metrics(trainer, state.loaded["metrics"])  # a fit that had ended trained nothing
             self._give_callbacks()  # (where its on_train_end did not run)
+            # and the random state as the fit left it at its end: what this fit drew on its way here,
+            # though it trained nothing, is not what that fit drew, and the cells after this one
+            # draw on from it (a shuffle of the next fit's, killed before its first checkpoint)
+            restore_rng(state.loaded["rng"])
         self._close(trainer)
         if state is not None:
             state.loaded = None
