@@ -494,6 +494,64 @@ def test_the_first_run_names_an_unsaved_keras_optimizer_and_a_dataset_that_reshu
     assert "fixed" not in reshuffled[0] and "ds.shuffle(n, seed=epoch)" in reshuffled[0], lines
 
 
+def csv_logger_notebook(fault: str, mark, epoch: int, cut: bool = False) -> "nbformat.NotebookNode":
+    """A fit of 4 epochs with a ``CSVLogger('fit.csv', append=True)``, then a callback that strikes
+    as ``epoch`` ends, once: after the logger wrote the epoch's row, before the next epoch's safe
+    point (``cut``: it first appends half a row, as a kill in the middle of a write leaves)."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        _setup(mark) +
+        "%config ResilienceMagics.staging_memory = 'off'\n"
+        "class Strike(keras.callbacks.Callback):\n"
+        "    def on_epoch_end(self, epoch, logs=None):\n"
+        f"        if epoch == {epoch} and not os.path.exists(MARK):\n"
+        "            open(MARK, 'w').close()\n" +
+        ("            with open('fit.csv', 'a') as f: f.write('9,0.12')\n" if cut else "") +
+        f"            {_STRIKE[fault]}\n"
+        "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation='relu'), keras.layers.Dropout(0.2),\n"
+        "                          keras.layers.Dense(1)])\n"
+        "model.compile(optimizer=keras.optimizers.Adam(0.01), loss='mse')",
+        "%%resilient\nfrom colab_resilience.integrations.keras import ResilienceCallback\n"
+        "history = model.fit(X, Y, batch_size=16, epochs=4, verbose=0, callbacks=[\n"
+        "    ResilienceCallback(), keras.callbacks.CSVLogger('fit.csv', append=True), Strike()])",
+        "import hashlib\nprint('RESULT', '|'.join(open('fit.csv').read().splitlines(True)).replace('\\n', ''), history.history, "
+        "hashlib.sha256(b''.join(v.numpy().tobytes() for v in model.variables + model.optimizer.variables)).hexdigest())",
+    )
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("fault,epoch", [("kill", 1), ("kill", 0), ("oom", 0)],
+                         ids=["killed-as-epoch-1-ended", "killed-as-epoch-0-ended", "out-of-memory-as-epoch-0-ended"])
+def test_a_csv_logger_that_appends_does_not_write_the_epochs_trained_again_twice(tmp_path, fault, epoch):
+    """Struck after the CSVLogger wrote the epoch's row and before the next safe point: the fit
+    goes on from the checkpoint taken as that epoch began (for epoch 0, as fit began, before the
+    file had its header) and trains it again, and the logger appended its row again: the file
+    held it twice, and the run said done. The logger now skips the rows its file holds from after
+    the checkpoint; the file is the uninterrupted fit's, byte for byte, as is the model."""
+    faulted, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: csv_logger_notebook(fault, mark, epoch))
+    assert len(faulted.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
+    assert harness.result(nb) == harness.result(twin)
+    rows = harness.result(twin).split(" ", 2)[1].split("|")
+    assert rows[0] == "epoch,loss,val_loss" and [r.split(",")[0] for r in rows[1:]] == ["0", "1", "2", "3"], rows
+
+
+@pytest.mark.kernel
+def test_a_csv_row_the_fault_cut_short_is_said_and_the_file_is_not_truncated(tmp_path):
+    """A kill that leaves half a row at the end of the file: nothing here truncates a user's file,
+    so the resumed fit appends after it, and says so in one line; the whole rows before it,
+    written after the checkpoint, are still not written twice."""
+    nb = csv_logger_notebook("kill", tmp_path / "m", 1, cut=True)
+    run = harness.run(nb, tmp_path, standby=False)
+    out = harness.cell_text(nb.cells[2])
+    assert run.status == 0 and len(run.restarts) == 1, out
+    assert out.count(f"colab_resilience: fit.csv ends in a row that the fault cut short, after the checkpoint this "
+                     "fit resumes from; the resumed fit appends its rows after it (nothing here truncates your "
+                     "file): mend that line by hand") == 1, out
+    rows = harness.result(nb).split(" ", 2)[1].split("|")
+    assert [r.split(",")[0] for r in rows] == ["epoch", "0", "1", "9", "3"], rows  # '9,0.12' + epoch 2's row
+    assert rows[3].startswith("9,0.122,"), rows
+
+
 def test_the_first_run_names_a_csv_logger_that_writes_its_file_anew(tmp_path):
     """A ``CSVLogger`` with ``append=False`` (its default) empties its file each time fit starts,
     and a resume starts fit again: the file would hold only the epochs from the resume on. Named

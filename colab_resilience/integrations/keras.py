@@ -44,11 +44,16 @@ began (``keep_effective_batch``); it is said in one line, as is why where it can
 learning-rate schedule, a ``LossScaleOptimizer``, a backend other than TensorFlow).
 
 What is not put back: what a callback keeps outside itself (``CSVLogger`` empties its file when
-a fit begins, unless given ``append=True``).
+a fit begins, unless given ``append=True``). A ``CSVLogger(append=True)`` whose file holds rows
+written after the checkpoint a fit resumes from (the fault struck after an epoch's end and before
+the next safe point was on disk) does not write those epochs' rows again: the resumed fit trains
+them again exactly, and the file ends as the uninterrupted fit's. Nothing here truncates the file;
+where its last row was cut short by the fault, that is said in one line.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any, Mapping
@@ -85,6 +90,10 @@ class FitState:
     def __init__(self, model, callbacks: list | None = None):
         self.model = model
         self.callbacks = _stateful(callbacks or [])  # the fit's other callbacks, by a key
+        # the CSVLoggers that append, by a key, and their files' sizes in the loaded checkpoint
+        self.csv_loggers = {f"{i}:CSVLogger": cb for i, cb in enumerate(callbacks or [])
+                            if isinstance(cb, keras.callbacks.CSVLogger) and getattr(cb, "append", False)}
+        self.csv_sizes: dict[str, int] = {}
         self.epochs: list[int] = []  # the finished epochs and their logs, as History keeps them
         self.logs: dict[str, list] = {}
         self.kept: dict[str, dict] = {}  # the callbacks' state, loaded, until they have started
@@ -146,6 +155,9 @@ class FitState:
             # gradients summed so far (none at an epoch's end that ends a step)
             "steps": _steps(getattr(self.model, "optimizer", None)),
             "accumulators": [keras_array(a) for a in _accumulators(getattr(self.model, "optimizer", None))],
+            # how much of each appending CSVLogger's file was written at the safe point (the rows of
+            # the epochs before it)
+            "csv": {key: size for key, cb in self.csv_loggers.items() if (size := _csv_size(cb)) is not None},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -168,6 +180,7 @@ class FitState:
         self.accumulation = int(state.get("accumulation") or 1)
         self._saved = {"steps": int(state.get("steps") or 1), "accumulators": state.get("accumulators") or []}
         self.metrics = list(state.get("metrics") or [])
+        self.csv_sizes = dict(state.get("csv") or {})
         self.loaded = True
 
     @staticmethod
@@ -245,6 +258,62 @@ class FitState:
             if key in self.callbacks:
                 _set_attributes(self.callbacks[key], attributes)
         return [key.split(":", 1)[1] for key in kept if key not in self.callbacks]
+
+    def skip_rows_written(self) -> list[str]:
+        """Each appending ``CSVLogger`` whose file holds rows written after the loaded checkpoint
+        was taken skips writing that many rows: the resumed fit trains those epochs again, exactly,
+        and its rows are the ones the file holds (written again, they were there twice). Returns
+        the lines to say: a file whose last row the fault cut short (the rows before it are
+        skipped too)."""
+        lines = []
+        for key, cb in self.csv_loggers.items():
+            vars(cb).pop("on_epoch_end", None)  # an earlier attempt's
+            saved = self.csv_sizes.get(key) if self.loaded else None
+            if not isinstance(saved, int):
+                continue
+            try:
+                with open(cb.filename, "rb") as f:
+                    f.seek(saved)
+                    written = f.read()
+            except (OSError, TypeError):
+                continue
+            if not written:
+                continue
+            if not written.endswith(b"\n"):
+                lines.append(f"colab_resilience: {cb.filename} ends in a row that the fault cut short, after the "
+                             "checkpoint this fit resumes from; the resumed fit appends its rows after it (nothing "
+                             "here truncates your file): mend that line by hand")
+            # an empty file gets its header with the first row; the resumed logger finds one
+            rows = written.count(b"\n") - (1 if saved == 0 else 0)
+            if rows > 0:
+                _skip_rows(cb, rows)
+        return lines
+
+
+def _csv_size(cb) -> int | None:
+    """The size of a ``CSVLogger``'s file, its last row flushed; None where it cannot be read."""
+    f = getattr(cb, "csv_file", None)
+    try:
+        if f is not None and not f.closed:
+            f.flush()
+        return os.path.getsize(cb.filename) if os.path.exists(cb.filename) else 0
+    except (OSError, TypeError, ValueError):
+        return None
+
+
+def _skip_rows(cb, rows: int) -> None:
+    """``cb`` (a ``CSVLogger``) writes no row for the next ``rows`` epochs that end."""
+    left = [rows]
+    write = type(cb).on_epoch_end
+
+    def on_epoch_end(epoch, logs=None):
+        if left[0] > 0:
+            left[0] -= 1
+            return
+        vars(cb).pop("on_epoch_end", None)
+        write(cb, epoch, logs)
+
+    cb.on_epoch_end = on_epoch_end
 
 
 def _metrics_variables(model) -> list:
@@ -587,6 +656,8 @@ class ResilienceCallback(keras.callbacks.Callback):
         said = self._state.keep_effective_batch(batch)  # a --shrink since the run began
         if said:
             run.say_once(said)
+        for line in self._state.skip_rows_written():
+            run.say_once(line)
         if self._state.loaded and not self._within and self._first == initial:
             # resumed from the checkpoint taken here as the fit began: the other callbacks' state
             # goes back at the place it was taken (those before this one in the list have begun
