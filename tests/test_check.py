@@ -418,6 +418,26 @@ def test_a_warning_a_retry_does_not_show_again_is_not_a_difference():
     assert _output_difference(reference, [line for line in reference if line != warned]).startswith("first at ")
 
 
+def test_a_line_logged_among_printed_ones_in_another_place_is_not_a_difference():
+    """stdout and stderr reach the notebook apart: a line written to stderr (the Hugging Face
+    Trainer's "mtime may not be reliable" as it saves) can come before or after a line printed
+    to stdout at the same time, in any run (found by a probe: check said a run differed, before
+    the fault's part). Without a recovery and before it, such lines may move; a printed line that
+    moves, or a logged line that is missing, is a difference."""
+    from colab_resilience.check import _output_difference
+
+    mtime = "[transformers] mtime may not be reliable on this filesystem, falling back to numerical ordering"
+    reference = ["{'loss': '3.91'}", mtime, "{'loss': '3.83'}", "{'eval_loss': '3.92'}", "end"]
+    moved = ["{'loss': '3.91'}", "{'loss': '3.83'}", "{'eval_loss': '3.92'}", mtime, "end"]
+    died = "colab_resilience: the kernel died (killed by SIGKILL); restarted it and resumed at step 3 in 2.1 s"
+    assert _output_difference(reference, moved, {mtime}) is None
+    assert _output_difference(reference, moved[:4] + [died, "end"], {mtime}) is None
+    assert _output_difference(reference, moved, set()) == "first at \"{'loss': '3.83'}\""  # not logged: compared
+    swapped = ["{'loss': '3.83'}", mtime, "{'loss': '3.91'}", "{'eval_loss': '3.92'}", "end"]
+    assert _output_difference(reference, swapped, {mtime}) == "first at \"{'loss': '3.83'}\""
+    assert _output_difference(reference, [line for line in moved if line != mtime], {mtime}) is not None
+
+
 def test_what_a_resumed_part_logs_otherwise_is_not_a_difference_and_what_it_prints_is():
     """After a recovery, what the cell wrote to stderr may differ: a library's log line of how it
     found its files (the Hugging Face Trainer's "mtime may not be reliable", said only where its
