@@ -301,6 +301,13 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
             f"resume_range goes on at its saved step, so what {name} gives would differ; put it inside: "
             f"resume_range({name}(...))"
         )
+    for cls, paths in callback_appends(shell, tree):
+        lines.append(
+            f"colab_resilience: {cls}, which the training calls, appends to {', '.join(paths)}: a checkpoint does not "
+            "hold files, so where a fault strikes after it wrote and before the next safe point is on disk, the "
+            "resumed training writes those lines again; keep the rows in the callback (its state goes with the "
+            "checkpoint) and write the file when the fit ends, or read it knowing rows may repeat"
+        )
     appended, written = file_writes(codes, tree)
     if appended:
         lines.append(
@@ -652,6 +659,36 @@ def called_methods(shell, tree: ast.AST) -> list[tuple[str, ast.FunctionDef | as
         definition = _definition(function)
         if definition is not None:
             found.append((receiver, definition))
+    return found
+
+
+def callback_appends(shell, tree: ast.AST) -> list[tuple[str, list[str]]]:
+    """In a cell that trains through a framework's loop: the notebook's own classes (a callback)
+    whose objects the cell makes or names, with the files their methods append to, as the code
+    names them (``open("epochs.txt", "a")``). The fit calls them at each epoch or step."""
+    if not _uses_a_trainer(tree):
+        return []
+    ns = shell.user_ns
+    classes: list[type] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in ns:
+            value = ns[node.id]
+            cls = value if isinstance(value, type) else type(value)
+            if cls.__module__ == "__main__" and cls not in classes:
+                classes.append(cls)
+    found = []
+    for cls in classes:
+        paths: list[str] = []
+        for klass in cls.__mro__:
+            if klass.__module__ != "__main__":
+                continue
+            for function in vars(klass).values():
+                definition = _definition(function) if isinstance(function, types.FunctionType) else None
+                for node in ast.walk(definition) if definition is not None else ():
+                    if _file_write(node) == "a" and _shown_path(node) not in paths:
+                        paths.append(_shown_path(node))
+        if paths:
+            found.append((cls.__name__, paths))
     return found
 
 

@@ -446,10 +446,17 @@ def test_a_subclassed_model_built_by_its_first_step_resumes_with_its_own_metrics
     variables now. After an OOM at the first epoch, the CSVLogger's file was put back as the first
     safe point found it (None) over the one its on_train_begin had opened, and the retry failed
     (so was a notebook's callback's); with a kill the header went in again mid-file. Each ends bit for bit as its twin: the logs, the
-    count, the CSV file, the weights and the optimizer's variables; the first run says nothing."""
+    count, the CSV file, the weights and the optimizer's variables. The first run says one thing:
+    that the notebook's callback appends to a file of its own (where a fault strikes after it wrote
+    and before the next safe point is on disk, the lines are written again); not CSVLogger's."""
     run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: subclassed_fit_notebook(fault, mark, epoch))
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
-    assert "colab_resilience:" not in harness.cell_text(twin.cells[2]), harness.cell_text(twin.cells[2])
+    said = [line for line in harness.cell_text(twin.cells[2]).splitlines() if "colab_resilience:" in line]
+    assert said == ["colab_resilience: Strike, which the training calls, appends to 'epochs.txt': a checkpoint does "
+                    "not hold files, so where a fault strikes after it wrote and before the next safe point is on "
+                    "disk, the resumed training writes those lines again; keep the rows in the callback (its state "
+                    "goes with the checkpoint) and write the file when the fit ends, or read it knowing rows may "
+                    "repeat"], said
     assert harness.result(nb) == harness.result(twin)
     assert " 256.0 epoch,loss,seen,val_loss,val_seen|0," in harness.result(nb), harness.result(nb)
     assert "| ['0', '1', '2', '3'] " in harness.result(nb), harness.result(nb)
