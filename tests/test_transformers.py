@@ -390,27 +390,94 @@ def test_a_callbacks_state_that_cannot_be_saved_is_said_once_before_training(ker
 def test_a_data_collator_that_draws_random_numbers_is_said_once_where_a_resume_within_an_epoch_would_differ(
         kernel, tmp_path):
     """A collator that masks tokens at random (as DataCollatorForLanguageModeling does) makes a
-    step's batches before its safe point: a resume within an epoch draws their masks again from
-    other random numbers (found by a probe: the run said done with other weights). With
-    every_steps its first batch says so, once; not without every_steps (resumes at epochs'
-    starts, which are exact), and not for a collator that draws nothing. The collator is the
-    notebook's again after train()."""
+    step's batches before its safe point; its batches are made again on resume from the random
+    states kept for them (test_a_masking_collators_batches_are_made_again_from_the_same_random_states).
+    Where they cannot be (``ignore_data_skip``: the resumed epoch makes its batches from its first
+    again), with every_steps its first batch says so, once; not without every_steps (resumes at
+    epochs' starts, which are exact), not where they can, and not for a collator that draws
+    nothing. The collator is the notebook's again after train(), for evaluation too."""
     nb = load(tmp_path, epochs=1)
     harness.run_interactive(kernel, nb, stop="train")
     kernel.ok("def masking(features):\n"
               "    ids = torch.stack([f['input_ids'] for f in features])\n"
               "    return {'input_ids': ids, 'labels': ids.masked_fill(torch.rand(ids.shape) > 0.3, -100)}\n"
               "plain = trainer.data_collator")
-    line = ("colab_resilience: the Trainer's data collator (masking) draws random numbers as it makes each batch, and the "
-            "Trainer makes a step's batches before that step's safe point: a resume within an epoch makes them again")
-    for every, collator, said in [(3, "masking", 1), (None, "masking", 0), (3, "plain", 0)]:
+    line = ("colab_resilience: the Trainer's data collator (masking) draws random numbers as it makes each batch, and "
+            "the Trainer's ignore_data_skip makes an epoch's batches from its first again: a resume within an epoch "
+            "makes them again from other random numbers")
+    for every, collator, skip, said in [(3, "masking", True, 1), (None, "masking", True, 0), (3, "masking", False, 0),
+                                        (3, "plain", True, 0)]:
         reply = kernel.ok(f"%%resilient\nfrom colab_resilience.integrations.transformers import ResilienceCallback\n"
-                          f"trainer.data_collator = {collator}\n"
+                          f"trainer.data_collator = {collator}; trainer.args.ignore_data_skip = {skip}\n"
                           f"trainer.add_callback(ResilienceCallback(every_steps={every}))\nprint(trainer.train().global_step)")
         out = reply.stdout + reply.stderr
         assert out.count(line) == said and out.count("draws random numbers") == said, out
         assert reply.stdout.strip().endswith("10"), out
-        assert kernel.value(f"trainer.data_collator is {collator}")
+        assert kernel.value(f"trainer.data_collator is {collator} and 'get_train_dataloader' not in vars(trainer)")
+
+
+def _masking_notebook(mark, fault: str, seed, every):
+    """A BERT trained for masked language modelling by DataCollatorForLanguageModeling (15% of the
+    tokens masked at random, from torch's global random state, or with ``seed`` from a generator of
+    the collator's own): 3 epochs of 6 optimizer steps of 2 batches of 4 (the Trainer makes a
+    step's 2 batches and, with accelerate, the next one before the step's safe point); with
+    ``every``, a safe point every that many steps. After step 9 (within the second epoch, past
+    its second step) a SIGKILL or an out-of-memory error, once."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        "%%replay\nimport os, signal, torch\n"
+        "%config ResilienceMagics.staging_memory = 'off'\n"  # each save done before the next step: where it resumes is known
+        f"MARK, FAULT = {str(mark)!r}, {fault!r}\n"
+        "from transformers import (BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, PreTrainedTokenizerFast,\n"
+        "                          Trainer, TrainerCallback, TrainingArguments, set_seed)\n"
+        "from tokenizers import Tokenizer, models\n"
+        "import transformers\ntransformers.logging.set_verbosity_error()\ntorch.set_num_threads(1)\nset_seed(0)\n"
+        "vocab = {t: i for i, t in enumerate(['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]'] + [f'w{i}' for i in range(59)])}\n"
+        "tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token='[UNK]')), pad_token='[PAD]',\n"
+        "                              unk_token='[UNK]', cls_token='[CLS]', sep_token='[SEP]', mask_token='[MASK]')\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        "data = [{'input_ids': t} for t in torch.randint(5, 64, (48, 12), generator=g).tolist()]\n"
+        "model = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,\n"
+        "                                   intermediate_size=64, max_position_embeddings=16))\n"
+        "class Fault(TrainerCallback):\n"
+        "    def on_step_end(self, args, state, control, **kwargs):\n"
+        "        if state.global_step == 9 and not os.path.exists(MARK):\n"
+        "            open(MARK, 'w').close()\n"
+        "            if FAULT == 'oom':\n"
+        "                raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n"
+        "            os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"args = TrainingArguments(output_dir={str(mark) + '-out'!r}, per_device_train_batch_size=4, num_train_epochs=3,\n"
+        "    gradient_accumulation_steps=2, learning_rate=3e-3, save_strategy='no', report_to=[], disable_tqdm=True,\n"
+        "    use_cpu=True, seed=0)\n"
+        f"collator = DataCollatorForLanguageModeling(tok, mlm_probability=0.15, seed={seed!r})\n"
+        "trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator, callbacks=[Fault()])",
+        "%%resilient\nfrom colab_resilience.integrations.transformers import ResilienceCallback\n"
+        f"trainer.add_callback(ResilienceCallback(every_steps={every!r}))\nout = trainer.train()",
+        "import hashlib\n"
+        "print('RESULT', trainer.state.global_step, out.training_loss, [l['loss'] for l in trainer.state.log_history if 'loss' in l],\n"
+        "      hashlib.sha256(b''.join(t.detach().numpy().tobytes() for t in model.state_dict().values())).hexdigest()[:16])",
+    )
+
+
+@pytest.mark.parametrize("fault,seed,every", [("kill", None, 2), ("oom", None, 2), ("kill", 7, 2), ("oom", 7, 2),
+                                              ("kill", 7, None)],
+                         ids=["killed", "out-of-memory", "own-generator-killed", "own-generator-out-of-memory",
+                              "own-generator-killed-at-epochs"])
+def test_a_masking_collators_batches_are_made_again_from_the_same_random_states(tmp_path, fault, seed, every):
+    """DataCollatorForLanguageModeling masks each batch at random as it makes it, and the Trainer
+    makes a step's batches (and the next one) before the step's safe point: a resume within an
+    epoch made them again from other random numbers (said in one line, before), and with a seed of
+    its own the collator's generator, made anew by the set-up cell, drew every batch after a
+    resume otherwise, at an epoch's start too, with nothing said (found by a probe). The random
+    states each batch was made from go with the checkpoint, and a resume makes them again from
+    them: bit for bit as the twin, and nothing said."""
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: _masking_notebook(mark, fault, seed, every))
+    out = harness.cell_text(nb.cells[2])
+    assert len(run.restarts) == (fault == "kill"), out
+    assert ("continuing at step 9" if every else "continuing at step 7") in out, out
+    assert "draws random numbers" not in out, out
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(twin).startswith("RESULT 18 "), harness.result(twin)
 
 
 def test_colab_resilience_check_passes_the_trainer_notebook(tmp_path):

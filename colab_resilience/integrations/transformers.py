@@ -30,7 +30,12 @@ with is not begun again for them (every safe point is taken as a step begins, af
 step change goes back to the safe point's as it begins.
 
 A resumed run is identical to an uninterrupted one where the Trainer is deterministic (CPU, or
-``full_determinism``): weights, optimizer, log history and ``training_loss``.
+``full_determinism``): weights, optimizer, log history and ``training_loss``. That holds for a data
+collator that draws random numbers as it makes each batch (``DataCollatorForLanguageModeling``
+masks tokens at random, from torch's global state or from a generator of its own with ``seed=``):
+the Trainer makes a step's batches before that step's safe point, so the random states each
+batch of the training's data loader was made from are kept, and a checkpoint holds those of the
+batches made ahead of it; a resume makes them again from the same states.
 
 After an out-of-memory retry with ``--shrink trainer.args.per_device_train_batch_size``, the
 gradient accumulation is raised so that an optimizer step takes the samples it took when the run
@@ -76,6 +81,8 @@ class TrainerCheckpoint:
         self.metrics: dict | None = None  # the metrics the ended train() returned (as its callbacks left them)
         self.loaded: dict[str, Any] | None = None
         self.callbacks_pending: dict[str, dict] = {}  # the other callbacks' loaded state, until they have begun
+        self.batches: _TrainBatches | None = None  # the training data loader's collator, watched
+        self.place = 0  # the epoch's batch the step about to begin starts with
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
@@ -107,6 +114,8 @@ class TrainerCheckpoint:
             # that trains nothing more (the end) would leave the rebuilt model's as the set-up made it
             "config": plain_attributes(t.model.config)[0] if _config(t.model) is not None else None,
             "effective_batch": self.effective_batch,
+            # the random states the batches made ahead of this safe point were made from
+            "batches": self.batches.ahead(self.place) if self.batches is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -186,6 +195,7 @@ class ResilienceCallback(TrainerCallback):
         self._logging: dict | None = None  # to put back once train() has reset it
         self._epoch_start = False  # the resumed run goes on at the start of an epoch
         self._put_back = False  # resumed: the state goes back as its first step begins
+        self._resumed_at = 0  # resumed: the batches of the epoch it goes on with that were trained
 
     # --------------------------------------------------------------------- the wrapped train()
 
@@ -202,8 +212,9 @@ class ResilienceCallback(TrainerCallback):
             unsaved = _unsaved_callback_state(trainer)
             if unsaved:
                 run.say_once(unsaved)
-            if self.every_steps is not None and trainer.data_collator is not None:
-                trainer.data_collator = _DrawWatch(trainer.data_collator, run)
+            if trainer.data_collator is not None:
+                state.batches = _TrainBatches(trainer.data_collator, run, _inexact_within(trainer, self.every_steps))
+                _train_loader_with(trainer, state.batches)
             if state.loaded is None or first == 0:
                 if state.loaded is not None:
                     # a checkpoint taken as train() began, before any callback event: the other
@@ -213,8 +224,7 @@ class ResilienceCallback(TrainerCallback):
                 return call(resume_from_checkpoint=None)
             return self._resume(trainer, run, call, finished=first is None)
         finally:
-            if isinstance(trainer.data_collator, _DrawWatch):
-                trainer.data_collator = trainer.data_collator.collate
+            vars(trainer).pop("get_train_dataloader", None)
             self._steps.close()
             self._steps = None
 
@@ -292,7 +302,8 @@ class ResilienceCallback(TrainerCallback):
 
             # what the Trainer's loop worked out from the step count: where it goes on
             loop = caller_locals("_inner_training_loop", self._state.trainer)
-            self._epoch_start = loop.get("steps_trained_in_current_epoch", 1) == 0
+            self._resumed_at = loop.get("steps_trained_in_current_epoch", 0)
+            self._epoch_start = self._resumed_at == 0
             t, logging = self._state.trainer, self._logging
             t._tr_loss = torch.tensor(logging["tr_loss"], device=args.device)
             t._total_loss_scalar = logging["total_loss"]
@@ -320,6 +331,8 @@ class ResilienceCallback(TrainerCallback):
             vars(handler).pop("on_epoch_begin", None)
             control.should_epoch_stop = False
             self.on_epoch_begin(args, state, control)
+            if self._state.batches is not None:  # its first batches are made as they were
+                self._state.batches.begin_epoch(self._resumed_at, self._state.loaded.get("batches"))
             began = self._state.loaded.get("epoch_rng")
             if began is not None:
                 # the random state as the epoch began, which the checkpoints taken in it keep; and
@@ -338,6 +351,8 @@ class ResilienceCallback(TrainerCallback):
             self._state.epoch_rng = capture_rng()
             self._new_epoch = True
             self._give_callbacks()
+            if self._state.batches is not None:
+                self._state.batches.begin_epoch(0)
 
     def _give_callbacks(self) -> None:
         """A resumed ``train`` has begun (their ``on_train_begin`` has run: this callback, added in
@@ -357,6 +372,11 @@ class ResilienceCallback(TrainerCallback):
         if self._put_back:
             self._put_back = False
             self._state.put_back()
+        if self._state.batches is not None:  # the batches before it are trained: none goes back to them
+            loop = caller_locals("_run_epoch", self._state.trainer) or caller_locals(
+                "_inner_training_loop", self._state.trainer)
+            self._state.place = loop.get("step", 0)
+            self._state.batches.trained(self._state.place)
         due = self._new_epoch or (self.every_steps is not None and state.global_step % self.every_steps == 0)
         self._new_epoch = False
         if self._pending and due:
@@ -380,29 +400,54 @@ class ResilienceCallback(TrainerCallback):
         next(self._steps, None)  # saves when due, may restart as planned
 
 
-class _DrawWatch:
-    """The Trainer's data collator, watched for drawing random numbers as it makes a batch
-    (``DataCollatorForLanguageModeling`` masks tokens at random): the Trainer makes a step's
-    batches before that step's safe point, so a resume within an epoch makes them again from
-    other random numbers. Said once, when it first draws; until then each batch compares the
-    random states before and after it."""
+class _TrainBatches:
+    """The Trainer's data collator as the training's data loader calls it. Before each batch it
+    keeps the random states the collator may draw from: Python's, NumPy's and torch's global ones,
+    and a generator of its own (``DataCollatorForLanguageModeling(seed=...)``'s, made at its first
+    batch). The Trainer makes a step's batches (and, with accelerate, the next one) before that
+    step's safe point, so a checkpoint holds the states of the batches made ahead of it
+    (:meth:`ahead`), and a resume makes those batches again from them (:meth:`begin_epoch`); the
+    states of trained batches are let go as each step begins (:meth:`trained`). Nothing is kept
+    for a collator that draws nothing. Where the batches cannot be made again one by one within an
+    epoch (``inexact``, with ``every_steps``), the first batch that draws says so once."""
 
-    def __init__(self, collate, run):
-        self.collate, self._run, self._seen = collate, run, False
+    def __init__(self, collate, run, inexact: str | None):
+        self.collate, self._run, self._inexact = collate, run, inexact
+        self.draws = False  # a batch's making drew random numbers
+        self._first = 0  # the epoch's batch whose state is _states[0]
+        self._states: list[dict] = []
+        self._again: list[dict] = []  # resumed: the states the next batches are made from
+
+    def begin_epoch(self, first: int, again: list | None = None) -> None:
+        """An epoch's data loader starts at its batch ``first`` (a resume skips the trained ones)."""
+        self._first, self._states = first, []
+        self._again = list(again or []) if self._inexact is None else []
+
+    def trained(self, place: int) -> None:
+        """The epoch's batches before ``place`` are trained."""
+        if place > self._first:
+            del self._states[:place - self._first]
+            self._first = place
+
+    def ahead(self, place: int) -> list[dict] | None:
+        """The states of the batches made from the epoch's batch ``place`` on; None where
+        nothing drew."""
+        return list(self._states[max(place - self._first, 0):]) if self.draws else None
 
     def __call__(self, features):
-        if self._seen:
-            return self.collate(features)
-        before = _random_marks()
+        if self._again:
+            _put_draw_state(self.collate, self._again.pop(0))
+        state = _draw_state(self.collate)
+        self._states.append(state)
         batch = self.collate(features)
-        if _random_marks() != before:
-            self._seen = True
-            self._run.say_once(
-                f"colab_resilience: the Trainer's data collator ({_name(self.collate)}) draws random numbers "
-                "as it makes each batch, and the Trainer makes a step's batches before that step's safe point: a "
-                "resume within an epoch makes them again from other random numbers, and is not identical to an "
-                "uninterrupted run (one at an epoch's start is); ResilienceCallback() without every_steps resumes "
-                "at epochs' starts only")
+        if not self.draws and _draw_marks(self.collate) != _draw_marks(self.collate, state):
+            self.draws = True
+            if self._inexact is not None:
+                self._run.say_once(
+                    f"colab_resilience: the Trainer's data collator ({_name(self.collate)}) draws random numbers "
+                    f"as it makes each batch, and {self._inexact}: a resume within an epoch makes them again from "
+                    "other random numbers, and is not identical to an uninterrupted run (one at an epoch's start "
+                    "is); ResilienceCallback() without every_steps resumes at epochs' starts only")
         return batch
 
     def __getattr__(self, name):
@@ -411,19 +456,95 @@ class _DrawWatch:
         return getattr(self.collate, name)
 
 
+def _inexact_within(trainer: Trainer, every_steps: int | None) -> str | None:
+    """Why the batches of an epoch cannot be made again one by one from their kept states on a
+    resume within it (only with ``every_steps``: a resume at an epoch's start makes them all), or
+    None."""
+    import torch
+
+    if every_steps is None:
+        return None
+    if trainer.args.dataloader_num_workers:
+        return (f"the data loader's {trainer.args.dataloader_num_workers} worker processes make the batches, whose "
+                "random states cannot be kept")
+    if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset):
+        return "the training data is an IterableDataset, whose batches the Trainer's resume makes again to skip them"
+    if trainer.args.ignore_data_skip:
+        return "the Trainer's ignore_data_skip makes an epoch's batches from its first again"
+    return None
+
+
+def _train_loader_with(trainer: Trainer, batches: _TrainBatches) -> None:
+    """For this ``train`` call, the training's data loader is made with ``batches`` as its
+    collator (evaluation's keeps the Trainer's own)."""
+    make = trainer.get_train_dataloader
+
+    def get_train_dataloader():
+        collate, trainer.data_collator = trainer.data_collator, batches
+        try:
+            return make()
+        finally:
+            trainer.data_collator = collate
+
+    trainer.get_train_dataloader = get_train_dataloader
+
+
+def _draw_state(collate) -> dict[str, Any]:
+    """The random states a collator may draw from (:class:`_TrainBatches`)."""
+    import numpy as np
+    import torch
+
+    state: dict[str, Any] = {"global": capture_rng()}
+    own = getattr(collate, "generator", None)
+    if isinstance(own, torch.Generator):
+        state["torch_generator"] = own.get_state()
+    elif isinstance(own, np.random.Generator):
+        state["numpy_generator"] = json.dumps(own.bit_generator.state)  # (128-bit integers)
+    return state
+
+
+def _put_draw_state(collate, state: dict[str, Any]) -> None:
+    """Put back what :func:`_draw_state` kept: the global states, and the collator's generator
+    (made where the collator makes its own lazily; unmade, to be made afresh, where it had none
+    yet)."""
+    import numpy as np
+    import torch
+
+    restore_rng(state["global"])
+    own = getattr(collate, "generator", None)
+    make = getattr(collate, "create_rng", None)
+    if "torch_generator" in state or "numpy_generator" in state:
+        if own is None and callable(make):
+            make("pt" if "torch_generator" in state else "np")
+            own = getattr(collate, "generator", None)
+        if "torch_generator" in state and isinstance(own, torch.Generator):
+            own.set_state(state["torch_generator"])
+        elif "numpy_generator" in state and isinstance(own, np.random.Generator):
+            own.bit_generator.state = json.loads(state["numpy_generator"])
+    elif isinstance(own, (torch.Generator, np.random.Generator)) and callable(make):
+        collate.generator = None  # made from its seed at its first batch, as it was then
+
+
+def _draw_marks(collate, state: dict[str, Any] | None = None) -> tuple:
+    """Where the global random streams and the collator's own generator are (now, or in ``state``)."""
+    import torch
+
+    if state is None:
+        state = _draw_state(collate)
+    own = state.get("torch_generator")
+    return (_random_marks(state["global"]), bytes(own.numpy()) if isinstance(own, torch.Tensor) else None,
+            state.get("numpy_generator"))
+
+
 def _name(f) -> str:
     return f.__name__ if isinstance(getattr(f, "__name__", None), str) else type(f).__name__
 
 
-def _random_marks() -> tuple:
-    """Where Python's, NumPy's and torch's global random streams are."""
-    import random
-
-    import numpy as np
-    import torch
-
-    legacy = np.random.get_state()
-    return random.getstate(), legacy[1].tobytes(), legacy[2], bytes(torch.random.get_rng_state().numpy())
+def _random_marks(state: dict[str, Any]) -> tuple:
+    """Where Python's, NumPy's and torch's global random streams are in ``state`` (:func:`capture_rng`)."""
+    legacy = state.get("numpy")
+    return (state.get("python"), None if legacy is None else (legacy[1].tobytes(), legacy[2]),
+            bytes(state["torch"].numpy()) if "torch" in state else None)
 
 
 _DISPLAYS = ("ProgressCallback", "PrinterCallback", "NotebookProgressCallback")  # their state is a display's
