@@ -215,6 +215,16 @@ class ResilienceCallback(TrainerCallback):
             if trainer.data_collator is not None:
                 state.batches = _TrainBatches(trainer.data_collator, run, _inexact_within(trainer, self.every_steps))
                 _train_loader_with(trainer, state.batches)
+                if self.every_steps is not None and trainer.args.dataloader_num_workers and \
+                        _name(trainer.data_collator) not in _DRAW_NOTHING:
+                    # it runs in the workers, where no batch of it is seen from here
+                    run.say_once(
+                        f"colab_resilience: the Trainer's data collator ({_name(trainer.data_collator)}) runs in the "
+                        f"data loader's {trainer.args.dataloader_num_workers} worker processes, whose random states "
+                        "cannot be kept: if it draws random numbers as it makes each batch (masking tokens), a resume "
+                        "within an epoch makes them again from other ones, and is not identical to an uninterrupted "
+                        "run (one at an epoch's start is); ResilienceCallback() without every_steps resumes at epochs' "
+                        "starts only")
             if state.loaded is None or first == 0:
                 if state.loaded is not None:
                     # a checkpoint taken as train() began, before any callback event: the other
@@ -456,17 +466,19 @@ class _TrainBatches:
         return getattr(self.collate, name)
 
 
+# the Trainer's collators that draw no random numbers
+_DRAW_NOTHING = frozenset({"default_data_collator", "DataCollatorWithPadding", "DataCollatorForSeq2Seq",
+                           "DataCollatorForTokenClassification", "DefaultDataCollator"})
+
+
 def _inexact_within(trainer: Trainer, every_steps: int | None) -> str | None:
     """Why the batches of an epoch cannot be made again one by one from their kept states on a
     resume within it (only with ``every_steps``: a resume at an epoch's start makes them all), or
-    None."""
+    None. (Batches made in worker processes are never seen here: said as training begins.)"""
     import torch
 
     if every_steps is None:
         return None
-    if trainer.args.dataloader_num_workers:
-        return (f"the data loader's {trainer.args.dataloader_num_workers} worker processes make the batches, whose "
-                "random states cannot be kept")
     if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset):
         return "the training data is an IterableDataset, whose batches the Trainer's resume makes again to skip them"
     if trainer.args.ignore_data_skip:
