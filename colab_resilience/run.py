@@ -694,7 +694,11 @@ class Run:
         # a value that cannot be saved stops the cell here (UnsaveableValueError), before anything
         # is written; a checkpoint that cannot be written is said, and the run goes on
         saved = present + after_loop + ([LOOP_RNG] if rngs else []) + list(self.extras)
-        if not self.saver.save(namespace, saved, meta=meta, info=info, durable=end, kept=self.kept,
+        # the run's first checkpoint is on disk before training goes on: a fault before it would
+        # start the run again from what the set-up cells and the finished runs make, without what
+        # a cell that is not replayed changed since (an optimizer's rate), and end otherwise
+        first = self.journal.last_checkpoint is None
+        if not self.saver.save(namespace, saved, meta=meta, info=info, durable=end or first, kept=self.kept,
                                whole=whole_modules(ns, present, self.kept)):
             return
         self._last_save = time.monotonic()

@@ -164,3 +164,37 @@ def test_a_checkpoint_that_cannot_be_written_in_the_background_is_said_and_the_r
         assert k.value("(step, float(big[0]))") == (2, 3.0)
     finally:
         k.shutdown()
+
+
+def _changed_between_runs_notebook(mark):
+    """Two %%resilient cells training one model; between them a plain cell (not replayed) lowers
+    the optimizer's rate. The second cell is killed in its first iteration, once."""
+    kill = (f"        if not os.path.exists({str(mark)!r}):\n"
+            f"            open({str(mark)!r}, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n")
+    train = ("    for i in range(0, 96, 16):\n"
+             "        loss = ((model(X[i:i+16]) - Y[i:i+16]) ** 2).mean(); opt.zero_grad(); loss.backward(); opt.step()\n"
+             "    losses.append(loss.item())\n")
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        "%%replay\nimport os, signal, torch\ntorch.manual_seed(0)\nX = torch.randn(96, 6); Y = X[:, :1] * 2\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))\n"
+        "opt = torch.optim.Adam(model.parameters(), lr=0.01)\nlosses = []",
+        "%%resilient --save model,opt,losses\nfor epoch in resume_range(3):\n" + train,
+        "for group in opt.param_groups:\n    group['lr'] = 0.003",
+        "%%resilient --save model,opt,losses\nfor epoch in resume_range(3, 6):\n    if epoch == 3:\n" + kill + train,
+        "print('RESULT', losses, opt.param_groups[0]['lr'], model[0].weight.sum().item())",
+    )
+
+
+def test_a_runs_first_checkpoint_is_on_disk_before_its_training_goes_on(tmp_path):
+    """Killed in the first iteration of a run, while its first checkpoint (the loop's start) was
+    still being written: the run found no checkpoint and started again from what the set-up cell
+    and the finished run before it make, without what the plain cell between them changed (the
+    optimizer's rate), and said done with other weights (found by a probe). The first checkpoint
+    of a run is written before its training goes on; the run resumes from it, bit for bit as its
+    twin."""
+    run, nb, twin = harness.faulted_and_twin(tmp_path, _changed_between_runs_notebook)
+    out = harness.cell_text(nb.cells[4])
+    assert len(run.restarts) == 1 and "continuing at 3" in out and "no checkpoint yet" not in out, out
+    assert harness.result(nb) == harness.result(twin)
+    assert " 0.003 " in harness.result(twin), harness.result(twin)
