@@ -173,6 +173,17 @@ def test_a_finished_train_brought_back_returns_what_it_returned_and_leaves_the_c
     assert harness.result(nb).endswith(" eval"), harness.result(nb)
 
 
+def _replay_start(mark, name: str, value, imports: str, staging_off: bool = False) -> str:
+    """The start of a twin notebook's %%replay cell: ``MARK`` and ``name`` (its fault) bound, the
+    Trainer and ``imports`` of transformers imported, its logging quiet, one thread, seeded; with
+    ``staging_off``, each save done before the next step (where a fault resumes is known)."""
+    return ("%%replay\nimport os, signal, torch\n" +
+            ("%config ResilienceMagics.staging_memory = 'off'\n" if staging_off else "") +
+            f"MARK, {name} = {str(mark)!r}, {value!r}\n"
+            f"from transformers import {imports}, Trainer, TrainerCallback, TrainingArguments, set_seed\n"
+            "import transformers\ntransformers.logging.set_verbosity_error()\ntorch.set_num_threads(1)\nset_seed(0)\n")
+
+
 def _unfreezing_notebook(mark, kill_step: int):
     """A GPT-2 whose token embedding a callback freezes as training begins and unfreezes as the
     second epoch begins, by its own count of the epochs begun (as a notebook's "unfreeze after N
@@ -180,11 +191,7 @@ def _unfreezing_notebook(mark, kill_step: int):
     ``kill_step``, once."""
     return harness.notebook(
         "%load_ext colab_resilience",
-        "%%replay\nimport os, signal, torch\n"
-        "%config ResilienceMagics.staging_memory = 'off'\n"  # each save done before the next step: where it resumes is known
-        f"MARK, KILL_STEP = {str(mark)!r}, {kill_step}\n"
-        "from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed\n"
-        "import transformers\ntransformers.logging.set_verbosity_error()\ntorch.set_num_threads(1)\nset_seed(0)\n"
+        _replay_start(mark, "KILL_STEP", kill_step, "GPT2Config, GPT2LMHeadModel", staging_off=True) +
         "g = torch.Generator().manual_seed(1)\n"
         "data = [{'input_ids': t, 'labels': t} for t in torch.randint(0, 64, (40, 16), generator=g)]\n"
         "model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))\n"
@@ -238,10 +245,7 @@ def _neftune_notebook(mark, fault: str):
     result cell once the training cell has ended (``"kill-after"``), once."""
     return harness.notebook(
         "%load_ext colab_resilience",
-        "%%replay\nimport os, signal, torch\n"
-        f"MARK, FAULT = {str(mark)!r}, {fault!r}\n"
-        "from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed\n"
-        "import transformers\ntransformers.logging.set_verbosity_error()\ntorch.set_num_threads(1)\nset_seed(0)\n"
+        _replay_start(mark, "FAULT", fault, "GPT2Config, GPT2LMHeadModel") +
         "g = torch.Generator().manual_seed(1)\n"
         "data = [{'input_ids': t, 'labels': t} for t in torch.randint(0, 64, (40, 16), generator=g)]\n"
         "model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))\n"
@@ -286,11 +290,7 @@ def _grouped_notebook(mark, fault: str):
     out-of-memory error, once (``"kill-twice"``: a SIGKILL after step 17 as well)."""
     return harness.notebook(
         "%load_ext colab_resilience",
-        "%%replay\nimport os, signal, torch\n"
-        "%config ResilienceMagics.staging_memory = 'off'\n"  # each save done before the next step: where it resumes is known
-        f"MARK, FAULT = {str(mark)!r}, {fault!r}\n"
-        "from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed\n"
-        "import transformers\ntransformers.logging.set_verbosity_error()\ntorch.set_num_threads(1)\nset_seed(0)\n"
+        _replay_start(mark, "FAULT", fault, "GPT2Config, GPT2LMHeadModel", staging_off=True) +
         "g = torch.Generator().manual_seed(1)\n"
         "data = [{'input_ids': torch.randint(0, 64, (int(n),), generator=g).tolist()} for n in torch.randint(4, 16, (40,), generator=g)]\n"
         "def pad(batch):\n"
@@ -431,13 +431,9 @@ def _masking_notebook(mark, fault: str, seed, every):
     its second step) a SIGKILL or an out-of-memory error, once."""
     return harness.notebook(
         "%load_ext colab_resilience",
-        "%%replay\nimport os, signal, torch\n"
-        "%config ResilienceMagics.staging_memory = 'off'\n"  # each save done before the next step: where it resumes is known
-        f"MARK, FAULT = {str(mark)!r}, {fault!r}\n"
-        "from transformers import (BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, PreTrainedTokenizerFast,\n"
-        "                          Trainer, TrainerCallback, TrainingArguments, set_seed)\n"
+        _replay_start(mark, "FAULT", fault, "BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, "
+                      "PreTrainedTokenizerFast", staging_off=True) +
         "from tokenizers import Tokenizer, models\n"
-        "import transformers\ntransformers.logging.set_verbosity_error()\ntorch.set_num_threads(1)\nset_seed(0)\n"
         "vocab = {t: i for i, t in enumerate(['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]'] + [f'w{i}' for i in range(59)])}\n"
         "tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token='[UNK]')), pad_token='[PAD]',\n"
         "                              unk_token='[UNK]', cls_token='[CLS]', sep_token='[SEP]', mask_token='[MASK]')\n"
