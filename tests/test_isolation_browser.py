@@ -18,7 +18,7 @@ import nbformat
 import pytest
 
 from harness import KERNEL_NAME, epochs, load, result, user_cells
-from test_isolation_server import TOKEN, api, jupyter
+from test_isolation_server import TOKEN, jupyter, listed_kernels
 
 pytest.importorskip("jupyterlab")
 webdriver = pytest.importorskip("selenium.webdriver")
@@ -72,7 +72,7 @@ def test_run_all_in_jupyterlab_finishes_after_a_worker_kill_with_no_click(lab, b
     deadline = time.monotonic() + 120
     # the page shows the notebook, and its kernel (started by the page through the server) is idle
     while not (browser.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell")
-               and [k["execution_state"] for k in api(lab, "GET", "/api/kernels")] == ["idle"]):
+               and [k["execution_state"] for k in listed_kernels(lab)] == ["idle"]):
         if time.monotonic() > deadline:
             browser.save_screenshot(str(shots / "0-not-loaded.png"))
             raise AssertionError("JupyterLab did not show the notebook with an idle kernel within 120 s")
@@ -95,7 +95,7 @@ def test_run_all_in_jupyterlab_finishes_after_a_worker_kill_with_no_click(lab, b
     assert "colab_resilience: the kernel died (killed by SIGKILL); switched to the standby kernel, replayed 3 cells" in text
     assert result(text) == reference.result
     assert epochs(tmp_path / "events.log") == [0, 1, 2, 3]
-    kernels = api(lab, "GET", "/api/kernels")
+    kernels = listed_kernels(lab)
     assert len(kernels) == 1 and kernels[0]["execution_state"] == "idle"
 
 
@@ -132,7 +132,7 @@ def test_widgets_of_the_worker_are_drawn_and_answer_in_jupyterlab(lab, browser, 
     browser.get(f"{lab}/lab/tree/widgets.ipynb?token={TOKEN}")
     wait_for(browser, ".jp-Notebook .jp-Cell", shots, "0-notebook")
     deadline = time.monotonic() + 120
-    while [k["execution_state"] for k in api(lab, "GET", "/api/kernels")] != ["idle"]:
+    while [k["execution_state"] for k in listed_kernels(lab)] != ["idle"]:
         assert time.monotonic() < deadline, "the notebook's kernel did not become idle within 120 s"
         time.sleep(0.5)
     browser.find_element(By.XPATH, "//li[contains(@class,'lm-MenuBar-item')][.//div[text()='Run']]").click()

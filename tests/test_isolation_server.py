@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import uuid
 
@@ -81,6 +82,20 @@ def api(url: str, method: str, path: str, body: dict | None = None) -> dict:
                                      headers={"Authorization": f"token {TOKEN}", "Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read() or b"{}")
+
+
+def listed_kernels(url: str) -> list[dict]:
+    """The server's kernels. jupyter_server lists a kernel the moment jupyter_client has started it,
+    before it sets the kernel's ``last_activity``; a listing in between answers 500 (AttributeError
+    in ``kernel_model``). That race is the server's, while a page starts its kernel: ask again."""
+    for attempt in range(20):
+        try:
+            return api(url, "GET", "/api/kernels")
+        except urllib.error.HTTPError as error:
+            if error.code != 500 or attempt == 19:
+                raise
+            time.sleep(0.1)
+    raise AssertionError("unreachable")
 
 
 def message(session: str, code: str) -> dict:
@@ -151,5 +166,5 @@ def test_run_all_in_jupyter_survives_a_worker_kill_with_no_click(server, tmp_pat
         assert time.monotonic() < deadline, model
         time.sleep(0.1)
     assert model["id"] == kernel["id"]
-    assert [k["id"] for k in api(server, "GET", "/api/kernels")] == [kernel["id"]]
+    assert [k["id"] for k in listed_kernels(server)] == [kernel["id"]]
     api(server, "DELETE", f"/api/kernels/{kernel['id']}")
