@@ -120,6 +120,12 @@ class Journal:
     # what the names the set-up cells bind and the cell reads (not in --save) held when the run
     # began, as fingerprints: a kernel that resumes it after a replay compares (setup_state)
     setup: dict[str, str] = field(default_factory=dict)
+    # as the run began: its random states (checkpoints.rng.to_json), which a kernel that resumes it
+    # sets before the cell runs again (its code above the first loop draws what it drew then), and
+    # the fingerprints of its --save values, which one that resumes it before its first checkpoint
+    # compares (setup_state.fingerprint, saved=True)
+    start_rng: dict[str, Any] | None = None
+    start_saved: dict[str, str] = field(default_factory=dict)
 
     @property
     def path(self) -> Path:
@@ -207,6 +213,8 @@ class Journal:
             names=list(data["names"]),
             shrink=dict(data["shrink"]),
             setup=dict(data.get("setup") or {}),
+            start_rng=data.get("start_rng"),
+            start_saved=dict(data.get("start_saved") or {}),
             policy=RestartPolicy(data["policy"]["every"], data["policy"]["memory_percent"]),
             **values,
         )

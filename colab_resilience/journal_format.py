@@ -118,6 +118,12 @@ def validate(data: Any, path: Path) -> None:
         setup = data.get("setup", {})
         if not isinstance(setup, dict) or not all(is_type(v, (str,)) for v in setup.values()):
             bad(path, "the set-up cells' fingerprints are not strings")
+        saved = data.get("start_saved", {})
+        if not isinstance(saved, dict) or not all(is_type(v, (str,)) for v in saved.values()):
+            bad(path, "the saved values' fingerprints are not strings")
+        rng = data.get("start_rng")
+        if rng is not None and not (isinstance(rng, dict) and isinstance(rng.get("leaves"), list) and "value" in rng):
+            bad(path, "the random state of the run's start is not {value, leaves}")
         policy = data["policy"]
         if set(policy) != {"every", "memory_percent"} or not is_type(policy["every"], (int, type(None))) \
                 or not is_type(policy["memory_percent"], (int, float, type(None))):

@@ -70,7 +70,11 @@ def execute(session, line: str, body: str, options: Options) -> None:
             run.close()  # still pending: fix the set-up cell, then run this cell again
             raise
         seconds = time.perf_counter() - start
-    run.start(session.replay_log.cells, replayed=replayed, replay_seconds=seconds, setup=session.replay_log.prints)
+    try:
+        run.start(session.replay_log.cells, replayed=replayed, replay_seconds=seconds, setup=session.replay_log.prints)
+    except BaseException:
+        run.close()  # still pending: a change the run began with and no checkpoint holds (it says which)
+        raise
     try:
         lint.check_options(shell, options.names, options.shrink, body)
         if key not in session.linted:  # once per cell and kernel: after a restart, said again

@@ -353,6 +353,7 @@ class Run:
             put_back_shrunk(self.shell.user_ns, j.shrink)
         merge_replay_cells(j.replay_cells, setup_cells)
         self._check_setup(setup or {})
+        self._start_state()
         j.save()
         from .lint import kept_objects, set_in_loops_read_after
 
@@ -378,6 +379,44 @@ class Run:
             differ = setup_state.differing(j.setup, self.shell.user_ns)
             if differ:
                 self.say(setup_state.message(differ))
+
+    def _start_state(self) -> None:
+        """A run that begins records its random states and what its ``--save`` values hold; a
+        kernel that resumes it after a restart sets those random states before the cell runs
+        again, so that its code above the first loop (``perm = torch.randperm(n)``, a model built
+        there) draws what it drew then, not what the replay left (a cell that is not replayed may
+        have drawn since the set-up cells ran). Before the run's first checkpoint, nothing holds its
+        ``--save`` values but the set-up cells and the runs finished before it: where they made
+        them otherwise than they were as the run began (a plain cell set an optimizer's rate,
+        loaded weights), the run stops, pending, with the line that says what to do."""
+        from . import setup_state
+        from .checkpoints import rng as rng_json
+        from .checkpoints.codec import MALFORMED
+
+        j, ns = self.journal, self.shell.user_ns
+        if not self.resuming:
+            j.start_rng = rng_json.to_json(self.capture_rng())
+            j.start_saved = setup_state.fingerprint(ns, self.names, saved=True)
+            return
+        if not self.after_restart:
+            return
+        if j.start_rng is not None:
+            try:
+                self._rng_at_start = rng_json.from_json(j.start_rng)
+            except MALFORMED:  # a journal of this installation's: not so; the replay's state stays
+                pass
+        if j.last_checkpoint is None and j.start_saved:
+            differ = setup_state.differing(j.start_saved, ns, saved=True)
+            if differ:
+                names, one = ", ".join(differ), len(differ) == 1
+                it = "it" if one else "them"
+                raise RunStoppedError(
+                    f"colab_resilience: run {self.run_id}: {names} {'is' if one else 'are'} not what the run began "
+                    f"with, and the kernel died before the run's first checkpoint held {it}: a cell that is not "
+                    f"replayed changed {it} (a plain cell, an earlier training cell), or the %%replay cells make "
+                    f"{it} otherwise each time (no seed); run the cells above this one again (Run All), or make "
+                    "that change in this cell above its loop; `%resilience reset` starts the run with what the "
+                    "%%replay cells make")
 
     def _restore(self, where: str) -> tuple[Checkpoint, list[str]] | None:
         """Restore the last safe point's declared names (not yet its random state) and what a

@@ -17,6 +17,11 @@ made after the set-up cells ran is found sooner, when the run begins: each ``%%r
 fingerprints what the set-up cells bind once it has run (:meth:`.replay.ReplayLog.ran`), and the
 run names what differs from that (:func:`changed_message`).
 
+The ``--save`` values are fingerprinted too as a run begins (``fingerprint(..., saved=True)``):
+until the run's first checkpoint, nothing else holds them. A kernel that resumes the run before
+that checkpoint, and a retry in the kernel of an attempt that failed before it, compare
+(:meth:`.run.Run._start_state`, :meth:`.run.Run.retry_not_exact`).
+
 The fingerprint is bounded, and copies little: a tensor or array of more than 1 MiB by its
 shape, dtype and a strided sample of its elements (taken where it lies: of a GPU tensor, only
 the sample is copied), a container by its first 100,000 items and its length, a set by its items
@@ -141,9 +146,13 @@ def watched(shell, body: str, sources: Iterable[str], saved: Iterable[str]) -> l
                   if n in ns and not n.startswith("_") and n not in hidden and _kind(ns[n]) is not None)
 
 
-def fingerprint(ns: Mapping[str, Any], names: Iterable[str]) -> dict[str, str]:
+def fingerprint(ns: Mapping[str, Any], names: Iterable[str], *, saved: bool = False) -> dict[str, str]:
     """``name -> fingerprint`` (hex) for those of ``names`` whose values it knows; a value whose
-    fingerprint fails is left out (it is a guard: it never stops a run)."""
+    fingerprint fails is left out (it is a guard: it never stops a run). With ``saved``, of the
+    ``--save`` values as a run begins: trained models and optimizers too (their tensors as any, by
+    a sample where large). Until the run's first checkpoint holds them, a kernel that resumes it
+    has them from the set-up cells and the finished runs before it, which is what they held only
+    if no other cell changed them since (an optimizer's rate set in a plain cell, weights loaded)."""
     import blake3
 
     out: dict[str, str] = {}
@@ -152,7 +161,7 @@ def fingerprint(ns: Mapping[str, Any], names: Iterable[str]) -> dict[str, str]:
             continue
         h = blake3.blake3()
         try:
-            if not _feed(ns[name], h, set(), 0):
+            if not (_feed_saved(ns[name], h) if saved else _feed(ns[name], h, set(), 0)):
                 continue
         except Exception as e:
             from .oom import is_oom
@@ -164,10 +173,32 @@ def fingerprint(ns: Mapping[str, Any], names: Iterable[str]) -> dict[str, str]:
     return out
 
 
-def differing(recorded: Mapping[str, str], ns: Mapping[str, Any]) -> list[str]:
+def _feed_saved(value: Any, h) -> bool:
+    torch = sys.modules.get("torch")
+    h.update(f"<{type(value).__qualname__}>".encode())
+    if torch is not None and isinstance(value, torch.nn.Module):
+        for k, t in value.state_dict(keep_vars=True).items():
+            h.update(k.encode())
+            _feed(t, h, set(), 1)
+        return True
+    from .checkpoints import keras_state
+
+    if keras_state.kind(value) is not None and hasattr(value, "variables"):
+        for v in value.variables:
+            h.update(v.path.encode())
+            _array(v.numpy(), h)
+        return True
+    if _kind(value) is None and callable(getattr(value, "state_dict", None)):
+        # an optimizer (its rates and moments), a scheduler, a GradScaler: what a checkpoint takes
+        return _feed(value.state_dict(), h, set(), 1)
+    return _feed(value, h, set(), 0)
+
+
+def differing(recorded: Mapping[str, str], ns: Mapping[str, Any], *, saved: bool = False) -> list[str]:
     """The recorded names whose values in ``ns`` fingerprint otherwise now (those gone, or no
-    longer fingerprinted, are not counted: nothing says the training reads them)."""
-    now = fingerprint(ns, [n for n in recorded if n in ns])
+    longer fingerprinted, are not counted: nothing says the training reads them, or the cell
+    makes them)."""
+    now = fingerprint(ns, [n for n in recorded if n in ns], saved=saved)
     return [n for n in recorded if n in now and now[n] != recorded[n]]
 
 

@@ -203,6 +203,19 @@ def test_a_channels_last_model_on_the_gpu_resumes_bit_identical(tmp_path, determ
     assert result(nb).endswith(" cuda:0"), result(nb)
 
 
+def test_the_code_above_the_first_loop_draws_on_the_gpu_what_the_run_began_with(tmp_path, deterministic_cublas):
+    """The run's random state kept in its journal holds the GPU's: a plain cell drew on the GPU
+    after the %%replay cell, the training cell draws a permutation on the GPU above its loop and is
+    killed there; the new kernel sets the GPU's random state the run began with, bit for bit as
+    the twin."""
+    from test_exact_resume import drawn_above_the_loop_notebook
+
+    faulted, nb, twin = faulted_and_twin(
+        tmp_path, lambda mark: drawn_above_the_loop_notebook("above-the-loop", mark, "cuda"))
+    assert len(faulted.restarts) == 1 and "no checkpoint yet" in cell_text(nb.cells[3]), cell_text(nb.cells[3])
+    assert result(nb) == result(twin) and result(nb).endswith(" cuda:0"), result(nb)
+
+
 def test_gpu_memory_in_use_triggers_a_planned_restart(tmp_path):
     """`%restart_after --memory 80%`: 90% of the GPU's memory in use at a safe point makes the
     kernel leave for a planned restart."""

@@ -928,6 +928,114 @@ def test_an_optimizer_the_cell_makes_between_two_loops_is_restored_once_it_is_ma
                "--save" in harness.cell_text(nb.cells[2]), harness.cell_text(nb.cells[2])
 
 
+# -- the run's start: what a kill before its first checkpoint finds ----------------------------------------
+
+
+def _model_setup(device: str = "cpu") -> str:
+    return ("%%replay\nimport os, signal, torch\ntorch.manual_seed(0)\n"
+            f"X = torch.randn(96, 6, device={device!r}); Y = X[:, :1] * 2\n"
+            "model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))"
+            f".to({device!r})\nopt = torch.optim.Adam(model.parameters(), lr=0.01)\nlosses = []")
+
+
+_SETUP = _model_setup()
+_TRAIN = ("    for i in range(0, 96, 16):\n"
+          "        b = perm[i:i + 16]\n"
+          "        loss = ((model(X[b]) - Y[b]) ** 2).mean(); opt.zero_grad(); loss.backward(); opt.step()\n"
+          "    losses.append(loss.item())\n")
+
+
+def _kill(mark, indent: str) -> str:
+    return (f"{indent}if not os.path.exists({str(mark)!r}):\n"
+            f"{indent}    open({str(mark)!r}, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n")
+
+
+def drawn_above_the_loop_notebook(where: str, mark, device: str = "cpu"):
+    """A plain cell draws random numbers after the %%replay cell; the training cell draws a
+    permutation above its loop, not saved, and is killed once above the loop or in it."""
+    above, inside = ((_kill(mark, ""), "") if where == "above-the-loop" else
+                     ("", "    if epoch == 1:\n" + _kill(mark, "        ")))
+    return harness.notebook(
+        "%load_ext colab_resilience", _model_setup(device), f"noise = torch.rand(3, device={device!r})",
+        "%%resilient --save model,opt,losses\n" + above + "perm = torch.randperm(96, device=X.device)\n"
+        "for epoch in resume_range(3):\n" + inside + _TRAIN,
+        "print('RESULT', losses, model[0].weight.sum().item(), model[0].weight.device)")
+
+
+@pytest.mark.parametrize("where", ["above-the-loop", "in-the-loop"])
+def test_the_code_above_the_first_loop_draws_again_what_the_run_began_with(tmp_path, where):
+    """A plain cell (not replayed) drew random numbers after the %%replay cell; the training cell
+    draws a permutation above its loop, not saved. Killed above the loop (no checkpoint yet), or in
+    the loop (the permutation is drawn again above it): the new kernel's replay left the random
+    state where the set-up cell leaves it, so the cell drew another permutation and said done with
+    other weights (found by a probe). The run's start keeps its random state in the journal, and a
+    kernel that resumes it sets it before the cell runs again: bit for bit as the twin."""
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: drawn_above_the_loop_notebook(where, mark))
+    out = harness.cell_text(nb.cells[3])
+    assert len(run.restarts) == 1, out
+    assert ("no checkpoint yet" in out) == (where == "above-the-loop"), out
+    assert harness.result(nb) == harness.result(twin)
+
+
+def _changed_before_the_first_checkpoint(mark):
+    """A finished run, a plain cell that lowers the optimizer's rate, a second run killed above its
+    loop (before its first checkpoint)."""
+    return harness.notebook(
+        "%load_ext colab_resilience", _SETUP,
+        "%%resilient --save model,opt,losses\nperm = torch.arange(96)\nfor epoch in resume_range(3):\n" + _TRAIN,
+        "for group in opt.param_groups:\n    group['lr'] = 0.003",
+        "%%resilient --save model,opt,losses\n" + _kill(mark, "") + "perm = torch.arange(96)\n"
+        "for epoch in resume_range(3, 6):\n" + _TRAIN,
+        "print('RESULT', losses, opt.param_groups[0]['lr'], model[0].weight.sum().item())")
+
+
+REFUSED = "is not what the run began with, and the kernel died before the run's first checkpoint held it"
+
+
+def test_a_saved_value_a_plain_cell_changed_is_not_lost_silently_before_the_first_checkpoint(tmp_path):
+    """Killed above its loop, the second run found no checkpoint and trained from what the set-up
+    cell and the first run make: without the rate the plain cell set, and said done with other
+    weights (found by a probe). No checkpoint holds that change; the run stops, pending, with the
+    line that names the optimizer (the model, restored from the first run, is as it began)."""
+    (tmp_path / "twin").mkdir()
+    (tmp_path / "twin" / "m").touch()
+    twin = _changed_before_the_first_checkpoint(tmp_path / "twin" / "m")
+    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    nb = _changed_before_the_first_checkpoint(tmp_path / "m")
+    run = harness.run(nb, tmp_path, standby=False)
+    assert run.status != 0 and REFUSED in run.message, run.message
+    assert f"opt {REFUSED}" in run.message and "model" not in run.message.split("run began")[0], run.message
+    assert "RESULT" not in "".join(harness.cell_text(c) for c in nb.cells)
+
+
+def test_a_refused_run_goes_on_as_it_began_after_run_all(kernel, tmp_path):
+    """Interactively, the user runs the training cell again after the kernel died: nothing gave the
+    new kernel the first run's model back, and the run trained the model the set-up cell makes
+    (said done with other weights). It is refused, naming all three; the user does as the line
+    says, Run All (the first training cell trains again, the plain cell sets the rate): the run
+    goes on as it began, bit for bit as the uninterrupted twin."""
+    (tmp_path / "twin").mkdir()
+    (tmp_path / "twin" / "m").touch()
+    twin = _changed_before_the_first_checkpoint(tmp_path / "twin" / "m")
+    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    cells = [c.source for c in _changed_before_the_first_checkpoint(tmp_path / "m").cells]
+    for source in cells[:4]:
+        kernel.ok(source)
+    _, code = kernel.execute_until_exit(cells[4])
+    assert code == -9
+    kernel.restart()
+    kernel.ok(cells[0])
+    refused = kernel.execute(cells[4])
+    assert refused.status == "error"
+    assert "model, opt, losses are not what the run began with" in refused.evalue, refused.evalue
+    assert "run the cells above this one again (Run All)" in refused.evalue
+    for source in cells[1:4]:
+        kernel.ok(source)
+    out = kernel.ok(cells[4]).stdout
+    assert "no checkpoint yet" in out, out
+    assert harness.result(kernel.ok(cells[5]).stdout) == harness.result(twin)
+
+
 # -- checkpoint() ------------------------------------------------------------------------------------
 
 

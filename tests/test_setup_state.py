@@ -112,6 +112,39 @@ def test_the_journal_keeps_the_fingerprints_and_refuses_others(tmp_path):
         j.save()
 
 
+def test_the_journal_keeps_the_runs_start_and_reads_its_random_state_back_executing_nothing(tmp_path):
+    """The random state a run began with goes into its journal as tagged JSON with its tensors and
+    arrays as bytes, and comes back equal; the saved values' fingerprints, with trained weights
+    and an optimizer's rate, tell a change apart."""
+    import random
+
+    import numpy as np
+
+    from colab_resilience.checkpoints.rng import capture_rng, from_json, restore_rng, to_json
+
+    torch.manual_seed(1)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    j = Journal.create(tmp_path / "run-x", "x", max_restarts=3, save=False)
+    j.start_rng = to_json(capture_rng())
+    j.start_saved = setup_state.fingerprint({"model": model, "opt": opt}, ["model", "opt"], saved=True)
+    j.save()
+    drawn = (torch.rand(4), np.random.rand(2), random.random())
+    loaded = Journal.load(tmp_path / "run-x")
+    restore_rng(from_json(loaded.start_rng))
+    again = (torch.rand(4), np.random.rand(2), random.random())
+    assert torch.equal(drawn[0], again[0]) and (drawn[1] == again[1]).all() and drawn[2] == again[2]
+    ns = {"model": model, "opt": opt}
+    assert setup_state.differing(loaded.start_saved, ns, saved=True) == []
+    opt.param_groups[0]["lr"] = 0.05
+    with torch.no_grad():
+        model.weight[0, 0] += 1
+    assert setup_state.differing(loaded.start_saved, ns, saved=True) == ["model", "opt"]
+    j.start_rng = {"value": {}}
+    with pytest.raises(JournalError, match="the random state of the run's start is not"):
+        j.save()
+
+
 def test_a_loader_over_a_random_split_is_fingerprinted_by_the_indices_it_draws_from():
     """``random_split`` without a generator draws its subsets from the global state; the loader the
     training reads is what the set-up cell binds: it is fingerprinted by its batching and its

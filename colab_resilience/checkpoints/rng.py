@@ -163,3 +163,48 @@ def restore_rng(state: Mapping[str, Any]) -> None:
 
         raise BuiltSinceError("colab_resilience: Keras's global seed generator (keras.random without a seed) "
                               "was made after the safe point, and no saved state unmakes it")
+
+
+def to_json(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A random state (:func:`capture_rng`, with generators' states) as JSON for a run's journal:
+    tagged JSON (:mod:`.codec`) whose tensors and arrays are listed beside it by dtype, shape and
+    bytes. Reading it back (:func:`from_json`) executes nothing."""
+    import base64
+
+    from .codec import Encoder
+
+    encoder = Encoder(leaves=True)
+    value = encoder.encode(dict(state))
+    leaves = []
+    for leaf in encoder.leaves:
+        torch = sys.modules.get("torch")
+        is_torch = torch is not None and isinstance(leaf, torch.Tensor)
+        array = leaf.detach().cpu().contiguous().numpy() if is_torch else __import__("numpy").ascontiguousarray(leaf)
+        leaves.append({"torch": is_torch, "dtype": array.dtype.str, "shape": list(array.shape),
+                       "data": base64.b64encode(array.tobytes()).decode("ascii")})
+    return {"value": value, "leaves": leaves}
+
+
+def from_json(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The random state :func:`to_json` wrote (ValueError, or another error of malformed input,
+    if it is not that)."""
+    import base64
+
+    import numpy as np
+
+    from .codec import decode
+
+    leaves = []
+    for leaf in data["leaves"]:
+        array = np.frombuffer(base64.b64decode(leaf["data"], validate=True), dtype=np.dtype(leaf["dtype"]))
+        array = array.reshape([int(n) for n in leaf["shape"]]).copy()
+        if leaf["torch"]:
+            import torch
+
+            leaves.append(torch.from_numpy(array))
+        else:
+            leaves.append(array)
+    state = decode(data["value"], leaves)
+    if not isinstance(state, dict):
+        raise ValueError("a random state is not a mapping")
+    return state
