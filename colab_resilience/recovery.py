@@ -101,6 +101,7 @@ class Recovery:
         before_retry: Callable[[Outcome], list[str] | None] | None = None,
         give_up: Callable[[BaseException, oom.OOMVerdict, Outcome], None] | None = None,
         on_shrink: Callable[[dict[str, int]], None] | None = None,
+        not_exact: Callable[[], RetryNotExactError | None] | None = None,
     ):
         self.shell = shell
         self.retries = retries
@@ -110,6 +111,7 @@ class Recovery:
         self.before_retry = before_retry
         self.give_up = give_up
         self.on_shrink = on_shrink
+        self.not_exact = not_exact  # why a retry here cannot repeat the failed attempt (a restart can)
         self.outcome = Outcome()
 
     def run(self, header: str, body: str) -> None:
@@ -133,6 +135,10 @@ class Recovery:
             if verdict is None:
                 reraise(self.shell, exc, tb)
             faults.reached()
+            if not verdict.needs_restart and outcome.attempts <= self.retries and self.not_exact is not None:
+                why = self.not_exact()
+                if why is not None:
+                    verdict = oom.OOMVerdict(oom.RESTART, why.label, why)
             outcome.labels.append(verdict.label)
             if verdict.needs_restart or outcome.attempts > self.retries:
                 self._give_up(exc, tb, verdict)

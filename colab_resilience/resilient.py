@@ -103,6 +103,7 @@ def execute(session, line: str, body: str, options: Options) -> None:
         before_retry=lambda outcome: run.rollback(host_memory=oom.host_memory(outcome.labels[-1])),
         give_up=give_up,
         on_shrink=run.record_shrink,
+        not_exact=run.retry_not_exact,
     )
     session.saves[run.run_id] = run.saver.stats  # for %resilience status
     with run.active():

@@ -793,6 +793,28 @@ class Run:
             del ns[n]
         return new
 
+    def retry_not_exact(self) -> RetryNotExactError | None:
+        """Before a retry in this kernel: an attempt that failed before the run's first checkpoint
+        (above its first loop) and changed a ``--save`` value in place (``g["lr"] *= 0.5``, weights
+        scaled, a loss appended) leaves nothing that puts it back, and the retry would run that code
+        again on top of it. The run goes on in a restarted kernel instead, whose replay makes the
+        value again (compared there with what the run began with, :meth:`_start_state`)."""
+        from . import setup_state
+
+        j = self.journal
+        self.saver.settle()  # the first checkpoint, if it is being written
+        if j.last_checkpoint is not None or not j.start_saved:
+            return None
+        differ = setup_state.differing(j.start_saved, self.shell.user_ns, saved=True)
+        if not differ:
+            return None
+        it = "it" if len(differ) == 1 else "them"
+        return RetryNotExactError(
+            f"colab_resilience: run {self.run_id}: the failed attempt changed {', '.join(differ)} before the run's "
+            f"first checkpoint, and nothing holds what {it} held; the run goes on in a restarted kernel, whose "
+            f"%%replay cells make {it} again",
+            f"out of memory, and the failed attempt had changed {', '.join(differ)} before the run's first checkpoint")
+
     def rollback(self, host_memory: bool = True) -> list[str]:
         """Before an in-process retry: restore the last safe point at the next restore point, and
         unbind what the failed attempt created (returned, to be reported). The checkpoint being

@@ -1036,6 +1036,38 @@ def test_a_refused_run_goes_on_as_it_began_after_run_all(kernel, tmp_path):
     assert harness.result(kernel.ok(cells[5]).stdout) == harness.result(twin)
 
 
+@pytest.mark.parametrize("changed", [True, False], ids=["changed-in-place", "unchanged"])
+def test_an_oom_above_the_first_loop_after_an_in_place_change_resumes_in_a_new_kernel(tmp_path, changed):
+    """The cell halves the optimizer's rate and scales the weights in place above its loop, then
+    runs out of host memory (a real failure of torch's allocator) before the loop's first
+    checkpoint. The retry in the kernel ran that code again on the changed values: a quarter of
+    the rate, and said done with other weights (found by a probe). Nothing holds what they were,
+    so the run goes on in a restarted kernel, whose replay makes them again: bit for bit as the
+    twin. Where the failed attempt changed nothing yet (out of memory before the change), the
+    retry stays in the kernel."""
+    change = ("for g in opt.param_groups:\n    g['lr'] *= 0.5\n"
+              "with torch.no_grad():\n    model[0].weight.mul_(0.9)\n")
+
+    def notebook(mark):
+        oom = (f"if not os.path.exists({str(mark)!r}):\n"
+               f"    open({str(mark)!r}, 'w').close()\n    {harness.HOST_OOM}\n")
+        return harness.notebook(
+            "%load_ext colab_resilience", _SETUP,
+            "%%resilient --save model,opt,losses\n" + (change + oom if changed else oom + change)
+            + "perm = torch.arange(96)\nfor epoch in resume_range(3):\n" + _TRAIN,
+            "print('RESULT', losses, opt.param_groups[0]['lr'], model[0].weight.sum().item())")
+
+    run, nb, twin = faulted_and_twin(tmp_path, notebook)
+    out = harness.cell_text(nb.cells[2])
+    if changed:
+        assert len(run.restarts) == 1, out
+        assert "out of memory, and the failed attempt had changed model, opt before the run's first checkpoint" in out
+    else:
+        assert not run.restarts and "retry 1/2" in out, out
+    assert harness.result(nb) == harness.result(twin)
+    assert " 0.005 " in harness.result(twin)
+
+
 # -- checkpoint() ------------------------------------------------------------------------------------
 
 
