@@ -396,7 +396,8 @@ class Run:
         j, ns = self.journal, self.shell.user_ns
         if not self.resuming:
             j.start_rng = rng_json.to_json(self.capture_rng())
-            j.start_saved = setup_state.fingerprint(ns, self.names, saved=True)
+            kept = setup_state.trained(self.shell, self.body, [c.source for c in j.replay_cells], self.names)
+            j.start_saved = setup_state.fingerprint(ns, [*self.names, *kept], saved=True)
             return
         if not self.after_restart:
             return
@@ -415,8 +416,8 @@ class Run:
                     f"with, and the kernel died before the run's first checkpoint held {it}: a cell that is not "
                     f"replayed changed {it} (a plain cell, an earlier training cell), or the %%replay cells make "
                     f"{it} otherwise each time (no seed); run the cells above this one again (Run All), or make "
-                    "that change in this cell above its loop; `%resilience reset` starts the run with what the "
-                    "%%replay cells make")
+                    "that change in this cell, before its training; `%resilience reset` starts the run with what "
+                    "the %%replay cells make")
 
     def _restore(self, where: str) -> tuple[Checkpoint, list[str]] | None:
         """Restore the last safe point's declared names (not yet its random state) and what a

@@ -173,6 +173,27 @@ def fingerprint(ns: Mapping[str, Any], names: Iterable[str], *, saved: bool = Fa
     return out
 
 
+def trained(shell, body: str, sources: Iterable[str], saved: Iterable[str]) -> list[str]:
+    """The names the set-up cells bind and the cell reads that :func:`watched` leaves to the run's
+    checkpoints, not in ``--save``: a model the training trains and its optimizer (a Keras model a
+    ``fit`` trains, a torch model a Trainer's callback keeps). Fingerprinted as the run begins with
+    the ``--save`` values (until the first checkpoint nothing holds them either)."""
+    ns, hidden = shell.user_ns, getattr(shell, "user_ns_hidden", {})
+    names = setup_names(shell, sources) & read_names(shell, body)
+    return sorted(n for n in names - set(saved)
+                  if n in ns and not n.startswith("_") and n not in hidden and _kind(ns[n]) is None
+                  and _trainable(ns[n]))
+
+
+def _trainable(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
+        return True
+    from .checkpoints import keras_state
+
+    return keras_state.kind(value) in ("layer", "optimizer")
+
+
 def _feed_saved(value: Any, h) -> bool:
     torch = sys.modules.get("torch")
     h.update(f"<{type(value).__qualname__}>".encode())
@@ -184,9 +205,19 @@ def _feed_saved(value: Any, h) -> bool:
     from .checkpoints import keras_state
 
     if keras_state.kind(value) is not None and hasattr(value, "variables"):
-        for v in value.variables:
+        # a compiled model with its optimizer's (a rate assigned in a plain cell)
+        optimizer = getattr(value, "optimizer", None) if keras_state.kind(value) == "layer" else None
+        for v in [*value.variables, *getattr(optimizer, "variables", ())]:
             h.update(v.path.encode())
-            _array(v.numpy(), h)
+            _variable(v, h)
+        return True
+    from .checkpoints import pytree
+
+    flat = pytree.flatten(value)  # a flax TrainState, an optax state, an nnx module or optimizer
+    if flat is not None:
+        for path, leaf in zip(flat["paths"], flat["leaves"]):
+            h.update(path.encode())
+            _feed(leaf, h, set(), 1)
         return True
     if _kind(value) is None and callable(getattr(value, "state_dict", None)):
         # an optimizer (its rates and moments), a scheduler, a GradScaler: what a checkpoint takes
@@ -237,6 +268,9 @@ def _kind(value: Any) -> str | None:
         return "tensor"
     if np is not None and isinstance(value, (np.ndarray, np.generic)):
         return "array"
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(value, jax.Array):
+        return "jax"
     # a model the training trains is its checkpoint's (--save, or a framework's callback that
     # restores it): only a frozen one (a teacher, a pretrained backbone) is the set-up cells' alone
     if torch is not None and isinstance(value, torch.nn.Module):
@@ -313,6 +347,8 @@ def _feed(value: Any, h, seen: set[int], depth: int) -> bool:
         _tensor(value, h)
     elif kind == "array":
         _array(value, h)
+    elif kind == "jax":
+        _jax(value, h)
     elif kind == "module":
         for k, t in value.state_dict(keep_vars=True).items():
             h.update(k.encode())
@@ -320,7 +356,7 @@ def _feed(value: Any, h, seen: set[int], depth: int) -> bool:
     elif kind == "keras":
         for v in value.variables:
             h.update(v.path.encode())
-            _array(v.numpy(), h)
+            _variable(v, h)
     elif kind == "generator":
         from .checkpoints.rng import generator_state
 
@@ -371,6 +407,36 @@ def _tensor(t, h) -> None:
     if host.dtype.is_complex:
         host = torch.view_as_real(host)
     h.update(host.view(torch.uint8).numpy().tobytes())
+
+
+def _variable(v, h) -> None:
+    """A Keras variable: whole up to 1 MiB, else by a strided sample taken where it lies (of a GPU
+    model's, only the sample is copied to the host)."""
+    import numpy as np
+
+    try:
+        size, itemsize = int(np.prod(v.shape)), np.dtype(v.dtype).itemsize
+    except TypeError:  # a dtype NumPy does not know (bfloat16): whole
+        size, itemsize = 0, 0
+    if size * itemsize <= WHOLE:
+        _array(v.numpy(), h)
+        return
+    ops = sys.modules["keras"].ops
+    h.update(f"{v.dtype}{tuple(v.shape)}".encode())
+    _array(ops.convert_to_numpy(ops.reshape(v.value, (-1,))[:: max(1, size // SAMPLE)][:SAMPLE]), h)
+
+
+def _jax(a, h) -> None:
+    """A JAX array: whole up to 1 MiB, else by a strided sample taken where it lies; a PRNG key by
+    its data."""
+    jax, np = sys.modules["jax"], sys.modules["numpy"]
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        a = jax.random.key_data(a)
+    h.update(f"{a.dtype}{a.shape}".encode())
+    if a.size * a.dtype.itemsize > WHOLE:
+        flat = a.reshape(-1)
+        a = flat[:: max(1, flat.size // SAMPLE)][:SAMPLE]
+    _array(np.asarray(a), h)
 
 
 def _array(a, h) -> None:

@@ -212,3 +212,62 @@ def test_an_optax_transformation_the_loop_calls_update_on_is_not_named_as_carrie
     lines = lint.warnings(ip, body, ["params", "opt_state"], [])
     carried = [line for line in lines if "carries" in line]
     assert len(carried) == 1 and "carries key from one iteration" in carried[0], lines
+
+
+def _halved_notebook(where: str, mark):
+    """A flax TrainState built by the %%replay cell; its parameters halved in a plain cell, or in
+    the training cell above its loop; the training cell killed once above its loop (no checkpoint
+    yet)."""
+    kill = (f"if not os.path.exists({str(mark)!r}):\n"
+            f"    open({str(mark)!r}, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n")
+    change = "state = state.replace(params=jax.tree.map(lambda p: p * 0.5, state.params))\n"
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        "%%replay\nimport os, signal\nimport jax, optax\nimport flax.linen as nn\nfrom flax.training import train_state\n"
+        "key = jax.random.key(0)\nX = jax.random.normal(key, (64, 4)); Y = X[:, :1] * 2\n"
+        "class M(nn.Module):\n    @nn.compact\n    def __call__(self, x):\n        return nn.Dense(1)(nn.relu(nn.Dense(8)(x)))\n"
+        "m = M()\nstate = train_state.TrainState.create(apply_fn=m.apply, params=m.init(key, X)['params'], "
+        "tx=optax.adam(0.01))\n"
+        "@jax.jit\ndef step(state, x, y):\n"
+        "    loss, g = jax.value_and_grad(lambda p: ((state.apply_fn({'params': p}, x) - y) ** 2).mean())(state.params)\n"
+        "    return state.apply_gradients(grads=g), loss\nlosses = []",
+        change if where == "plain-cell" else "pass",
+        "%%resilient --save state,losses\n" + kill + (change if where == "training-cell" else "")
+        + "for epoch in resume_range(3):\n    for i in range(0, 64, 16):\n"
+        "        state, loss = step(state, X[i:i + 16], Y[i:i + 16])\n    losses.append(float(loss))",
+        "print('RESULT', losses)")
+
+
+@pytest.mark.parametrize("where", ["plain-cell", "training-cell"])
+def test_a_train_state_a_plain_cell_changed_is_not_lost_silently_by_a_kill_above_the_loop(tmp_path, where):
+    """Killed above its loop (before its first checkpoint), the run went on with the TrainState the
+    replay built, not the one a plain cell changed, and said done with other losses: a pytree's
+    leaves were not in the fingerprint the run began with. The run stops with the line that names
+    it; the same change made in the training cell resumes bit for bit as its twin."""
+    (tmp_path / "twin").mkdir()
+    (tmp_path / "twin" / "m").touch()
+    twin = _halved_notebook(where, tmp_path / "twin" / "m")
+    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    nb = _halved_notebook(where, tmp_path / "m")
+    run = harness.run(nb, tmp_path, standby=False)
+    if where == "plain-cell":
+        assert run.status != 0, harness.result(nb)
+        assert "state is not what the run began with, and the kernel died before the run's first checkpoint" \
+               in run.message, run.message
+    else:
+        assert run.status == 0 and len(run.restarts) == 1, run.message
+        assert harness.result(nb) == harness.result(twin)
+
+
+def test_jax_arrays_and_keys_are_fingerprinted_by_their_values_a_large_one_by_a_sample():
+    """What the set-up cells bind as JAX arrays (a split, a key) was left out of the fingerprint a
+    resumed run compares: a change went unnamed."""
+    from colab_resilience import setup_state
+
+    small, large, key = jnp.arange(8.0), jnp.ones((1024, 512)), jax.random.key(0)
+    ns = {"small": small, "large": large, "key": key}
+    before = setup_state.fingerprint(ns, ns)
+    assert set(before) == {"small", "large", "key"}
+    assert setup_state.differing(before, dict(ns)) == []
+    changed = {"small": small.at[3].set(0.5), "large": large.at[0, 0].set(2.0), "key": jax.random.key(1)}
+    assert setup_state.differing(before, changed) == ["small", "large", "key"]

@@ -1048,3 +1048,45 @@ def test_a_standby_that_imported_tensorflow_ahead_takes_over_only_where_the_impo
                 "random state, which a replay in a kernel that imported it ahead cannot draw again)") in text[5], text[5]
     else:
         assert re.search(r"switched to the standby kernel, replayed \d+ cells", text[5]), text[5]
+
+
+def _rate_changed_notebook(where: str, mark):
+    """A compiled model in the %%replay cell; its optimizer's rate lowered in a plain cell, or in
+    the training cell before ``fit``; the training cell killed once before ``fit`` (no checkpoint
+    yet)."""
+    kill = (f"if not os.path.exists({str(mark)!r}):\n"
+            f"    open({str(mark)!r}, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n")
+    change = "_ = model.optimizer.learning_rate.assign(0.003)\n"
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        "%%replay\nimport os, signal\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\nimport numpy as np, keras\n"
+        "keras.utils.set_random_seed(0)\nX = np.random.rand(64, 4).astype('float32'); Y = X[:, :1] * 2\n"
+        "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation='relu'), keras.layers.Dense(1)])\n"
+        "model.compile(optimizer=keras.optimizers.Adam(0.01), loss='mse')",
+        change if where == "plain-cell" else "pass",
+        "%%resilient\nfrom colab_resilience.integrations.keras import ResilienceCallback\n"
+        + (change if where == "training-cell" else "") + kill
+        + "history = model.fit(X, Y, epochs=3, batch_size=16, verbose=0, callbacks=[ResilienceCallback()])",
+        "print('RESULT', history.history['loss'], float(model.optimizer.learning_rate))")
+
+
+@pytest.mark.parametrize("where", ["plain-cell", "training-cell"])
+def test_a_rate_a_plain_cell_set_is_not_lost_silently_by_a_kill_before_fit(tmp_path, where):
+    """Killed before ``fit`` (its first checkpoint), the run went on with the model the replay
+    compiled, at the rate the %%replay cell set, not the one a plain cell assigned, and said done
+    with other losses (found by a probe): the run stops with the line that names the model. The
+    same change made in the training cell before ``fit`` resumes bit for bit as its twin."""
+    (tmp_path / "twin").mkdir()
+    (tmp_path / "twin" / "m").touch()
+    twin = _rate_changed_notebook(where, tmp_path / "twin" / "m")
+    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    nb = _rate_changed_notebook(where, tmp_path / "m")
+    run = harness.run(nb, tmp_path, standby=False)
+    if where == "plain-cell":
+        assert run.status != 0, harness.result(nb)
+        assert "model is not what the run began with, and the kernel died before the run's first checkpoint" \
+               in run.message, run.message
+    else:
+        assert run.status == 0 and len(run.restarts) == 1, run.message
+        assert harness.result(nb) == harness.result(twin)
+    assert harness.result(twin).endswith(" 0.003000000026077032")
