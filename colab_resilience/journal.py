@@ -126,6 +126,7 @@ class Journal:
     # compares (setup_state.fingerprint, saved=True)
     start_rng: dict[str, Any] | None = None
     start_saved: dict[str, str] = field(default_factory=dict)
+    start_from_setup: list[str] = field(default_factory=list)  # of those, the ones as the set-up cells made them
 
     @property
     def path(self) -> Path:
@@ -215,6 +216,7 @@ class Journal:
             setup=dict(data.get("setup") or {}),
             start_rng=data.get("start_rng"),
             start_saved=dict(data.get("start_saved") or {}),
+            start_from_setup=list(data.get("start_from_setup") or []),
             policy=RestartPolicy(data["policy"]["every"], data["policy"]["memory_percent"]),
             **values,
         )

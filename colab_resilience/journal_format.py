@@ -121,6 +121,9 @@ def validate(data: Any, path: Path) -> None:
         saved = data.get("start_saved", {})
         if not isinstance(saved, dict) or not all(is_type(v, (str,)) for v in saved.values()):
             bad(path, "the saved values' fingerprints are not strings")
+        same = data.get("start_from_setup", [])
+        if not isinstance(same, list) or not all(is_type(n, (str,)) for n in same):
+            bad(path, "the names as the set-up cells made them are not strings")
         rng = data.get("start_rng")
         if rng is not None and not (isinstance(rng, dict) and isinstance(rng.get("leaves"), list) and "value" in rng):
             bad(path, "the random state of the run's start is not {value, leaves}")

@@ -89,6 +89,9 @@ class ReplayLog:
         # (:func:`.setup_state.fingerprint`): a run that begins compares, for a change since
         self.names: set[str] = set()
         self.prints: dict[str, str] = {}
+        # the same with the models and optimizers (setup_state.fingerprint, saved=True): a run that
+        # begins tells a --save value nothing changed since they ran from one a cell changed
+        self.saved_prints: dict[str, str] = {}
 
     def ran(self, shell, source: str) -> None:
         """A set-up cell ran in this kernel: fingerprint what the set-up cells bind, as it is now."""
@@ -97,12 +100,13 @@ class ReplayLog:
         self.names |= setup_state.setup_names(shell, [source])
         try:
             self.prints = setup_state.fingerprint(shell.user_ns, sorted(self.names))
+            self.saved_prints = setup_state.fingerprint(shell.user_ns, sorted(self.names), saved=True)
         except Exception as e:  # a guard: never the cell's failure, but for running out of memory
             from .oom import is_oom
 
             if is_oom(e):
                 raise
-            self.prints = {}
+            self.prints, self.saved_prints = {}, {}
 
     def record(self, key: str | None, source: str) -> ReplayCell:
         key = key or source_key(source)

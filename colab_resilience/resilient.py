@@ -71,7 +71,8 @@ def execute(session, line: str, body: str, options: Options) -> None:
             raise
         seconds = time.perf_counter() - start
     try:
-        run.start(session.replay_log.cells, replayed=replayed, replay_seconds=seconds, setup=session.replay_log.prints)
+        run.start(session.replay_log.cells, replayed=replayed, replay_seconds=seconds, setup=session.replay_log.prints,
+                  setup_saved=session.replay_log.saved_prints)
     except BaseException:
         run.close()  # still pending: a change the run began with and no checkpoint holds (it says which)
         raise

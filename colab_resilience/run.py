@@ -341,11 +341,12 @@ class Run:
         self.journal.save()
 
     def start(self, setup_cells: list[ReplayCell], *, replayed: int = 0, replay_seconds: float = 0.0,
-              setup: dict[str, str] | None = None) -> None:
+              setup: dict[str, str] | None = None, setup_saved: dict[str, str] | None = None) -> None:
         """The run goes on in this kernel: the set-up cells it knows are recorded, the shrunk
         values of a resumed run are put back, and the saved names a restore puts into the objects
         they hold are known (:func:`.lint.kept_objects`). ``setup``: what the set-up cells' names
-        held when the last of them ran in this kernel (:attr:`.replay.ReplayLog.prints`)."""
+        held when the last of them ran in this kernel (:attr:`.replay.ReplayLog.prints`; ``setup_saved``,
+        with models and optimizers: :attr:`.replay.ReplayLog.saved_prints`)."""
         self._replayed, self._replay_seconds = replayed, replay_seconds
         j = self.journal
         j.phase = None
@@ -353,7 +354,7 @@ class Run:
             put_back_shrunk(self.shell.user_ns, j.shrink)
         merge_replay_cells(j.replay_cells, setup_cells)
         self._check_setup(setup or {})
-        self._start_state()
+        self._start_state(setup_saved or {})
         j.save()
         from .lint import kept_objects, set_in_loops_read_after
 
@@ -380,7 +381,7 @@ class Run:
             if differ:
                 self.say(setup_state.message(differ))
 
-    def _start_state(self) -> None:
+    def _start_state(self, after_setup: dict[str, str]) -> None:
         """A run that begins records its random states and what its ``--save`` values hold; a
         kernel that resumes it after a restart sets those random states before the cell runs
         again, so that its code above the first loop (``perm = torch.randperm(n)``, a model built
@@ -388,7 +389,10 @@ class Run:
         have drawn since the set-up cells ran). Before the run's first checkpoint, nothing holds its
         ``--save`` values but the set-up cells and the runs finished before it: where they made
         them otherwise than they were as the run began (a plain cell set an optimizer's rate,
-        loaded weights), the run stops, pending, with the line that says what to do."""
+        loaded weights), the run stops, pending, with the line that says what to do. Where they were
+        as the set-up cells made them (``after_setup``) and the replay made them otherwise (a model
+        initialised without a seed), nothing was lost that a re-run gives back: one line says the
+        result will differ, and the run goes on."""
         from . import setup_state
         from .checkpoints import rng as rng_json
         from .checkpoints.codec import MALFORMED
@@ -398,6 +402,7 @@ class Run:
             j.start_rng = rng_json.to_json(self.capture_rng())
             kept = setup_state.trained(self.shell, self.body, [c.source for c in j.replay_cells], self.names)
             j.start_saved = setup_state.fingerprint(ns, [*self.names, *kept], saved=True)
+            j.start_from_setup = sorted(n for n, p in j.start_saved.items() if after_setup.get(n) == p)
             return
         if not self.after_restart:
             return
@@ -408,16 +413,22 @@ class Run:
                 pass
         if j.last_checkpoint is None and j.start_saved:
             differ = setup_state.differing(j.start_saved, ns, saved=True)
-            if differ:
-                names, one = ", ".join(differ), len(differ) == 1
+            lost = [n for n in differ if n not in j.start_from_setup]
+            if lost:
+                names, one = ", ".join(lost), len(lost) == 1
                 it = "it" if one else "them"
                 raise RunStoppedError(
                     f"colab_resilience: run {self.run_id}: {names} {'is' if one else 'are'} not what the run began "
                     f"with, and the kernel died before the run's first checkpoint held {it}: a cell that is not "
-                    f"replayed changed {it} (a plain cell, an earlier training cell), or the %%replay cells make "
-                    f"{it} otherwise each time (no seed); run the cells above this one again (Run All), or make "
-                    "that change in this cell, before its training; `%resilience reset` starts the run with what "
-                    "the %%replay cells make")
+                    f"replayed changed {it} (a plain cell, an earlier training cell); run the cells above this "
+                    "one again (Run All), or make that change in this cell, before its training; `%resilience "
+                    "reset` starts the run with what the %%replay cells make")
+            if differ:
+                self.say(f"colab_resilience: run {self.run_id}: the replayed set-up cells made {', '.join(differ)} "
+                         "otherwise than the kernel that began this run had them (drawn without a seed), and the "
+                         "kernel died before the run's first checkpoint held them: the resumed run will not end as "
+                         "the uninterrupted one; seed the %%replay cells (torch.manual_seed(0), "
+                         "keras.utils.set_random_seed(0))")
 
     def _restore(self, where: str) -> tuple[Checkpoint, list[str]] | None:
         """Restore the last safe point's declared names (not yet its random state) and what a

@@ -1008,6 +1008,27 @@ def test_a_saved_value_a_plain_cell_changed_is_not_lost_silently_before_the_firs
     assert "RESULT" not in "".join(harness.cell_text(c) for c in nb.cells)
 
 
+def test_a_model_the_replay_initialised_otherwise_is_said_and_the_run_goes_on(tmp_path):
+    """A model the %%replay cell initialises without a seed, nothing changed since: killed above
+    the loop, the replay makes it otherwise. Nothing a re-run would give back was lost, so the run
+    is not refused (Run All would make it otherwise again): one line says the result will differ,
+    and the run ends."""
+    def notebook(mark):
+        return harness.notebook(
+            "%load_ext colab_resilience",
+            _SETUP.replace("torch.manual_seed(0)\nX = torch.randn(96, 6", "X = torch.ones(96, 6"),
+            "%%resilient --save model,opt,losses\n" + _kill(mark, "") + "perm = torch.arange(96)\n"
+            "for epoch in resume_range(3):\n" + _TRAIN,
+            "print('RESULT', losses)")
+
+    run = harness.run(nb := notebook(tmp_path / "m"), tmp_path, standby=False)
+    out = harness.cell_text(nb.cells[2])
+    assert run.status == 0 and len(run.restarts) == 1, run.message
+    assert ("the replayed set-up cells made model otherwise than the kernel that began this run had them "
+            "(drawn without a seed), and the kernel died before the run's first checkpoint held them") in out, out
+    assert "opt" not in out.split("made model")[1].split("otherwise")[0]
+
+
 def test_a_refused_run_goes_on_as_it_began_after_run_all(kernel, tmp_path):
     """Interactively, the user runs the training cell again after the kernel died: nothing gave the
     new kernel the first run's model back, and the run trained the model the set-up cell makes
