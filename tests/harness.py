@@ -409,6 +409,23 @@ def faulted_and_twin(tmp_path: Path, notebook):
     return faulted, nb, twin
 
 
+def refused_or_twin(tmp_path: Path, notebook, refused: str | None):
+    """``notebook(mark)`` run uninterrupted, then with its fault: with ``refused``, the faulted run
+    must fail with that line; else it must succeed after one restart, with its twin's result."""
+    (tmp_path / "twin").mkdir()
+    (tmp_path / "twin" / "m").touch()
+    twin = notebook(tmp_path / "twin" / "m")
+    assert run(twin, tmp_path / "twin", standby=False).status == 0
+    nb = notebook(tmp_path / "m")
+    faulted = run(nb, tmp_path, standby=False)
+    if refused is not None:
+        assert faulted.status != 0 and refused in faulted.message, faulted.message
+    else:
+        assert faulted.status == 0 and len(faulted.restarts) == 1, faulted.message
+        assert result(nb) == result(twin)
+    return faulted, nb, twin
+
+
 def run_killed_after_training(nb, workdir: str | os.PathLike, holds: str):
     """:func:`run_ok` for a golden notebook whose ``result`` cell kills its kernel once, after the
     training cell ended: the one restart is that cell's, and its marker says that ``holds`` (a

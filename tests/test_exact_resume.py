@@ -997,14 +997,8 @@ def test_a_saved_value_a_plain_cell_changed_is_not_lost_silently_before_the_firs
     cell and the first run make: without the rate the plain cell set, and said done with other
     weights (found by a probe). No checkpoint holds that change; the run stops, pending, with the
     line that names the optimizer (the model, restored from the first run, is as it began)."""
-    (tmp_path / "twin").mkdir()
-    (tmp_path / "twin" / "m").touch()
-    twin = _changed_before_the_first_checkpoint(tmp_path / "twin" / "m")
-    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
-    nb = _changed_before_the_first_checkpoint(tmp_path / "m")
-    run = harness.run(nb, tmp_path, standby=False)
-    assert run.status != 0 and REFUSED in run.message, run.message
-    assert f"opt {REFUSED}" in run.message and "model" not in run.message.split("run began")[0], run.message
+    run, nb, _ = harness.refused_or_twin(tmp_path, _changed_before_the_first_checkpoint, f"opt {REFUSED}")
+    assert "model" not in run.message.split("run began")[0], run.message
     assert "RESULT" not in "".join(harness.cell_text(c) for c in nb.cells)
 
 

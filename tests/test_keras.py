@@ -1076,17 +1076,7 @@ def test_a_rate_a_plain_cell_set_is_not_lost_silently_by_a_kill_before_fit(tmp_p
     compiled, at the rate the %%replay cell set, not the one a plain cell assigned, and said done
     with other losses (found by a probe): the run stops with the line that names the model. The
     same change made in the training cell before ``fit`` resumes bit for bit as its twin."""
-    (tmp_path / "twin").mkdir()
-    (tmp_path / "twin" / "m").touch()
-    twin = _rate_changed_notebook(where, tmp_path / "twin" / "m")
-    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
-    nb = _rate_changed_notebook(where, tmp_path / "m")
-    run = harness.run(nb, tmp_path, standby=False)
-    if where == "plain-cell":
-        assert run.status != 0, harness.result(nb)
-        assert "model is not what the run began with, and the kernel died before the run's first checkpoint" \
-               in run.message, run.message
-    else:
-        assert run.status == 0 and len(run.restarts) == 1, run.message
-        assert harness.result(nb) == harness.result(twin)
+    refused = "model is not what the run began with, and the kernel died before the run's first checkpoint"
+    _, _, twin = harness.refused_or_twin(tmp_path, lambda mark: _rate_changed_notebook(where, mark),
+                                         refused if where == "plain-cell" else None)
     assert harness.result(twin).endswith(" 0.003000000026077032")
