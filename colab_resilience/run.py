@@ -250,6 +250,7 @@ class Run:
         self.iteration: str | None = None  # the iteration in progress, for people ("2, item 3")
         self.loops = Loops(self)
         self._rng_at_start: dict | None = None  # the random state the cell's first attempt in this kernel began with
+        self._saved_at_start: dict[str, str] = {}  # the fingerprints of what it trains, as that attempt began
         # what the first loop start has to say of the code above it (lint.at_loop_start), once
         self.at_loop_start: Callable[[], list[str]] | None = None
         self._saved_point = -1  # the safe point the last successful save was made at
@@ -403,7 +404,10 @@ class Run:
             kept = setup_state.trained(self.shell, self.body, [c.source for c in j.replay_cells], self.names)
             j.start_saved = setup_state.fingerprint(ns, [*self.names, *kept], saved=True)
             j.start_from_setup = sorted(n for n, p in j.start_saved.items() if after_setup.get(n) == p)
+            self._saved_at_start = j.start_saved
             return
+        if j.last_checkpoint is None and j.start_saved:  # what a retry here compares with
+            self._saved_at_start = setup_state.fingerprint(ns, list(j.start_saved), saved=True)
         if not self.after_restart:
             return
         if j.start_rng is not None:
@@ -412,7 +416,8 @@ class Run:
             except MALFORMED:  # a journal of this installation's: not so; the replay's state stays
                 pass
         if j.last_checkpoint is None and j.start_saved:
-            differ = setup_state.differing(j.start_saved, ns, saved=True)
+            now = self._saved_at_start
+            differ = [n for n in j.start_saved if n in now and now[n] != j.start_saved[n]]
             lost = [n for n in differ if n not in j.start_from_setup]
             if lost:
                 names, one = ", ".join(lost), len(lost) == 1
@@ -815,9 +820,10 @@ class Run:
 
         j = self.journal
         self.saver.settle()  # the first checkpoint, if it is being written
-        if j.last_checkpoint is not None or not j.start_saved:
+        if j.last_checkpoint is not None or not self._saved_at_start:
             return None
-        differ = setup_state.differing(j.start_saved, self.shell.user_ns, saved=True)
+        # against what this kernel's first attempt began with (a replay may have made a model otherwise)
+        differ = setup_state.differing(self._saved_at_start, self.shell.user_ns, saved=True)
         if not differ:
             return None
         it = "it" if len(differ) == 1 else "them"

@@ -1023,6 +1023,26 @@ def test_a_model_the_replay_initialised_otherwise_is_said_and_the_run_goes_on(tm
     assert "opt" not in out.split("made model")[1].split("otherwise")[0]
 
 
+def test_an_oom_above_the_loop_after_an_otherwise_initialised_model_is_retried_in_the_kernel(tmp_path):
+    """Killed above the loop, the run goes on with the model the replay initialised otherwise (no
+    seed); out of memory there next, before the run's first checkpoint, the failed attempt changed
+    nothing: the retry stays in the kernel (it compares with what this kernel's attempt began with,
+    not the first kernel's, which would restart the kernel at every such OOM)."""
+    def notebook(mark):
+        return harness.notebook(
+            "%load_ext colab_resilience",
+            _SETUP.replace("torch.manual_seed(0)\nX = torch.randn(96, 6", "X = torch.ones(96, 6"),
+            "%%resilient --save model,opt,losses\n" + _kill(mark, "")
+            + f"if not os.path.exists({str(mark) + '2'!r}):\n    open({str(mark) + '2'!r}, 'w').close()\n"
+            f"    {harness.HOST_OOM}\nperm = torch.arange(96)\nfor epoch in resume_range(3):\n" + _TRAIN,
+            "print('RESULT', losses)")
+
+    run = harness.run(nb := notebook(tmp_path / "m"), tmp_path, standby=False)
+    out = harness.cell_text(nb.cells[2])
+    assert run.status == 0 and len(run.restarts) == 1, out
+    assert "made model otherwise" in out and "retry 1/2" in out, out
+
+
 def test_a_refused_run_goes_on_as_it_began_after_run_all(kernel, tmp_path):
     """Interactively, the user runs the training cell again after the kernel died: nothing gave the
     new kernel the first run's model back, and the run trained the model the set-up cell makes
