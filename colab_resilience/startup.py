@@ -12,9 +12,12 @@ from pathlib import Path
 
 
 def load_if_pending(shell, root: str) -> bool:
+    """Not in a kernel a supervisor started (``colab-resilience run``, an isolated worker), which
+    may share the profile: it loads the extension itself, with the run directory it was given."""
     from .journal import pending_runs
+    from .restart import supervised
 
-    if shell is None or not pending_runs(Path(root)):
+    if shell is None or supervised() or not pending_runs(Path(root)):
         return False
     from . import load_ipython_extension
     from .session import session_of

@@ -189,6 +189,31 @@ def test_supervised_kernel_exits_with_the_documented_code_and_no_startup_file(tm
         k.shutdown()
 
 
+def test_a_supervised_kernel_keeps_its_run_directory_while_another_notebooks_run_is_pending(tmp_path, env):
+    """An interactive notebook's run is pending (its kernel was killed): the startup file that
+    brings the extension back into its next kernel is in the profile, with its run directory. A
+    kernel the supervisor started with that profile loaded the extension from that file and took
+    that directory for its own: its runs went where the driver does not look, and after a restart
+    it put back the other notebook's finished runs (found by a failing test: names its notebook
+    never had). It keeps the supervisor's."""
+    import harness
+
+    k = Kernel(env)
+    try:
+        k.ok("%load_ext colab_resilience")
+        _, code = k.execute_until_exit("%%resilient\nimport os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+        assert code == -9
+    finally:
+        k.shutdown()
+    assert list((tmp_path / "ipython").glob("profile_default/startup/*colab_resilience*"))
+    nb = harness.notebook("%load_ext colab_resilience",
+                          "from colab_resilience.session import session_of\nprint('ROOT', session_of().root())")
+    (tmp_path / "supervised").mkdir()
+    run = harness.run(nb, tmp_path / "supervised", env={"IPYTHONDIR": env["IPYTHONDIR"]}, standby=False)
+    assert run.status == 0, run.message
+    assert harness.cell_text(nb.cells[1]).split() == ["ROOT", str(tmp_path / "supervised" / "runs")]
+
+
 def test_a_second_kernel_on_the_same_run_is_refused(tmp_path, env):
     """Two kernels, one run directory, the same cell: the second is refused while the first runs it
     (naming its PID), and may run it once the first is done."""
