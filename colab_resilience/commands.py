@@ -212,7 +212,8 @@ def resume(session, run_dir: Path, *, trust: bool = False) -> None:
             session.say(str(e).splitlines()[0])
         j.status = "pending"
         j.restart_requested = True  # resumed by hand: not a kernel death to count
-        j.kernel_pid = j.counted_pid = os.getpid()
+        j.held_here()
+        j.counted_pid = j.kernel_pid
         j.save()
     finally:
         lock.release()
@@ -224,7 +225,7 @@ def resume(session, run_dir: Path, *, trust: bool = False) -> None:
 
 
 def restore_finished_runs(session, dead_pid: int | None = None, rerun_source: str | None = None,
-                          kernels: list[int] | None = None
+                          kernels: list[int] | None = None, *, held: list[str] | None = None
                           ) -> tuple[list[str], list[str], list[tuple[str, str]], list[str]]:
     """Put back the final state of every run that finished in the run directory, oldest first (a
     later run's values win); with ``kernels``, only of the runs last held by one of those kernel
@@ -234,7 +235,9 @@ def restore_finished_runs(session, dead_pid: int | None = None, rerun_source: st
     whose framework state (a callback's) only :func:`rerun_finished` can put back (the run of the
     cell ``rerun_source``, which is run again now, is in neither of those two); and one line for
     each saved name that could not be put back (an optimizer the loop rebound to another kind than
-    the set-up cells build), which holds what the set-up cells made."""
+    the set-up cells build), which holds what the set-up cells made. ``held``: only of the runs last
+    held by one of those kernels (:func:`.journal.kernel_identity`), and each that saves nothing is
+    one of the unsaved."""
     from .signing import load_or_create_key
 
     key = load_or_create_key()
@@ -244,14 +247,15 @@ def restore_finished_runs(session, dead_pid: int | None = None, rerun_source: st
             j = Journal.load(run_dir, key=key)
         except JournalError:
             continue
-        if j.status == "done" and (kernels is None or j.kernel_pid in kernels):
+        if j.status == "done" and (kernels is None or j.kernel_pid in kernels) \
+                and (held is None or bool(j.kernels) and j.kernels[-1] in held):
             done.append((run_dir, j))
     restored: list[str] = []
     not_back: list[str] = []
     session.not_back = set()
     others = [j for _, j in done if rerun_source is None or not _same_cell(j.interrupted_cell, rerun_source)]
-    unsaved = [j.run_id for j in others if not j.names and not j.framework and dead_pid is not None
-               and j.kernel_pid == dead_pid]
+    unsaved = [j.run_id for j in others if not j.names and not j.framework
+               and (held is not None or dead_pid is not None and j.kernel_pid == dead_pid)]
     rerun = [(j.run_id, j.framework) for j in others if j.framework]
     for run_dir, j in done:
         if j.framework:  # running its cell again (rerun_finished) puts back its names too
@@ -275,6 +279,44 @@ def restore_finished_runs(session, dead_pid: int | None = None, rerun_source: st
         got += [n for n in put_back_shrunk(session.shell.user_ns, j.shrink) if n not in got]  # the batch sizes
         restored += [n for n in got if n not in restored]
     return restored, unsaved, rerun, not_back
+
+
+def put_back_finished(session, run) -> None:
+    """Interactively, a kernel that resumes ``run`` after a restart puts back, after the replay,
+    the final state of the runs that had finished in the kernels that held it (what a driver does
+    before it runs the cell again): a training cell run alone after the kernel died in it would
+    otherwise go on with what the set-up cells make (an untrained model where a finished run had
+    trained it). Not the runs this kernel ran itself (their state is here), nor any other
+    notebook's: a run directory may hold theirs. Says in one line what came back, and what did not."""
+    from .deaths import unsaved_line
+    from .errors import RunStoppedError
+
+    held = run.journal.held_before
+    if not held or session.putting_back:
+        return
+    session.putting_back = True
+    try:
+        restored, unsaved, rerun, not_back = restore_finished_runs(session, rerun_source=run.journal.interrupted_cell,
+                                                                   held=held)
+        for run_id, holds in rerun:  # a framework's state: its cell runs again, and trains nothing
+            try:
+                rerun_finished(session, run_id)
+            except Exception as e:
+                why = " ".join(f"{type(e).__name__}: {e}".split())
+                raise RunStoppedError(
+                    f"colab_resilience: run {run.run_id}: the finished run {run_id} could not put back {holds} "
+                    f"({why}), and this cell would train on what the set-up cells rebuilt; make them build what "
+                    "the training had, or run the cells above this one again (Run All)") from None
+            restored.append(holds)
+    finally:
+        session.putting_back = False
+    if restored:
+        session.say(f"colab_resilience: run {run.run_id}: put back {', '.join(restored)} from the training that had "
+                    "finished in the kernel that died")
+    if unsaved:
+        session.say(unsaved_line(unsaved))
+    for line in not_back:
+        session.say(line)
 
 
 def rerun_finished(session, run_id: str) -> None:

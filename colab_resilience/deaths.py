@@ -56,13 +56,7 @@ class Restart:
         if self.cold and not self.standby:
             how += f" (not the standby kernel: {self.cold})"
         at = _where(self.iteration)
-        lost = ""
-        if self.unsaved:
-            one = len(self.unsaved) == 1
-            lost = (f"colab_resilience: run{'' if one else 's'} {', '.join(self.unsaved)} finished in the kernel that "
-                    f"died but save{'s' if one else ''} nothing (no --save), so what {'it' if one else 'they'} "
-                    "computed is not back and the cells after it may give another result than an uninterrupted "
-                    "run; --save the model and optimizer\n")
+        lost = unsaved_line(self.unsaved) + "\n" if self.unsaved else ""
         return (
             f"{what}; {how}, replayed {self.replayed} cell{'s' if self.replayed != 1 else ''}{state} "
             f"and resumed{at} in {self.seconds:.1f} s\n{lost}" + "".join(f"{line}\n" for line in self.not_back)
@@ -73,6 +67,14 @@ class Restart:
                 "replayed": self.replayed, "recovery_seconds": round(self.seconds, 3), "time": self.time,
                 "kernel": "standby" if self.standby else "restarted", "planned": self.planned,
                 "requested": self.requested, "unsaved": self.unsaved}
+
+
+def unsaved_line(run_ids: list[str]) -> str:
+    """What is said of the runs that finished in the kernel that died and saved nothing."""
+    one = len(run_ids) == 1
+    return (f"colab_resilience: run{'' if one else 's'} {', '.join(run_ids)} finished in the kernel that died but "
+            f"save{'s' if one else ''} nothing (no --save), so what {'it' if one else 'they'} computed is not back "
+            "and the cells after it may give another result than an uninterrupted run; --save the model and optimizer")
 
 
 def _where(iteration: str | None) -> str:

@@ -127,6 +127,10 @@ class Journal:
     start_rng: dict[str, Any] | None = None
     start_saved: dict[str, str] = field(default_factory=dict)
     start_from_setup: list[str] = field(default_factory=list)  # of those, the ones as the set-up cells made them
+    # the kernels that held the run, oldest first, each by :func:`kernel_identity` (a PID alone is
+    # reused: a fresh Colab VM's kernel often has the PID an earlier VM's had): the runs that had
+    # finished in the kernels a pending run held are what a kernel that resumes it puts back
+    kernels: list[str] = field(default_factory=list)
 
     @property
     def path(self) -> Path:
@@ -147,6 +151,7 @@ class Journal:
         """A new pending journal for a run (written at once unless ``save=False``)."""
         fsutil.make_private_dir(run_dir)
         values.setdefault("kernel_pid", os.getpid())
+        values.setdefault("kernels", [kernel_identity()])
         journal = cls(run_dir=Path(run_dir), run_id=run_id or new_run_id(), **values)
         validate(journal.to_dict(), journal.path)
         if save:
@@ -217,6 +222,7 @@ class Journal:
             start_rng=data.get("start_rng"),
             start_saved=dict(data.get("start_saved") or {}),
             start_from_setup=list(data.get("start_from_setup") or []),
+            kernels=list(data.get("kernels") or []),
             policy=RestartPolicy(data["policy"]["every"], data["policy"]["memory_percent"]),
             **values,
         )
@@ -254,6 +260,17 @@ class Journal:
         self.save()
         return self.restarts_left
 
+    def held_here(self) -> None:
+        """This kernel holds the run from now on."""
+        self.kernel_pid = os.getpid()
+        if self.kernels[-1:] != [kernel_identity()]:
+            self.kernels.append(kernel_identity())
+
+    @property
+    def held_before(self) -> list[str]:
+        """The kernels that held the run before this one."""
+        return [k for k in self.kernels if k != kernel_identity()]
+
     def set_status(self, status: str) -> None:
         if status not in STATUSES:
             raise ValueError(f"status must be one of {', '.join(STATUSES)}, not {status!r}")
@@ -280,6 +297,17 @@ def merge_replay_cells(cells: list[ReplayCell], new: list[ReplayCell]) -> None:
         else:
             index[cell.key] = ReplayCell(cell.key, cell.source)
             cells.append(index[cell.key])
+
+
+_identity: tuple[int, str] | None = None
+
+
+def kernel_identity() -> str:
+    """This process, as no other process has it: its PID and a random token drawn once in it."""
+    global _identity
+    if _identity is None or _identity[0] != os.getpid():  # a forked process draws its own
+        _identity = (os.getpid(), f"{os.getpid()}-{secrets.token_hex(8)}")
+    return _identity[1]
 
 
 def new_run_id() -> str:

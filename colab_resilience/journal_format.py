@@ -124,6 +124,9 @@ def validate(data: Any, path: Path) -> None:
         same = data.get("start_from_setup", [])
         if not isinstance(same, list) or not all(is_type(n, (str,)) for n in same):
             bad(path, "the names as the set-up cells made them are not strings")
+        kernels = data.get("kernels", [])
+        if not isinstance(kernels, list) or not all(is_type(k, (str,)) for k in kernels):
+            bad(path, "the kernels that held the run are not strings")
         rng = data.get("start_rng")
         if rng is not None and not (isinstance(rng, dict) and isinstance(rng.get("leaves"), list) and "value" in rng):
             bad(path, "the random state of the run's start is not {value, leaves}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from . import lint, oom, replay
+from . import commands, lint, oom, replay, restart
 from .errors import OptionError, ResilienceError
 from .recovery import Recovery, Shrink, shrink_value
 from .run import Run, finished_run, run_id_for, unset_note
@@ -71,6 +71,8 @@ def execute(session, line: str, body: str, options: Options) -> None:
             raise
         seconds = time.perf_counter() - start
     try:
+        if run.after_restart and not restart.supervised():  # a driver has put them back before it ran the cell
+            commands.put_back_finished(session, run)
         run.start(session.replay_log.cells, replayed=replayed, replay_seconds=seconds, setup=session.replay_log.prints,
                   setup_saved=session.replay_log.saved_prints)
     except BaseException:

@@ -314,7 +314,8 @@ class Run:
                 resuming = after_restart = False
             policy = policy or RestartPolicy()
             journal.cell_key, journal.names, journal.policy = cell_key, list(names), policy
-            journal.kernel_pid, journal.interrupted_cell, journal.status = os.getpid(), source, "pending"
+            journal.held_here()
+            journal.interrupted_cell, journal.status = source, "pending"
             journal.oom_kills = memory.oom_kills()
             journal.save()
         except BaseException:
@@ -416,24 +417,38 @@ class Run:
             except MALFORMED:  # a journal of this installation's: not so; the replay's state stays
                 pass
         if j.last_checkpoint is None and j.start_saved:
-            now = self._saved_at_start
-            differ = [n for n in j.start_saved if n in now and now[n] != j.start_saved[n]]
-            lost = [n for n in differ if n not in j.start_from_setup]
-            if lost:
-                names, one = ", ".join(lost), len(lost) == 1
-                it = "it" if one else "them"
-                raise RunStoppedError(
-                    f"colab_resilience: run {self.run_id}: {names} {'is' if one else 'are'} not what the run began "
-                    f"with, and the kernel died before the run's first checkpoint held {it}: a cell that is not "
-                    f"replayed changed {it} (a plain cell, an earlier training cell); run the cells above this "
-                    "one again (Run All), or make that change in this cell, before its training; `%resilience "
-                    "reset` starts the run with what the %%replay cells make")
-            if differ:
-                self.say(f"colab_resilience: run {self.run_id}: the replayed set-up cells made {', '.join(differ)} "
-                         "otherwise than the kernel that began this run had them (drawn without a seed), and the "
-                         "kernel died before the run's first checkpoint held them: the resumed run will not end as "
-                         "the uninterrupted one; seed the %%replay cells (torch.manual_seed(0), "
-                         "keras.utils.set_random_seed(0))")
+            self._compare_start(self._saved_at_start, "the kernel died before the run's first checkpoint held {it}",
+                                "make that change in this cell, before its training")
+        elif j.start_saved and not j.framework:
+            # a model the cell reads and does not --save (a frozen encoder): no checkpoint of the run
+            # holds it, ever; the set-up cells and the finished runs must make it as it was
+            unheld = [n for n in j.start_saved if n not in j.names]
+            self._compare_start(setup_state.fingerprint(ns, unheld, saved=True),
+                                "no checkpoint of the run holds {it} (not in --save)",
+                                "make that change in a %%replay cell or add {it} to --save")
+
+    def _compare_start(self, now: dict[str, str], unheld: str, advice: str) -> None:
+        """After a restart: the run's --save values (or models it reads) that nothing put back
+        (``unheld``: why) but the set-up cells and the finished runs, compared with what they held
+        as the run began (``now``: their fingerprints here). One a cell that is not replayed had
+        changed stops the run, pending; one the replay made otherwise is said, and the run goes on."""
+        j = self.journal
+        differ = [n for n in j.start_saved if n in now and now[n] != j.start_saved[n]]
+        lost = [n for n in differ if n not in j.start_from_setup]
+        if lost:
+            names, one = ", ".join(lost), len(lost) == 1
+            it = "it" if one else "them"
+            raise RunStoppedError(
+                f"colab_resilience: run {self.run_id}: {names} {'is' if one else 'are'} not what the run began "
+                f"with, and {unheld.format(it=it)}: a cell that is not replayed changed {it} (a plain cell, an "
+                f"earlier training cell); run the cells above this one again (Run All), or {advice.format(it=it)}; "
+                "`%resilience reset` starts the run with what the %%replay cells make")
+        if differ:
+            them = "it" if len(differ) == 1 else "them"
+            self.say(f"colab_resilience: run {self.run_id}: the replayed set-up cells made {', '.join(differ)} "
+                     f"otherwise than the kernel that began this run had them (drawn without a seed), and "
+                     f"{unheld.format(it=them)}: the resumed run will not end as the uninterrupted one; seed the "
+                     "%%replay cells (torch.manual_seed(0), keras.utils.set_random_seed(0))")
 
     def _restore(self, where: str) -> tuple[Checkpoint, list[str]] | None:
         """Restore the last safe point's declared names (not yet its random state) and what a
@@ -453,7 +468,7 @@ class Run:
             # two loops), that the saved state goes into, waits for the plan to arrive; a plain
             # value (a best_lr the first loop found) is bound now, for the code before that
             later = [n for n in self.names if n not in ns and n in self._made_by_cell()
-                     and ckpt.kinds.get(n) in ("state_dict", "pytree")] if where == "the loop" else []
+                     and ckpt.kinds.get(n) in ("state_dict", "pytree")] if where != "the cell" else []
             restored = ckpt.restore(ns, [n for n in ckpt.names if (n in self.names or n in self.after_loop)
                                          and n not in later], rng=False, strict=True, in_place=self.kept)
         except NoCheckpointError:
@@ -519,7 +534,7 @@ class Run:
 
     def restore_for_loops(self) -> Plan | None:
         """When the first loop of a resumed attempt starts: restore, and say where to go on."""
-        got = self._restore("the loop")
+        got = self._restore("the training" if self.extras else "the loop")  # a framework's: fit, train()
         if got is None:
             return None
         ckpt, restored = got
@@ -746,7 +761,8 @@ class Run:
             meta["left"] = left_values(self.shell, self.body, self.names)
         namespace: Mapping = ChainMap({LOOP_RNG: rngs, **self.extras}, ns) if rngs or self.extras else ns
         # the batch size that fits goes with the checkpoint: a new kernel starts from it
-        info = (where, _integers({n: shrink_value(ns, n) for n in self.shrink}), faults.count())
+        framework = "; ".join(getattr(x, "label", n) for n, x in self.extras.items()) or None
+        info = (where, _integers({n: shrink_value(ns, n) for n in self.shrink}), faults.count(), framework)
         # a value that cannot be saved stops the cell here (UnsaveableValueError), before anything
         # is written; a checkpoint that cannot be written is said, and the run goes on
         saved = present + after_loop + ([LOOP_RNG] if rngs else []) + list(self.extras)
@@ -785,13 +801,14 @@ class Run:
                 f"{'it' if len(refused) == 1 else 'them'}; add {'it' if len(refused) == 1 else 'them'} to --save")
         return kept
 
-    def _durable(self, report, info: tuple[str | None, dict[str, int], int]) -> None:
+    def _durable(self, report, info: tuple[str | None, dict[str, int], int, str | None]) -> None:
         """A checkpoint is on disk and ``LATEST`` names it: the journal says so (on the persisting
         thread, when saves are in the background)."""
-        where, shrink, number = info
+        where, shrink, number, framework = info
         with self.journal_lock:
             j = self.journal
             j.last_checkpoint, j.resume_at = report.checkpoint_id, where
+            j.framework = j.framework or framework  # its callback's state is in the checkpoints (a model no --save names)
             j.oom_kills = memory.oom_kills()
             j.shrink.update(shrink)
             j.save()

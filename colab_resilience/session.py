@@ -49,6 +49,7 @@ class Session:
         # cell is done (its state was put back), not to be trained again on top of that state
         self.reexecuting = False
         self.saves: dict = {}  # run id -> SaveStats of its last execution in this kernel
+        self.putting_back = False  # commands.put_back_finished is at work (a cell it runs again must not)
         self.not_back: set[str] = set()  # saved names of finished runs that could not be put back
 
     def root(self) -> Path:

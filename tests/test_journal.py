@@ -47,6 +47,37 @@ def test_create_save_load_round_trip(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["journal.json"]  # no temporary files left
 
 
+def test_the_kernels_that_held_a_run_are_told_apart_by_more_than_their_pid(tmp_path):
+    """A run records each kernel that held it, by its PID and a token drawn once in that process: a
+    PID is reused (a fresh Colab VM's kernel often has an earlier one's), and a kernel that resumes
+    a run puts back what finished in the kernels before it, no other's. A forked process draws its
+    own; the list reads back; one that is not strings is refused in one line."""
+    from colab_resilience.journal import kernel_identity
+
+    j = Journal.create(tmp_path, "r")
+    me = kernel_identity()
+    assert j.kernels == [me] and me.startswith(f"{os.getpid()}-") and j.held_before == []
+    j.kernels = ["1234-00ff00ff00ff00ff"]  # the kernel that died
+    j.held_here()
+    j.held_here()  # held again by the same kernel: listed once
+    j.save()
+    back = Journal.load(tmp_path)
+    assert back.kernels == ["1234-00ff00ff00ff00ff", me] and back.held_before == ["1234-00ff00ff00ff00ff"]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own identity, not its parent's
+        os.write(write, kernel_identity().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 100).decode()
+    assert child.startswith(f"{pid}-") and child != me
+    data = back.to_dict()
+    data["kernels"] = [1234]
+    j.path.write_text(json.dumps(data))
+    with pytest.raises(JournalError, match="the kernels that held the run are not strings"):
+        Journal.load(tmp_path)
+
+
 def test_missing_journal(tmp_path):
     """A folder without a journal says so."""
     assert not Journal.exists(tmp_path)

@@ -903,6 +903,42 @@ def test_early_stoppings_count_and_best_weights_go_with_the_checkpoint(tmp_path,
 
 
 @pytest.mark.kernel
+def test_a_cell_run_again_after_a_death_gets_back_the_fit_that_finished_before_it(kernel, tmp_path):
+    """Interactive, as in Jupyter: a fit finished; the next training cell, which reads the model,
+    is killed; the user runs that cell again alone. The new kernel had the model the set-up cell
+    compiles, untrained, and no ``history`` (found by a probe: a driver ran the finished fit's
+    cell again for its state, an interactive kernel did not). Now it does, silently, before the
+    cell goes on: the fit loads its final state and trains nothing, and the cell's result is bit
+    for bit the uninterrupted one."""
+    kill = (f"    if epoch == 1 and not os.path.exists({str(tmp_path / 'm')!r}):\n"
+            f"        open({str(tmp_path / 'm')!r}, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n")
+    cells = [
+        "%load_ext colab_resilience",
+        "%%replay\nimport os, signal\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\nimport numpy as np, keras\n"
+        "keras.utils.set_random_seed(0)\nX = np.random.rand(64, 4).astype('float32'); Y = X[:, :1] * 2\n"
+        "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation='relu'), keras.layers.Dense(1)])\n"
+        "model.compile(optimizer=keras.optimizers.Adam(0.01), loss='mse')\npreds = []",
+        "%%resilient\nfrom colab_resilience.integrations.keras import ResilienceCallback\n"
+        "history = model.fit(X, Y, epochs=3, batch_size=16, verbose=0, callbacks=[ResilienceCallback()])",
+        "%%resilient --save preds\nfor epoch in resume_range(3):\n" + kill
+        + "    preds.append(float(model(X).numpy().sum()))",
+        "print('RESULT', preds, history.history['loss'])",
+    ]
+    twin = harness.notebook(*[c.replace(str(tmp_path / "m"), str(tmp_path / "twin" / "m")) for c in cells])
+    (tmp_path / "twin").mkdir()
+    (tmp_path / "twin" / "m").touch()
+    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    for source in cells[:3]:
+        kernel.ok(source)
+    _, code = kernel.execute_until_exit(cells[3])
+    assert code == -9
+    kernel.restart()
+    out = kernel.ok(cells[3]).stdout
+    assert "put back the Keras model, its optimizer and the epochs' logs from the training that had finished" in out, out
+    assert harness.result(kernel.ok(cells[4]).stdout) == harness.result(twin)
+
+
+@pytest.mark.kernel
 def test_a_keras_fit_killed_in_a_kernel_goes_on_when_its_cell_runs_again(kernel, tmp_path, tmp_path_factory):
     """Interactive, as in Jupyter: the kernel dies in epoch 1, the server brings one back, the user
     runs the training cell again: the set-up cell is replayed, the model restored into, fit goes on
@@ -1077,6 +1113,9 @@ def test_a_rate_a_plain_cell_set_is_not_lost_silently_by_a_kill_before_fit(tmp_p
     with other losses (found by a probe): the run stops with the line that names the model. The
     same change made in the training cell before ``fit`` resumes bit for bit as its twin."""
     refused = "model is not what the run began with, and the kernel died before the run's first checkpoint"
-    _, _, twin = harness.refused_or_twin(tmp_path, lambda mark: _rate_changed_notebook(where, mark),
-                                         refused if where == "plain-cell" else None)
+    _, nb, twin = harness.refused_or_twin(tmp_path, lambda mark: _rate_changed_notebook(where, mark),
+                                          refused if where == "plain-cell" else None)
     assert harness.result(twin).endswith(" 0.003000000026077032")
+    if where == "training-cell":  # said as what it is, a fit (it said "the loop")
+        out = harness.cell_text(nb.cells[3])
+        assert "no checkpoint yet, the training starts from the beginning" in out, out
