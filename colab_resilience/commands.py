@@ -224,20 +224,20 @@ def resume(session, run_dir: Path, *, trust: bool = False) -> None:
     )
 
 
-def restore_finished_runs(session, dead_pid: int | None = None, rerun_source: str | None = None,
-                          kernels: list[int] | None = None, *, held: list[str] | None = None
+def restore_finished_runs(session, dead_pid: int | None = None, rerun_source: str | None = None, *,
+                          held: list[str] | None = None
                           ) -> tuple[list[str], list[str], list[tuple[str, str]], list[str]]:
     """Put back the final state of every run that finished in the run directory, oldest first (a
-    later run's values win); with ``kernels``, only of the runs last held by one of those kernel
-    PIDs (a run directory shared with other notebooks holds their runs too). Returns the names
+    later run's values win); with ``held``, only of the runs last held by one of those kernels
+    (:func:`.journal.kernel_identity`; a run directory shared with other notebooks holds their
+    runs too, and a PID alone may be another's: PIDs are reused). Returns the names
     restored; the runs that finished in the kernel ``dead_pid`` but save nothing (no ``--save``),
     so that nothing of what they computed is back; and, as (run id, what it holds), the runs
     whose framework state (a callback's) only :func:`rerun_finished` can put back (the run of the
     cell ``rerun_source``, which is run again now, is in neither of those two); and one line for
     each saved name that could not be put back (an optimizer the loop rebound to another kind than
-    the set-up cells build), which holds what the set-up cells made. ``held``: only of the runs last
-    held by one of those kernels (:func:`.journal.kernel_identity`), and each that saves nothing is
-    one of the unsaved."""
+    the set-up cells build), which holds what the set-up cells made. Without ``dead_pid``, each of
+    the runs ``held`` that saves nothing is one of the unsaved."""
     from .signing import load_or_create_key
 
     key = load_or_create_key()
@@ -247,15 +247,14 @@ def restore_finished_runs(session, dead_pid: int | None = None, rerun_source: st
             j = Journal.load(run_dir, key=key)
         except JournalError:
             continue
-        if j.status == "done" and (kernels is None or j.kernel_pid in kernels) \
-                and (held is None or bool(j.kernels) and j.kernels[-1] in held):
+        if j.status == "done" and (held is None or bool(j.kernels) and j.kernels[-1] in held):
             done.append((run_dir, j))
     restored: list[str] = []
     not_back: list[str] = []
     session.not_back = set()
     others = [j for _, j in done if rerun_source is None or not _same_cell(j.interrupted_cell, rerun_source)]
     unsaved = [j.run_id for j in others if not j.names and not j.framework
-               and (held is not None or dead_pid is not None and j.kernel_pid == dead_pid)]
+               and (j.kernel_pid == dead_pid if dead_pid is not None else held is not None)]
     rerun = [(j.run_id, j.framework) for j in others if j.framework]
     for run_dir, j in done:
         if j.framework:  # running its cell again (rerun_finished) puts back its names too

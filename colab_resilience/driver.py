@@ -217,9 +217,9 @@ class Supervisor:
         self.replay_done: list[int] = []  # set-up cells executed so far, in order
         self.budgets = Budgets(run_root, max_restarts)
         self.code_cells = [i for i, c in enumerate(self.nb.cells) if c.cell_type == "code"]
-        # the kernel PIDs whose finished runs are put back after a restart (None: every run in
-        # run_root, which is the driver's own)
-        self.kernels: list[int] | None = None
+        # the kernels whose finished runs are put back after a restart, by journal.kernel_identity
+        # (None: every run in run_root, which is the driver's own)
+        self.kernels: list[str] | None = None
 
     def run(self, kernel_env: dict) -> None:
         client = self.client

@@ -72,7 +72,7 @@ class WorkerClient:
         self.km = self.new_manager(os.path.join(self.sockets, "worker"))
         self.kc = None
         self.nb = None  # the notebook of relayed cells, set by the relay
-        self.pids: list[int] = []  # every worker started, in order
+        self.identities: list[str] = []  # every worker started, in order (journal.kernel_identity)
         self._shadow: tuple | None = None
 
     def new_manager(self, ip: str):
@@ -105,12 +105,12 @@ class WorkerClient:
             kc.stop_channels()
             return False
         self.kc = kc
-        if self.pid is not None:
-            self.pids.append(self.pid)
         try:
-            self.call(api_call("become_worker", WORKER_OOM_SCORE_ADJ))
+            identity = self.evaluate(api_call("become_worker", WORKER_OOM_SCORE_ADJ))
         except (DeadKernelError, TimeoutError):
             return False
+        if isinstance(identity, str):
+            self.identities.append(identity)
         return True
 
     def replace_kernel(self, adopted=None) -> bool:
@@ -336,7 +336,7 @@ class Relay:
         spare = Standby(self.client, self.sockets, env, os.getcwd()) if session.settings.standby else None
         self.supervisor = Supervisor(self.client, session.root(), session.settings.max_restarts, spare=spare)
         # the run directory may be shared with other notebooks: only this relay's runs come back
-        self.supervisor.kernels = self.client.pids
+        self.supervisor.kernels = self.client.identities
         self.comms: set[str] = set()  # the widgets' comms open with the worker
         self.own_handlers: dict = {}  # this kernel's handlers of COMM_MESSAGES, while it relays
         self.worker_count: int | None = None  # the worker's next execution count, as far as known

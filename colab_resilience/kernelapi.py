@@ -27,18 +27,18 @@ __all__ = [
 
 
 def restore_finished_runs(dead_pid: int | None = None, rerun_source: str | None = None,
-                          kernels: list[int] | None = None) -> dict:
+                          kernels: list[str] | None = None) -> dict:
     """Put back the final state of every run that finished, oldest first. After a restart in a
     cell that follows a finished ``%%resilient`` cell, replaying the set-up cells alone would hand
     that cell an untrained model. Returns ``{"restored": names, "unsaved": run ids, "rerun":
     [[run id, what it holds], ...]}``: the runs that finished in the kernel ``dead_pid`` but saved
     nothing to put back, and those whose framework state :func:`rerun_finished` puts back (not
     the run of the cell ``rerun_source``, which is run again); ``kernels``: only runs last held
-    by those PIDs."""
+    by those kernels (:func:`.journal.kernel_identity`)."""
     from .commands import restore_finished_runs as restore
     from .session import session_of
 
-    restored, unsaved, rerun, not_back = restore(session_of(), dead_pid, rerun_source, kernels)
+    restored, unsaved, rerun, not_back = restore(session_of(), dead_pid, rerun_source, held=kernels)
     return {"restored": restored, "unsaved": unsaved, "rerun": [list(r) for r in rerun], "not_back": not_back}
 
 
@@ -81,13 +81,17 @@ def become_standby(whole: bool = False) -> None:
     standby.become(whole)
 
 
-def become_worker(oom_score_adj: int) -> None:
+def become_worker(oom_score_adj: int) -> str:
     """(In an isolation worker.) Volunteer for the OOM killer before the notebook's kernel; a
-    standby about to be adopted takes that score when it is (it keeps the standby's till then)."""
+    standby about to be adopted takes that score when it is (it keeps the standby's till then).
+    Returns this kernel's identity (:func:`.journal.kernel_identity`): the relay puts back the
+    finished runs of its own workers only."""
     from . import priority
+    from .journal import kernel_identity
 
     if not standby.keep_for_adoption(oom_score_adj):
         priority.set_oom_score_adj(oom_score_adj)
+    return kernel_identity()
 
 
 def preload(groups: list) -> None:
