@@ -19,7 +19,7 @@ from typing import Any
 from jupyter_core.utils import ensure_async, run_sync
 from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
-from traitlets import Float
+from traitlets import Float, List, Unicode
 
 from . import kernelapi
 
@@ -38,6 +38,7 @@ class SupervisedClient(NotebookClient):
     kernel_poll_interval = Float(
         0.1, help="Seconds between checks that the kernel is alive while a cell runs (nbclient: 1)."
     ).tag(config=True)
+    identities = List(Unicode(), help="Every kernel connected, in order, by journal.kernel_identity.")
 
     async def _async_poll_kernel_alive(self) -> None:
         # nbclient has no setting for how often it checks, and this coroutine is the one place
@@ -75,6 +76,12 @@ class SupervisedClient(NotebookClient):
             return False
         kc.allow_stdin = False
         self.kc = kc
+        try:  # its finished runs are the ones put back after it dies (not another's with its PID)
+            identity = self.evaluate(api_call("kernel_identity"))
+        except (DeadKernelError, TimeoutError):
+            return False
+        if isinstance(identity, str):
+            self.identities.append(identity)
         return True
 
     def replace_kernel(self, adopted=None) -> bool:

@@ -217,9 +217,10 @@ class Supervisor:
         self.replay_done: list[int] = []  # set-up cells executed so far, in order
         self.budgets = Budgets(run_root, max_restarts)
         self.code_cells = [i for i, c in enumerate(self.nb.cells) if c.cell_type == "code"]
-        # the kernels whose finished runs are put back after a restart, by journal.kernel_identity
-        # (None: every run in run_root, which is the driver's own)
-        self.kernels: list[str] | None = None
+        # the kernels whose finished runs are put back after a restart, by journal.kernel_identity:
+        # a run directory given again (--run-dir) holds the runs of an earlier `run` too, and one
+        # shared with notebooks (isolation) theirs
+        self.kernels: list[str] = client.identities
 
     def run(self, kernel_env: dict) -> None:
         client = self.client

@@ -335,8 +335,6 @@ class Relay:
         # skips the kernel start and the imports (the driver's standby, the same code)
         spare = Standby(self.client, self.sockets, env, os.getcwd()) if session.settings.standby else None
         self.supervisor = Supervisor(self.client, session.root(), session.settings.max_restarts, spare=spare)
-        # the run directory may be shared with other notebooks: only this relay's runs come back
-        self.supervisor.kernels = self.client.identities
         self.comms: set[str] = set()  # the widgets' comms open with the worker
         self.own_handlers: dict = {}  # this kernel's handlers of COMM_MESSAGES, while it relays
         self.worker_count: int | None = None  # the worker's next execution count, as far as known

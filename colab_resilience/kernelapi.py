@@ -17,6 +17,7 @@ __all__ = [
     "become_worker",
     "declare_replay_cell",
     "expect_reexecution",
+    "kernel_identity",
     "new_modules",
     "preload",
     "stop_standby_imports",
@@ -79,6 +80,14 @@ def new_modules() -> str:
 
 def become_standby(whole: bool = False) -> None:
     standby.become(whole)
+
+
+def kernel_identity() -> str:
+    """This kernel's identity (:func:`.journal.kernel_identity`): a supervisor puts back the
+    finished runs of its own kernels only."""
+    from .journal import kernel_identity as identity
+
+    return identity()
 
 
 def become_worker(oom_score_adj: int) -> str:

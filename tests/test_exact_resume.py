@@ -1139,6 +1139,31 @@ def test_a_cell_run_again_after_a_death_gets_back_what_the_training_before_it_fi
     assert harness.result(kernel.ok(cells[4]).stdout) == harness.result(twin)
 
 
+def test_a_run_directory_given_again_puts_back_none_of_an_earlier_runs_runs(tmp_path):
+    """A notebook run twice in one run directory (`colab-resilience run --run-dir D`), the second
+    time killed in its first training cell: the driver put back every run finished in D, the
+    second training cell's too, which the first `run` had finished (found by a probe): its head,
+    trained, and that cell then trained it again from there, said done with other losses. The
+    driver now puts back the runs of its own kernels only: bit for bit as the first time."""
+    def notebook(mark):
+        return harness.notebook(
+            "%load_ext colab_resilience", _FROZEN_SETUP,
+            "%%resilient --save model,opt,losses\nperm = torch.arange(96)\nfor epoch in resume_range(3):\n"
+            "    if epoch == 1:\n" + _kill(mark, "        ") + _TRAIN,
+            _head_on_a_frozen_model(tmp_path / "never"), "print('RESULT', losses2, head.weight.sum().item())")
+
+    (tmp_path / "never").touch()
+    (tmp_path / "m").touch()
+    first = notebook(tmp_path / "m")
+    assert harness.run(first, tmp_path, standby=False).status == 0
+    (tmp_path / "m").unlink()
+    again = notebook(tmp_path / "m")
+    run = harness.run(again, tmp_path, standby=False)
+    assert run.status == 0 and len(run.restarts) == 1, run.message
+    assert "restored" not in harness.cell_text(again.cells[2]).split("resumed")[0], harness.cell_text(again.cells[2])
+    assert harness.result(again) == harness.result(first)
+
+
 @pytest.mark.parametrize("saved", ["head,opt2,losses2", "head,opt2,losses2,model"], ids=["not-saved", "saved"])
 def test_a_model_a_plain_cell_changed_that_no_checkpoint_holds_is_not_lost_silently(tmp_path, saved):
     """A plain cell (not replayed) scales the weights of the model the training reads and does not
