@@ -1043,6 +1043,21 @@ def test_an_oom_above_the_loop_after_an_otherwise_initialised_model_is_retried_i
     assert "made model otherwise" in out and "retry 1/2" in out, out
 
 
+def _twin_then_killed(kernel, tmp_path, notebook, train: int):
+    """``notebook(mark)`` run uninterrupted, supervised (the twin); then its cells run one by one in
+    ``kernel``, as a user would, until the cell ``train`` kills it. Returns the twin and the cells."""
+    (tmp_path / "twin").mkdir()
+    (tmp_path / "twin" / "m").touch()
+    twin = notebook(tmp_path / "twin" / "m")
+    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    cells = [c.source for c in notebook(tmp_path / "m").cells]
+    for source in cells[:train]:
+        kernel.ok(source)
+    _, code = kernel.execute_until_exit(cells[train])
+    assert code == -9
+    return twin, cells
+
+
 def test_a_refused_run_goes_on_as_it_began_after_run_all(kernel, tmp_path):
     """Interactively, the user runs the training cell again after the kernel died: the first run's
     model and losses come back (it had finished in the kernel that died), the rate the plain cell
@@ -1050,15 +1065,7 @@ def test_a_refused_run_goes_on_as_it_began_after_run_all(kernel, tmp_path):
     weights). It is refused, naming the optimizer; the user does as the line says, Run All (the
     first training cell trains again, the plain cell sets the rate): the run goes on as it began,
     bit for bit as the uninterrupted twin."""
-    (tmp_path / "twin").mkdir()
-    (tmp_path / "twin" / "m").touch()
-    twin = _changed_before_the_first_checkpoint(tmp_path / "twin" / "m")
-    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
-    cells = [c.source for c in _changed_before_the_first_checkpoint(tmp_path / "m").cells]
-    for source in cells[:4]:
-        kernel.ok(source)
-    _, code = kernel.execute_until_exit(cells[4])
-    assert code == -9
+    twin, cells = _twin_then_killed(kernel, tmp_path, _changed_before_the_first_checkpoint, 4)
     kernel.restart()
     kernel.ok(cells[0])
     refused = kernel.execute(cells[4])
@@ -1101,16 +1108,8 @@ def test_a_cell_run_again_after_a_death_gets_back_what_the_training_before_it_fi
     what the runs that had finished in the kernel that died saved, and only theirs: another
     notebook's kernel in the same run directory finished a run that saves a model too (zeros),
     which stays out. Bit for bit as the uninterrupted twin."""
-    (tmp_path / "twin").mkdir()
-    (tmp_path / "twin" / "m").touch()
-    twin = _frozen_model_notebook(tmp_path / "twin" / "m")
-    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
-    cells = [c.source for c in _frozen_model_notebook(tmp_path / "m").cells]
-    for source in cells[:3]:
-        kernel.ok(source)
-    dead = kernel.pid
-    _, code = kernel.execute_until_exit(cells[3])
-    assert code == -9
+    twin, cells = _twin_then_killed(kernel, tmp_path, _frozen_model_notebook, 3)
+    dead = kernel.pid  # (until it is restarted)
     other = harness.Kernel()  # another notebook, the same run directory, a run finished since
     try:
         other.ok(cells[0])
