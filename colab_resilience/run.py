@@ -402,8 +402,10 @@ class Run:
         j, ns = self.journal, self.shell.user_ns
         if not self.resuming:
             j.start_rng = rng_json.to_json(self.capture_rng())
-            kept = setup_state.trained(self.shell, self.body, [c.source for c in j.replay_cells], self.names)
-            j.start_saved = setup_state.fingerprint(ns, [*self.names, *kept], saved=True)
+            sources = [c.source for c in j.replay_cells]
+            kept = setup_state.trained(self.shell, self.body, sources, self.names)
+            carried = setup_state.carried_in(self.shell, self.body, sources, [*self.names, *kept])
+            j.start_saved = setup_state.fingerprint(ns, [*self.names, *kept, *carried], saved=True)
             j.start_from_setup = sorted(n for n, p in j.start_saved.items() if after_setup.get(n) == p)
             self._saved_at_start = j.start_saved
             return
@@ -419,10 +421,12 @@ class Run:
         if j.last_checkpoint is None and j.start_saved:
             self._compare_start(self._saved_at_start, "the kernel died before the run's first checkpoint held {it}",
                                 "make that change in this cell, before its training")
-        elif j.start_saved and not j.framework:
-            # a model the cell reads and does not --save (a frozen encoder): no checkpoint of the run
-            # holds it, ever; the set-up cells and the finished runs must make it as it was
-            unheld = [n for n in j.start_saved if n not in j.names]
+        elif j.start_saved:
+            # a model the cell reads and does not --save (a frozen encoder), a value a plain cell
+            # set: no checkpoint of the run holds it, ever; the set-up cells and the finished runs
+            # must make it as it was (a framework's callback holds the set-up cells' models)
+            made = setup_state.setup_names(self.shell, [c.source for c in j.replay_cells]) if j.framework else set()
+            unheld = [n for n in j.start_saved if n not in j.names and n not in made]
             self._compare_start(setup_state.fingerprint(ns, unheld, saved=True),
                                 "no checkpoint of the run holds {it} (not in --save)",
                                 "make that change in a %%replay cell or add {it} to --save")

@@ -185,6 +185,87 @@ def trained(shell, body: str, sources: Iterable[str], saved: Iterable[str]) -> l
                   and _trainable(ns[n]))
 
 
+def carried_in(shell, body: str, sources: Iterable[str], saved: Iterable[str]) -> list[str]:
+    """The names the cell reads before it binds them (and those the notebook's functions it calls
+    read) that the set-up cells do not bind and ``--save`` does not name: what a cell that is not
+    replayed left, a finished run's saved value, or one a plain cell set or changed since (a scale
+    halved after the run that saved it). Fingerprinted as the run begins with its --save values:
+    after a restart nothing gives them back but the finished runs, as those runs ended."""
+    tree = lint._parse(shell, body)
+    if tree is None:
+        return []
+    ns, hidden = shell.user_ns, getattr(shell, "user_ns_hidden", {})
+    loads = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    free = _read_before_bound(tree) | (read_names(shell, body) - loads)  # what the functions read
+    return sorted(n for n in free - setup_names(shell, sources) - set(saved)
+                  if n in ns and not n.startswith("_") and n not in hidden)
+
+
+def _read_before_bound(tree: ast.AST) -> set[str]:
+    """The names read in ``tree`` before it binds them, in the order Python evaluates it (an
+    assignment's value before its targets, a loop's iterable before its target; a binding under a
+    condition counts as made)."""
+    bound: set[str] = set()
+    free: set[str] = set()
+
+    def read(name: str) -> None:
+        if name not in bound:
+            free.add(name)
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.Name):
+            if isinstance(node.ctx, ast.Load):
+                read(node.id)
+            else:
+                bound.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            for child in [*node.decorator_list, *getattr(getattr(node, "args", None), "defaults", []), *getattr(node, "bases", [])]:
+                visit(child)
+            bound.add(node.name)
+            # its body runs when called: what it reads that is not its own is read then
+            own = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+            own |= {a.arg for a in ast.walk(node) if isinstance(a, ast.arg)}
+            for n in ast.walk(node):
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in own:
+                    read(n.id)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)):
+            if node.value is not None:
+                visit(node.value)
+            for target in getattr(node, "targets", None) or [node.target]:
+                visit(target)
+        elif isinstance(node, ast.AugAssign):
+            visit(node.value)
+            if isinstance(node.target, ast.Name):
+                read(node.target.id)
+            visit(node.target)
+        elif isinstance(node, (ast.For, ast.AsyncFor)):
+            visit(node.iter)
+            visit(node.target)
+            for child in [*node.body, *node.orelse]:
+                visit(child)
+        elif isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            inner = set()
+            for gen in node.generators:
+                visit(gen.iter)
+                inner |= {n.id for n in ast.walk(gen.target) if isinstance(n, ast.Name)}
+            elts = [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
+            for n in ast.walk(ast.Module(body=[ast.Expr(e) for e in elts] + [ast.Expr(c) for g in node.generators
+                                                                                for c in g.ifs], type_ignores=[])):
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in inner:
+                    read(n.id)
+        elif isinstance(node, ast.Lambda):
+            args = {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
+            for n in ast.walk(node.body):
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in args:
+                    read(n.id)
+        else:
+            for child in ast.iter_child_nodes(node):
+                visit(child)
+
+    visit(tree)
+    return free
+
+
 def _trainable(value: Any) -> bool:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):

@@ -1083,12 +1083,12 @@ _FROZEN_SETUP = _SETUP + "\nhead = torch.nn.Linear(1, 1); opt2 = torch.optim.SGD
 _TRAIN_THE_MODEL = "%%resilient --save model,opt,losses\nperm = torch.arange(96)\nfor epoch in resume_range(3):\n" + _TRAIN
 
 
-def _head_on_a_frozen_model(mark, saved: str = "head,opt2,losses2") -> str:
+def _head_on_a_frozen_model(mark, saved: str = "head,opt2,losses2", features: str = "model(X)") -> str:
     """A training cell that fits a head on what ``model`` computes, reading the model, not
     training it (nor saving it), killed once at the start of its third epoch."""
     return (f"%%resilient --save {saved}\nfor epoch in resume_range(4):\n"
             + "    if epoch == 2:\n" + _kill(mark, "        ")
-            + "    with torch.no_grad():\n        f = model(X)\n"
+            + f"    with torch.no_grad():\n        f = {features}\n"
             "    loss = ((head(f) - Y) ** 2).mean(); opt2.zero_grad(); loss.backward(); opt2.step()\n"
             "    losses2.append(loss.item())")
 
@@ -1161,6 +1161,31 @@ def test_a_run_directory_given_again_puts_back_none_of_an_earlier_runs_runs(tmp_
     assert run.status == 0 and len(run.restarts) == 1, run.message
     assert "restored" not in harness.cell_text(again.cells[2]).split("resumed")[0], harness.cell_text(again.cells[2])
     assert harness.result(again) == harness.result(first)
+
+
+def test_a_value_a_finished_run_saved_and_a_plain_cell_changed_is_not_put_back_as_it_was(kernel, tmp_path):
+    """A finished run saves a scale; a plain cell halves it; the next training cell reads it (not
+    saved) and is killed. Run again alone, the finished run's state came back, the scale as that
+    run ended, not halved: the head trained on other features, said done (found by a probe; before
+    the finished runs came back interactively it was a NameError). What the cell reads before it
+    binds it and the set-up cells do not make is now held with the run's start: refused in one
+    line naming the scale; Run All then goes on bit for bit as the twin."""
+    def notebook(mark):
+        return harness.notebook(
+            "%load_ext colab_resilience", _FROZEN_SETUP,
+            _TRAIN_THE_MODEL.replace("--save model,opt,losses\n", "--save model,opt,losses,scale\nscale = 2.0\n"),
+            "scale = scale * 0.5", _head_on_a_frozen_model(mark, features="model(X) * scale"),
+            "print('RESULT', losses2, head.weight.sum().item())")
+
+    twin, cells = _twin_then_killed(kernel, tmp_path, notebook, 4)
+    kernel.restart()
+    refused = kernel.execute(cells[4])
+    assert refused.status == "error"
+    assert "scale is not what the run began with, and no checkpoint of the run holds it" in refused.evalue, \
+        refused.evalue
+    for source in cells[:5]:
+        kernel.ok(source)
+    assert harness.result(kernel.ok(cells[5]).stdout) == harness.result(twin)
 
 
 @pytest.mark.parametrize("saved", ["head,opt2,losses2", "head,opt2,losses2,model"], ids=["not-saved", "saved"])

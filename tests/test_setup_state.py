@@ -41,6 +41,17 @@ def test_the_names_watched_are_the_set_up_cells_top_level_ones_the_training_read
     assert {"X", "squares", "unused_loop_name"} <= bound and not bound & {"inner", "torch", "k", "helper", "t0"}
 
 
+def test_what_the_cell_reads_before_it_binds_it_is_carried_in(ip):
+    """In the order Python evaluates the code: an assignment's value before its targets, a loop's
+    iterable before its target, a comprehension's and a lambda's own names apart; not what the set-up
+    cells bind, nor --save names."""
+    ip.user_ns.update(scale=2.0, total=0, loss=1.0, data=[1], offset=3, seen=set(), x=9)
+    body = ("loss = 0\nfor x in data:\n    total = total + x * scale\n    loss = loss + x\n"
+            "ys = [y * 2 for y in data if y]\nf = lambda z: z + offset\nseen |= {1}\n")
+    assert setup_state.carried_in(ip, body, [], []) == ["data", "offset", "scale", "seen", "total"]
+    assert setup_state.carried_in(ip, body, ["%%replay\ndata = [1]"], ["total"]) == ["offset", "scale", "seen"]
+
+
 def test_equal_values_fingerprint_alike_and_any_change_the_training_would_see_otherwise():
     """A frozen module (a teacher) by its weights; one the training trains is left out (its
     checkpoint's, or a framework callback's, which restores it)."""
