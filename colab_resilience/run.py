@@ -404,7 +404,8 @@ class Run:
             j.start_rng = rng_json.to_json(self.capture_rng())
             sources = [c.source for c in j.replay_cells]
             kept = setup_state.trained(self.shell, self.body, sources, self.names)
-            carried = setup_state.carried_in(self.shell, self.body, sources, [*self.names, *kept])
+            # (not the --shrink values: the journal has them, as the run has shrunk them since)
+            carried = setup_state.carried_in(self.shell, self.body, sources, [*self.names, *kept, *self.shrink])
             j.start_saved = setup_state.fingerprint(ns, [*self.names, *kept, *carried], saved=True)
             j.start_from_setup = sorted(n for n, p in j.start_saved.items() if after_setup.get(n) == p)
             self._saved_at_start = j.start_saved

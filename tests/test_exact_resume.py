@@ -1188,6 +1188,24 @@ def test_a_value_a_finished_run_saved_and_a_plain_cell_changed_is_not_put_back_a
     assert harness.result(kernel.ok(cells[5]).stdout) == harness.result(twin)
 
 
+def test_a_shrunk_value_a_plain_cell_set_is_not_refused_after_a_restart(tmp_path):
+    """``batch_size = 32`` in a plain cell, ``--shrink batch_size``: an OOM halves it, then a kill.
+    The journal gives the new kernel 16, not what the run began with, by design: not refused (the
+    first version of the run's start check of what the cell reads refused it: colab-resilience
+    check on notebooks/quickstart.ipynb)."""
+    mark = tmp_path / "m"
+    nb = harness.notebook(
+        "%load_ext colab_resilience", _SETUP, "batch_size = 32",
+        "%%resilient --save model,opt,losses --shrink batch_size\nperm = torch.arange(96)\n"
+        "for epoch in resume_range(3):\n    if batch_size == 32:\n"
+        "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')\n"
+        "    if epoch == 1:\n" + _kill(mark, "        ") + _TRAIN,
+        "print('RESULT', batch_size, losses)")
+    run = harness.run(nb, tmp_path, standby=False)
+    assert run.status == 0 and len(run.restarts) == 1, run.message
+    assert harness.result(nb).startswith("RESULT 16 ")
+
+
 @pytest.mark.parametrize("saved", ["head,opt2,losses2", "head,opt2,losses2,model"], ids=["not-saved", "saved"])
 def test_a_model_a_plain_cell_changed_that_no_checkpoint_holds_is_not_lost_silently(tmp_path, saved):
     """A plain cell (not replayed) scales the weights of the model the training reads and does not
