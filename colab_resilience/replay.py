@@ -99,8 +99,9 @@ class ReplayLog:
 
         self.names |= setup_state.setup_names(shell, [source])
         try:
-            self.prints = setup_state.fingerprint(shell.user_ns, sorted(self.names))
-            self.saved_prints = setup_state.fingerprint(shell.user_ns, sorted(self.names), saved=True)
+            with setup_state.one_moment():  # the tensors both walk are hashed once
+                self.prints = setup_state.fingerprint(shell.user_ns, sorted(self.names))
+                self.saved_prints = setup_state.fingerprint(shell.user_ns, sorted(self.names), saved=True)
         except Exception as e:  # a guard: never the cell's failure, but for running out of memory
             from .oom import is_oom
 

@@ -355,8 +355,11 @@ class Run:
         if self.resuming:
             put_back_shrunk(self.shell.user_ns, j.shrink)
         merge_replay_cells(j.replay_cells, setup_cells)
-        self._check_setup(setup or {})
-        self._start_state(setup_saved or {})
+        from . import setup_state
+
+        with setup_state.one_moment():  # what both fingerprint is hashed once
+            self._check_setup(setup or {})
+            self._start_state(setup_saved or {})
         j.save()
         from .lint import kept_objects, set_in_loops_read_after
 

@@ -22,32 +22,53 @@ until the run's first checkpoint, nothing else holds them. A kernel that resumes
 that checkpoint, and a retry in the kernel of an attempt that failed before it, compare
 (:meth:`.run.Run._start_state`, :meth:`.run.Run.retry_not_exact`).
 
-The fingerprint is bounded, and copies little: a tensor or array of more than 1 MiB by its
-shape, dtype and a strided sample of its elements (taken where it lies: of a GPU tensor, only
-the sample is copied), a container by its first 100,000 items and its length, a set by its items
-in any order, a frozen module (a teacher, a pretrained backbone: no parameter that requires a
-gradient) by its state dict, a torch ``DataLoader`` by its batching and its dataset
-(``random_split``'s subsets by their indices, a ``TensorDataset`` by its tensors), an object of
-the notebook's classes by its attributes, to a depth of 6. Left out: a model the training
-trains (it is its checkpoint's, through ``--save`` or a framework's callback, which restores it;
-one that is neither is named at the first run), code, modules, other libraries' objects (a
-tokenizer, a summary writer), numbers a dict names as a time, and a name bound to a clock's
+A fingerprint takes every byte of a tensor or array (BLAKE3, on all cores: faster than a copy
+of it; a change to one element is seen), copying none where it lies in host memory and a bounded
+chunk at a time where it does not (GPU memory, a view that is not contiguous); a container by
+its length and its first 100,000 items (all of them where they are numbers or strings), a set
+by its items in any order, a frozen module (a teacher, a pretrained backbone: no parameter that
+requires a gradient) by its state dict, a torch ``DataLoader`` by its batching and its dataset
+(``random_split``'s subsets by their indices, a ``TensorDataset`` by its tensors), a pandas frame
+by its index and columns, an object of the notebook's classes by its attributes, to a depth of
+6. A tensor seen twice in one moment (:func:`one_moment`: the two walks of a ``%%replay`` cell's
+run) is hashed once. Left out: a model the training trains (it is its checkpoint's, through
+``--save`` or a framework's callback, which restores it; one that is neither is named at the
+first run), code, modules, other libraries' objects (a tokenizer, a summary writer), numbers a
+dict names as a time, and a name bound to a clock's
 reading or a process's id (``t0 = time.time()``): they differ in any two runs.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import sys
 import types
 from typing import Any, Iterable, Mapping
 
 from . import lint
 
-WHOLE = 1 << 20  # bytes of a tensor or array fingerprinted whole
-SAMPLE = 1 << 14  # elements of a larger one's strided sample
-ITEMS = 100_000  # items of a container looked at
+CHUNK = 1 << 26  # bytes copied at a time to hash what is not hashed where it lies (GPU memory, a view)
+KEPT = 1 << 20  # bytes of a tensor or array whose digest one_moment keeps
+ITEMS = 100_000  # items of a container walked (a longer one of numbers or strings is taken whole)
 DEPTH = 6
+_PLAIN = frozenset({bool, int, float, complex, str, bytes, type(None)})
+
+# the digests of the tensors and arrays hashed in this moment (see one_moment), by where they lie
+_memo: dict | None = None
+
+
+@contextlib.contextmanager
+def one_moment():
+    """Fingerprints taken together, with nothing run between them: a tensor or array hashed by one
+    is not hashed again by the next (its digest is kept by its address, layout and type)."""
+    global _memo
+    outer = _memo
+    _memo = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _memo = outer
 
 
 def setup_names(shell, sources: Iterable[str]) -> set[str]:
@@ -149,8 +170,8 @@ def watched(shell, body: str, sources: Iterable[str], saved: Iterable[str]) -> l
 def fingerprint(ns: Mapping[str, Any], names: Iterable[str], *, saved: bool = False) -> dict[str, str]:
     """``name -> fingerprint`` (hex) for those of ``names`` whose values it knows; a value whose
     fingerprint fails is left out (it is a guard: it never stops a run). With ``saved``, of the
-    ``--save`` values as a run begins: trained models and optimizers too (their tensors as any, by
-    a sample where large). Until the run's first checkpoint holds them, a kernel that resumes it
+    ``--save`` values as a run begins: trained models and optimizers too (every byte of their
+    tensors, as of any). Until the run's first checkpoint holds them, a kernel that resumes it
     has them from the set-up cells and the finished runs before it, which is what they held only
     if no other cell changed them since (an optimizer's rate set in a plain cell, weights loaded)."""
     import blake3
@@ -399,6 +420,9 @@ def _feed(value: Any, h, seen: set[int], depth: int) -> bool:
             h.update(repr(value).encode())
         elif isinstance(value, dict):
             h.update(str(len(value)).encode())
+            if len(value) > ITEMS and _plain(value.keys()) and _plain(value.values()):
+                _feed_reprs(h, [(k, v) for k, v in value.items() if not _time_named(k, v)])
+                return True
             for i, (k, v) in enumerate(value.items()):
                 if i >= ITEMS:
                     break
@@ -408,6 +432,9 @@ def _feed(value: Any, h, seen: set[int], depth: int) -> bool:
         elif isinstance(value, (set, frozenset)):  # equal sets, in whatever order they iterate
             import blake3
 
+            if len(value) > ITEMS and _plain(value):  # a long one of numbers or strings: all of it
+                h.update(str(len(value)).encode() + "\n".join(sorted(map(repr, value))).encode())
+                return True
             items = []
             for i, v in enumerate(value):
                 if i >= ITEMS:
@@ -418,6 +445,9 @@ def _feed(value: Any, h, seen: set[int], depth: int) -> bool:
             h.update(str(len(value)).encode() + b"".join(sorted(items)))
         else:
             h.update(str(len(value)).encode())
+            if len(value) > ITEMS and _plain(value):  # a long one of numbers or strings: all of it
+                _feed_reprs(h, value)
+                return True
             for i, v in enumerate(value):
                 if i >= ITEMS:
                     break
@@ -443,10 +473,7 @@ def _feed(value: Any, h, seen: set[int], depth: int) -> bool:
 
         _feed(generator_state(value), h, seen, depth + 1)
     elif kind == "pandas":
-        h.update(repr(value.shape).encode())
-        if value.memory_usage(deep=False).sum() <= WHOLE:
-            pd = sys.modules["pandas"]
-            _array(pd.util.hash_pandas_object(value).to_numpy(), h)
+        _pandas(value, h)
     elif kind == "loader":  # the data it yields, and how it batches them
         h.update(f"{value.batch_size} {value.drop_last} {type(value.sampler).__qualname__}".encode())
         if not _feed(value.dataset, h, seen, depth + 1):
@@ -471,67 +498,142 @@ def _time_named(key: Any, value: Any) -> bool:
     return isinstance(key, str) and _is_a_time(key, value)
 
 
+def _plain(items) -> bool:
+    """Whether every item is a number, a string, bytes or None (C speed)."""
+    return set(map(type, items)) <= _PLAIN
+
+
+def _feed_reprs(h, items) -> None:
+    """A long sequence of numbers and strings (or pairs of them), by their reprs, a slice at a time."""
+    for i in range(0, len(items), ITEMS):
+        h.update(repr(items[i:i + ITEMS]).encode())
+
+
+def _digest(chunks, of=None, key=None) -> bytes:
+    """The BLAKE3 digest of the bytes of the contiguous NumPy arrays ``chunks()`` yields, on all
+    cores. Where :func:`one_moment` holds, that of a large tensor or array ``of`` is kept under
+    ``key`` (where it lies, its layout and type) with ``of`` itself, whose address no other
+    value can then take in the moment."""
+    import blake3
+
+    kept = _memo is not None and key is not None and of.nbytes > KEPT
+    if kept and key in _memo:
+        return _memo[key][0]
+    np = sys.modules["numpy"]
+    g = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    for chunk in chunks():
+        g.update(memoryview(chunk.reshape(-1).view(np.uint8)))
+    digest = g.digest()
+    if kept:
+        _memo[key] = (digest, of)
+    return digest
+
+
 def _tensor(t, h) -> None:
+    """A torch tensor: its type, shape and layout, and every byte of it."""
     torch = sys.modules["torch"]
-    h.update(f"{t.dtype}{tuple(t.shape)}{t.layout}".encode())
-    if t.layout != torch.strided or t.is_meta or t.numel() == 0:
+    strided = t.layout == torch.strided
+    h.update(f"{t.dtype}{tuple(t.shape)}{t.layout}{t.stride() if strided else ''}".encode())
+    if not strided or t.is_meta or t.numel() == 0:
         return
     t = t.detach()
-    flat = t.reshape(-1) if t.is_contiguous() else None
-    if t.numel() * t.element_size() > WHOLE:
-        if flat is None:
-            return  # a view of a larger tensor: its sample would be a copy of it
-        flat = flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE]
-    elif flat is None:
-        flat = t.contiguous().reshape(-1)
-    host = flat.cpu().contiguous()
-    if host.dtype.is_complex:
-        host = torch.view_as_real(host)
-    h.update(host.view(torch.uint8).numpy().tobytes())
+    key = ("torch", str(t.device), t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.is_conj(), t.is_neg())
+    h.update(_digest(lambda: _tensor_chunks(t), t, key))
+
+
+def _tensor_chunks(t):
+    """Its bytes: where they lie, in that order, when it is a host tensor that fills its memory (a
+    contiguous one, a transposed one); else in its elements' order, copied to the host a bounded
+    slice of its first dimension at a time."""
+    torch = sys.modules["torch"]
+    t = t.resolve_conj().resolve_neg()
+    if t.dtype.is_complex:
+        t = torch.view_as_real(t)
+    if t.dim() == 0:
+        t = t.reshape(1)
+    if not t.is_contiguous():  # a transpose, channels_last: in the order it lies (its strides are in the header)
+        lying = t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+        t = lying if lying.is_contiguous() else t
+    if t.is_contiguous() and t.device.type == "cpu":
+        yield t.reshape(-1).view(torch.uint8).numpy()
+        return
+    step = max(1, CHUNK // max(1, t[0].numel() * t.element_size()))
+    for i in range(0, t.shape[0], step):
+        yield t[i:i + step].contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
 
 
 def _variable(v, h) -> None:
-    """A Keras variable: whole up to 1 MiB, else by a strided sample taken where it lies (of a GPU
-    model's, only the sample is copied to the host)."""
-    import numpy as np
-
+    """A Keras variable: every byte of it, copied to the host a bounded slice at a time."""
+    np = sys.modules["numpy"]
     try:
         size, itemsize = int(np.prod(v.shape)), np.dtype(v.dtype).itemsize
     except TypeError:  # a dtype NumPy does not know (bfloat16): whole
         size, itemsize = 0, 0
-    if size * itemsize <= WHOLE:
-        _array(v.numpy(), h)
+    if size * itemsize <= CHUNK:
+        _array(v.numpy(), h, kept=False)
         return
     ops = sys.modules["keras"].ops
     h.update(f"{v.dtype}{tuple(v.shape)}".encode())
-    _array(ops.convert_to_numpy(ops.reshape(v.value, (-1,))[:: max(1, size // SAMPLE)][:SAMPLE]), h)
+    flat, step = ops.reshape(v.value, (-1,)), CHUNK // itemsize
+    h.update(_digest(lambda: (np.ascontiguousarray(ops.convert_to_numpy(flat[i:i + step]))
+                              for i in range(0, size, step))))
 
 
 def _jax(a, h) -> None:
-    """A JAX array: whole up to 1 MiB, else by a strided sample taken where it lies; a PRNG key by
-    its data."""
+    """A JAX array: every byte of it (a large one copied to the host a bounded slice at a time); a
+    PRNG key by its data."""
     jax, np = sys.modules["jax"], sys.modules["numpy"]
     if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
         a = jax.random.key_data(a)
+    if a.size * a.dtype.itemsize <= CHUNK:
+        _array(np.asarray(a), h, kept=False)
+        return
     h.update(f"{a.dtype}{a.shape}".encode())
-    if a.size * a.dtype.itemsize > WHOLE:
-        flat = a.reshape(-1)
-        a = flat[:: max(1, flat.size // SAMPLE)][:SAMPLE]
-    _array(np.asarray(a), h)
+    flat, step = a.reshape(-1), CHUNK // a.dtype.itemsize
+    h.update(_digest(lambda: (np.ascontiguousarray(np.asarray(flat[i:i + step])) for i in range(0, a.size, step))))
 
 
-def _array(a, h) -> None:
+def _array(a, h, kept: bool = True) -> None:
+    """A NumPy array: its type, shape and layout, and every byte of it (an array of objects: the
+    reprs of its first 100,000). ``kept``: a value of the namespace's, not a copy made here."""
     np = sys.modules["numpy"]
     a = np.asarray(a)
-    h.update(f"{a.dtype}{a.shape}".encode())
-    if a.dtype == object:
+    h.update(f"{a.dtype}{a.shape}{a.strides}".encode())
+    if a.dtype.hasobject:
         for v in a.reshape(-1)[:ITEMS] if a.flags.c_contiguous else ():
             h.update(repr(v).encode())
         return
-    if a.nbytes > WHOLE:
-        if not a.flags.c_contiguous:
-            return
-        flat = a.reshape(-1)
-        a = flat[:: max(1, flat.size // SAMPLE)][:SAMPLE]
-    h.update(np.ascontiguousarray(a).tobytes())
+    if a.size:
+        key = ("numpy", a.__array_interface__["data"][0], a.dtype.str, a.shape, a.strides) if kept else None
+        h.update(_digest(lambda: _array_chunks(a), a, key))
+
+
+def _array_chunks(a):
+    np = sys.modules["numpy"]
+    if a.ndim == 0:
+        a = a.reshape(1)
+    if not a.flags.c_contiguous and all(s > 0 for s in a.strides):  # a transpose: in the order it lies
+        lying = a.transpose(sorted(range(a.ndim), key=lambda d: -a.strides[d]))
+        a = lying if lying.flags.c_contiguous else a
+    if a.flags.c_contiguous:
+        yield a
+        return
+    step = max(1, CHUNK // max(1, a[0].nbytes))
+    for i in range(0, a.shape[0], step):
+        yield np.ascontiguousarray(a[i:i + step])
+
+
+def _pandas(value, h) -> None:
+    """A pandas frame or series: its shape, columns and dtypes, its index, and each column (a
+    column of numbers by its bytes, any other by pandas' hash of each value)."""
+    np, pd = sys.modules["numpy"], sys.modules["pandas"]
+    frame = value.to_frame() if isinstance(value, pd.Series) else value
+    h.update(f"{value.shape}{list(frame.columns)!r}{[str(d) for d in frame.dtypes]}".encode())
+    index = pd.util.hash_pandas_object(frame.index).to_numpy()
+    h.update(_digest(lambda: [np.ascontiguousarray(index)]))
+    for i in range(frame.shape[1]):
+        column = frame.iloc[:, i]
+        numbers = isinstance(column.dtype, np.dtype) and column.dtype.kind in "biufc"
+        data = column.to_numpy() if numbers else pd.util.hash_pandas_object(column, index=False).to_numpy()
+        h.update(_digest(lambda: [np.ascontiguousarray(data)]))
 

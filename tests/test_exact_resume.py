@@ -756,6 +756,31 @@ def test_what_the_replayed_set_up_cells_made_otherwise_is_named_when_the_run_res
 
 
 
+def test_one_element_a_plain_cell_changed_in_a_large_tensor_is_named(tmp_path):
+    """A plain cell (not replayed) sets one element of a 1.5 MiB train set the training reads; a
+    kill in epoch 2. The replay made the set without it and the run ended done with other losses,
+    saying nothing: the fingerprint took a strided sample of a tensor that large, and missed the
+    element (found by a probe). Every byte counts now: the run names the change when it begins,
+    and the resumed run says it will not end as the uninterrupted one."""
+    def notebook(mark):
+        return harness.notebook(
+            "%load_ext colab_resilience",
+            "%%replay\nimport os, signal, torch\ntorch.manual_seed(0)\nX = torch.randn(4096, 96); Y = X[:, :1] * 2\n"
+            "model = torch.nn.Linear(96, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.01)\nlosses = []",
+            "X[7, 5] = 100.0",
+            "%%resilient --save model,opt,losses\nfor epoch in resume_range(3):\n"
+            "    loss = ((model(X) - Y) ** 2).mean(); opt.zero_grad(); loss.backward(); opt.step()\n"
+            "    losses.append(loss.item())\n    if epoch == 1:\n" + _kill(mark, "        "),
+            "print('RESULT', losses)")
+
+    run, nb, twin = faulted_and_twin(tmp_path, notebook)
+    out = harness.cell_text(nb.cells[3])
+    assert len(run.restarts) == 1, out
+    assert "colab_resilience: X changed since the %%replay cells ran" in harness.cell_text(twin.cells[3])
+    assert "colab_resilience: the replayed set-up cells made X otherwise than the kernel that began this run" in out
+    assert harness.result(nb) != harness.result(twin)  # what the line says
+
+
 def test_a_vocabulary_in_a_sets_order_is_named_when_jupyter_restarts_the_kernel(kernel, tmp_path):
     """Interactively, the kernel Jupyter restarts hashes strings its own way (no supervisor gives
     it the first kernel's hash seed): the replayed ``list(set(text))`` makes another vocabulary, and

@@ -249,15 +249,20 @@ def test_a_train_state_a_plain_cell_changed_is_not_lost_silently_by_a_kill_above
                             refused if where == "plain-cell" else None)
 
 
-def test_jax_arrays_and_keys_are_fingerprinted_by_their_values_a_large_one_by_a_sample():
+@pytest.mark.parametrize("chunk", [None, 4096], ids=["whole", "a-slice-at-a-time"])
+def test_jax_arrays_and_keys_are_fingerprinted_by_every_value(monkeypatch, chunk):
     """What the set-up cells bind as JAX arrays (a split, a key) was left out of the fingerprint a
-    resumed run compares: a change went unnamed."""
+    resumed run compares: a change went unnamed. One element of a large array counts (a strided
+    sample missed it), also where the array is copied to the host a slice at a time (over 64 MiB,
+    or on a GPU: here, with slices of 4 KiB)."""
     from colab_resilience import setup_state
 
+    if chunk:
+        monkeypatch.setattr(setup_state, "CHUNK", chunk)
     small, large, key = jnp.arange(8.0), jnp.ones((1024, 512)), jax.random.key(0)
     ns = {"small": small, "large": large, "key": key}
     before = setup_state.fingerprint(ns, ns)
     assert set(before) == {"small", "large", "key"}
-    assert setup_state.differing(before, dict(ns)) == []
-    changed = {"small": small.at[3].set(0.5), "large": large.at[0, 0].set(2.0), "key": jax.random.key(1)}
+    assert setup_state.differing(before, {k: jnp.array(v) if k != "key" else v for k, v in ns.items()}) == []
+    changed = {"small": small.at[3].set(0.5), "large": large.at[317, 301].set(2.0), "key": jax.random.key(1)}
     assert setup_state.differing(before, changed) == ["small", "large", "key"]

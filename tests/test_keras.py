@@ -175,6 +175,31 @@ def test_a_keras_model_of_a_saved_dict_with_nothing_in_its_place_stops_the_resto
         assert "nets" not in ns or ns["nets"] == {}
 
 
+@pytest.mark.parametrize("chunk", [None, 4096], ids=["whole", "a-slice-at-a-time"])
+def test_a_frozen_keras_layers_weights_are_fingerprinted_by_every_value(monkeypatch, chunk):
+    """A frozen Keras layer the set-up cells make (a pretrained embedding): one weight changed in
+    a plain cell counts (a strided sample of a variable over 1 MiB missed it), also where the
+    variable is copied to the host a slice at a time (over 64 MiB, or on a GPU: here, 4 KiB)."""
+    from colab_resilience import setup_state
+
+    if chunk:
+        monkeypatch.setattr(setup_state, "CHUNK", chunk)
+
+    def embedding():
+        keras.utils.set_random_seed(0)
+        layer = keras.layers.Embedding(1024, 512, trainable=False, name="emb")  # a new kernel names it alike
+        layer.build((None,))
+        return layer
+
+    a, b = embedding(), embedding()
+    before = setup_state.fingerprint({"emb": a}, ["emb"])
+    assert set(before) == {"emb"} and setup_state.differing(before, {"emb": b}) == []
+    weights = b.embeddings.numpy()
+    weights[317, 301] = 0.0
+    b.embeddings.assign(weights)
+    assert setup_state.differing(before, {"emb": b}) == ["emb"]
+
+
 def test_keras_global_seed_generator_goes_with_the_random_states_and_is_never_rolled_back_unmade():
     """`keras.random` without a seed draws from Keras's global seed generator: its state goes with
     the random states, and a restore puts it back (a custom loop drew anew after a kill). Made

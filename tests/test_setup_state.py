@@ -80,16 +80,83 @@ def test_a_set_is_the_same_in_whatever_order_it_iterates():
     assert setup_state.fingerprint({"s": list(one)}, ["s"]) != setup_state.fingerprint({"s": list(two)}, ["s"])
 
 
-def test_a_large_tensor_is_fingerprinted_by_a_sample_and_a_view_of_one_by_its_shape():
-    """Over 1 MiB: a strided sample (a random permutation differs in it); a view that is not
-    contiguous, by its shape and dtype only (its sample would be a copy of it)."""
-    n = 1 << 20  # 4 MiB of float32
-    a = torch.randn(n, generator=torch.Generator().manual_seed(0))
-    b = torch.randn(n, generator=torch.Generator().manual_seed(1))
-    assert setup_state.fingerprint({"t": a}, ["t"]) == setup_state.fingerprint({"t": a.clone()}, ["t"])
-    assert setup_state.fingerprint({"t": a}, ["t"]) != setup_state.fingerprint({"t": b}, ["t"])
-    va, vb = a.reshape(1024, 1024).t(), b.reshape(1024, 1024).t()
-    assert setup_state.fingerprint({"t": va}, ["t"]) == setup_state.fingerprint({"t": vb}, ["t"])
+def _one_changed(value, change) -> bool:
+    """Whether ``change`` (made to a copy of ``value``) changes its fingerprint."""
+    import copy
+
+    other = copy.deepcopy(value)
+    change(other)
+    return setup_state.fingerprint({"v": value}, ["v"]) != setup_state.fingerprint({"v": other}, ["v"])
+
+
+def test_one_element_of_a_large_tensor_or_array_changed_is_seen():
+    """Every byte counts, however large (a strided sample missed a plain cell's ``X[7, 5] = 100``
+    on a 1.5 MiB tensor, and the resumed run said nothing): a contiguous tensor, a transposed one
+    (hashed in the order it lies), every other row of one (copied a bounded slice at a time),
+    bfloat16, complex, bool, a NumPy array and views of one; an equal copy fingerprints alike."""
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(1024, 1024, generator=g)  # 4 MiB
+    cases = [big, big.t(), big[::2], big.to(torch.bfloat16), torch.randn(512, 512, dtype=torch.complex64, generator=g),
+             big > 0, big.numpy(), big.numpy().T, big.numpy()[::2]]
+    for value in cases:
+        if isinstance(value, torch.Tensor):  # laid out alike (the strides are in the fingerprint)
+            same = value.clone() if value.is_contiguous() or value.stride(0) == 1 else value._base.clone()[::2]
+        else:
+            same = np.asarray(value.copy(), order="F") if value.flags.f_contiguous else (
+                value.copy() if value.flags.c_contiguous else value.base.copy()[::2])
+        assert setup_state.fingerprint({"v": value}, ["v"]) == setup_state.fingerprint({"v": same}, ["v"]), type(value)
+
+        def poke(v):
+            v[317, 301] = ~v[317, 301] if v.dtype in (torch.bool, np.bool_) else v[317, 301] + 1
+
+        assert _one_changed(value, poke), (type(value), value.dtype)
+
+
+def test_a_tensor_hashed_a_slice_at_a_time_fingerprints_alike_whatever_the_slices(monkeypatch):
+    """The bytes go into the hash in the elements' order whatever the slices (a GPU tensor and a
+    view with gaps are copied to the host a bounded slice at a time): small slices change nothing."""
+    view = torch.arange(8192.0).reshape(64, 128)[:, ::2]
+    whole = setup_state.fingerprint({"v": view}, ["v"])
+    monkeypatch.setattr(setup_state, "CHUNK", 1000)
+    assert setup_state.fingerprint({"v": view}, ["v"]) == whole
+
+
+def test_a_long_container_of_numbers_or_strings_is_taken_whole_and_a_frame_by_every_value():
+    """Past the first 100,000 items: a list or dict of numbers and strings, a set of them (in any
+    order), a pandas frame of any size (its numbers and its strings)."""
+    import pandas as pd
+
+    n = 250_000
+    words = [f"w{i}" for i in range(n)]
+    assert _one_changed(words, lambda v: v.__setitem__(200_000, "changed"))
+    assert _one_changed(list(range(n)), lambda v: v.__setitem__(-1, -1))
+    assert _one_changed({w: i for i, w in enumerate(words)}, lambda v: v.__setitem__("w249999", 0))
+    assert _one_changed(set(words), lambda v: (v.discard("w123456"), v.add("x")))
+    assert setup_state.fingerprint({"s": set(words)}, ["s"]) == setup_state.fingerprint({"s": set(reversed(words))}, ["s"])
+    frame = pd.DataFrame({"x": np.arange(n, dtype=np.float64), "label": [w[-1] for w in words]})
+    assert _one_changed(frame, lambda v: v.__setitem__("x", v["x"].where(v.index != 200_001, -1.0)))
+    assert _one_changed(frame, lambda v: v.loc.__setitem__((199_999, "label"), "changed"))
+    assert _one_changed(frame["x"], lambda v: v.__setitem__(7, 0.5))
+
+
+def test_a_tensor_both_walks_of_one_moment_see_is_hashed_once_and_a_passing_one_is_not_mistaken(monkeypatch):
+    """Within one moment (a %%replay cell's two walks) a large tensor's digest is kept with the
+    tensor, so that no other can take its address meanwhile: two generators, whose states are
+    tensors made for the walk and freed after it, still fingerprint apart."""
+    big = torch.randn(1 << 19)  # 2 MiB
+    hashed = []
+    real = setup_state._tensor_chunks
+    monkeypatch.setattr(setup_state, "_tensor_chunks", lambda t: (hashed.append(t.numel()), *real(t))[1:])
+    with setup_state.one_moment():
+        setup_state.fingerprint({"X": big}, ["X"])
+        setup_state.fingerprint({"X": big}, ["X"], saved=True)
+    assert hashed.count(big.numel()) == 1
+    setup_state.fingerprint({"X": big}, ["X"])
+    assert hashed.count(big.numel()) == 2  # outside a moment: each time
+    with setup_state.one_moment():
+        a = setup_state.fingerprint({"g": torch.Generator().manual_seed(1)}, ["g"])
+        b = setup_state.fingerprint({"g": torch.Generator().manual_seed(2)}, ["g"])
+    assert a != b
 
 
 def test_what_it_does_not_know_or_a_time_is_left_out():
