@@ -31,6 +31,7 @@ import atexit
 import os
 import re
 import sys
+import threading
 import time
 from queue import Empty
 from typing import Any
@@ -74,6 +75,13 @@ class WorkerClient:
         self.nb = None  # the notebook of relayed cells, set by the relay
         self.identities: list[str] = []  # every worker started, in order (journal.kernel_identity)
         self._shadow: tuple | None = None
+        # between requests, a thread reads what the worker publishes (a thread's print after its
+        # cell ended) and hands it to ``between``; a request, or a new worker, holds it off
+        self.between = None
+        self._cond = threading.Condition()
+        self._held, self._reading, self._stopped = 0, False, False
+        self._reader: threading.Thread | None = None
+        self._wake = None  # (the reader's end, the requests' end) of an inproc pair
 
     def new_manager(self, ip: str):
         """A kernel manager for a worker (or its standby) whose sockets are under ``ip``."""
@@ -116,6 +124,10 @@ class WorkerClient:
     def replace_kernel(self, adopted=None) -> bool:
         """A worker in place of the dead one: ``adopted`` (the standby's kernel manager) or the
         same worker restarted with its first arguments and environment."""
+        with self.holding():  # the reader leaves the sockets that close now
+            return self._replace_kernel(adopted)
+
+    def _replace_kernel(self, adopted) -> bool:
         if self.kc is not None:
             self.kc.stop_channels()
             self.kc = None
@@ -199,6 +211,10 @@ class WorkerClient:
         """Send ``msg`` to the worker's shell as it is (its id kept), forward what the worker
         publishes in answer, and return its reply once the worker is idle again (None for the
         messages that have none: ``comm_open``, ``comm_msg``, ``comm_close``)."""
+        with self.holding():
+            return self._send(msg, forward, on_input)
+
+    def _send(self, msg: dict, forward, on_input) -> dict | None:
         import zmq
 
         kc = self.kc
@@ -232,6 +248,8 @@ class WorkerClient:
                             forward(got)
                     elif parent == fence and got["msg_type"] == "status":
                         fenced = got["content"].get("execution_state") == "idle"
+                    elif got is not None and self.between is not None:  # another request's: a thread's
+                        self.between(got)
                 if stdin in ready:
                     request = _receive(kc.session, stdin)
                     if request is not None and request.get("msg_type") == "input_request":
@@ -254,6 +272,90 @@ class WorkerClient:
                     pass
         return reply
 
+    # --- what the worker publishes between requests ----------------------------------------------
+
+    def holding(self):
+        """A context in which the reader of :meth:`start_reading` leaves the worker's sockets alone
+        (a request, a worker replaced); re-entrant, and from any thread."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def held():
+            with self._cond:
+                self._held += 1
+                if self._reading and self._wake is not None:
+                    self._wake[1].send(b"")  # out of its poll at once
+                while self._reading:
+                    self._cond.wait()
+            try:
+                yield
+            finally:
+                with self._cond:
+                    self._held -= 1
+                    self._cond.notify_all()
+
+        return held()
+
+    def start_reading(self) -> None:
+        """Read the worker's iopub between requests, on a thread, and hand each message to
+        :attr:`between`: what a thread of the worker prints after its cell ended shows, as it does
+        in one kernel, when it is printed, not with the next cell."""
+        import zmq
+
+        if self._reader is not None:
+            return
+        ctx, name = zmq.Context.instance(), f"inproc://colab-resilience-relay-wake-{id(self)}"
+        own, theirs = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        own.bind(name)
+        theirs.connect(name)
+        self._wake = (own, theirs)
+        self._reader = threading.Thread(target=self._read, name="colab-resilience-worker-iopub", daemon=True)
+        self._reader.start()
+
+    def stop_reading(self) -> None:
+        with self._cond:
+            self._stopped = True
+            if self._wake is not None:
+                self._wake[1].send(b"")
+            self._cond.notify_all()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        if self._wake is not None and not (self._reader and self._reader.is_alive()):
+            for sock in self._wake:
+                sock.close(linger=0)
+        self._reader = self._wake = None
+
+    def _read(self) -> None:
+        import zmq
+
+        own = self._wake[0]
+        while True:
+            with self._cond:
+                while not self._stopped and (self._held or self.kc is None):
+                    self._cond.wait(timeout=1.0)
+                if self._stopped:
+                    return
+                self._reading = True
+                kc, iopub = self.kc, self._sockets()[0]
+            try:
+                poller = zmq.Poller()
+                poller.register(iopub, zmq.POLLIN)
+                poller.register(own, zmq.POLLIN)
+                ready = dict(poller.poll(1000))
+                if own in ready:
+                    while own.poll(0):
+                        own.recv()
+                elif iopub in ready:
+                    got = _receive(kc.session, iopub)
+                    if got is not None and self.between is not None:
+                        self.between(got)
+            except Exception:  # a guard: the relay goes on without what it could not read
+                pass
+            finally:
+                with self._cond:
+                    self._reading = False
+                    self._cond.notify_all()
+
     def complete(self, code: str, cursor_pos: int) -> dict:
         return self._wait_reply(self.kc.complete(code, cursor_pos), 10)["content"]
 
@@ -261,6 +363,7 @@ class WorkerClient:
         return self._wait_reply(self.kc.inspect(code, cursor_pos, detail_level), 10)["content"]
 
     def shutdown(self) -> None:
+        self.stop_reading()
         if self.kc is not None:
             try:
                 self.kc.stop_channels()
@@ -338,6 +441,10 @@ class Relay:
         self.comms: set[str] = set()  # the widgets' comms open with the worker
         self.own_handlers: dict = {}  # this kernel's handlers of COMM_MESSAGES, while it relays
         self.worker_count: int | None = None  # the worker's next execution count, as far as known
+        # the frontend's requests relayed, by id, the latest last: what a thread of the worker
+        # publishes under one of them after it ended goes to its cell (:meth:`between`)
+        self.parents: dict[str, dict] = {}
+        self.client.between = self.between
 
     @property
     def restarts(self):
@@ -352,6 +459,7 @@ class Relay:
             raise OptionError("%resilience isolate: the worker kernel died while starting; see the log of this kernel")
         if self.supervisor.spare is not None:
             self.supervisor.spare.spawn()
+        self.client.start_reading()
         self.session.say(f"colab_resilience: isolation on: cells run in worker kernel PID {self.client.pid} "
                          f"(started in {time.perf_counter() - started:.1f} s); this kernel only relays, "
                          "and when the worker dies the cell goes on in a new one; %resilience isolate off ends it")
@@ -388,6 +496,7 @@ class Relay:
         cell = nbformat.v4.new_code_cell(source)
         nb.cells.append(cell)
         seen = len(self.restarts)
+        self._relaying(getattr(self.shell, "kernel", None) and self.shell.kernel.get_parent("shell"))
         if not self.client.alive():  # it died between cells
             self._recover(index, seen)
             seen = len(self.restarts)
@@ -484,6 +593,37 @@ class Relay:
 
     _result: Result | None = None
 
+    def _relaying(self, request: dict | None) -> None:
+        """``request`` (the frontend's) is relayed now: what the worker publishes under it later is
+        its (the last 256 requests are known)."""
+        msg_id = (request or {}).get("header", {}).get("msg_id")
+        if msg_id:
+            self.parents[msg_id] = request
+            while len(self.parents) > 256:
+                del self.parents[next(iter(self.parents))]
+
+    def between(self, msg: dict) -> None:
+        """An iopub message of the worker's that no request in flight waits for (read by the
+        worker client's reader between requests, or during another's): what a thread of an earlier
+        cell prints or displays, published under that cell's request, so that it shows in that
+        cell's output as in one kernel; a widget's message (a bar a thread moves). What the relay's
+        own calls make (the replayed set-up cells) is not shown."""
+        kind, c = msg.get("msg_type"), msg.get("content") or {}
+        parent = self.parents.get(msg.get("parent_header", {}).get("msg_id"))
+        kernel = getattr(self.shell, "kernel", None)
+        if kernel is None:
+            return
+        if kind in ("comm_open", "comm_msg", "comm_close"):
+            if parent is None and (kind == "comm_open" or c.get("comm_id") not in self.comms):
+                return  # a widget of a replayed set-up cell's, never shown
+            self._track(kind, c)
+            kernel.session.send(kernel.iopub_socket, kind, c, parent=parent or kernel.get_parent("shell"),
+                                ident=f"comm-{c.get('comm_id', '')}".encode("ascii", "replace"),
+                                metadata=msg.get("metadata") or {}, buffers=msg.get("buffers") or None)
+        elif parent is not None and kind in ("stream", "display_data", "update_display_data", "clear_output"):
+            kernel.session.send(kernel.iopub_socket, kind, c, parent=parent, metadata=msg.get("metadata") or {},
+                                buffers=msg.get("buffers") or None)
+
     def user_expressions(self, expressions: dict) -> dict:
         """An execute request's ``user_expressions`` (a variable inspector's), evaluated in the
         worker, where the names are."""
@@ -509,6 +649,7 @@ class Relay:
             self._widgets_lost()
             return None
         self._track(kind, msg["content"])
+        self._relaying(msg)
         try:
             return self.client.send(msg, self.forward, on_input=self._input)
         except DeadKernelError:

@@ -161,6 +161,37 @@ def test_outputs_errors_and_counts_look_as_in_one_kernel(relay):
     assert relay.ok("x + 1").outputs[-1]["execution_count"] == count + 4
 
 
+def iopub_for(k: Kernel, seconds: float) -> list[dict]:
+    """What the notebook's kernel publishes in ``seconds`` with no request of the frontend's."""
+    got, deadline = [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            got.append(k.kc.get_iopub_msg(timeout=0.1))
+        except Exception:  # queue.Empty
+            pass
+    return got
+
+
+def test_what_a_thread_prints_after_its_cell_ended_shows_in_that_cell_when_printed(relay):
+    """A thread a cell started prints and displays after the cell ended, before any other cell
+    runs: in one kernel it shows in that cell's output at once; the relay read the worker only
+    while a request was in flight and dropped it (found by a probe). A thread of the worker's is
+    read between requests now, and published under the request of the cell that started it; the
+    replayed set-up cells' outputs after a death still are not shown."""
+    cell = relay.submit("import threading, time\nfrom IPython.display import display, HTML\n"
+                        "def later():\n    time.sleep(1.0); print('late', flush=True); display(HTML('<i>later</i>'))\n"
+                        "threading.Thread(target=later).start()\nprint('now')")
+    assert relay.collect(cell).stdout == "now\n"
+    after = [m for m in iopub_for(relay, 4.0) if m["msg_type"] in ("stream", "display_data")]
+    assert [(m["msg_type"], m["parent_header"]["msg_id"]) for m in after] == [("stream", cell), ("display_data", cell)]
+    assert after[0]["content"]["text"] == "late\n" and after[1]["content"]["data"]["text/html"] == "<i>later</i>"
+    relay.ok("%%replay\nprint('set up')")
+    kill(worker_pid(relay))
+    r = relay.ok("print('after')")
+    shown = r.stdout + "".join(m["content"].get("text", "") for m in iopub_for(relay, 1.0) if m["msg_type"] == "stream")
+    assert r.stdout == "after\n" and "set up" not in shown, shown
+
+
 def test_user_expressions_are_evaluated_in_the_worker(relay):
     """A frontend's variable inspector asks through user_expressions: it sees the worker's names."""
     pid = worker_pid(relay)
