@@ -436,7 +436,8 @@ class Run:
                                 "make that change in a %%replay cell or add {it} to --save")
 
     def _compare_start(self, now: dict[str, str], unheld: str, advice: str) -> None:
-        """After a restart: the run's --save values (or models it reads) that nothing put back
+        """After a restart: the run's --save values (or the models it reads, and the values it
+        reads before it binds them: :func:`.setup_state.carried_in`) that nothing put back
         (``unheld``: why) but the set-up cells and the finished runs, compared with what they held
         as the run began (``now``: their fingerprints here). One a cell that is not replayed had
         changed stops the run, pending; one the replay made otherwise is said, and the run goes on."""
