@@ -574,9 +574,8 @@ def _variable(v, h) -> None:
         return
     ops = sys.modules["keras"].ops
     h.update(f"{v.dtype}{tuple(v.shape)}".encode())
-    flat, step = ops.reshape(v.value, (-1,)), CHUNK // itemsize
-    h.update(_digest(lambda: (np.ascontiguousarray(ops.convert_to_numpy(flat[i:i + step]))
-                              for i in range(0, size, step))))
+    value = v.value
+    h.update(_digest(lambda: (np.ascontiguousarray(ops.convert_to_numpy(part)) for part in _rows(value, itemsize))))
 
 
 def _jax(a, h) -> None:
@@ -589,8 +588,18 @@ def _jax(a, h) -> None:
         _array(np.asarray(a), h, kept=False)
         return
     h.update(f"{a.dtype}{a.shape}".encode())
-    flat, step = a.reshape(-1), CHUNK // a.dtype.itemsize
-    h.update(_digest(lambda: (np.ascontiguousarray(np.asarray(flat[i:i + step])) for i in range(0, a.size, step))))
+    h.update(_digest(lambda: (np.ascontiguousarray(np.asarray(part)) for part in _rows(a, a.dtype.itemsize))))
+
+
+def _rows(a, itemsize: int):
+    """A large device array (a JAX array, a Keras variable's value) a bounded slice of its first
+    dimension at a time, in order: no copy of the whole of it is made, on the device or the host."""
+    row = itemsize
+    for n in a.shape[1:]:
+        row *= int(n)
+    step = max(1, CHUNK // max(1, row))
+    for i in range(0, int(a.shape[0]), step):
+        yield a[i:i + step]
 
 
 def _array(a, h, kept: bool = True) -> None:
