@@ -25,13 +25,13 @@ that checkpoint, and a retry in the kernel of an attempt that failed before it, 
 A fingerprint takes every byte of a tensor or array (BLAKE3, on all cores: faster than a copy
 of it; a change to one element is seen), copying none where it lies in host memory and a bounded
 chunk at a time where it does not (GPU memory, a view that is not contiguous); a container by
-its length and its first 100,000 items (all of them where they are numbers or strings), a set
-by its items in any order, a frozen module (a teacher, a pretrained backbone: no parameter that
+its length and its first 100,000 items (all of them where they are numbers or strings, or rows
+of them: a text dataset's ``(text, label)`` pairs or records), a set by its items in any order, a frozen module (a teacher, a pretrained backbone: no parameter that
 requires a gradient) by its state dict, a torch ``DataLoader`` by its batching and its dataset
 (``random_split``'s subsets by their indices, a ``TensorDataset`` by its tensors), a pandas frame
 by its index and columns, an object of the notebook's classes by its attributes, to a depth of
-6. A tensor seen twice in one moment (:func:`one_moment`: the two walks of a ``%%replay`` cell's
-run) is hashed once. Left out: a model the training trains (it is its checkpoint's, through
+6. A tensor or a long container seen twice in one moment (:func:`one_moment`: the two walks of a
+``%%replay`` cell's run) is hashed once. Left out: a model the training trains (it is its checkpoint's, through
 ``--save`` or a framework's callback, which restores it; one that is neither is named at the
 first run), code, modules, other libraries' objects (a tokenizer, a summary writer), numbers a
 dict names as a time, and a name bound to a clock's
@@ -418,41 +418,10 @@ def _feed(value: Any, h, seen: set[int], depth: int) -> bool:
     if kind == "container":
         if isinstance(value, range):
             h.update(repr(value).encode())
-        elif isinstance(value, dict):
-            h.update(str(len(value)).encode())
-            if len(value) > ITEMS and _plain(value.keys()) and _plain(value.values()):
-                _feed_reprs(h, [(k, v) for k, v in value.items() if not _time_named(k, v)])
-                return True
-            for i, (k, v) in enumerate(value.items()):
-                if i >= ITEMS:
-                    break
-                _feed(k, h, seen, depth + 1)
-                if _time_named(k, v) or not _feed(v, h, seen, depth + 1):
-                    h.update(b"<left out>")
-        elif isinstance(value, (set, frozenset)):  # equal sets, in whatever order they iterate
-            import blake3
-
-            if len(value) > ITEMS and _plain(value):  # a long one of numbers or strings: all of it
-                h.update(str(len(value)).encode() + "\n".join(sorted(map(repr, value))).encode())
-                return True
-            items = []
-            for i, v in enumerate(value):
-                if i >= ITEMS:
-                    break
-                g = blake3.blake3()
-                _feed(v, g, seen, depth + 1)
-                items.append(g.digest())
-            h.update(str(len(value)).encode() + b"".join(sorted(items)))
+        elif len(value) > ITEMS:
+            h.update(_long(value, depth))
         else:
-            h.update(str(len(value)).encode())
-            if len(value) > ITEMS and _plain(value):  # a long one of numbers or strings: all of it
-                _feed_reprs(h, value)
-                return True
-            for i, v in enumerate(value):
-                if i >= ITEMS:
-                    break
-                if not _feed(v, h, seen, depth + 1):
-                    h.update(b"<left out>")
+            _feed_items(value, h, seen, depth)
         return True
     if kind == "tensor":
         _tensor(value, h)
@@ -496,6 +465,81 @@ def _time_named(key: Any, value: Any) -> bool:
     from .kernelapi import _is_a_time
 
     return isinstance(key, str) and _is_a_time(key, value)
+
+
+def _feed_items(value, h, seen: set[int], depth: int) -> None:
+    """A list, tuple, dict or set: its length and its items (at most :data:`ITEMS` of them)."""
+    h.update(str(len(value)).encode())
+    if isinstance(value, dict):
+        for i, (k, v) in enumerate(value.items()):
+            if i >= ITEMS:
+                break
+            _feed(k, h, seen, depth + 1)
+            if _time_named(k, v) or not _feed(v, h, seen, depth + 1):
+                h.update(b"<left out>")
+    elif isinstance(value, (set, frozenset)):  # equal sets, in whatever order they iterate
+        import blake3
+
+        items = []
+        for i, v in enumerate(value):
+            if i >= ITEMS:
+                break
+            g = blake3.blake3()
+            _feed(v, g, seen, depth + 1)
+            items.append(g.digest())
+        h.update(b"".join(sorted(items)))
+    else:
+        for i, v in enumerate(value):
+            if i >= ITEMS:
+                break
+            if not _feed(v, h, seen, depth + 1):
+                h.update(b"<left out>")
+
+
+def _long(value, depth: int) -> bytes:
+    """The digest of a container of more than :data:`ITEMS` items: all of them, at C speed,
+    where they are numbers and strings, or rows of them (tuples; dicts whose keys name no time:
+    a text dataset's ``(text, label)`` pairs or records); else its length and its first
+    :data:`ITEMS` items. Walked on its own (what was seen before it does not count), so that
+    :func:`one_moment` keeps it with the container."""
+    import blake3
+
+    key = ("container", id(value))
+    if _memo is not None and key in _memo:
+        return _memo[key][0]
+    g = blake3.blake3()
+    g.update(str(len(value)).encode())
+    if isinstance(value, dict):
+        if _plain(value.keys()) and _plain(value.values()):
+            _feed_reprs(g, [(k, v) for k, v in value.items() if not _time_named(k, v)])
+        else:
+            _feed_items(value, g, {id(value)}, depth)
+    elif isinstance(value, (set, frozenset)):
+        if _plain(value) or _plain_rows(value):  # in any order
+            g.update("\n".join(sorted(map(repr, value))).encode())
+        else:
+            _feed_items(value, g, {id(value)}, depth)
+    elif _plain(value) or _plain_rows(value):
+        _feed_reprs(g, value)
+    else:
+        _feed_items(value, g, {id(value)}, depth)
+    digest = g.digest()
+    if _memo is not None:
+        _memo[key] = (digest, value)
+    return digest
+
+
+def _plain_rows(items) -> bool:
+    """Whether every item is a tuple of numbers and strings, or every one a dict of them whose
+    keys name no time."""
+    kinds = set(map(type, items))
+    if kinds == {tuple}:
+        return all(set(map(type, x)) <= _PLAIN for x in items)
+    if kinds == {dict} and all(_plain(x.keys()) and _plain(x.values()) for x in items):
+        from .kernelapi import _TIME
+
+        return not any(isinstance(k, str) and _TIME.search(k) for k in set().union(*items))
+    return False
 
 
 def _plain(items) -> bool:
@@ -575,7 +619,7 @@ def _variable(v, h) -> None:
     ops = sys.modules["keras"].ops
     h.update(f"{v.dtype}{tuple(v.shape)}".encode())
     value = v.value
-    h.update(_digest(lambda: (np.ascontiguousarray(ops.convert_to_numpy(part)) for part in _rows(value, itemsize))))
+    h.update(_digest(lambda: (np.ascontiguousarray(ops.convert_to_numpy(part)) for part in _slices(value, itemsize))))
 
 
 def _jax(a, h) -> None:
@@ -588,10 +632,10 @@ def _jax(a, h) -> None:
         _array(np.asarray(a), h, kept=False)
         return
     h.update(f"{a.dtype}{a.shape}".encode())
-    h.update(_digest(lambda: (np.ascontiguousarray(np.asarray(part)) for part in _rows(a, a.dtype.itemsize))))
+    h.update(_digest(lambda: (np.ascontiguousarray(np.asarray(part)) for part in _slices(a, a.dtype.itemsize))))
 
 
-def _rows(a, itemsize: int):
+def _slices(a, itemsize: int):
     """A large device array (a JAX array, a Keras variable's value) a bounded slice of its first
     dimension at a time, in order: no copy of the whole of it is made, on the device or the host."""
     row = itemsize

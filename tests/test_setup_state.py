@@ -123,7 +123,8 @@ def test_a_tensor_hashed_a_slice_at_a_time_fingerprints_alike_whatever_the_slice
 
 def test_a_long_container_of_numbers_or_strings_is_taken_whole_and_a_frame_by_every_value():
     """Past the first 100,000 items: a list or dict of numbers and strings, a set of them (in any
-    order), a pandas frame of any size (its numbers and its strings)."""
+    order), a list of rows of them (tuples, records), a pandas frame of any size (its numbers and
+    its strings)."""
     import pandas as pd
 
     n = 250_000
@@ -132,6 +133,9 @@ def test_a_long_container_of_numbers_or_strings_is_taken_whole_and_a_frame_by_ev
     assert _one_changed(list(range(n)), lambda v: v.__setitem__(-1, -1))
     assert _one_changed({w: i for i, w in enumerate(words)}, lambda v: v.__setitem__("w249999", 0))
     assert _one_changed(set(words), lambda v: (v.discard("w123456"), v.add("x")))
+    pairs = [(w, i % 2) for i, w in enumerate(words)]  # a text dataset: (text, label) pairs, records
+    assert _one_changed(pairs, lambda v: v.__setitem__(200_000, ("w200000", 7)))
+    assert _one_changed([{"text": w, "label": n} for w, n in pairs], lambda v: v[-1].__setitem__("label", 7))
     assert setup_state.fingerprint({"s": set(words)}, ["s"]) == setup_state.fingerprint({"s": set(reversed(words))}, ["s"])
     frame = pd.DataFrame({"x": np.arange(n, dtype=np.float64), "label": [w[-1] for w in words]})
     assert _one_changed(frame, lambda v: v.__setitem__("x", v["x"].where(v.index != 200_001, -1.0)))
