@@ -22,20 +22,21 @@ until the run's first checkpoint, nothing else holds them. A kernel that resumes
 that checkpoint, and a retry in the kernel of an attempt that failed before it, compare
 (:meth:`.run.Run._start_state`, :meth:`.run.Run.retry_not_exact`).
 
-A fingerprint takes every byte of a tensor or array (BLAKE3, on all cores: faster than a copy
-of it; a change to one element is seen), copying none where it lies in host memory and a bounded
+A fingerprint takes every byte of a tensor or array (BLAKE3, on all cores: faster than a copy of
+it; a change to one element is seen), copying none where it lies in host memory and a bounded
 chunk at a time where it does not (GPU memory, a view that is not contiguous); a container by
 its length and its first 100,000 items (all of them where they are numbers or strings, or rows
-of them: a text dataset's ``(text, label)`` pairs or records), a set by its items in any order, a frozen module (a teacher, a pretrained backbone: no parameter that
-requires a gradient) by its state dict, a torch ``DataLoader`` by its batching and its dataset
-(``random_split``'s subsets by their indices, a ``TensorDataset`` by its tensors), a pandas frame
-by its index and columns, an object of the notebook's classes by its attributes, to a depth of
-6. A tensor or a long container seen twice in one moment (:func:`one_moment`: the two walks of a
-``%%replay`` cell's run) is hashed once. Left out: a model the training trains (it is its checkpoint's, through
+of them: a text dataset's ``(text, label)`` pairs or records), a set by its items in any order,
+a frozen module (a teacher, a pretrained backbone: no parameter that requires a gradient) by its
+state dict, a torch ``DataLoader`` by its batching and its dataset (``random_split``'s subsets
+by their indices, a ``TensorDataset`` by its tensors), a pandas frame by its index and columns,
+an object of the notebook's classes by its attributes, to a depth of 6. A tensor or a long
+container seen twice in one moment (:func:`one_moment`: the two walks of a ``%%replay`` cell's
+run) is hashed once. Left out: a model the training trains (it is its checkpoint's, through
 ``--save`` or a framework's callback, which restores it; one that is neither is named at the
 first run), code, modules, other libraries' objects (a tokenizer, a summary writer), numbers a
-dict names as a time, and a name bound to a clock's
-reading or a process's id (``t0 = time.time()``): they differ in any two runs.
+dict names as a time, and a name bound to a clock's reading or a process's id
+(``t0 = time.time()``): they differ in any two runs.
 """
 
 from __future__ import annotations
