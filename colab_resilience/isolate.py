@@ -38,6 +38,7 @@ from typing import Any
 
 from nbclient.exceptions import DeadKernelError
 
+from . import priority
 from .client import api_call, discard, expression_value, kernel_pid, process_exit_code
 from .driver import HASH_SEED, LOAD_EXTENSION, Supervisor, hash_seed
 from .replay import is_replay_cell
@@ -99,7 +100,8 @@ class WorkerClient:
                              connection_file=ip + ".json")
 
     def start(self) -> bool:
-        self.km.start_kernel(extra_arguments=list(self.extra_arguments), env=self.env, cwd=self.cwd)
+        self.km.start_kernel(extra_arguments=list(self.extra_arguments), env=self.env, cwd=self.cwd,
+                             **priority.die_with_parent())
         return self.connect()
 
     def connect(self) -> bool:

@@ -114,3 +114,39 @@ def lower(pid: int) -> None:
         set_autogroup_nice(NICE, pid)
     except OSError:
         pass
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+@functools.lru_cache(maxsize=None)
+def _prctl():
+    """libc's ``prctl``, looked up before any fork (None where there is none: not Linux)."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def die_with_parent() -> dict:
+    """Keyword arguments for starting a kernel (``KernelManager.start_kernel``, passed on to
+    ``Popen``) that is SIGKILLed by Linux the moment the process that starts it dies: a worker
+    or standby kernel outlives its relay or driver by nothing, even while it is still starting at
+    the lowest priority, before ipykernel's parent poller runs (starved, a standby lived on for
+    minutes, preloading torch). Linux sends the signal when the *thread* that started the child
+    ends: kernels are started from the relay's or the driver's main thread or the event-loop
+    thread jupyter_core keeps for it, which last as long as the process. Elsewhere: nothing."""
+    prctl = _prctl()
+    if prctl is None:
+        return {}
+    import signal
+
+    def in_the_child() -> None:  # between fork and exec: one system call, nothing else
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+
+    return {"preexec_fn": in_the_child}

@@ -52,7 +52,7 @@ class Standby:
         km = self.client.new_manager(os.path.join(self.sockets, f"standby-{self.started}"))
         try:
             blocking(km.start_kernel, extra_arguments=list(self.client.extra_arguments),
-                     env={**self.env, standby.ENV: "1"}, cwd=self.cwd)
+                     env={**self.env, standby.ENV: "1"}, cwd=self.cwd, **priority.die_with_parent())
         except Exception:  # no standby: the next restart is a cold one, as without it
             return
         self.km, self.kc = km, km.client()

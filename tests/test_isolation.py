@@ -366,6 +366,32 @@ def test_isolate_off_ends_the_worker_and_bad_input_is_one_line(relay):
     assert relay.value("__import__('os').getpid()") == relay.pid
 
 
+def test_the_worker_and_its_standby_die_with_a_killed_notebook_kernel_even_while_starved(relay):
+    """A standby starts at the lowest priority and noticed its notebook kernel's death only through
+    ipykernel's parent poller, once up: on a busy machine it lived on for minutes after a SIGKILL
+    of the notebook's kernel, preloading torch (found by a probe with two busy loops beside it:
+    15 s, and minutes under two test runs). Linux now kills both with it. Here they are stopped
+    (SIGSTOP: as starved as can be, no poller of theirs runs) when the notebook's kernel is
+    killed: they are gone at once."""
+    worker, spare = worker_pid(relay), standby_pid(relay)
+    assert spare is not None
+    for pid in (worker, spare):
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        os.kill(relay.pid, signal.SIGKILL)
+        relay.km.provisioner.process.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while (running(worker) or running(spare)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not running(worker) and not running(spare), "a kernel of the relay's outlived it"
+    finally:
+        for pid in (worker, spare):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_a_killed_notebook_kernels_worker_sockets_are_removed_by_the_next_relay(relay, tmp_path):
     """A notebook kernel killed with SIGKILL (as a frontend's forced shutdown does) runs no exit
     handler: its workers die with it, but their socket folder stays in the temporary directory.
