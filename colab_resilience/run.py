@@ -357,9 +357,12 @@ class Run:
         merge_replay_cells(j.replay_cells, setup_cells)
         from . import setup_state
 
+        self._older: list[str] = []  # what the journal's fingerprints of an earlier version leave unchecked
         with setup_state.one_moment():  # what both fingerprint is hashed once
             self._check_setup(setup or {})
             self._start_state(setup_saved or {})
+        if self._older:
+            self.say(setup_state.older_message(self.run_id, sorted(set(self._older))))
         j.save()
         from .lint import kept_objects, set_in_loops_read_after
 
@@ -382,7 +385,9 @@ class Run:
             if changed:
                 self.say(setup_state.changed_message(changed))
         elif self.after_restart and j.setup:
-            differ = setup_state.differing(j.setup, self.shell.user_ns)
+            recorded, older = setup_state.older(j.setup)
+            self._older += older
+            differ = setup_state.differing(recorded, self.shell.user_ns)
             if differ:
                 self.say(setup_state.message(differ))
 
@@ -441,8 +446,12 @@ class Run:
         (``unheld``: why) but the set-up cells and the finished runs, compared with what they held
         as the run began (``now``: their fingerprints here). One a cell that is not replayed had
         changed stops the run, pending; one the replay made otherwise is said, and the run goes on."""
+        from . import setup_state
+
         j = self.journal
-        differ = [n for n in j.start_saved if n in now and now[n] != j.start_saved[n]]
+        recorded, older = setup_state.older(j.start_saved)
+        self._older += [n for n in older if n in now]
+        differ = [n for n in recorded if n in now and now[n] != recorded[n]]
         lost = [n for n in differ if n not in j.start_from_setup]
         if lost:
             names, one = ", ".join(lost), len(lost) == 1

@@ -53,6 +53,7 @@ CHUNK = 1 << 26  # bytes copied at a time to hash what is not hashed where it li
 KEPT = 1 << 20  # bytes of a tensor or array whose digest one_moment keeps
 ITEMS = 100_000  # items of a container walked (a longer one of numbers or strings is taken whole)
 DEPTH = 6
+SCHEME = "2:"  # what a fingerprint begins with: how it was taken (before 2026-11-28: none, sampled)
 _PLAIN = frozenset({bool, int, float, complex, str, bytes, type(None)})
 
 # the digests of the tensors and arrays hashed in this moment (see one_moment), by where they lie
@@ -191,7 +192,7 @@ def fingerprint(ns: Mapping[str, Any], names: Iterable[str], *, saved: bool = Fa
             if is_oom(e):
                 raise
             continue
-        out[name] = h.hexdigest()[:32]
+        out[name] = SCHEME + h.hexdigest()[:32]
     return out
 
 
@@ -326,6 +327,21 @@ def _feed_saved(value: Any, h) -> bool:
         # an optimizer (its rates and moments), a scheduler, a GradScaler: what a checkpoint takes
         return _feed(value.state_dict(), h, set(), 1)
     return _feed(value, h, set(), 0)
+
+
+def older(recorded: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """``recorded`` (a journal's fingerprints) split into those this version takes as it does,
+    and the names of those an earlier version took otherwise (it sampled large tensors: compared,
+    every one would differ). A pending run begun before an upgrade is resumed by the new version."""
+    kept = {n: p for n, p in recorded.items() if p.startswith(SCHEME)}
+    return kept, sorted(n for n in recorded if n not in kept)
+
+
+def older_message(run_id: str, names: list[str]) -> str:
+    """The line a resume says of the fingerprints it cannot compare."""
+    return (f"colab_resilience: run {run_id} began under an earlier version of colab_resilience, which "
+            f"fingerprinted what the run reads otherwise: {_shown(names)} not compared on this resume (a change "
+            "a cell that is not replayed made to them since is not seen); Run All compares them again")
 
 
 def differing(recorded: Mapping[str, str], ns: Mapping[str, Any], *, saved: bool = False) -> list[str]:

@@ -781,6 +781,47 @@ def test_one_element_a_plain_cell_changed_in_a_large_tensor_is_named(tmp_path):
     assert harness.result(nb) != harness.result(twin)  # what the line says
 
 
+def test_a_run_an_earlier_version_began_resumes_without_comparing_its_fingerprints(kernel, tmp_path):
+    """A run pending across an upgrade (a kill, ``pip install -U``, a new kernel): the journal's
+    fingerprints were taken by an earlier version, which sampled large tensors; compared with
+    this version's, every one differed, and the resume named a change nobody made (the train set
+    "made otherwise"; before the first checkpoint, a refusal). Fingerprints carry how they were
+    taken: those of an earlier version are not compared, and one line says which; the run ends bit
+    for bit as its twin."""
+    from colab_resilience.journal import Journal, find_runs
+
+    def notebook(mark):
+        return harness.notebook(
+            "%load_ext colab_resilience",
+            "%%replay\nimport os, signal, torch\ntorch.manual_seed(0)\nX = torch.randn(4096, 96); Y = X[:, :1] * 2\n"
+            "model = torch.nn.Linear(96, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.01)\nlosses = []",
+            "%%resilient --save model,opt,losses\nfor epoch in resume_range(3):\n"
+            "    loss = ((model(X) - Y) ** 2).mean(); opt.zero_grad(); loss.backward(); opt.step()\n"
+            "    losses.append(loss.item())\n    if epoch == 1:\n" + _kill(mark, "        "),
+            "print('RESULT', losses)")
+
+    (tmp_path / "twin").mkdir()
+    (tmp_path / "twin" / "m").touch()
+    twin = notebook(tmp_path / "twin" / "m")
+    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    cells = [c.source for c in notebook(tmp_path / "m").cells]
+    kernel.ok(cells[0])
+    kernel.ok(f"%resilience dir {tmp_path / 'runs'}")
+    kernel.ok(cells[1])
+    assert kernel.execute_until_exit(cells[2])[1] == -9
+    [run] = find_runs(tmp_path / "runs")
+    journal = Journal.load(run)
+    assert set(journal.setup) == {"X", "Y"} and all(p.startswith("2:") for p in journal.setup.values())
+    journal.setup = {n: p.partition(":")[2] for n, p in journal.setup.items()}  # as an earlier version wrote it
+    journal.save()
+    kernel.restart()
+    out = kernel.ok(cells[2]).stdout
+    assert "colab_resilience: run " in out and " began under an earlier version of colab_resilience, which " \
+        "fingerprinted what the run reads otherwise: X, Y not compared on this resume" in out, out
+    assert "otherwise than the kernel that began this run" not in out, out
+    assert harness.result(kernel.ok(cells[3]).stdout) == harness.result(twin)
+
+
 def test_a_vocabulary_in_a_sets_order_is_named_when_jupyter_restarts_the_kernel(kernel, tmp_path):
     """Interactively, the kernel Jupyter restarts hashes strings its own way (no supervisor gives
     it the first kernel's hash seed): the replayed ``list(set(text))`` makes another vocabulary, and
