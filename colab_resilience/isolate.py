@@ -609,7 +609,14 @@ class Relay:
         worker client's reader between requests, or during another's): what a thread of an earlier
         cell prints or displays, published under that cell's request, so that it shows in that
         cell's output as in one kernel; a widget's message (a bar a thread moves). What the relay's
-        own calls make (the replayed set-up cells) is not shown."""
+        own calls make (the replayed set-up cells) is not shown. Nothing it meets stops the cell
+        in flight or the reader."""
+        try:
+            self._publish_between(msg)
+        except Exception:
+            pass
+
+    def _publish_between(self, msg: dict) -> None:
         kind, c = msg.get("msg_type"), msg.get("content") or {}
         parent = self.parents.get(msg.get("parent_header", {}).get("msg_id"))
         kernel = getattr(self.shell, "kernel", None)
