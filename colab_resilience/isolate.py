@@ -498,7 +498,7 @@ class Relay:
         cell = nbformat.v4.new_code_cell(source)
         nb.cells.append(cell)
         seen = len(self.restarts)
-        self._relaying(getattr(self.shell, "kernel", None) and self.shell.kernel.get_parent("shell"))
+        self._relaying(self._parent())
         if not self.client.alive():  # it died between cells
             self._recover(index, seen)
             seen = len(self.restarts)
@@ -551,13 +551,16 @@ class Relay:
         """What the relay asks the worker with each cell, so that it costs no round trip more."""
         return {MODULES: NEW_MODULES} if self.supervisor.spare is not None else {}
 
-    def _parent_id(self) -> str | None:
-        """The id of the frontend's request this kernel is answering (its execute_request)."""
+    def _parent(self) -> dict | None:
+        """The frontend's request this kernel is answering (its execute_request)."""
         kernel = getattr(self.shell, "kernel", None)
         try:
-            return kernel.get_parent("shell")["header"]["msg_id"] or None
-        except (AttributeError, KeyError, TypeError):
+            return kernel.get_parent("shell") or None
+        except (AttributeError, TypeError):
             return None
+
+    def _parent_id(self) -> str | None:
+        return (self._parent() or {}).get("header", {}).get("msg_id") or None
 
     def _allow_stdin(self) -> bool:
         kernel = getattr(self.shell, "kernel", None)
@@ -585,12 +588,9 @@ class Relay:
             self._result = Result(c.get("data", {}), c.get("metadata", {}))
         elif kind in ("comm_open", "comm_msg", "comm_close"):  # widgets: the worker's, shown by the frontend
             self._track(kind, c)
-            kernel = self.shell.kernel
             sys.stdout.flush()
             sys.stderr.flush()
-            kernel.session.send(kernel.iopub_socket, kind, c, parent=kernel.get_parent("shell"),
-                                ident=f"comm-{c.get('comm_id', '')}".encode("ascii", "replace"),
-                                metadata=msg.get("metadata") or {}, buffers=msg.get("buffers") or None)
+            self._publish(msg, self.shell.kernel.get_parent("shell"))
         # error: the reply carries it (raised by run_cell); execute_input and status: the relay's own
 
     _result: Result | None = None
@@ -626,12 +626,17 @@ class Relay:
             if parent is None and (kind == "comm_open" or c.get("comm_id") not in self.comms):
                 return  # a widget of a replayed set-up cell's, never shown
             self._track(kind, c)
-            kernel.session.send(kernel.iopub_socket, kind, c, parent=parent or kernel.get_parent("shell"),
-                                ident=f"comm-{c.get('comm_id', '')}".encode("ascii", "replace"),
-                                metadata=msg.get("metadata") or {}, buffers=msg.get("buffers") or None)
+            self._publish(msg, parent or kernel.get_parent("shell"))
         elif parent is not None and kind in ("stream", "display_data", "update_display_data", "clear_output"):
-            kernel.session.send(kernel.iopub_socket, kind, c, parent=parent, metadata=msg.get("metadata") or {},
-                                buffers=msg.get("buffers") or None)
+            self._publish(msg, parent)
+
+    def _publish(self, msg: dict, parent: dict) -> None:
+        """The worker's iopub message ``msg``, sent by this kernel under ``parent`` (a widget's
+        under its comm's identity, as ipykernel sends them)."""
+        kernel, kind, c = self.shell.kernel, msg["msg_type"], msg["content"]
+        ident = f"comm-{c.get('comm_id', '')}".encode("ascii", "replace") if kind.startswith("comm_") else None
+        kernel.session.send(kernel.iopub_socket, kind, c, parent=parent, ident=ident,
+                            metadata=msg.get("metadata") or {}, buffers=msg.get("buffers") or None)
 
     def user_expressions(self, expressions: dict) -> dict:
         """An execute request's ``user_expressions`` (a variable inspector's), evaluated in the

@@ -618,9 +618,8 @@ def _tensor_chunks(t):
     if t.is_contiguous() and t.device.type == "cpu":
         yield t.reshape(-1).view(torch.uint8).numpy()
         return
-    step = max(1, CHUNK // max(1, t[0].numel() * t.element_size()))
-    for i in range(0, t.shape[0], step):
-        yield t[i:i + step].contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    for part in _slices(t, t.element_size()):
+        yield part.contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
 
 
 def _variable(v, h) -> None:
@@ -653,8 +652,9 @@ def _jax(a, h) -> None:
 
 
 def _slices(a, itemsize: int):
-    """A large device array (a JAX array, a Keras variable's value) a bounded slice of its first
-    dimension at a time, in order: no copy of the whole of it is made, on the device or the host."""
+    """``a`` (a torch tensor, a NumPy, JAX or Keras array of at least one dimension) a slice of its
+    first dimension of at most :data:`CHUNK` bytes at a time (one row where a row is larger), in
+    order: no copy of the whole of it is made, on the device or the host."""
     row = itemsize
     for n in a.shape[1:]:
         row *= int(n)
@@ -688,9 +688,8 @@ def _array_chunks(a):
     if a.flags.c_contiguous:
         yield a
         return
-    step = max(1, CHUNK // max(1, a[0].nbytes))
-    for i in range(0, a.shape[0], step):
-        yield np.ascontiguousarray(a[i:i + step])
+    for part in _slices(a, a.itemsize):
+        yield np.ascontiguousarray(part)
 
 
 def _pandas(value, h) -> None:
