@@ -4,15 +4,15 @@
 it notices a dead kernel within :attr:`~SupervisedClient.kernel_poll_interval` instead of a
 second, connects to a kernel without giving up for good when that kernel dies while starting,
 puts a new kernel (the standby, or a restarted one) in place of a dead one, and calls the
-kernel-side API (:mod:`colab_resilience.kernelapi`, spelled by :func:`api_call`) with replies
-that fail fast when the kernel dies under them.
+kernel-side API (:mod:`colab_resilience.kernelapi`, spelled by
+:func:`~colab_resilience.kernels.api_call`) with replies that fail fast when the kernel dies under
+them. A death, nbclient's ``DeadKernelError`` included, reaches the supervisor as
+:class:`~colab_resilience.kernels.KernelDied`.
 """
 
 from __future__ import annotations
 
-import ast
 import asyncio
-import inspect
 import time
 from typing import Any
 
@@ -21,15 +21,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
 from traitlets import Float, List, Unicode
 
-from . import kernelapi
-
-
-def api_call(function: str, *args) -> str:
-    """The code that runs ``colab_resilience.kernelapi.<function>(*args)`` in a kernel (args:
-    literals)."""
-    if function not in kernelapi.__all__:
-        raise ValueError(f"{function!r} is not a kernel API function")
-    return f"__import__('colab_resilience.kernelapi').kernelapi.{function}({', '.join(map(repr, args))})"
+from .kernels import KernelDied, api_call, discard, expression_value, process_exit_code
 
 
 class SupervisedClient(NotebookClient):
@@ -53,6 +45,13 @@ class SupervisedClient(NotebookClient):
                 if self.task_poll_for_reply is not None:
                     self.task_poll_for_reply.cancel()
                 return
+
+    def execute_cell(self, cell, cell_index: int, execution_count: int | None = None, store_history: bool = True):
+        """nbclient's, with a death raised as :class:`~colab_resilience.kernels.KernelDied`."""
+        try:
+            return super().execute_cell(cell, cell_index, execution_count, store_history)
+        except DeadKernelError as e:
+            raise KernelDied(str(e)) from e
 
     def new_manager(self, ip: str):
         """A kernel manager for another kernel of this notebook (the standby), sockets under ``ip``."""
@@ -78,7 +77,7 @@ class SupervisedClient(NotebookClient):
         self.kc = kc
         try:  # its finished runs are the ones put back after it dies (not another's with its PID)
             identity = self.evaluate(api_call("kernel_identity"))
-        except (DeadKernelError, TimeoutError):
+        except (KernelDied, TimeoutError):
             return False
         if isinstance(identity, str):
             self.identities.append(identity)
@@ -105,8 +104,8 @@ class SupervisedClient(NotebookClient):
         """Run ``code`` silently in the kernel and return its ``execute_reply``.
 
         Unlike ``execute_interactive``, which waits out its whole timeout when the kernel dies
-        under it, this raises ``DeadKernelError`` within a poll interval of a death, so a kill
-        between two cells is recovered like a kill inside one.
+        under it, this raises :class:`~colab_resilience.kernels.KernelDied` within a poll interval
+        of a death, so a kill between two cells is recovered like a kill inside one.
         """
         from queue import Empty
 
@@ -120,7 +119,7 @@ class SupervisedClient(NotebookClient):
                     msg = await ensure_async(kc.get_shell_msg(timeout=self.kernel_poll_interval))
                 except Empty:
                     if not await ensure_async(km.is_alive()):
-                        raise DeadKernelError("Kernel died") from None
+                        raise KernelDied("Kernel died") from None
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"the kernel did not answer within {timeout:.0f} s") from None
                     continue
@@ -131,7 +130,7 @@ class SupervisedClient(NotebookClient):
 
     def evaluate(self, expr: str, *, timeout: float = 60.0) -> Any:
         """The value of ``expr`` evaluated silently in the kernel (a literal: its repr is parsed
-        back), or None when it failed or is not a literal. ``DeadKernelError`` and
+        back), or None when it failed or is not a literal. ``KernelDied`` and
         ``TimeoutError`` go to the caller."""
         return expression_value(self.call(user_expressions={"v": expr}, timeout=timeout))
 
@@ -147,55 +146,3 @@ class SupervisedClient(NotebookClient):
                 self.kc.stop_channels()
             except Exception:
                 pass
-
-
-def expression_value(reply: dict, name: str = "v") -> Any:
-    """The literal value of user expression ``name`` in an ``execute_reply``; None when it failed
-    or is not a literal."""
-    value = reply.get("content", {}).get("user_expressions", {}).get(name, {})
-    if value.get("status") != "ok":
-        return None
-    try:
-        return ast.literal_eval(value["data"]["text/plain"])
-    except (KeyError, ValueError, SyntaxError, TypeError):
-        return None
-
-
-def kernel_process(km):
-    """The ``Popen`` of the kernel ``km`` started (None before, or under another provisioner)."""
-    return getattr(getattr(km, "provisioner", None), "process", None)
-
-
-def kernel_pid(km) -> int | None:
-    process = kernel_process(km)
-    return process.pid if process is not None else None
-
-
-def process_exit_code(km) -> int | None:
-    """How the kernel process of ``km`` ended: its exit code, ``-N`` for signal N, None if unknown
-    (or still running)."""
-    process = kernel_process(km)
-    try:
-        return process.poll() if process is not None else None
-    except Exception:
-        return None
-
-
-def blocking(method, *args, **kwargs):
-    """Call a kernel manager's ``method`` and return its result, awaited where it is a coroutine
-    (an ``AsyncKernelManager``'s; a ``KernelManager``'s returns it at once)."""
-    result = method(*args, **kwargs)
-    if inspect.isawaitable(result):
-        async def wait():
-            return await result
-
-        return run_sync(wait)()
-    return result
-
-
-def discard(km) -> None:
-    """Shut down (a dead kernel: clean up) ``km``; nothing it raises matters any more."""
-    try:
-        blocking(km.shutdown_kernel, now=True)
-    except Exception:
-        pass

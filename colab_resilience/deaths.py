@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import journal, memory, restart
-from .client import kernel_pid
+from .kernels import kernel_pid
 from .restart import EXIT_RESTART
 
 

@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import journal
-from .client import SupervisedClient, api_call
 from .deaths import Budgets, Restart
-from .standby_driver import Standby
 from .errors import NotebookInputError
+from .kernels import KernelDied, api_call
+from .standby_driver import Standby
 from .replay import MAGIC, is_replay_cell
 from .restart import SUPERVISED_ENV
 from .session import RUN_DIR_ENV
@@ -151,6 +151,7 @@ def run_notebook(
     from jupyter_client import AsyncKernelManager
     from jupyter_client.kernelspec import NoSuchKernel
 
+    from .client import SupervisedClient  # nbclient's: not imported where the relay imports the Supervisor
 
     started = time.perf_counter()
     nb, folder = read_notebook(notebook)
@@ -249,7 +250,7 @@ class Supervisor:
     def execute(self, index: int) -> bool:
         """Run cell ``index`` until it succeeds, restarting the kernel each time it dies; False
         when the run stops there (the cell failed, or the budget is spent)."""
-        from nbclient.exceptions import CellExecutionError, DeadKernelError
+        from nbclient.exceptions import CellExecutionError
 
         cell = self.nb.cells[index]
         earlier: list = []  # outputs of the attempts the kernel died in: every output is kept
@@ -262,7 +263,7 @@ class Supervisor:
                 if is_replay_cell(cell):
                     self.declare_replay(cell)
                 break
-            except DeadKernelError:
+            except KernelDied:
                 died = True
                 earlier += cell.get("outputs", [])
                 if not self.recover(index):
@@ -316,8 +317,6 @@ class Supervisor:
         """After a death: count it against its budget, bring in the standby or restart the
         kernel, replay. False when the budget is spent (the result says so); the caller
         re-executes otherwise."""
-        from nbclient.exceptions import DeadKernelError
-
         t0 = time.perf_counter()
         client = self.client
         death = self.budgets.death(client, starting=starting)
@@ -362,7 +361,7 @@ class Supervisor:
                     return False
                 restored.append(holds)
             client.call(api_call("expect_reexecution"))
-        except DeadKernelError:  # the caller's next execution finds the kernel dead and restarts again
+        except KernelDied:  # the caller's next execution finds the kernel dead and restarts again
             self.result.restarts.append(death.restart(index, time.perf_counter() - t0, replayed=replayed,
                                                       recovered=False, standby=adopted is not None,
                                                       then="died while replaying"))

@@ -36,10 +36,9 @@ import time
 from queue import Empty
 from typing import Any
 
-from nbclient.exceptions import DeadKernelError
 
 from . import priority
-from .client import api_call, discard, expression_value, kernel_pid, process_exit_code
+from .kernels import KernelDied, api_call, discard, expression_value, kernel_pid, process_exit_code
 from .driver import HASH_SEED, LOAD_EXTENSION, Supervisor, hash_seed
 from .replay import is_replay_cell
 from .restart import SUPERVISED_ENV
@@ -117,7 +116,7 @@ class WorkerClient:
         self.kc = kc
         try:
             identity = self.evaluate(api_call("become_worker", WORKER_OOM_SCORE_ADJ))
-        except (DeadKernelError, TimeoutError):
+        except (KernelDied, TimeoutError):
             return False
         if isinstance(identity, str):
             self.identities.append(identity)
@@ -160,7 +159,7 @@ class WorkerClient:
                 msg = self.kc.get_shell_msg(timeout=POLL)
             except Empty:
                 if not self.alive():
-                    raise DeadKernelError("Kernel died") from None
+                    raise KernelDied("Kernel died") from None
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the worker kernel did not answer within {timeout:.0f} s") from None
                 continue
@@ -177,13 +176,11 @@ class WorkerClient:
         return expression_value(self.call(user_expressions={"v": expr}, timeout=timeout))
 
     def execute_cell(self, cell, index: int) -> None:
-        """Replay a set-up cell, its outputs discarded (the supervisor's replay)."""
-        from nbclient.exceptions import CellExecutionError
-
+        """Replay a set-up cell, its outputs discarded (the supervisor's replay); its error, with
+        the worker's traceback, goes to the cell being relayed."""
         reply = self.run(cell.source, lambda msg: None, store_history=False)
         if reply["content"].get("status") == "error":
-            c = reply["content"]
-            raise CellExecutionError("\n".join(c.get("traceback", [])), c.get("ename", ""), c.get("evalue", ""))
+            raise relayed_error(reply["content"])
 
     def _sockets(self):
         """The worker's iopub, shell and stdin sockets, for waiting on all three at once (the
@@ -200,7 +197,7 @@ class WorkerClient:
         """Execute ``code`` (under the frontend's own ``msg_id`` where given, so that what keys on
         it, an Output widget's capture, finds the outputs); ``forward(msg)`` for each of its iopub
         messages as it arrives; ``on_input(prompt, password)`` answers ``input()``. The
-        ``execute_reply`` once the worker is idle again; ``DeadKernelError`` when it died; a
+        ``execute_reply`` once the worker is idle again; ``KernelDied`` when it died; a
         KeyboardInterrupt while waiting interrupts the worker and waits on."""
         msg = self.kc.session.msg("execute_request", {
             "code": code, "silent": False, "store_history": store_history, "user_expressions": user_expressions or {},
@@ -266,7 +263,7 @@ class WorkerClient:
                 if not ready and now - last_check > POLL:
                     last_check = now
                     if not self.alive():
-                        raise DeadKernelError("Kernel died")
+                        raise KernelDied("Kernel died")
             except KeyboardInterrupt:  # the stop button: for the worker
                 try:
                     self.km.interrupt_kernel()
@@ -408,6 +405,23 @@ def relayed_error(content: dict) -> RelayedError:
     return kind(content.get("evalue", ""), list(content.get("traceback", [])))
 
 
+class Node(dict):
+    """A dict whose keys read as attributes too: the relay's record of the cells it relayed, read
+    by the supervisor as it reads nbformat's notebook nodes. Not nbformat's own: importing it
+    imports jsonschema and its format checkers, seconds on a busy machine where JupyterLab
+    installed them, at every ``%resilience isolate``."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def code_cell(source: str) -> Node:
+    return Node(cell_type="code", source=source, metadata=Node(), outputs=[], execution_count=None)
+
+
 class Result:
     """The worker's ``execute_result``, displayed by the notebook's kernel as its own."""
 
@@ -425,8 +439,6 @@ class Relay:
     """Isolation in one notebook kernel: the worker, the cells relayed so far, the restarts."""
 
     def __init__(self, session):
-        import nbformat
-
         self.session, self.shell = session, session.shell
         # the workers' sockets (0700: ours alone), held until this process ends, however it ends
         self.folder = TempFolder("worker", f"{os.getpid()}-")
@@ -435,7 +447,7 @@ class Relay:
         env = {HASH_SEED: hash_seed(session.root()), **os.environ, SUPERVISED_ENV: "1", WORKER_ENV: "1",
                RUN_DIR_ENV: str(session.root())}
         self.client = WorkerClient(self.sockets, env, os.getcwd())
-        self.client.nb = nbformat.v4.new_notebook()
+        self.client.nb = Node(cells=[], metadata=Node())
         # a second worker, started ahead of need and warmed with the worker's imports: a restart
         # skips the kernel start and the imports (the driver's standby, the same code)
         spare = Standby(self.client, self.sockets, env, os.getcwd()) if session.settings.standby else None
@@ -452,8 +464,9 @@ class Relay:
     def restarts(self):
         return self.supervisor.result.restarts
 
-    def start(self) -> None:
-        started = time.perf_counter()
+    def start(self, started: float) -> None:
+        """Start the worker (and the standby); ``started``: when ``%resilience isolate`` began,
+        which the line that isolation is on counts from."""
         if not self.client.start():
             self.close()
             from .errors import OptionError
@@ -489,13 +502,11 @@ class Relay:
     # --- one cell -------------------------------------------------------------------------------
 
     def run_cell(self, source: str):
-        import nbformat
-
         supervisor, nb = self.supervisor, self.client.nb
         if STATUS.match(source):
             print(self.status_line(), flush=True)
         index = len(nb.cells)
-        cell = nbformat.v4.new_code_cell(source)
+        cell = code_cell(source)
         nb.cells.append(cell)
         seen = len(self.restarts)
         self._relaying(self._parent())
@@ -509,7 +520,7 @@ class Relay:
                 reply = self.client.run(source, self.forward, msg_id=self._parent_id(), allow_stdin=self._allow_stdin(),
                                         on_input=self._input, user_expressions=self._asks())
                 break
-            except DeadKernelError:
+            except KernelDied:
                 sys.stdout.flush()
                 self._recover(index, seen)
                 seen = len(self.restarts)
@@ -646,7 +657,7 @@ class Relay:
         try:
             if self.client.alive():
                 return self.client.call(user_expressions=expressions)["content"].get("user_expressions", {})
-        except (DeadKernelError, TimeoutError):
+        except (KernelDied, TimeoutError):
             pass
         gone = {"status": "error", "ename": "WorkerGone", "traceback": [],
                 "evalue": "the isolation worker kernel is dead; the next cell starts a new one"}
@@ -666,7 +677,7 @@ class Relay:
         self._relaying(msg)
         try:
             return self.client.send(msg, self.forward, on_input=self._input)
-        except DeadKernelError:
+        except KernelDied:
             self._widgets_lost()
             return None
 
@@ -716,8 +727,9 @@ def isolate(session) -> None:
         session.say("colab_resilience: isolation not needed: this kernel is supervised already (an isolation worker "
                     "or `colab-resilience run`), which brings it back with no click")
         return
+    started = time.perf_counter()
     relay = Relay(session)
-    relay.start()
+    relay.start(started)
     _relays[id(shell)] = relay
     atexit.register(relay.close)  # a kernel shut down or restarted by its frontend takes its worker along
     shell.register_magic_function(relay.relay_magic, "cell", MAGIC_NAME)

@@ -20,10 +20,9 @@ import time
 
 from jupyter_client import AsyncKernelManager
 from jupyter_core.utils import ensure_async, run_sync
-from nbclient.exceptions import DeadKernelError
 
 from . import priority, standby
-from .client import api_call, blocking, discard, expression_value, kernel_pid, kernel_process
+from .kernels import KernelDied, api_call, blocking, discard, expression_value, kernel_pid, kernel_process
 
 # what a working kernel is asked after each cell: the modules it imported since the last time,
 # with the environment they were imported under (JSON: a long list would not survive a repr)
@@ -82,7 +81,7 @@ class Standby:
             return
         try:
             names = self.client.evaluate(NEW_MODULES, timeout=30)
-        except (DeadKernelError, TimeoutError):  # the next cell finds out
+        except (KernelDied, TimeoutError):  # the next cell finds out
             return
         self.learned(names)
 

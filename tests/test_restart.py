@@ -76,6 +76,8 @@ def test_interrupted_run_resumes_bit_identical(tmp_path, env, reference, fault):
         assert "restart 1/3" in r.stdout and "continuing at 2" in r.stdout
         assert result(k.ok(user_cell(nb, "result")).stdout) == reference.result
         assert epochs(tmp_path / "events.log") == [0, 1, 2, 3]  # each epoch exactly once
+        # nor did its recovery import nbformat (seconds where JupyterLab installed jsonschema's checkers)
+        assert k.value("'nbformat' in __import__('sys').modules") is False
         runs = list((tmp_path / "runs").glob("run-*/journal.json"))
         journal = json.loads(runs[0].read_text())
         assert journal["status"] == "done" and journal["restarts_used"] == 1

@@ -19,7 +19,7 @@ import pytest
 
 import harness
 from colab_resilience import faults
-from colab_resilience.client import api_call
+from colab_resilience.kernels import api_call
 
 pytestmark = pytest.mark.kernel
 
