@@ -36,7 +36,6 @@ import time
 from queue import Empty
 from typing import Any
 
-
 from . import priority
 from .kernels import KernelDied, api_call, discard, expression_value, kernel_pid, process_exit_code
 from .driver import HASH_SEED, LOAD_EXTENSION, Supervisor, hash_seed
