@@ -18,10 +18,10 @@ from typing import Any
 
 from jupyter_core.utils import ensure_async, run_sync
 from nbclient import NotebookClient
-from nbclient.exceptions import DeadKernelError
+from nbclient.exceptions import CellExecutionError, DeadKernelError
 from traitlets import Float, List, Unicode
 
-from .kernels import KernelDied, api_call, discard, expression_value, process_exit_code
+from .kernels import CellFailed, KernelDied, api_call, discard, expression_value, process_exit_code
 
 
 class SupervisedClient(NotebookClient):
@@ -47,11 +47,14 @@ class SupervisedClient(NotebookClient):
                 return
 
     def execute_cell(self, cell, cell_index: int, execution_count: int | None = None, store_history: bool = True):
-        """nbclient's, with a death raised as :class:`~colab_resilience.kernels.KernelDied`."""
+        """nbclient's, with a death raised as :class:`~colab_resilience.kernels.KernelDied` and
+        an error as :class:`~colab_resilience.kernels.CellFailed`."""
         try:
             return super().execute_cell(cell, cell_index, execution_count, store_history)
         except DeadKernelError as e:
             raise KernelDied(str(e)) from e
+        except CellExecutionError as e:
+            raise CellFailed(str(e), e.ename, e.evalue) from e
 
     def new_manager(self, ip: str):
         """A kernel manager for another kernel of this notebook (the standby), sockets under ``ip``."""

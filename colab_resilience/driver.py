@@ -38,7 +38,7 @@ from typing import Any, Callable
 from . import journal
 from .deaths import Budgets, Restart
 from .errors import NotebookInputError
-from .kernels import KernelDied, api_call
+from .kernels import CellFailed, KernelDied, api_call
 from .standby_driver import Standby
 from .replay import MAGIC, is_replay_cell
 from .restart import SUPERVISED_ENV
@@ -250,8 +250,6 @@ class Supervisor:
     def execute(self, index: int) -> bool:
         """Run cell ``index`` until it succeeds, restarting the kernel each time it dies; False
         when the run stops there (the cell failed, or the budget is spent)."""
-        from nbclient.exceptions import CellExecutionError
-
         cell = self.nb.cells[index]
         earlier: list = []  # outputs of the attempts the kernel died in: every output is kept
         died = False
@@ -270,7 +268,7 @@ class Supervisor:
                     cell.outputs = earlier + self.markers(index)
                     self.finished(index, cell, failed=True)
                     return False
-            except CellExecutionError as e:
+            except CellFailed as e:
                 cell.outputs = earlier + self.markers(index) + cell.get("outputs", [])
                 self.fail(index, cell, e)
                 self.finished(index, cell, failed=True)
@@ -339,7 +337,19 @@ class Supervisor:
             if adopted is not None:
                 client.call(api_call("adopt_standby", os.getpriority(os.PRIO_PROCESS, 0)))
             for j in self.replay_done:
-                client.execute_cell(copy.deepcopy(self.nb.cells[j]), j)  # outputs discarded
+                try:
+                    client.execute_cell(copy.deepcopy(self.nb.cells[j]), j)  # outputs discarded
+                except CellFailed as e:  # it ran once and not again: nothing to go on from
+                    why = " ".join(f"{e.ename}: {e.evalue}".split()).strip(": ")
+                    self.result.restarts.append(death.restart(
+                        index, time.perf_counter() - t0, replayed=replayed, recovered=False,
+                        standby=adopted is not None, then=f"replaying set-up cell {j} failed ({why})"))
+                    self.result.status, self.result.failed_cell = EXIT_CELL_FAILED, index
+                    self.result.message = (
+                        f"colab-resilience: cell {index} not run again: after the kernel died, replaying set-up "
+                        f"cell {j} failed ({why}); a set-up cell must run again as it ran the first time (not "
+                        "read a file it then deletes, say): make it so, and run the notebook again")
+                    return False
                 replayed += 1
                 self.declare_replay(self.nb.cells[j])
             finished = client.evaluate(api_call("restore_finished_runs", dead_pid, self.nb.cells[index].source,

@@ -37,8 +37,8 @@ from queue import Empty
 from typing import Any
 
 from . import priority
-from .kernels import KernelDied, api_call, discard, expression_value, kernel_pid, process_exit_code
-from .driver import HASH_SEED, LOAD_EXTENSION, Supervisor, hash_seed
+from .kernels import CellFailed, KernelDied, api_call, discard, expression_value, kernel_pid, process_exit_code
+from .driver import EXIT_BUDGET, HASH_SEED, LOAD_EXTENSION, Supervisor, hash_seed
 from .replay import is_replay_cell
 from .restart import SUPERVISED_ENV
 from .session import RUN_DIR_ENV
@@ -175,11 +175,11 @@ class WorkerClient:
         return expression_value(self.call(user_expressions={"v": expr}, timeout=timeout))
 
     def execute_cell(self, cell, index: int) -> None:
-        """Replay a set-up cell, its outputs discarded (the supervisor's replay); its error, with
-        the worker's traceback, goes to the cell being relayed."""
+        """Replay a set-up cell, its outputs discarded (the supervisor's replay)."""
         reply = self.run(cell.source, lambda msg: None, store_history=False)
-        if reply["content"].get("status") == "error":
-            raise relayed_error(reply["content"])
+        c = reply["content"]
+        if c.get("status") == "error":
+            raise CellFailed("\n".join(c.get("traceback", [])), c.get("ename", ""), c.get("evalue", ""))
 
     def _sockets(self):
         """The worker's iopub, shell and stdin sockets, for waiting on all three at once (the
@@ -543,9 +543,10 @@ class Relay:
         ok = self.supervisor.recover(index)
         for r in self.restarts[seen:]:
             print(r.marker(), end="", file=sys.stderr, flush=True)
-        if not ok:
-            raise relayed_error({"ename": "RestartBudgetSpent", "evalue": self.supervisor.result.message,
-                                 "traceback": [self.supervisor.result.message]})
+        if not ok:  # the budget is spent, or the new worker could not be brought to where the dead one was
+            result = self.supervisor.result
+            raise relayed_error({"ename": "RestartBudgetSpent" if result.status == EXIT_BUDGET else "RecoveryFailed",
+                                 "evalue": result.message, "traceback": [result.message]})
 
     def _sync_count(self) -> None:
         """The worker numbers the cell as the notebook shows it (tracebacks say "Cell In[7]")."""

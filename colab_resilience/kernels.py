@@ -28,6 +28,15 @@ class KernelDied(Exception):
     its cells."""
 
 
+class CellFailed(Exception):
+    """A cell the kernel ran raised (nbclient's ``CellExecutionError`` for the supervisor's
+    client): the error's name and value, and the text to show (the traceback)."""
+
+    def __init__(self, text: str, ename: str = "", evalue: str = ""):
+        super().__init__(text)
+        self.ename, self.evalue = ename, evalue
+
+
 def api_call(function: str, *args) -> str:
     """The code that runs ``colab_resilience.kernelapi.<function>(*args)`` in a kernel (args:
     literals)."""

@@ -178,6 +178,32 @@ def test_restart_budget_spent_exits_3_and_later_cells_do_not_run(tmp_path):
     assert nb.cells[index(nb, "after")].get("outputs", []) == []
 
 
+# a set-up cell that runs once and not again: it deletes the file it reads
+ONCE_SET_UP = "%%replay\nimport os\nprint(open('once.txt').read())\nos.remove('once.txt')\nx = 1"
+KILLED_ONCE = ("%%resilient\nimport os, signal\nif not os.path.exists('m'):\n    open('m', 'w').close()\n"
+               "    os.kill(os.getpid(), signal.SIGKILL)\nprint('x', x)")
+ONCE_REFUSED = ("replaying set-up cell {} failed (FileNotFoundError: [Errno 2] No such file or directory: "
+                "'once.txt'); a set-up cell must run again as it ran the first time")
+
+
+def test_a_set_up_cell_that_fails_when_replayed_stops_the_run_in_one_line(tmp_path):
+    """The kernel killed in the training cell; the set-up cell, replayed in the new kernel, fails
+    (the file it read is gone): the run stops there, exit status 1, with one line that says which
+    set-up cell failed and why, the marker in the cell, and the executed notebook written. (It
+    raised nbclient's CellExecutionError out of run_notebook: a traceback, no notebook.)"""
+    (tmp_path / "once.txt").write_text("hello")
+    nb = notebook("%load_ext colab_resilience", ONCE_SET_UP, KILLED_ONCE, "print('not reached')")
+    outcome = run(nb, tmp_path, standby=False)
+    assert outcome.status == driver.EXIT_CELL_FAILED and outcome.failed_cell == 2, outcome.message
+    assert outcome.message.startswith("colab-resilience: cell 2 not run again: after the kernel died, ")
+    assert ONCE_REFUSED.format(1) in outcome.message, outcome.message
+    assert len(outcome.restarts) == 1 and not outcome.restarts[0].recovered
+    assert ("the kernel died (killed by SIGKILL; then replaying set-up cell 1 failed (FileNotFoundError"
+            in cell_text(nb.cells[2])), cell_text(nb.cells[2])
+    written = nbformat.read(tmp_path / "out.ipynb", 4)
+    assert written.metadata["colab_resilience"]["status"] == "failed" and not written.cells[3].get("outputs")
+
+
 def test_a_crash_loop_at_start_up_stops_at_the_driver_budget(tmp_path):
     """A plain first cell that kills every kernel (no run to count restarts) stops at the driver's
     own budget, quickly, and says it was the notebook's budget and how to raise it."""

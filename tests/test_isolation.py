@@ -154,6 +154,22 @@ def test_the_notebook_kernel_imports_neither_torch_nor_nbformat_through_a_death_
     assert relay.value(heavy) == []
 
 
+def test_a_set_up_cell_that_fails_when_replayed_ends_the_cell_with_one_line(relay, tmp_path):
+    """The worker killed in a training cell; the set-up cell, replayed in the new worker, fails
+    (the file it read is gone): the cell ends in an error that says which set-up cell failed and
+    why (it was named RestartBudgetSpent, or was nbclient's CellExecutionError raised through the
+    relay), after the marker."""
+    from test_driver import KILLED_ONCE, ONCE_REFUSED, ONCE_SET_UP
+
+    (tmp_path / "once.txt").write_text("hello")
+    assert relay.ok(ONCE_SET_UP).stdout == "hello\n"
+    r = relay.execute(KILLED_ONCE)
+    assert r.status == "error" and r.ename == "RecoveryFailed", (r.ename, r.evalue)
+    assert ONCE_REFUSED.format(0) in r.evalue, r.evalue
+    assert "the kernel died (killed by SIGKILL; then replaying set-up cell 0 failed (FileNotFoundError" in r.stderr
+    assert relay.ok("print('still here')").stdout == "still here\n"  # the new worker runs the next cell
+
+
 def test_outputs_errors_and_counts_look_as_in_one_kernel(relay):
     r = relay.ok("import sys\nprint('out'); print('err', file=sys.stderr)\n6 * 7")
     assert (r.stdout, r.stderr) == ("out\n", "err\n")
