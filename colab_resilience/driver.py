@@ -340,16 +340,13 @@ class Supervisor:
                 try:
                     client.execute_cell(copy.deepcopy(self.nb.cells[j]), j)  # outputs discarded
                 except CellFailed as e:  # it ran once and not again: nothing to go on from
-                    why = " ".join(f"{e.ename}: {e.evalue}".split()).strip(": ")
-                    self.result.restarts.append(death.restart(
-                        index, time.perf_counter() - t0, replayed=replayed, recovered=False,
-                        standby=adopted is not None, then=f"replaying set-up cell {j} failed ({why})"))
-                    self.result.status, self.result.failed_cell = EXIT_CELL_FAILED, index
-                    self.result.message = (
-                        f"colab-resilience: cell {index} not run again: after the kernel died, replaying set-up "
-                        f"cell {j} failed ({why}); a set-up cell must run again as it ran the first time (not "
-                        "read a file it then deletes, say): make it so, and run the notebook again")
-                    return False
+                    why = _error_words(e.ename, e.evalue)
+                    return self.not_recovered(
+                        index, death.restart(index, time.perf_counter() - t0, replayed=replayed, recovered=False,
+                                             standby=adopted is not None,
+                                             then=f"replaying set-up cell {j} failed ({why})"),
+                        f"replaying set-up cell {j} failed ({why}); a set-up cell must run again as it ran the first "
+                        "time (not read a file it then deletes, say): make it so, and run the notebook again")
                 replayed += 1
                 self.declare_replay(self.nb.cells[j])
             finished = client.evaluate(api_call("restore_finished_runs", dead_pid, self.nb.cells[index].source,
@@ -358,17 +355,14 @@ class Supervisor:
             for run_id, holds in _pairs(finished, "rerun"):  # a framework's state: its cell runs again
                 reply = client.call(api_call("rerun_finished", run_id), timeout=600)["content"]
                 if reply.get("status") != "ok":
-                    why = " ".join(f"{reply.get('ename')}: {reply.get('evalue') or ''}".split()).removesuffix(":")
-                    self.result.restarts.append(death.restart(
-                        index, time.perf_counter() - t0, replayed=replayed, recovered=False,
-                        standby=adopted is not None, then=f"putting back the finished run {run_id} failed ({why})"))
-                    self.result.status, self.result.failed_cell = EXIT_CELL_FAILED, index
-                    self.result.message = (
-                        f"colab-resilience: cell {index} not run again: after the kernel died, the finished run "
-                        f"{run_id} could not put back {holds} ({why}), and the cells after its training would see "
-                        "what the set-up cells rebuilt, untrained; make them build what the training had, and run "
-                        "the notebook again")
-                    return False
+                    why = _error_words(reply.get("ename"), reply.get("evalue"))
+                    return self.not_recovered(
+                        index, death.restart(index, time.perf_counter() - t0, replayed=replayed, recovered=False,
+                                             standby=adopted is not None,
+                                             then=f"putting back the finished run {run_id} failed ({why})"),
+                        f"the finished run {run_id} could not put back {holds} ({why}), and the cells after its "
+                        "training would see what the set-up cells rebuilt, untrained; make them build what the "
+                        "training had, and run the notebook again")
                 restored.append(holds)
             client.call(api_call("expect_reexecution"))
         except KernelDied:  # the caller's next execution finds the kernel dead and restarts again
@@ -385,6 +379,14 @@ class Supervisor:
             cold=self.spare.off if self.spare is not None else None))
         return True
 
+    def not_recovered(self, index: int, restart: Restart, why: str) -> bool:
+        """The kernel that took the dead one's place cannot go on where it was: the run stops at
+        cell ``index``, failed, and says ``why``. False, for :meth:`recover` to return."""
+        self.result.restarts.append(restart)
+        self.result.status, self.result.failed_cell = EXIT_CELL_FAILED, index
+        self.result.message = f"colab-resilience: cell {index} not run again: after the kernel died, {why}"
+        return False
+
     def declare_replay(self, cell) -> None:
         """Tell the kernel that a tagged cell is a set-up cell (a ``%%replay`` cell records itself)."""
         source = cell.get("source", "")
@@ -395,6 +397,11 @@ class Supervisor:
         if self.spare is not None:
             self.spare.shutdown()
         self.client.shutdown()
+
+
+def _error_words(ename, evalue) -> str:
+    """``Name: value`` of an error, on one line."""
+    return " ".join(f"{ename}: {evalue or ''}".split()).removesuffix(":")
 
 
 def log_cell(index: int, cell) -> None:
