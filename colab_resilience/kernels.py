@@ -2,7 +2,8 @@
 client (:mod:`colab_resilience.client`), the isolation relay's blocking client
 (:mod:`colab_resilience.isolate`) and the standby (:mod:`colab_resilience.standby_driver`): the
 line that calls the kernel-side API (:func:`api_call`), a user expression's value, the kernel's
-process, how it ended, and :class:`KernelDied`.
+process, how it ended; and how a request to it ends badly, whichever client made it: the kernel
+died (:class:`KernelDied`), or the cell raised (:class:`CellFailed`).
 
 Nothing here imports nbclient or nbformat: the relay runs in the notebook's own kernel, and a
 kernel restarted interactively reads its deaths (:mod:`colab_resilience.deaths`) through this
