@@ -601,7 +601,7 @@ class Relay:
             self._track(kind, c)
             sys.stdout.flush()
             sys.stderr.flush()
-            self._publish(msg, self.shell.kernel.get_parent("shell"))
+            self._publish(msg, self._parent())
         # error: the reply carries it (raised by run_cell); execute_input and status: the relay's own
 
     _result: Result | None = None
@@ -630,14 +630,13 @@ class Relay:
     def _publish_between(self, msg: dict) -> None:
         kind, c = msg.get("msg_type"), msg.get("content") or {}
         parent = self.parents.get(msg.get("parent_header", {}).get("msg_id"))
-        kernel = getattr(self.shell, "kernel", None)
-        if kernel is None:
+        if getattr(self.shell, "kernel", None) is None:
             return
         if kind in ("comm_open", "comm_msg", "comm_close"):
             if parent is None and (kind == "comm_open" or c.get("comm_id") not in self.comms):
                 return  # a widget of a replayed set-up cell's, never shown
             self._track(kind, c)
-            self._publish(msg, parent or kernel.get_parent("shell"))
+            self._publish(msg, parent or self._parent())
         elif parent is not None and kind in ("stream", "display_data", "update_display_data", "clear_output"):
             self._publish(msg, parent)
 
