@@ -304,9 +304,11 @@ class Run:
                     journal = Journal.load(run_dir, key=key)
                 except JournalError as e:
                     raise RunStoppedError(str(e)) from None
+            edited = None
             if journal is not None and (journal.status == "pending" or reopen and journal.status == "done"):
                 after_restart = _take_over(shell, journal, root)
                 resuming = True
+                edited = code_change(journal.interrupted_cell, source)
                 policy = policy or journal.policy
             else:
                 store.clear()
@@ -321,6 +323,11 @@ class Run:
         except BaseException:
             lock.release()
             raise
+        if edited is not None:
+            say(f"colab_resilience: the cell's code changed since run {run_id} began ({edited}): it goes on from its "
+                "last checkpoint with the code as it is now, so what it did before ran the old code and the result is "
+                f"not that of either run uninterrupted; to start over with this code, %resilience reset {run_id} "
+                "and run the cell again")
         if not restart.supervised():
             # already now, not only before a restart we ask for: a kernel killed without warning
             # (the OOM killer) must come back with the extension loaded too
@@ -944,6 +951,30 @@ def uncounted_death(journal: Journal) -> str | None:
     oom_killed = now is not None and journal.oom_kills is not None and now > journal.oom_kills
     return ("killed by the OS out-of-memory killer" if oom_killed
             else "killed or crashed; the OS recorded no out-of-memory kill")
+
+
+def code_change(before: str | None, now: str) -> str | None:
+    """How the code ``now`` of a run's cell differs from ``before``, the code the run was last
+    executed with, in a few words (its first changed line, old and new, and how many lines
+    differ); None when they are the same but for spaces at line ends and blank lines at the end."""
+    import difflib
+
+    if before is None:
+        return None
+    old, new = ([line.rstrip() for line in code.rstrip().splitlines()] for code in (before, now))
+    if old == new:
+        return None
+    changes = [op for op in difflib.SequenceMatcher(a=old, b=new, autojunk=False).get_opcodes() if op[0] != "equal"]
+    _, i1, i2, j1, j2 = changes[0]
+    was, is_ = (_quoted(old[i1]) if i1 < i2 else "nothing"), (_quoted(new[j1]) if j1 < j2 else "nothing")
+    differ = sum(max(a2 - a1, b2 - b1) for _, a1, a2, b1, b2 in changes)
+    return (f"line {j1 + 1} was {was}, is {is_}"
+            + (f"; {differ} lines differ" if differ > 1 else ""))
+
+
+def _quoted(line: str, most: int = 60) -> str:
+    line = line.strip()
+    return repr(line if len(line) <= most else line[:most - 3] + "...")
 
 
 def _take_over(shell, journal: Journal, root: Path) -> bool:

@@ -322,3 +322,22 @@ def test_the_driver_reads_restart_requests_through_the_journal(tmp_path):
     (tmp_path / "run-c").mkdir()
     (tmp_path / "run-c" / "journal.json").write_text("{damaged")  # left out, never a crash
     assert requested_restart(tmp_path).reason == "planned restart after 2 safe points"
+
+
+def test_a_runs_cell_code_is_compared_line_by_line_but_for_spaces_at_line_ends():
+    """What the line for a cell edited since its run began quotes (:func:`run.code_change`): the
+    first changed line by its number in the new code, old and new; an added or removed line as
+    nothing; a long line cut; spaces at line ends and blank lines at the end are no change."""
+    from colab_resilience.run import code_change
+
+    cell = "%%resilient --save model\nfor epoch in resume_range(5):\n    train(model)\n"
+    assert code_change(cell, cell.replace("\n", "  \n") + "\n\n") is None
+    assert code_change(None, cell) is None
+    assert code_change(cell, cell.replace("train(model)", "train(model, lr)")) == (
+        "line 3 was 'train(model)', is 'train(model, lr)'")
+    assert code_change(cell, cell + "    evaluate(model)\n") == "line 4 was nothing, is 'evaluate(model)'"
+    assert code_change(cell, cell.replace("    train(model)\n", "")) == "line 3 was 'train(model)', is nothing"
+    long = "x" * 100
+    assert code_change(cell, cell.replace("5", "6").replace("train(model)", long)) == (
+        f"line 2 was 'for epoch in resume_range(5):', is 'for epoch in resume_range(6):'; 2 lines differ")
+    assert code_change(cell, cell.replace("train(model)", long)) == f"line 3 was 'train(model)', is '{'x' * 57}...'"

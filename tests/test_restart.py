@@ -74,6 +74,7 @@ def test_interrupted_run_resumes_bit_identical(tmp_path, env, reference, fault):
         assert [l for l in r.stdout.splitlines() if "colab_resilience: replayed" in l] == REPLAYED
         assert "colab_resilience: resumed run" in r.stdout
         assert "restart 1/3" in r.stdout and "continuing at 2" in r.stdout
+        assert "code changed" not in r.stdout
         assert result(k.ok(user_cell(nb, "result")).stdout) == reference.result
         assert epochs(tmp_path / "events.log") == [0, 1, 2, 3]  # each epoch exactly once
         # nor did its recovery import nbformat (seconds where JupyterLab installed jsonschema's checkers)
@@ -83,6 +84,39 @@ def test_interrupted_run_resumes_bit_identical(tmp_path, env, reference, fault):
         assert journal["status"] == "done" and journal["restarts_used"] == 1
         # the run is over: the startup file is gone
         assert not list((tmp_path / "ipython").glob("profile_default/startup/*colab_resilience*"))
+    finally:
+        k.shutdown()
+
+
+# a training cell that dies once in epoch 2 (its mark made), then goes on; {n}, {step}: its code
+EDITED = ("%%resilient --save history\nfor epoch in resume_range({n}):\n    history.append({step})\n"
+          "    if epoch == 2 and not os.path.exists(MARK):\n        open(MARK, 'w').close(); os.kill(os.getpid(), 9)\n")
+
+
+def test_a_cell_edited_after_its_kernel_died_goes_on_with_its_new_code_and_says_how_it_changed(tmp_path, env):
+    """JupyterLab and Colab send the cell's id, so the cell run again after its kernel died
+    continues the cell's run whatever its code is now. Edited in between (more epochs, another
+    step), it goes on from the last checkpoint with the new code, and one line says how the code
+    changed (its first changed line, old and new), that what ran before ran the old code, and how
+    to start over. Before, it went on silently: a history half old, half new, and "done"."""
+    k = Kernel(env)
+    try:
+        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        k.ok(f"%%replay\nimport os\nhistory = []\nMARK = {str(tmp_path / 'm')!r}", metadata={"cellId": "set-up"})
+        _, code = k.execute_until_exit(EDITED.format(n=4, step="epoch"), metadata={"cellId": "train"})
+        assert code == -9
+        k.restart()
+        r = k.ok(EDITED.format(n=6, step="10 * epoch"), metadata={"cellId": "train"})
+        said = [line for line in r.stdout.splitlines() if "code changed" in line]
+        run_id = next((tmp_path / "runs").glob("run-*")).name.removeprefix("run-")
+        assert said == [
+            f"colab_resilience: the cell's code changed since run {run_id} began (line 2 was 'for epoch in "
+            "resume_range(4):', is 'for epoch in resume_range(6):'; 2 lines differ): it goes on from its last "
+            "checkpoint with the code as it is now, so what it did before ran the old code and the result is not that "
+            f"of either run uninterrupted; to start over with this code, %resilience reset {run_id} and run the cell "
+            "again"], r.stdout
+        assert "continuing at 2" in r.stdout, r.stdout
+        assert k.value("history") == [0, 1, 20, 30, 40, 50]
     finally:
         k.shutdown()
 
