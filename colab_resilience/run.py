@@ -966,10 +966,14 @@ def code_change(before: str | None, now: str) -> str | None:
         return None
     changes = [op for op in difflib.SequenceMatcher(a=old, b=new, autojunk=False).get_opcodes() if op[0] != "equal"]
     _, i1, i2, j1, j2 = changes[0]
-    was, is_ = (_quoted(old[i1]) if i1 < i2 else "nothing"), (_quoted(new[j1]) if j1 < j2 else "nothing")
+    if i1 == i2:
+        first = f"line {j1 + 1}, {_quoted(new[j1])}, was added"
+    elif j1 == j2:
+        first = f"line {j1 + 1}, {_quoted(old[i1])}, was removed"
+    else:
+        first = f"line {j1 + 1} was {_quoted(old[i1])}, is {_quoted(new[j1])}"
     differ = sum(max(a2 - a1, b2 - b1) for _, a1, a2, b1, b2 in changes)
-    return (f"line {j1 + 1} was {was}, is {is_}"
-            + (f"; {differ} lines differ" if differ > 1 else ""))
+    return first + (f"; {differ} lines differ" if differ > 1 else "")
 
 
 def _quoted(line: str, most: int = 60) -> str:

@@ -326,8 +326,8 @@ def test_the_driver_reads_restart_requests_through_the_journal(tmp_path):
 
 def test_a_runs_cell_code_is_compared_line_by_line_but_for_spaces_at_line_ends():
     """What the line for a cell edited since its run began quotes (:func:`run.code_change`): the
-    first changed line by its number in the new code, old and new; an added or removed line as
-    nothing; a long line cut; spaces at line ends and blank lines at the end are no change."""
+    first changed line by its number in the new code, old and new, or added, or removed; a long
+    line cut; spaces at line ends and blank lines at the end are no change."""
     from colab_resilience.run import code_change
 
     cell = "%%resilient --save model\nfor epoch in resume_range(5):\n    train(model)\n"
@@ -335,8 +335,8 @@ def test_a_runs_cell_code_is_compared_line_by_line_but_for_spaces_at_line_ends()
     assert code_change(None, cell) is None
     assert code_change(cell, cell.replace("train(model)", "train(model, lr)")) == (
         "line 3 was 'train(model)', is 'train(model, lr)'")
-    assert code_change(cell, cell + "    evaluate(model)\n") == "line 4 was nothing, is 'evaluate(model)'"
-    assert code_change(cell, cell.replace("    train(model)\n", "")) == "line 3 was 'train(model)', is nothing"
+    assert code_change(cell, cell + "    evaluate(model)\n") == "line 4, 'evaluate(model)', was added"
+    assert code_change(cell, cell.replace("    train(model)\n", "")) == "line 3, 'train(model)', was removed"
     long = "x" * 100
     assert code_change(cell, cell.replace("5", "6").replace("train(model)", long)) == (
         f"line 2 was 'for epoch in resume_range(5):', is 'for epoch in resume_range(6):'; 2 lines differ")
