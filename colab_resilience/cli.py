@@ -56,7 +56,8 @@ def run(args) -> int:
     state = "done" if result.status == EXIT_OK else "stopped"
     print(
         f"colab-resilience: {state} in {result.seconds:.1f} s with {len(result.restarts)} kernel "
-        f"restart{'s' if len(result.restarts) != 1 else ''}; wrote {out}"
+        f"restart{'s' if len(result.restarts) != 1 else ''}; "
+        + (f"wrote {result.written}" if result.written is not None else "wrote no notebook")
     )
     return result.status
 

@@ -64,6 +64,7 @@ class RunResult:
     failed_cell: int | None = None
     message: str = ""
     seconds: float = 0.0
+    written: Path | None = None  # where the executed notebook was written (not the output asked for, if that failed)
 
 
 def resolve_parameter(value: str) -> Any:
@@ -108,6 +109,50 @@ def read_notebook(notebook) -> tuple[Any, Path | None]:
     except Exception as e:  # invalid JSON, not a notebook
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise NotebookInputError(f"{path}: not a readable notebook ({first[:120]})") from None
+
+
+def check_output(output: str | os.PathLike) -> None:
+    """Refuse, before anything runs, an output path the executed notebook could not be written to
+    (a folder, a folder that does not exist or that this user cannot write): found only at the
+    end, the run's outputs were lost after it had trained."""
+    path = Path(output)
+    if path.is_dir():
+        raise NotebookInputError(f"{path} is a folder; give the path of the .ipynb file to write the executed "
+                                 "notebook to")
+    folder = path.parent
+    if not folder.is_dir():
+        raise NotebookInputError(f"cannot write the executed notebook to {path}: there is no folder {folder}; "
+                                 "make it first, or give another output path")
+    if not os.access(folder, os.W_OK | os.X_OK) or path.exists() and not os.access(path, os.W_OK):
+        where = path if path.exists() else f"its folder {folder}"
+        raise NotebookInputError(f"cannot write the executed notebook to {path}: {where} is not writable by you; "
+                                 "give another output path")
+
+
+def write_output(nb, output: Path, result: RunResult) -> Path | None:
+    """Write the executed notebook to ``output``; where that fails (the folder went away while the
+    run ran, the disk is full), to a file of its own in the temporary directory, and
+    ``result.message`` says where and why. Returns where it was written (None: nowhere)."""
+    import nbformat
+
+    try:
+        nbformat.write(nb, output)
+        return output
+    except OSError as e:
+        why = f"{e.strerror or e}"
+    import tempfile
+
+    try:  # a new file of ours (O_EXCL, mode 0600), never one that was there
+        fd, spare = tempfile.mkstemp(prefix=f"colab-resilience-{output.stem}-", suffix=".ipynb")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            nbformat.write(nb, f)
+        where: Path | None = Path(spare)
+        said = f"it is in {spare}"
+    except OSError as e:
+        where, said = None, f"nor to the temporary directory ({e.strerror or e}): its outputs are lost"
+    line = f"colab-resilience: could not write the executed notebook to {output} ({why}); {said}"
+    result.message = f"{result.message}\n{line}" if result.message else line
+    return where
 
 
 HASH_SEED = "PYTHONHASHSEED"
@@ -155,6 +200,8 @@ def run_notebook(
 
     started = time.perf_counter()
     nb, folder = read_notebook(notebook)
+    if output is not None:
+        check_output(output)
     cwd = str(cwd or folder or os.getcwd())
     inject_parameters(nb, parameters or {})
     kernel_name = kernel_name or nb.metadata.get("kernelspec", {}).get("name") or "python3"
@@ -197,9 +244,7 @@ def run_notebook(
             "seconds": round(result.seconds, 3),
         }
         if output is not None:
-            import nbformat
-
-            nbformat.write(nb, output)
+            result.written = write_output(nb, Path(output), result)
         if own_run_dir:
             own_run_dir.remove()
     return result

@@ -11,10 +11,12 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -327,6 +329,11 @@ def test_cli_a_relative_run_dir_is_where_the_command_was_given_not_the_notebooks
         ("nb", ["run", "good.ipynb", "-p", "2x", "1"], "colab-resilience: -p 2x: not a Python variable name"),
         ("nb", ["run", "good.ipynb", "--max-restarts", "-1"], "argument --max-restarts: cannot be negative (got -1)"),
         (None, ["frobnicate"], "invalid choice: 'frobnicate'"),
+        # found only after the run, the executed notebook was lost with a traceback
+        ("nb", ["run", "good.ipynb", "-o", "missing/o.ipynb"], "colab-resilience: cannot write the executed notebook to "
+         "missing/o.ipynb: there is no folder missing; make it first, or give another output path"),
+        ("nb", ["run", "good.ipynb", "-o", "."], "colab-resilience: . is a folder; give the path of the .ipynb file to "
+         "write the executed notebook to"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, make, args, expected):
@@ -340,6 +347,33 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, make, args, expected):
     assert expected in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # no usage block, no empty progress bar
     assert not list(tmp_path.glob("*.out.ipynb"))  # nothing ran: no output that looks like a result
+
+
+def test_cli_an_output_folder_gone_by_the_end_of_the_run_loses_nothing(tmp_path):
+    """The output's folder went away while the notebook ran (here a cell removes it): the executed
+    notebook, every output in it, is written to a file of its own in the temporary directory, and
+    one line says where and why; the last line names that file. It was a traceback, and the run's
+    outputs were gone."""
+    import tempfile
+
+    out = tmp_path / "out"
+    out.mkdir()
+    nb = notebook("import shutil", f"shutil.rmtree({str(out)!r})\nprint('TRAINED', 6 * 7)")
+    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
+    nbformat.write(nb, tmp_path / "in.ipynb")
+    r = cli("run", str(tmp_path / "in.ipynb"), "-o", str(out / "trained.ipynb"), "--no-progress", "--no-standby")
+    assert r.returncode == 0, r.stdout + r.stderr
+    spare = re.search(r"; it is in (\S+)$", r.stderr.strip())
+    assert spare, r.stderr
+    try:
+        assert r.stderr.strip() == (f"colab-resilience: could not write the executed notebook to {out / 'trained.ipynb'} "
+                                    f"(No such file or directory); it is in {spare[1]}")
+        assert Path(spare[1]).parent == Path(tempfile.gettempdir())
+        assert r.stdout.strip().endswith(f"with 0 kernel restarts; wrote {spare[1]}"), r.stdout
+        assert "TRAINED 42" in cell_text(nbformat.read(spare[1], 4).cells[1])
+        assert stat.S_IMODE(os.stat(spare[1]).st_mode) == 0o600
+    finally:
+        Path(spare[1]).unlink()
 
 
 def test_papermill_engine(tmp_path, reference):
@@ -375,7 +409,6 @@ def test_demo_is_identical_to_the_uninterrupted_run():
 def test_bundled_demo_and_notebooks_copy_are_the_same():
     """The demo notebook shipped in the package is notebooks/demo.ipynb."""
     from importlib import resources
-    from pathlib import Path
 
     bundled = (resources.files("colab_resilience") / "notebooks" / "demo.ipynb").read_bytes()
     assert json.loads(bundled) == json.loads((Path(__file__).parent.parent / "notebooks" / "demo.ipynb").read_bytes())
@@ -384,8 +417,6 @@ def test_bundled_demo_and_notebooks_copy_are_the_same():
 @pytest.mark.parametrize("name", ["tutorial.ipynb", "quickstart.ipynb"])
 def test_shipped_notebooks_run_headless(tmp_path, name):
     """The notebooks users start from run to their end under the supervisor."""
-    from pathlib import Path
-
     nb = nbformat.read(Path(__file__).parent.parent / "notebooks" / name, 4)
     outcome = run(nb, tmp_path)
     assert outcome.status == 0, outcome.message
