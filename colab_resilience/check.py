@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import faults as fault_env
-from .driver import EXIT_OK, HASH_SEED, RunResult, hash_seed, inject_parameters, read_notebook, run_notebook
+from .driver import EXIT_OK, HASH_SEED, RunResult, hash_seed, inject_parameters, keep_folder, read_notebook, run_notebook
 from .tempdirs import TempFolder
 
 MARK = "colab-resilience-check"
@@ -515,8 +515,7 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
             cell.metadata[MARK] = "parameters"
     _add_check_cells(nb)
     own = None if keep else TempFolder("check")
-    work = Path(keep or own.path)
-    work.mkdir(parents=True, exist_ok=True)
+    work = keep_folder(keep, "check") if keep else Path(own.path)
     cwd = str(folder or os.getcwd())
     place = Folder(Path(cwd), ignore=work)
 

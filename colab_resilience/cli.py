@@ -84,7 +84,10 @@ def check(args) -> int:
 def demo(args) -> int:
     from .demo import main as demo_main
 
-    return demo_main(keep=args.keep)
+    try:
+        return demo_main(keep=args.keep)
+    except NotebookInputError as e:
+        return _fail(str(e))
 
 
 class _Parser(argparse.ArgumentParser):

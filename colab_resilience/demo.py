@@ -13,7 +13,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from .driver import EXIT_OK, run_notebook
+from .driver import EXIT_OK, keep_folder, run_notebook
 from .tempdirs import TempFolder
 
 
@@ -39,8 +39,7 @@ def oom_recoveries(nb) -> int:
 
 def main(keep: str | None = None) -> int:
     own = None if keep else TempFolder("demo")
-    workdir = Path(keep or own.path)
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = keep_folder(keep, "demo") if keep else Path(own.path)
     source = resources.files("colab_resilience") / "notebooks" / "demo.ipynb"
     notebook = workdir / "demo.ipynb"
     notebook.write_bytes(source.read_bytes())

@@ -129,6 +129,27 @@ def check_output(output: str | os.PathLike) -> None:
                                  "give another output path")
 
 
+def keep_folder(keep: str | os.PathLike, what: str) -> Path:
+    """The folder ``--keep`` names for a check's or the demo's files (``what``: "check"), made if
+    new. One that holds anything is refused: an earlier run's files there (its fault marks, its
+    pending runs, its timeline) were taken for this one's, and a check reported faults that never
+    fired as identical."""
+    path = Path(keep)
+    if path.exists() and not path.is_dir():
+        raise NotebookInputError(f"--keep {path} is a file; give a new or empty folder for the {what}'s files")
+    if path.is_dir():
+        held = sorted(p.name for p in path.iterdir())
+        if held:
+            shown = ", ".join(held[:3]) + (", …" if len(held) > 3 else "")
+            raise NotebookInputError(f"--keep {path} is not empty ({shown}): files there, an earlier {what}'s say, would "
+                                     f"be taken for this {what}'s; give a new or empty folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise NotebookInputError(f"--keep {path}: cannot make the folder ({e.strerror or e}); give another") from None
+    return path
+
+
 def write_output(nb, output: Path, result: RunResult) -> Path | None:
     """Write the executed notebook to ``output``; where that fails (the folder went away while the
     run ran, the disk is full), to a file of its own in the temporary directory, and
@@ -205,6 +226,17 @@ def run_notebook(
     cwd = str(cwd or folder or os.getcwd())
     inject_parameters(nb, parameters or {})
     kernel_name = kernel_name or nb.metadata.get("kernelspec", {}).get("name") or "python3"
+    if run_dir is not None:  # refused now, not by the first %%resilient cell, after the cells above it ran
+        from . import fsutil
+        from .errors import UnsafeDirectoryError
+
+        try:
+            fsutil.check_run_root(run_dir, another="give another --run-dir")
+        except UnsafeDirectoryError as e:
+            raise NotebookInputError(str(e).removeprefix("colab_resilience: ")) from None
+        except OSError as e:
+            raise NotebookInputError(f"--run-dir {run_dir}: cannot make the folder ({e.strerror or e}); "
+                                     "give another") from None
     own_run_dir = TempFolder("runs") if run_dir is None else None
     run_root = Path(own_run_dir.path if own_run_dir else run_dir).absolute()
     sockets_folder = TempFolder("kernel")  # 0700: the kernel is ours alone

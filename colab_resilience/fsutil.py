@@ -122,22 +122,22 @@ def open_private_file(path: str | os.PathLike, flags: int = os.O_RDONLY, mode: i
         raise
 
 
-def _refuse(path: Path, why: str, fix: str) -> None:
-    raise UnsafeDirectoryError(
-        f"colab_resilience: {path} {why}, so nothing is written there; {fix}, "
-        "or choose another run directory with %resilience dir"
-    )
+ANOTHER = "choose another run directory with %resilience dir"  # what a refusal offers, in a notebook
 
 
-def _check_owned(path: Path, st: os.stat_result) -> None:
+def _refuse(path: Path, why: str, fix: str, another: str = ANOTHER) -> None:
+    raise UnsafeDirectoryError(f"colab_resilience: {path} {why}, so nothing is written there; {fix}, or {another}")
+
+
+def _check_owned(path: Path, st: os.stat_result, another: str = ANOTHER) -> None:
     if not stat.S_ISDIR(st.st_mode):
-        _refuse(path, "is not a folder", "remove it")
+        _refuse(path, "is not a folder", "remove it", another)
     if st.st_uid != os.geteuid():
         _refuse(path, f"belongs to another user (uid {st.st_uid}), who controls what is in it",
-                "remove it if it is not needed")
+                "remove it if it is not needed", another)
     if st.st_mode & 0o022:
         _refuse(path, f"is writable by other users (mode {stat.S_IMODE(st.st_mode):04o})",
-                f"fix it with: chmod go-w {path}")
+                f"fix it with: chmod go-w {path}", another)
 
 
 def _mkdir_private(path: Path) -> bool:
@@ -219,30 +219,31 @@ def filesystem_type(path: str | os.PathLike) -> str | None:
     return kind
 
 
-def check_run_root(path: str | os.PathLike) -> Path:
+def check_run_root(path: str | os.PathLike, another: str = ANOTHER) -> Path:
     """Create (0700) or check the folder that holds the run folders, and return it.
 
     Refused with :class:`UnsafeDirectoryError`: a pseudo-filesystem (``/proc``, ``/sys``, ...);
     a folder (or the link naming it) that belongs to another user; a folder writable by others;
     a folder inside one that anybody may rename things in (world-writable without the sticky bit
     of ``/tmp``). An existing folder is not chmod'ed: it may be the user's own project folder.
+    ``another``: what a refusal offers instead (in a notebook, ``%resilience dir``).
     """
     path = Path(os.path.abspath(path))
     fs = filesystem_type(path)
     if fs in PSEUDO_FILESYSTEMS:
         _refuse(path, f"is on a {fs} pseudo-filesystem (a view of the kernel, not storage)",
-                "use a folder on a disk")
+                "use a folder on a disk", another)
     created = not os.path.lexists(path) and _mkdir_private(path)
     lst = os.lstat(path)
     if stat.S_ISLNK(lst.st_mode) and lst.st_uid not in (os.geteuid(), 0):
-        _refuse(path, f"is a symbolic link that belongs to another user (uid {lst.st_uid})", "remove it")
+        _refuse(path, f"is a symbolic link that belongs to another user (uid {lst.st_uid})", "remove it", another)
     st = os.stat(path)
-    _check_owned(path, st)
+    _check_owned(path, st, another)
     parent = Path(os.path.realpath(path)).parent
     pst = os.stat(parent)
     if pst.st_mode & 0o002 and not pst.st_mode & stat.S_ISVTX:
         _refuse(path, f"is in {parent}, which anybody may rename things in (mode {stat.S_IMODE(pst.st_mode):04o}, "
-                      "no sticky bit)", f"fix it with: chmod +t {parent}")
+                      "no sticky bit)", f"fix it with: chmod +t {parent}", another)
     if created and stat.S_IMODE(st.st_mode) != 0o700:  # a umask took owner bits away
         os.chmod(path, 0o700)
     return path

@@ -334,6 +334,14 @@ def test_cli_a_relative_run_dir_is_where_the_command_was_given_not_the_notebooks
          "missing/o.ipynb: there is no folder missing; make it first, or give another output path"),
         ("nb", ["run", "good.ipynb", "-o", "."], "colab-resilience: . is a folder; give the path of the .ipynb file to "
          "write the executed notebook to"),
+        # found by the first %%resilient cell, after the cells above it had run
+        ("nb", ["run", "good.ipynb", "--run-dir", "good.ipynb"], "good.ipynb is not a folder, so nothing is written "
+         "there; remove it, or give another --run-dir"),
+        # an earlier check's fault marks there were taken for this one's: faults that never fired, "identical"
+        ("nb", ["check", "good.ipynb", "--keep", "."], "colab-resilience: --keep . is not empty (good.ipynb): files "
+         "there, an earlier check's say, would be taken for this check's; give a new or empty folder"),
+        ("nb", ["demo", "--keep", "good.ipynb"], "colab-resilience: --keep good.ipynb is a file; give a new or empty "
+         "folder for the demo's files"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, make, args, expected):
