@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from . import options
@@ -40,14 +41,19 @@ def run(args) -> int:
     parameters = _parameters(args)
     if isinstance(parameters, str):
         return _fail(parameters)
+    cell: list[int] = []
+    started = time.time()
     try:
         result = run_notebook(
             path, out, parameters=parameters, max_restarts=args.max_restarts,
             cell_timeout=args.cell_timeout, kernel_name=args.kernel, run_dir=args.run_dir,
             progress=not args.no_progress, log_output=args.log_output, standby=not args.no_standby,
+            on_cell_start=lambda index, _: cell.append(index),
         )
     except NotebookInputError as e:
         return _fail(str(e))
+    except KeyboardInterrupt:
+        return interrupted(args, out, cell[-1] if cell else None, started)
     if not args.log_output:  # else each marker was printed with its cell's output
         for r in result.restarts:
             print(f"[cell {r.cell}] {r.marker().rstrip()}", file=sys.stderr)
@@ -60,6 +66,27 @@ def run(args) -> int:
         + (f"wrote {result.written}" if result.written is not None else "wrote no notebook")
     )
     return result.status
+
+
+def interrupted(args, out: Path, cell: int | None, started: float) -> int:
+    """Ctrl-C during ``run``: one line (where, what was written, how to go on), exit status 130."""
+    import logging
+
+    from .journal import pending_runs
+
+    # nbclient's task for the cell ends with the kernel, after the interrupt: nobody is waiting for it
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    where = f" in cell {cell}" if cell is not None else ""
+    wrote = f"wrote {out}" if out.is_file() and out.stat().st_mtime >= started else "wrote no notebook"
+    if args.run_dir is None:
+        after = ("; its runs' checkpoints went with it: with --run-dir DIR they stay, and the same command "
+                 "goes on from them")
+    elif pending_runs(args.run_dir):
+        after = f"; the same command (--run-dir {args.run_dir}) goes on from the last checkpoint of its run"
+    else:
+        after = ""
+    print(f"colab-resilience: interrupted{where}; {wrote}{after}", file=sys.stderr)
+    return 128 + 2  # as a shell reports a command ended by SIGINT
 
 
 def check(args) -> int:

@@ -258,6 +258,7 @@ def run_notebook(
         on_cell_start=on_cell_start, on_cell_complete=on_cell_complete, on_cell_error=on_cell_error,
         log_output=log_output, progress=progress,
     )
+    stopped: BaseException | None = None  # what ended the run from outside it (Ctrl-C), if anything
     try:
         supervisor.run(kernel_env)
     except NoSuchKernel:
@@ -265,13 +266,19 @@ def run_notebook(
         raise NotebookInputError(
             f"no kernel named {kernel_name!r}; list them with `jupyter kernelspec list` or pass --kernel NAME"
         ) from None
+    except BaseException as e:
+        stopped = e
+        raise
     finally:
         supervisor.close()
         sockets_folder.remove()
         result = supervisor.result
         result.seconds = time.perf_counter() - started
+        if stopped is not None:  # not "done": the notebook did not run to its end
+            result.failed_cell = supervisor.cell
         nb.metadata["colab_resilience"] = {
-            "status": STATUS_NAMES[result.status],
+            "status": STATUS_NAMES[result.status] if stopped is None else (
+                "interrupted" if isinstance(stopped, KeyboardInterrupt) else f"stopped by {type(stopped).__name__}"),
             "restarts": [r.to_metadata() for r in result.restarts],
             "seconds": round(result.seconds, 3),
         }
@@ -292,6 +299,7 @@ class Supervisor:
         self.on_cell_start, self.on_cell_complete, self.on_cell_error = on_cell_start, on_cell_complete, on_cell_error
         self.log_output, self.progress = log_output, progress
         self.result = RunResult(EXIT_OK, self.nb, [])
+        self.cell: int | None = None  # the code cell running (or recovering), by its index
         self.replay_done: list[int] = []  # set-up cells executed so far, in order
         self.budgets = Budgets(run_root, max_restarts)
         self.code_cells = [i for i, c in enumerate(self.nb.cells) if c.cell_type == "code"]
@@ -328,6 +336,7 @@ class Supervisor:
         """Run cell ``index`` until it succeeds, restarting the kernel each time it dies; False
         when the run stops there (the cell failed, or the budget is spent)."""
         cell = self.nb.cells[index]
+        self.cell = index
         earlier: list = []  # outputs of the attempts the kernel died in: every output is kept
         died = False
         if self.on_cell_start is not None:

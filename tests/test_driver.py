@@ -384,6 +384,44 @@ def test_cli_an_output_folder_gone_by_the_end_of_the_run_loses_nothing(tmp_path)
         Path(spare[1]).unlink()
 
 
+def test_cli_ctrl_c_says_where_in_one_line_and_the_same_command_goes_on_from_the_last_checkpoint(tmp_path):
+    """Ctrl-C (SIGINT to the command) in the middle of a training cell: exit status 130 and one line
+    that names the cell, the notebook written (its metadata says "interrupted", not "done") and how
+    to go on; the same command with the same --run-dir goes on from the run's last checkpoint and
+    ends as the uninterrupted run would. It was a KeyboardInterrupt traceback, asyncio's "Task
+    exception was never retrieved", and a notebook that said "done"."""
+    log = tmp_path / "steps.log"
+    nb = notebook("%load_ext colab_resilience", "%%replay\nimport time\nh = []",
+                  f"%%resilient --save h\nfor i in resume_range(30):\n    time.sleep(0.2); h.append(i)\n"
+                  f"    with open({str(log)!r}, 'a') as f: print(i, file=f)",
+                  "print('RESULT', h == list(range(30)))")
+    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
+    nbformat.write(nb, tmp_path / "in.ipynb")
+    command = [sys.executable, "-m", "colab_resilience", "run", "in.ipynb", "-o", "out.ipynb", "--run-dir", "runs",
+               "--no-progress", "--no-standby"]
+    p = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and len(log.read_text().split()) >= 5) and time.monotonic() < deadline:
+            assert p.poll() is None, p.communicate()
+            time.sleep(0.1)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    assert err.strip() == ("colab-resilience: interrupted in cell 2; wrote out.ipynb; the same command (--run-dir runs) "
+                           "goes on from the last checkpoint of its run"), err
+    assert nbformat.read(tmp_path / "out.ipynb", 4).metadata["colab_resilience"]["status"] == "interrupted"
+    again = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stdout + again.stderr
+    out = nbformat.read(tmp_path / "out.ipynb", 4)
+    assert re.search(r"colab_resilience: resumed run \w+: restored h in [\d.]+ s; continuing at [1-9]",
+                     cell_text(out.cells[2])), cell_text(out.cells[2])
+    assert "RESULT True" in cell_text(out.cells[3])
+    assert out.metadata["colab_resilience"]["status"] == "done"
+
+
 def test_papermill_engine(tmp_path, reference):
     """`papermill --engine resilient` runs train.ipynb (its parameters injected by papermill) through
     a SIGKILL in epoch 1 and writes the reference's RESULT and the restart to the notebook."""
