@@ -70,12 +70,9 @@ def run(args) -> int:
 
 def interrupted(args, out: Path, cell: int | None, started: float) -> int:
     """Ctrl-C during ``run``: one line (where, what was written, how to go on), exit status 130."""
-    import logging
-
     from .journal import pending_runs
 
-    # nbclient's task for the cell ends with the kernel, after the interrupt: nobody is waiting for it
-    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    quiet_the_interrupted_cell()
     where = f" in cell {cell}" if cell is not None else ""
     wrote = f"wrote {out}" if out.is_file() and out.stat().st_mtime >= started else "wrote no notebook"
     if args.run_dir is None:
@@ -86,7 +83,18 @@ def interrupted(args, out: Path, cell: int | None, started: float) -> int:
     else:
         after = ""
     print(f"colab-resilience: interrupted{where}; {wrote}{after}", file=sys.stderr)
-    return 128 + 2  # as a shell reports a command ended by SIGINT
+    return INTERRUPTED
+
+
+INTERRUPTED = 128 + 2  # the exit status of a command ended by Ctrl-C (SIGINT), as a shell reports it
+
+
+def quiet_the_interrupted_cell() -> None:
+    """nbclient's task for the cell that was running ends with its kernel, after the interrupt, and
+    nobody waits for it: asyncio would print "Task exception was never retrieved" and a traceback."""
+    import logging
+
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 
 def check(args) -> int:
@@ -175,10 +183,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE if e.code else EXIT_OK
     if args.command == "run":
         return run(args)
-    if args.command == "check":
-        return check(args)
-    if args.command == "demo":
-        return demo(args)
+    if args.command in ("check", "demo"):
+        try:
+            return check(args) if args.command == "check" else demo(args)
+        except KeyboardInterrupt:
+            quiet_the_interrupted_cell()
+            what = f"{args.notebook} not checked" if args.command == "check" else "the demo did not finish"
+            print(f"colab-resilience {args.command}: interrupted; {what}", file=sys.stderr)
+            return INTERRUPTED
     parser.print_help()
     return EXIT_USAGE
 

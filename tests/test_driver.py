@@ -384,12 +384,9 @@ def test_cli_an_output_folder_gone_by_the_end_of_the_run_loses_nothing(tmp_path)
         Path(spare[1]).unlink()
 
 
-def test_cli_ctrl_c_says_where_in_one_line_and_the_same_command_goes_on_from_the_last_checkpoint(tmp_path):
-    """Ctrl-C (SIGINT to the command) in the middle of a training cell: exit status 130 and one line
-    that names the cell, the notebook written (its metadata says "interrupted", not "done") and how
-    to go on; the same command with the same --run-dir goes on from the run's last checkpoint and
-    ends as the uninterrupted run would. It was a KeyboardInterrupt traceback, asyncio's "Task
-    exception was never retrieved", and a notebook that said "done"."""
+def _interrupted_in_training(tmp_path, command: list[str]) -> tuple[int, str]:
+    """``command`` (on ``tmp_path/in.ipynb``: 30 steps of 0.2 s, each logged) sent SIGINT, as Ctrl-C
+    does, after its fifth step; its exit status and stderr."""
     log = tmp_path / "steps.log"
     nb = notebook("%load_ext colab_resilience", "%%replay\nimport time\nh = []",
                   f"%%resilient --save h\nfor i in resume_range(30):\n    time.sleep(0.2); h.append(i)\n"
@@ -397,8 +394,6 @@ def test_cli_ctrl_c_says_where_in_one_line_and_the_same_command_goes_on_from_the
                   "print('RESULT', h == list(range(30)))")
     nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
     nbformat.write(nb, tmp_path / "in.ipynb")
-    command = [sys.executable, "-m", "colab_resilience", "run", "in.ipynb", "-o", "out.ipynb", "--run-dir", "runs",
-               "--no-progress", "--no-standby"]
     p = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -409,7 +404,27 @@ def test_cli_ctrl_c_says_where_in_one_line_and_the_same_command_goes_on_from_the
         _, err = p.communicate(timeout=60)
     finally:
         p.kill()
-    assert p.returncode == 130, err
+    return p.returncode, err
+
+
+def test_cli_ctrl_c_in_a_check_is_one_line_not_a_traceback(tmp_path):
+    """Ctrl-C while `check` runs the notebook: exit status 130 and one line saying it was not checked."""
+    returncode, err = _interrupted_in_training(
+        tmp_path, [sys.executable, "-m", "colab_resilience", "check", "in.ipynb", "--faults", "1", "--no-standby"])
+    assert returncode == 130, err
+    assert err.strip() == "colab-resilience check: interrupted; in.ipynb not checked", err
+
+
+def test_cli_ctrl_c_says_where_in_one_line_and_the_same_command_goes_on_from_the_last_checkpoint(tmp_path):
+    """Ctrl-C (SIGINT to the command) in the middle of a training cell: exit status 130 and one line
+    that names the cell, the notebook written (its metadata says "interrupted", not "done") and how
+    to go on; the same command with the same --run-dir goes on from the run's last checkpoint and
+    ends as the uninterrupted run would. It was a KeyboardInterrupt traceback, asyncio's "Task
+    exception was never retrieved", and a notebook that said "done"."""
+    command = [sys.executable, "-m", "colab_resilience", "run", "in.ipynb", "-o", "out.ipynb", "--run-dir", "runs",
+               "--no-progress", "--no-standby"]
+    returncode, err = _interrupted_in_training(tmp_path, command)
+    assert returncode == 130, err
     assert err.strip() == ("colab-resilience: interrupted in cell 2; wrote out.ipynb; the same command (--run-dir runs) "
                            "goes on from the last checkpoint of its run"), err
     assert nbformat.read(tmp_path / "out.ipynb", 4).metadata["colab_resilience"]["status"] == "interrupted"
