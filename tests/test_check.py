@@ -56,12 +56,21 @@ def test_a_loop_that_mutates_an_unsaved_global_fails_naming_it():
     assert r.stdout.splitlines()[-1].endswith("faulted runs differ (seed 0)")
 
 
+def _printed(notebook: Path) -> str:
+    """What the cells of an executed notebook printed, all together."""
+    return "\n".join(harness.cell_text(c) for c in nbformat.read(notebook, 4).cells if c.cell_type == "code")
+
+
 def test_the_shipped_tutorial_passes(tmp_path):
     """It passes, and says nothing of what its first run said: its %%resilient cells warn of
-    nothing (what `%resilience status` prints in its later cells is no warning)."""
-    r = check(str(harness.REPO) + "/notebooks/tutorial.ipynb", "--faults", "2", "--kernel", harness.KERNEL_NAME)
+    nothing (what `%resilience status` prints in its later cells is no warning). Its run without
+    faults (kept) ran to its end as users see it run."""
+    r = check(str(harness.REPO) + "/notebooks/tutorial.ipynb", "--faults", "2", "--kernel", harness.KERNEL_NAME,
+              "--keep", str(tmp_path / "kept"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "its first run said" not in r.stdout, r.stdout
+    text = _printed(tmp_path / "kept" / "uninterrupted.ipynb")
+    assert "final accuracy" in text and ": done; restarts 0/3" in text, text
 
 
 def test_the_shipped_quickstart_passes_and_says_what_it_did_not_compare(tmp_path):
@@ -81,8 +90,11 @@ def test_the_shipped_quickstart_passes_and_says_what_it_did_not_compare(tmp_path
     nbformat.write(nb, tmp_path / "quickstart.ipynb")
     # a parameter given: check puts a cell for it first (the notebook has no parameters cell)
     r = check(str(tmp_path / "quickstart.ipynb"), "--faults", "2", "--kernel", harness.KERNEL_NAME,
-              "-p", "batch_size", "8192")
+              "-p", "batch_size", "8192", "--keep", str(tmp_path / "kept"))
     assert r.returncode == 0, r.stdout + r.stderr
+    # as users see it run: its memory cap's OOMs shrink the batch twice, and the training ends
+    text = _printed(tmp_path / "kept" / "uninterrupted.ipynb")
+    assert "trained 4 steps with batch_size=2048" in text, text
     assert "an out-of-memory error" in r.stdout and "DIFFERS" not in r.stdout, r.stdout
     skipped = re.findall(r"^    not compared: (.*) \(set before the training", r.stdout, re.MULTILINE)
     assert skipped and all("started" in names.split(", ") for names in skipped), r.stdout

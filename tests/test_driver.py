@@ -473,16 +473,3 @@ def test_bundled_demo_and_notebooks_copy_are_the_same():
 
     bundled = (resources.files("colab_resilience") / "notebooks" / "demo.ipynb").read_bytes()
     assert json.loads(bundled) == json.loads((Path(__file__).parent.parent / "notebooks" / "demo.ipynb").read_bytes())
-
-
-@pytest.mark.parametrize("name", ["tutorial.ipynb", "quickstart.ipynb"])
-def test_shipped_notebooks_run_headless(tmp_path, name):
-    """The notebooks users start from run to their end under the supervisor."""
-    nb = nbformat.read(Path(__file__).parent.parent / "notebooks" / name, 4)
-    outcome = run(nb, tmp_path)
-    assert outcome.status == 0, outcome.message
-    text = cell_text(nb.cells[-1])
-    if name == "tutorial.ipynb":
-        assert "final accuracy" in text and ": done; restarts 0/3" in text
-    else:
-        assert "trained 4 steps with batch_size=2048" in text
