@@ -31,6 +31,9 @@ class SupervisedClient(NotebookClient):
         0.1, help="Seconds between checks that the kernel is alive while a cell runs (nbclient: 1)."
     ).tag(config=True)
     identities = List(Unicode(), help="Every kernel connected, in order, by journal.kernel_identity.")
+    unusable = Unicode(None, allow_none=True,
+                       help="Why the last kernel connected cannot run colab_resilience (its Python lacks it, or "
+                            "has another version), as 'ename: evalue'; None when it can.")
 
     async def _async_poll_kernel_alive(self) -> None:
         # nbclient has no setting for how often it checks, and this coroutine is the one place
@@ -79,11 +82,15 @@ class SupervisedClient(NotebookClient):
         kc.allow_stdin = False
         self.kc = kc
         try:  # its finished runs are the ones put back after it dies (not another's with its PID)
-            identity = self.evaluate(api_call("kernel_identity"))
+            reply = self.call(user_expressions={"v": api_call("connected")})
         except (KernelDied, TimeoutError):
             return False
+        identity = expression_value(reply)
         if isinstance(identity, str):
             self.identities.append(identity)
+        failed = reply.get("content", {}).get("user_expressions", {}).get("v", {})
+        if failed.get("status") == "error":  # the kernel's Python has no colab_resilience, or another version
+            self.unusable = f"{failed.get('ename')}: {failed.get('evalue')}"
         return True
 
     def replace_kernel(self, adopted=None) -> bool:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import time
 import zlib
 from dataclasses import dataclass
@@ -266,6 +267,9 @@ def run_notebook(
         raise NotebookInputError(
             f"no kernel named {kernel_name!r}; list them with `jupyter kernelspec list` or pass --kernel NAME"
         ) from None
+    except NotebookInputError:
+        output = None
+        raise
     except BaseException as e:
         stopped = e
         raise
@@ -314,6 +318,12 @@ class Supervisor:
         if not client.connect():  # the first kernel died while starting: a death like any other
             if not self.recover(self.code_cells[0] if self.code_cells else 0, starting=True):
                 return
+        if client.unusable:  # before any cell: each would fail, %load_ext's or "Cell magic not found"
+            python = (getattr(client.km.kernel_spec, "argv", None) or ["its Python"])[0]
+            raise NotebookInputError(
+                f"the kernel {client.kernel_name!r} ({python}) cannot run colab_resilience ({client.unusable}); "
+                f"install this version of it into that Python, or give --kernel a kernel that runs {sys.executable} "
+                f"({sys.executable} -m ipykernel install --user --name NAME makes one)")
         if self.spare is not None:
             self.spare.spawn()
         with client.setup_kernel(env=kernel_env):  # started above: this only cleans up

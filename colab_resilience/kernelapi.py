@@ -15,6 +15,7 @@ __all__ = [
     "adopt_standby",
     "become_standby",
     "become_worker",
+    "connected",
     "declare_replay_cell",
     "expect_reexecution",
     "kernel_identity",
@@ -80,6 +81,20 @@ def new_modules() -> str:
 
 def become_standby(whole: bool = False) -> None:
     standby.become(whole)
+
+
+def connected() -> str:
+    """(Asked by a supervisor as it connects.) This kernel's identity (:func:`kernel_identity`),
+    once this package's extension is loaded in it. The ``%load_ext`` the supervisor has a kernel
+    run as it starts fails quietly (IPython prints why to the kernel's stderr, which nobody
+    reads); this raises why (the package, or one it needs, missing from the kernel's Python), for
+    the supervisor to say so before any cell fails of it."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is not None and "colab_resilience" not in shell.extension_manager.loaded:
+        shell.extension_manager.load_extension("colab_resilience")
+    return kernel_identity()
 
 
 def kernel_identity() -> str:

@@ -357,6 +357,32 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, make, args, expected):
     assert not list(tmp_path.glob("*.out.ipynb"))  # nothing ran: no output that looks like a result
 
 
+def test_cli_a_kernel_whose_python_cannot_import_the_package_is_said_before_any_cell(tmp_path, monkeypatch):
+    """A kernel (--kernel, or the notebook's kernelspec) that runs a Python without this package,
+    a common slip with several environments: exit status 2 and one line naming the kernel, its
+    Python and the import error, and how to mend it; no notebook is written. It was "cell 0 failed:
+    ModuleNotFoundError" where the notebook loads the extension, and "Cell magic `%%replay` not
+    found" where it leaves that to the supervisor. (The kernel here is this Python with the package
+    made unimportable: a real kernel, a real ImportError.)"""
+    spec = tmp_path / "data" / "kernels" / "no-package"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-c", "import sys; sys.modules['colab_resilience'] = None; "
+                 "from ipykernel import kernelapp; kernelapp.launch_new_instance()", "-f", "{connection_file}"],
+        "display_name": "no package", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", f"{tmp_path / 'data'}{os.pathsep}{os.environ.get('JUPYTER_PATH', '')}")
+    nbformat.write(notebook("%%replay\nx = 1", "print(x)"), tmp_path / "in.ipynb")
+    r = cli("run", "in.ipynb", "--kernel", "no-package", "--no-progress", "--no-standby", cwd=tmp_path, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip() == (
+        f"colab-resilience: the kernel 'no-package' ({sys.executable}) cannot run colab_resilience "
+        "(ModuleNotFoundError: No module named 'colab_resilience.kernelapi'; 'colab_resilience' is not a package); "
+        "install this version of it "
+        f"into that Python, or give --kernel a kernel that runs {sys.executable} ({sys.executable} -m ipykernel "
+        "install --user --name NAME makes one)"), r.stderr
+    assert not (tmp_path / "in.out.ipynb").exists()
+
+
 def test_cli_an_output_folder_gone_by_the_end_of_the_run_loses_nothing(tmp_path):
     """The output's folder went away while the notebook ran (here a cell removes it): the executed
     notebook, every output in it, is written to a file of its own in the temporary directory, and
