@@ -194,7 +194,7 @@ class Journal:
 
             run_id = data["run_id"]
             cells = [c["source"] for c in data["replay_cells"]]
-            firsts = "; ".join(filter(None, (_first_line(c) for c in cells)))
+            firsts = "; ".join(filter(None, (first_line(c) for c in cells)))
             raise JournalUntrustedError(
                 f"colab_resilience: {path} is not signed by this installation's key ({key_path()}), "
                 f"or was edited since, so its {len(cells)} set-up cell{'s' if len(cells) != 1 else ''} "
@@ -328,7 +328,7 @@ def _signed(key: bytes, data: dict) -> bool:
         return False
 
 
-def _first_line(source: str) -> str:
+def first_line(source: str) -> str:
     """The first line of a set-up cell that says something: not blank, not its ``%%replay``."""
     for line in source.splitlines():
         line = line.strip()

@@ -33,7 +33,7 @@ from .checkpoints import Checkpoint, CheckpointStore, capture_rng, restore_rng
 from .checkpoints.rng import generator_state, is_generator, set_generator_state
 from .checkpoints.staging import Budget
 from .errors import BuiltSinceError, CheckpointError, JournalError, NoCheckpointError, RetryNotExactError, RunStoppedError
-from .journal import Journal, ReplayCell, RestartPolicy, merge_replay_cells
+from .journal import Journal, ReplayCell, RestartPolicy, first_line, merge_replay_cells
 from .lock import RunLock
 from .loops import LOOP_RNG, Loops, Plan, position_of
 from .recovery import put_back_shrunk, shrink_value
@@ -361,6 +361,14 @@ class Run:
         j.phase = None
         if self.resuming:
             put_back_shrunk(self.shell.user_ns, j.shrink)
+            began = {c.key: c.source for c in j.replay_cells}
+            for cell in setup_cells:  # a set-up cell edited and run again since the run began
+                edited = code_change(began.get(cell.key), cell.source)
+                if edited is not None:
+                    self.say(f"colab_resilience: set-up cell {first_line(cell.source)} changed since run "
+                             f"{self.run_id} began ({edited}): the run goes on with what it makes now, so what it "
+                             "did before ran on the old set-up and the result is not that of either run "
+                             f"uninterrupted; to start over, %resilience reset {self.run_id} and run this cell again")
         merge_replay_cells(j.replay_cells, setup_cells)
         from . import setup_state
 

@@ -121,6 +121,33 @@ def test_a_cell_edited_after_its_kernel_died_goes_on_with_its_new_code_and_says_
         k.shutdown()
 
 
+def test_a_set_up_cell_edited_and_run_again_after_a_death_is_said_when_the_run_goes_on(tmp_path, env):
+    """The same of a set-up cell edited and run again before the training cell (a function the
+    training calls, which no fingerprint of the set-up's values sees): one line names the cell and
+    its first changed line, and the run goes on with what it makes now."""
+    setup = "%%replay\nimport os\nhistory = []\nMARK = {mark!r}\ndef step(epoch):\n    return {step}"
+    k = Kernel(env)
+    try:
+        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        k.ok(setup.format(mark=str(tmp_path / "m"), step="epoch"), metadata={"cellId": "set-up"})
+        _, code = k.execute_until_exit(EDITED.format(n=4, step="step(epoch)"), metadata={"cellId": "train"})
+        assert code == -9
+        k.restart()
+        k.ok(setup.format(mark=str(tmp_path / "m"), step="100 * epoch"), metadata={"cellId": "set-up"})
+        r = k.ok(EDITED.format(n=4, step="step(epoch)"), metadata={"cellId": "train"})
+        run_id = next((tmp_path / "runs").glob("run-*")).name.removeprefix("run-")
+        said = [line for line in r.stdout.splitlines() if "changed since" in line]
+        assert said == [
+            f"colab_resilience: set-up cell 'import os' changed since run {run_id} began (line 6 was 'return epoch', "
+            "is 'return 100 * epoch'): the run goes on with what it makes now, so what it did before ran on the old "
+            f"set-up and the result is not that of either run uninterrupted; to start over, %resilience reset {run_id} "
+            "and run this cell again"], r.stdout
+        assert "continuing at 2" in r.stdout, r.stdout
+        assert k.value("history") == [0, 1, 200, 300]
+    finally:
+        k.shutdown()
+
+
 def test_planned_restarts_do_not_spend_the_budget(tmp_path, env, reference):
     """`%restart_after 2`: the kernel leaves at the safe point after two epochs, even with a budget
     of 0 restarts; after "Run all" in the new kernel the run continues at epoch 2, without a
