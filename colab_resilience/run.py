@@ -804,7 +804,7 @@ class Run:
         # a cell that is not replayed changed since (an optimizer's rate), and end otherwise
         first = self.journal.last_checkpoint is None
         if not self.saver.save(namespace, saved, meta=meta, info=info, durable=end or first, kept=self.kept,
-                               whole=whole_modules(ns, present, self.kept)):
+                               whole=whole_modules(ns, present, self.kept), quiet=end):  # finish says it
             return
         self._last_save = time.monotonic()
         self._saved_point = self.safe_points
@@ -927,12 +927,35 @@ class Run:
         return report
 
     def finish(self, status: str) -> None:
-        self.saver.close()
+        """The run ends ``status`` ("done" or "failed"). Where its final save was not written (a
+        full disk), a run that would end done stays pending and the cell stops in one line: the
+        cells after it would run on state no checkpoint holds, and after a death a supervisor
+        would put back the last checkpoint, from the middle of the training, as its end."""
+        self.saver.close(say=status != "done")
+        unsaved = self.saver.failure if status == "done" else None
         self.journal.restart_requested = False
-        self.journal.status = status
+        if unsaved is None:
+            self.journal.status = status
         self.journal.framework = "; ".join(getattr(x, "label", n) for n, x in self.extras.items()) or None
-        self.journal.save()
+        try:
+            self.journal.save()
+        except OSError as e:
+            if status != "done":
+                raise
+            self.close()
+            raise RunStoppedError(
+                f"colab_resilience: run {self.run_id} finished its training, but its journal could not record that "
+                f"({e.strerror or e}); free space in {self.root} (or choose another folder with %resilience dir), "
+                "then run this cell again") from None
         self.close()
+        if unsaved is not None:
+            why = getattr(unsaved.__cause__, "strerror", None) or str(unsaved).splitlines()[0]
+            last = self.journal.last_checkpoint
+            raise RunStoppedError(
+                f"colab_resilience: run {self.run_id} finished its training, but its final state could not be saved "
+                f"({why}), so the cells after it would run on state no checkpoint holds: free space in {self.root} "
+                "(or choose another folder with %resilience dir), then run this cell again; it goes on from "
+                + (f"checkpoint {last}" if last else "the start"))
 
     def close(self) -> None:
         """Let go of the run: the lock, and the startup file once no run is pending."""

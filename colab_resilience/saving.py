@@ -101,13 +101,14 @@ class Saver:
         self.stats = SaveStats(synchronous=None if self.staging else "staging_memory is off")
         self._in_flight: Future | None = None
         self._said: set[str] = set()
+        self.failure: CheckpointError | None = None  # why the last save was not written, if it was not
 
     @property
     def busy(self) -> bool:
         return self._in_flight is not None and not self._in_flight.done()
 
     def save(self, namespace: Mapping[str, Any], names: Sequence[str], *, meta: dict, info: Any,
-             durable: bool = False, kept: Collection[str] = (), whole: Collection[str] = ()) -> bool:
+             durable: bool = False, kept: Collection[str] = (), whole: Collection[str] = (), quiet: bool = False) -> bool:
         """Save at a safe point: True once the snapshot is taken (the checkpoint is on disk when
         this returns only with ``durable``), False when the safe point is not saved: the
         previous persist is still writing (``when_busy="skip"``) or this save failed (said).
@@ -115,7 +116,9 @@ class Saver:
         (:class:`UnsaveableValueError`, an out-of-memory error). ``kept``: the names a restore
         puts into the objects they hold (:func:`.checkpoints.restore.into`); a list or a notebook
         object among them keeps the objects it holds, which are then not cut off from other names.
-        ``whole``: the modules saved whole (see :func:`.checkpoints.values.prepare`)."""
+        ``whole``: the modules saved whole (see :func:`.checkpoints.values.prepare`). ``quiet``: a
+        failure of this save is not said, only kept in :attr:`failure` (the run's last save: it
+        says it itself)."""
         if self.busy:
             if self.when_busy == "skip" and not durable:
                 self.stats.skipped += 1
@@ -141,7 +144,7 @@ class Saver:
         except (UnsaveableValueError, MissingNameError):
             raise
         except CheckpointError as e:
-            self._failed(e)
+            self._failed(e, say=not quiet)
             return False
         self._count(snap.stall, snap.staged, snap.written_through)
         for p in snap.prepared:
@@ -158,12 +161,12 @@ class Saver:
             try:
                 self._persist(snap, info)
             except CheckpointError as e:
-                self._failed(e)
+                self._failed(e, say=not quiet)
                 return False
             return True
         self._in_flight = _persist_thread().submit(self._persist, snap, info)
         if durable:
-            self.settle()
+            self.settle(say=not quiet)
         return True
 
     def _persist(self, snap, info: Any) -> SaveReport:
@@ -171,6 +174,7 @@ class Saver:
         when saves are in the background)."""
         report = self.store.persist(snap)
         self.on_durable(report, info)
+        self.failure = None
         return report
 
     def _count(self, stall: float, staged: int, through: int) -> None:
@@ -189,19 +193,21 @@ class Saver:
                        f"memory ({st.budget.describe()}), so it is written while training waits ({stall:.2f} s "
                        "at this safe point); raise ResilienceMagics.staging_memory to shorten that")
 
-    def settle(self) -> None:
-        """Wait until no persist is in flight; say it if it failed."""
+    def settle(self, *, say: bool = True) -> None:
+        """Wait until no persist is in flight; say it if it failed (``say``; :attr:`failure` holds
+        why either way)."""
         future, self._in_flight = self._in_flight, None
         if future is None:
             return
         try:
             future.result()
         except CheckpointError as e:
-            self._failed(e)
+            self._failed(e, say=say)
 
-    def _failed(self, e: CheckpointError) -> None:
-        self.say(f"{str(e).splitlines()[0]} — the previous checkpoint is kept; the run goes on and tries "
-                 "again at the next safe point")
+    def _failed(self, e: CheckpointError, *, say: bool = True) -> None:
+        self.failure = e
+        if say:  # the store's line says which checkpoint stays, if any
+            self.say(f"{str(e).splitlines()[0]}; the run goes on and tries again at the next safe point")
 
     def go_synchronous(self, why: str) -> None:
         """Give the staging memory back and save synchronously from now on (after host memory ran
@@ -212,9 +218,9 @@ class Saver:
             self.staging = None
             self.stats.synchronous = why
 
-    def close(self) -> None:
+    def close(self, *, say: bool = True) -> None:
         """The end of the run: the persist in flight finished, the staging memory given back."""
-        self.settle()
+        self.settle(say=say)
         if self.staging is not None:
             self.staging.release()
 

@@ -148,6 +148,39 @@ def test_a_set_up_cell_edited_and_run_again_after_a_death_is_said_when_the_run_g
         k.shutdown()
 
 
+def test_a_final_state_that_cannot_be_written_stops_the_cell_and_the_run_goes_on_once_it_can(tmp_path, env):
+    """The training ends, but its final checkpoint cannot be written (past RLIMIT_FSIZE, which
+    fails a write as a full disk does; the journal, smaller, still fits): the cell stops with one
+    line and the run stays pending. Before, it ended "done" with a checkpoint from the middle of
+    the training as its last, which a supervisor that brought back a later cell after a death put
+    back as the training's result. Once writes fit again, the cell run again goes on from that
+    checkpoint and ends as the uninterrupted run."""
+    cell = ("%%resilient --save w,hist\nfor epoch in resume_range(4):\n    w = w + 1\n    hist.append(float(w.sum()))\n"
+            "    if epoch == 1 and limit[0]:\n        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))\n")
+    k = Kernel(env)
+    try:
+        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        k.ok("%%replay\nimport numpy as np, resource, signal\nw = np.zeros(1 << 18)\nhist = []\nlimit = [True]")
+        r = k.execute(cell)
+        run_dir = next((tmp_path / "runs").glob("run-*"))
+        journal = json.loads((run_dir / "journal.json").read_text())
+        assert journal["status"] == "pending" and journal["last_checkpoint"], journal["status"]
+        assert (r.status, r.ename) == ("error", "UsageError"), r.stdout
+        assert r.evalue == (
+            f"colab_resilience: run {run_dir.name[4:]} finished its training, but its final state could not be saved "
+            f"(File too large), so the cells after it would run on state no checkpoint holds: free space in "
+            f"{tmp_path / 'runs'} (or choose another folder with %resilience dir), then run this cell again; it goes "
+            f"on from checkpoint {journal['last_checkpoint']}"), r.evalue
+        k.ok("resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY)); limit[0] = False")
+        r = k.ok(cell)
+        assert "continuing at" in r.stdout, r.stdout
+        assert k.value("hist") == [262144.0, 524288.0, 786432.0, 1048576.0]
+        assert json.loads((run_dir / "journal.json").read_text())["status"] == "done"
+    finally:
+        k.shutdown()
+
+
 def test_planned_restarts_do_not_spend_the_budget(tmp_path, env, reference):
     """`%restart_after 2`: the kernel leaves at the safe point after two epochs, even with a budget
     of 0 restarts; after "Run all" in the new kernel the run continues at epoch 2, without a
