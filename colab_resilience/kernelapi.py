@@ -91,9 +91,11 @@ def connected() -> str:
     the supervisor to say so before any cell fails of it."""
     from IPython import get_ipython
 
+    from . import load_ipython_extension
+
     shell = get_ipython()
-    if shell is not None and "colab_resilience" not in shell.extension_manager.loaded:
-        shell.extension_manager.load_extension("colab_resilience")
+    if shell is not None:
+        load_ipython_extension(shell)  # once loaded, it returns at once
     return kernel_identity()
 
 
