@@ -6,7 +6,7 @@ are replayed and the interrupted cell resumes. ``colab-resilience check NOTEBOOK
 injected faults and compares (:func:`colab_resilience.check.check_notebook`).
 ``colab-resilience demo`` runs the bundled demo.
 
-Exit codes: 0 done, 1 a cell failed, 2 usage or input error, 3 restart budget spent.
+Exit codes: 0 done, 1 a cell failed, 2 usage or input error, 3 restart budget spent, 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ DESCRIPTION = (
     "Run Jupyter notebooks that survive out-of-memory errors and kernel deaths: a kernel that dies "
     "is restarted, the set-up cells are replayed and the interrupted cell resumes from its last checkpoint."
 )
-EXIT_CODES = "exit codes: 0 done, 1 a cell failed, 2 usage or input error, 3 restart budget spent"
+EXIT_CODES = ("exit codes: 0 done, 1 a cell failed, 2 usage or input error, 3 restart budget spent, "
+              "130 interrupted (Ctrl-C)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                        "safe points and during checkpoint writes, out-of-memory errors in %%resilient cells), "
                        "and compare every variable bit for bit and every cell's printed output.",
                        epilog="exit codes: 0 identical, 1 a faulted run differs (what differs is named), "
-                       "2 usage or input error, 3 the notebook fails (or has no safe point) without faults")
+                       "2 usage or input error, 3 the notebook fails (or has no safe point) without faults, "
+                       "130 interrupted (Ctrl-C)")
     c.add_argument("notebook", help="the .ipynb file to check")
     c.add_argument("-p", "--parameter", dest="parameters", nargs=2, action="append", default=[],
                    metavar=("NAME", "VALUE"), help="set a parameter, e.g. -p epochs 2 for a short check")
