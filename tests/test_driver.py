@@ -420,7 +420,10 @@ def _interrupted_in_training(tmp_path, command: list[str]) -> tuple[int, str]:
                   "print('RESULT', h == list(range(30)))")
     nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
     nbformat.write(nb, tmp_path / "in.ipynb")
-    p = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # as at a terminal: a command started in the background of a shell without job control (as CI
+    # may start this suite) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt
+    p = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not (log.exists() and len(log.read_text().split()) >= 5) and time.monotonic() < deadline:
