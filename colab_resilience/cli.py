@@ -6,7 +6,8 @@ are replayed and the interrupted cell resumes. ``colab-resilience check NOTEBOOK
 injected faults and compares (:func:`colab_resilience.check.check_notebook`).
 ``colab-resilience demo`` runs the bundled demo.
 
-Exit codes: 0 done, 1 a cell failed, 2 usage or input error, 3 restart budget spent, 130 interrupted (Ctrl-C).
+Exit codes: 0 done, 1 a cell failed, 2 usage or input error, 3 restart budget spent, 130 interrupted (Ctrl-C),
+143 stopped by SIGTERM.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ def run(args) -> int:
         )
     except NotebookInputError as e:
         return _fail(str(e))
-    except KeyboardInterrupt:
-        return interrupted(args, out, cell[-1] if cell else None, started)
+    except KeyboardInterrupt as e:
+        return interrupted(args, out, cell[-1] if cell else None, started, e)
     if not args.log_output:  # else each marker was printed with its cell's output
         for r in result.restarts:
             print(f"[cell {r.cell}] {r.marker().rstrip()}", file=sys.stderr)
@@ -68,8 +69,9 @@ def run(args) -> int:
     return result.status
 
 
-def interrupted(args, out: Path, cell: int | None, started: float) -> int:
-    """Ctrl-C during ``run``: one line (where, what was written, how to go on), exit status 130."""
+def interrupted(args, out: Path, cell: int | None, started: float, how: KeyboardInterrupt) -> int:
+    """Ctrl-C or SIGTERM during ``run``: one line (where, what was written, how to go on), exit
+    status 130 or 143."""
     from .journal import pending_runs
 
     quiet_the_interrupted_cell()
@@ -82,11 +84,32 @@ def interrupted(args, out: Path, cell: int | None, started: float) -> int:
         after = f"; the same command (--run-dir {args.run_dir}) goes on from the last checkpoint of its run"
     else:
         after = ""
-    print(f"colab-resilience: interrupted{where}; {wrote}{after}", file=sys.stderr)
-    return INTERRUPTED
+    print(f"colab-resilience: {_stopped(how)}{where}; {wrote}{after}", file=sys.stderr)
+    return _status(how)
 
 
 INTERRUPTED = 128 + 2  # the exit status of a command ended by Ctrl-C (SIGINT), as a shell reports it
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a job's time limit, ``timeout``): the command stops as Ctrl-C stops it
+    (the executed notebook written, the kernels shut down, its temporary folders removed), not
+    at once with nothing written."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends it at once
+    raise Terminated()
+
+
+def _stopped(how: KeyboardInterrupt) -> str:
+    return "stopped by SIGTERM" if isinstance(how, Terminated) else "interrupted"
+
+
+def _status(how: KeyboardInterrupt) -> int:
+    return 128 + 15 if isinstance(how, Terminated) else INTERRUPTED
 
 
 def quiet_the_interrupted_cell() -> None:
@@ -137,7 +160,7 @@ DESCRIPTION = (
     "is restarted, the set-up cells are replayed and the interrupted cell resumes from its last checkpoint."
 )
 EXIT_CODES = ("exit codes: 0 done, 1 a cell failed, 2 usage or input error, 3 restart budget spent, "
-              "130 interrupted (Ctrl-C)")
+              "130 interrupted (Ctrl-C), 143 stopped by SIGTERM")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                        "and compare every variable bit for bit and every cell's printed output.",
                        epilog="exit codes: 0 identical, 1 a faulted run differs (what differs is named), "
                        "2 usage or input error, 3 the notebook fails (or has no safe point) without faults, "
-                       "130 interrupted (Ctrl-C)")
+                       "130 interrupted (Ctrl-C), 143 stopped by SIGTERM")
     c.add_argument("notebook", help="the .ipynb file to check")
     c.add_argument("-p", "--parameter", dest="parameters", nargs=2, action="append", default=[],
                    metavar=("NAME", "VALUE"), help="set a parameter, e.g. -p epochs 2 for a short check")
@@ -183,16 +206,20 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return EXIT_USAGE if e.code else EXIT_OK
+    import signal
+
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
     if args.command == "run":
         return run(args)
     if args.command in ("check", "demo"):
         try:
             return check(args) if args.command == "check" else demo(args)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             quiet_the_interrupted_cell()
             what = f"{args.notebook} not checked" if args.command == "check" else "the demo did not finish"
-            print(f"colab-resilience {args.command}: interrupted; {what}", file=sys.stderr)
-            return INTERRUPTED
+            print(f"colab-resilience {args.command}: {_stopped(e)}; {what}", file=sys.stderr)
+            return _status(e)
     parser.print_help()
     return EXIT_USAGE
 

@@ -410,9 +410,9 @@ def test_cli_an_output_folder_gone_by_the_end_of_the_run_loses_nothing(tmp_path)
         Path(spare[1]).unlink()
 
 
-def _interrupted_in_training(tmp_path, command: list[str]) -> tuple[int, str]:
-    """``command`` (on ``tmp_path/in.ipynb``: 30 steps of 0.2 s, each logged) sent SIGINT, as Ctrl-C
-    does, after its fifth step; its exit status and stderr."""
+def _interrupted_in_training(tmp_path, command: list[str], signum: int = signal.SIGINT) -> tuple[int, str]:
+    """``command`` (on ``tmp_path/in.ipynb``: 30 steps of 0.2 s, each logged) sent ``signum`` (SIGINT,
+    as Ctrl-C does) after its fifth step; its exit status and stderr."""
     log = tmp_path / "steps.log"
     nb = notebook("%load_ext colab_resilience", "%%replay\nimport time\nh = []",
                   f"%%resilient --save h\nfor i in resume_range(30):\n    time.sleep(0.2); h.append(i)\n"
@@ -429,7 +429,7 @@ def _interrupted_in_training(tmp_path, command: list[str]) -> tuple[int, str]:
         while not (log.exists() and len(log.read_text().split()) >= 5) and time.monotonic() < deadline:
             assert p.poll() is None, p.communicate()
             time.sleep(0.1)
-        p.send_signal(signal.SIGINT)
+        p.send_signal(signum)
         _, err = p.communicate(timeout=60)
     finally:
         p.kill()
@@ -464,6 +464,19 @@ def test_cli_ctrl_c_says_where_in_one_line_and_the_same_command_goes_on_from_the
                      cell_text(out.cells[2])), cell_text(out.cells[2])
     assert "RESULT True" in cell_text(out.cells[3])
     assert out.metadata["colab_resilience"]["status"] == "done"
+
+
+def test_cli_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
+    """SIGTERM (`kill`, a job's time limit, `timeout`) in the middle of a training cell: the same
+    as Ctrl-C, exit status 143. It ended the command at once: no executed notebook, no line, its
+    temporary folder left for the next command to remove."""
+    command = [sys.executable, "-m", "colab_resilience", "run", "in.ipynb", "-o", "out.ipynb", "--run-dir", "runs",
+               "--no-progress", "--no-standby"]
+    returncode, err = _interrupted_in_training(tmp_path, command, signal.SIGTERM)
+    assert returncode == 143, err
+    assert err.strip() == ("colab-resilience: stopped by SIGTERM in cell 2; wrote out.ipynb; the same command "
+                           "(--run-dir runs) goes on from the last checkpoint of its run"), err
+    assert nbformat.read(tmp_path / "out.ipynb", 4).metadata["colab_resilience"]["status"] == "interrupted"
 
 
 def test_papermill_engine(tmp_path, reference):
