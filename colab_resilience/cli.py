@@ -207,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return EXIT_USAGE if e.code else EXIT_OK
     import signal
+    import threading
 
-    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+    # where SIGTERM would end the process at once (not where a caller set its own handler)
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_sigterm)
     if args.command == "run":
         return run(args)
