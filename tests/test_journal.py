@@ -339,5 +339,5 @@ def test_a_runs_cell_code_is_compared_line_by_line_but_for_spaces_at_line_ends()
     assert code_change(cell, cell.replace("    train(model)\n", "")) == "line 3, 'train(model)', was removed"
     long = "x" * 100
     assert code_change(cell, cell.replace("5", "6").replace("train(model)", long)) == (
-        f"line 2 was 'for epoch in resume_range(5):', is 'for epoch in resume_range(6):'; 2 lines differ")
+        "line 2 was 'for epoch in resume_range(5):', is 'for epoch in resume_range(6):'; 2 lines differ")
     assert code_change(cell, cell.replace("train(model)", long)) == f"line 3 was 'train(model)', is '{'x' * 57}...'"
