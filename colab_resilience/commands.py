@@ -18,6 +18,7 @@ from .journal import Journal, find_runs
 from .lock import RunLock, pid_alive
 from .recovery import put_back_shrunk
 from .run import open_store, put_back_left, restore_latest
+from .session import notebook as session_notebook
 
 
 def _plural(n: int, word: str) -> str:
@@ -64,7 +65,7 @@ def status(session) -> None:
         last = j.restarts[-1].reason if j.restarts else "none"
         planned = j.policy.describe()
         print(
-            f"colab_resilience:   run {j.run_id}: {j.status}; restarts {j.restarts_used}/{j.max_restarts} (last: {last}); "
+            f"colab_resilience:   run {j.run_id}{_of_notebook(j)}: {j.status}; restarts {j.restarts_used}/{j.max_restarts} (last: {last}); "
             f"saves {', '.join(j.names) or 'nothing'}; last checkpoint {j.last_checkpoint or 'none'}; "
             f"{_plural(len(j.replay_cells), 'replay cell')}"
             + (f"; planned restarts {planned}" if planned != "off" else "")
@@ -75,6 +76,14 @@ def status(session) -> None:
         stats = session.saves.get(j.run_id)
         if stats is not None:  # its last execution in this kernel
             print(f"colab_resilience:     checkpoints in this kernel: {stats.line()}")
+
+
+def _of_notebook(j: Journal) -> str:
+    """Whose run it is, where its kernel knew (a run directory holds every notebook's runs there)."""
+    if not j.notebook:
+        return ""
+    here = session_notebook()
+    return " (this notebook)" if j.notebook == here else f" (notebook {Path(j.notebook).name})"
 
 
 def _pending_line(j: Journal) -> str:

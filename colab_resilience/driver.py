@@ -43,7 +43,7 @@ from .kernels import CellFailed, KernelDied, api_call
 from .standby_driver import Standby
 from .replay import MAGIC, is_replay_cell
 from .restart import SUPERVISED_ENV
-from .session import RUN_DIR_ENV
+from .session import NOTEBOOK_ENV, RUN_DIR_ENV
 from .tempdirs import TempFolder
 
 # exit codes of `colab-resilience run` (and the `status` of a RunResult)
@@ -242,7 +242,10 @@ def run_notebook(
     run_root = Path(own_run_dir.path if own_run_dir else run_dir).absolute()
     sockets_folder = TempFolder("kernel")  # 0700: the kernel is ours alone
     sockets = sockets_folder.path
-    kernel_env = {HASH_SEED: hash_seed(run_root), **os.environ, **(env or {}), SUPERVISED_ENV: "1",
+    # the run folder is the command's: a notebook whose cell ran the command (!colab-resilience
+    # run ...) is not the notebook of its runs, whose ids must not depend on where it is started from
+    inherited = {k: v for k, v in os.environ.items() if k != NOTEBOOK_ENV}
+    kernel_env = {HASH_SEED: hash_seed(run_root), **inherited, **(env or {}), SUPERVISED_ENV: "1",
                   RUN_DIR_ENV: str(run_root)}
     # An async manager: with a blocking one, nbclient's wait for output blocks its event loop and
     # it never notices that the kernel died.

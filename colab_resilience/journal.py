@@ -117,6 +117,7 @@ class Journal:
     # a resume_range loop ran in code the cell calls (def train(): for epoch in resume_range(...)):
     # the cell's safe points are that loop's, though its own code holds none
     loops: bool = False
+    notebook: str | None = None  # the notebook whose cell the run is, where the kernel knew it (session.notebook)
     # what the names the set-up cells bind and the cell reads (not in --save) held when the run
     # began, as fingerprints: a kernel that resumes it after a replay compares (setup_state)
     setup: dict[str, str] = field(default_factory=dict)

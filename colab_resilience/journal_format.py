@@ -37,10 +37,11 @@ SCALARS: dict[str, tuple[type, ...]] = {
     "generation": (int,),
     "framework": (str, type(None)),
     "loops": (bool,),
+    "notebook": (str, type(None)),
 }
 # absent from the first journals of version 2
 OPTIONAL = {"resume_at": None, "oom_kills": None, "counted_pid": None, "generation": 0, "framework": None,
-            "loops": False}
+            "loops": False, "notebook": None}
 
 
 def bad(path: Path, why: str):

@@ -20,6 +20,7 @@ from . import commands, lint, oom, replay, restart
 from .errors import OptionError, ResilienceError
 from .recovery import Recovery, Shrink, shrink_value
 from .run import Run, finished_run, run_id_for, unset_note
+from .session import notebook
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,8 @@ def execute(session, line: str, body: str, options: Options) -> None:
     key = replay.current_cell_key(shell) or replay.source_key(source)
     shrink_names = [s.name for s in options.shrink]
     reexecuting, session.reexecuting = session.reexecuting, False
-    done = finished_run(session.root(), session.adopt or run_id_for(key)) if reexecuting else None
+    run_id = session.adopt or run_id_for(key, notebook=notebook())
+    done = finished_run(session.root(), run_id) if reexecuting else None
     # the kernel died after the run finished, before the cell returned (or, for a framework's
     # state, in a later cell: see kernelapi.rerun_finished); a framework's state comes back only
     # by running the cell again, which resumes at its end and trains nothing
@@ -54,8 +56,7 @@ def execute(session, line: str, body: str, options: Options) -> None:
                     + ", and the cell is not run again" + unset_note(shell, body, done.names))
         return
     run = Run.open(
-        shell, session.root(), session.adopt or run_id_for(key),
-        cell_key=key, source=source, body=body, names=options.names, shrink=shrink_names,
+        shell, session.root(), run_id, cell_key=key, notebook=notebook(), source=source, body=body, names=options.names, shrink=shrink_names,
         max_restarts=options.max_restarts, every=options.every, policy=session.policy, say=session.say,
         saving=session.saving(), reopen=done is not None,  # saves nothing: it goes back to its start
     )

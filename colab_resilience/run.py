@@ -40,13 +40,18 @@ from .recovery import put_back_shrunk, shrink_value
 from .saving import Saver
 
 
-def run_id_for(cell_key: str, key: bytes | None = None) -> str:
-    """The run id of the cell ``cell_key``: the same in every kernel of this installation, and
-    not to be guessed by another user (an HMAC under the installation key, not a plain hash), so
-    nobody can prepare a cell's run folder before it exists."""
+def run_id_for(cell_key: str, key: bytes | None = None, notebook: str | None = None) -> str:
+    """The run id of the cell ``cell_key`` of ``notebook`` (:func:`.session.notebook`; None where
+    the kernel does not know it): the same in every kernel of this installation, and not to be
+    guessed by another user (an HMAC under the installation key, not a plain hash), so nobody can
+    prepare a cell's run folder before it exists. A copy of a notebook has its cells' ids, and
+    without a cell id a cell is known by its code: the notebook keeps the copy's runs its own."""
     from .signing import load_or_create_key, sign
 
-    return sign(key or load_or_create_key(), b"run-id:" + cell_key.encode())[:8]
+    data = b"run-id:" + cell_key.encode()
+    if notebook:
+        data += b"\0notebook:" + notebook.encode("utf-8", "surrogateescape")
+    return sign(key or load_or_create_key(), data)[:8]
 
 
 def open_store(run_dir: Path, key: bytes, *, keep_first: bool = False) -> CheckpointStore:
@@ -279,7 +284,7 @@ class Run:
         return self.journal.run_dir
 
     @classmethod
-    def open(cls, shell, root: Path, run_id: str, *, cell_key: str, source: str, body: str,
+    def open(cls, shell, root: Path, run_id: str, *, cell_key: str, source: str, body: str, notebook: str | None = None,
              names: list[str], shrink: list[str] = (), max_restarts: int = 3,
              every: tuple[int | None, float | None] = (1, None), policy: RestartPolicy | None = None,
              say: Callable[[str], None] = print, saving: tuple[Budget, str] = (Budget(), "wait"),
@@ -316,6 +321,7 @@ class Run:
                 resuming = after_restart = False
             policy = policy or RestartPolicy()
             journal.cell_key, journal.names, journal.policy = cell_key, list(names), policy
+            journal.notebook = notebook or journal.notebook
             journal.held_here()
             journal.interrupted_cell, journal.status = source, "pending"
             journal.oom_kills = memory.oom_kills()

@@ -25,6 +25,17 @@ def in_colab() -> bool:
     return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
 
 
+NOTEBOOK_ENV = "JPY_SESSION_NAME"
+
+
+def notebook() -> str | None:
+    """The notebook this kernel was started for, where the server says (a Jupyter server sets
+    ``$JPY_SESSION_NAME`` to the notebook's path in every kernel it starts, and its restarter keeps
+    it; Colab, a terminal and a supervisor's kernels have none). Two notebooks in one run
+    directory (a notebook and its copy share their cells' ids) keep their runs apart by it."""
+    return os.environ.get(NOTEBOOK_ENV) or None
+
+
 def default_root() -> Path:
     """``$COLAB_RESILIENCE_RUN_DIR``; in Colab a mounted Drive folder; else ./.colab_resilience."""
     env = os.environ.get(RUN_DIR_ENV)

@@ -285,10 +285,10 @@ def test_parameters_are_injected_after_the_parameters_cell(tmp_path):
     assert "PARAMS 0.01 b 3" in cell_text(nb.cells[2])
 
 
-def cli(*args, cwd=None, timeout=240):
-    """``python -m colab_resilience ARGS`` in a child process."""
+def cli(*args, cwd=None, timeout=240, env=None):
+    """``python -m colab_resilience ARGS`` in a child process (``env``: added to this one's)."""
     return subprocess.run([sys.executable, "-m", "colab_resilience", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout)
+                          cwd=cwd, timeout=timeout, env=None if env is None else dict(os.environ, **env))
 
 
 def test_cli_runs_a_notebook_with_parameters(tmp_path):
@@ -318,6 +318,25 @@ def test_cli_a_relative_run_dir_is_where_the_command_was_given_not_the_notebooks
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(p.name for p in project.iterdir()) == ["in.ipynb"]
     assert [p.name for p in (here / "runs").iterdir() if p.name.startswith("run-")]
+
+
+def test_cli_run_ids_do_not_depend_on_the_notebook_the_command_was_given_from(tmp_path):
+    """`!colab-resilience run ... --run-dir runs` in a notebook's cell hands the command that
+    notebook's $JPY_SESSION_NAME, which names a kernel's notebook and so its runs: the supervised
+    kernels got it, and the same command given from a terminal afterwards did not find the runs
+    it was to go on from (another run id). The run folder is the command's: its kernels get none."""
+    nb = notebook("%load_ext colab_resilience", "import os\nprint('NAME', os.environ.get('JPY_SESSION_NAME'))",
+                  "%%resilient --save n\nn = 2")
+    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
+    nbformat.write(nb, tmp_path / "in.ipynb")
+    folders = []
+    for env in ({"JPY_SESSION_NAME": str(tmp_path / "analysis.ipynb")}, {}):
+        r = cli("run", "in.ipynb", "-o", "o.ipynb", "--run-dir", "runs", "--no-progress", "--no-standby", cwd=tmp_path,
+                env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "NAME None" in cell_text(nbformat.read(tmp_path / "o.ipynb", 4).cells[1])
+        folders.append(sorted(p.name for p in (tmp_path / "runs").glob("run-*")))
+    assert folders[0] == folders[1] and len(folders[0]) == 1, folders
 
 
 @pytest.mark.parametrize(

@@ -98,15 +98,16 @@ def listed_kernels(url: str) -> list[dict]:
     raise AssertionError("unreachable")
 
 
-def message(session: str, code: str) -> dict:
+def message(session: str, code: str, metadata: dict | None = None) -> dict:
     return {"header": {"msg_id": uuid.uuid4().hex, "msg_type": "execute_request", "session": session,
                        "username": "test", "date": "", "version": "5.3"},
-            "parent_header": {}, "metadata": {}, "channel": "shell",
+            "parent_header": {}, "metadata": metadata or {}, "channel": "shell",
             "content": {"code": code, "silent": False, "store_history": True, "user_expressions": {},
                         "allow_stdin": False, "stop_on_error": True}}
 
 
-async def run_all(url: str, kernel_id: str, sources: list[str], timeout: float = 300) -> tuple[list[dict], list[str]]:
+async def run_all(url: str, kernel_id: str, sources: list[str], timeout: float = 300,
+                  ids: list[str] | None = None) -> tuple[list[dict], list[str]]:
     """Send every cell at once over the kernel's websocket, as Run All does; each cell's reply and
     text (streams, results, errors), and every execution state the kernel reported. A cell is
     done, as for JupyterLab, when its reply (shell) and its 'idle' (iopub) have both come: the
@@ -114,10 +115,10 @@ async def run_all(url: str, kernel_id: str, sources: list[str], timeout: float =
     ws = await websocket.websocket_connect(
         f"{url.replace('http', 'ws')}/api/kernels/{kernel_id}/channels?token={TOKEN}")
     session = uuid.uuid4().hex
-    requests = [message(session, s) for s in sources]
+    requests = [message(session, s, {"cellId": i} if i else None) for s, i in zip(sources, ids or [None] * len(sources))]
     for m in requests:
         ws.write_message(json.dumps(m))
-    ids = {m["header"]["msg_id"]: i for i, m in enumerate(requests)}
+    numbers = {m["header"]["msg_id"]: i for i, m in enumerate(requests)}
     cells = [{"reply": None, "text": "", "idle": False} for _ in sources]
     states: list[str] = []
     deadline = time.monotonic() + timeout
@@ -128,7 +129,7 @@ async def run_all(url: str, kernel_id: str, sources: list[str], timeout: float =
         kind, content = msg.get("msg_type") or msg["header"]["msg_type"], msg.get("content", {})
         if kind == "status":
             states.append(content.get("execution_state"))
-        i = ids.get(msg.get("parent_header", {}).get("msg_id"))
+        i = numbers.get(msg.get("parent_header", {}).get("msg_id"))
         if i is None:
             continue
         if kind == "status" and content.get("execution_state") == "idle":
@@ -168,3 +169,55 @@ def test_run_all_in_jupyter_survives_a_worker_kill_with_no_click(server, tmp_pat
     assert model["id"] == kernel["id"]
     assert [k["id"] for k in listed_kernels(server)] == [kernel["id"]]
     api(server, "DELETE", f"/api/kernels/{kernel['id']}")
+
+
+async def until_restarted(url: str, kernel_id: str, source: str, cell_id: str, timeout: float = 120) -> list[str]:
+    """Send one cell that kills its kernel; the execution states the page sees until the server
+    says its restarter is at work ('restarting'; 'dead' where it gave up). The new kernel's own
+    'starting' may come before the server's channels to it are up: cells sent after this wait for
+    it, as a page's do."""
+    ws = await websocket.websocket_connect(
+        f"{url.replace('http', 'ws')}/api/kernels/{kernel_id}/channels?token={TOKEN}")
+    ws.write_message(json.dumps(message(uuid.uuid4().hex, source, {"cellId": cell_id})))
+    states: list[str] = []
+    deadline = time.monotonic() + timeout
+    while not set(states) & {"restarting", "autorestarting", "dead"}:
+        raw = await asyncio.wait_for(ws.read_message(), max(1.0, deadline - time.monotonic()))
+        assert raw is not None, "the server closed the websocket"
+        msg = json.loads(raw)
+        if (msg.get("msg_type") or msg["header"]["msg_type"]) == "status":
+            states.append(msg["content"].get("execution_state"))
+    ws.close()
+    return states
+
+
+def test_each_notebook_a_jupyter_server_runs_has_runs_of_its_own(server, tmp_path):
+    """Two notebooks open in one folder, the second a copy of the first (their cells have the same
+    ids), as JupyterLab opens them: a session each, through the server's REST API. The server
+    tells each kernel its notebook ($JPY_SESSION_NAME), and keeps it in the kernel its restarter
+    starts after a death: the copy, its lr changed, trains from its start, not on from the
+    original's killed run; the original, its cell run again after its kernel died, resumes its own."""
+    kill = "\n    if epoch == 2 and not os.path.exists('killed'):\n        open('killed', 'w').close(); os.kill(os.getpid(), 9)"
+    cells = ["%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'",
+             "%%replay\nimport os\nhistory = []\nlr = {lr}",
+             "%%resilient --save history\nfor epoch in resume_range(4):\n    history.append(epoch * lr)" + kill,
+             "print(history, os.environ['JPY_SESSION_NAME'])"]
+    ids = ["load", "set-up", "train", "show"]
+    sessions = {name: api(server, "POST", "/api/sessions", {"path": name, "name": name, "type": "notebook",
+                                                           "kernel": {"name": KERNEL_NAME}})
+                for name in ("train.ipynb", "train-Copy1.ipynb")}
+    original, copy = (sessions[n]["kernel"]["id"] for n in ("train.ipynb", "train-Copy1.ipynb"))
+    replies, _ = asyncio.run(run_all(server, original, [c.format(lr=1) for c in cells[:2]], ids=ids[:2]))
+    assert [c["reply"]["status"] for c in replies] == ["ok"] * 2, [c["text"] for c in replies]
+    states = asyncio.run(until_restarted(server, original, cells[2], "train"))
+    assert "dead" not in states, states
+    replies, _ = asyncio.run(run_all(server, copy, [c.format(lr=100) for c in cells], ids=ids))
+    assert [c["reply"]["status"] for c in replies] == ["ok"] * 4, [c["text"] for c in replies]
+    assert "colab_resilience" not in replies[2]["text"], replies[2]["text"]  # nothing resumed
+    assert replies[3]["text"] == f"[0, 100, 200, 300] {tmp_path / 'train-Copy1.ipynb'}\n"
+    replies, _ = asyncio.run(run_all(server, original, cells[2:], ids=ids[2:]))
+    assert [c["reply"]["status"] for c in replies] == ["ok"] * 2, [c["text"] for c in replies]
+    assert "continuing at 2" in replies[0]["text"], replies[0]["text"]
+    assert replies[1]["text"] == f"[0, 1, 2, 3] {tmp_path / 'train.ipynb'}\n"
+    for session in sessions.values():
+        api(server, "DELETE", f"/api/sessions/{session['id']}")

@@ -148,6 +148,44 @@ def test_a_set_up_cell_edited_and_run_again_after_a_death_is_said_when_the_run_g
         k.shutdown()
 
 
+# a training cell that multiplies by the set-up's lr, and dies once in epoch 2 (its mark made)
+SCALED = EDITED.format(n=4, step="epoch * lr")
+
+
+def test_a_copy_of_a_notebook_has_runs_of_its_own(tmp_path, env):
+    """A notebook and its copy (JupyterLab's Duplicate, a copied file) in one folder: their cells
+    have the same ids, so their training cells were one run. The copy, its lr changed, resumed
+    the original's killed run from its checkpoint: a history half of each notebook. A Jupyter
+    server tells each kernel its notebook ($JPY_SESSION_NAME, which these kernels get as the
+    server gives it): each notebook's cell is a run of its own. The copy trains from its start;
+    the original, run again, resumes its own run and ends as uninterrupted."""
+    setup = "%%replay\nimport os\nhistory = []\nlr = {lr}\nMARK = " + repr(str(tmp_path / "m"))
+    a = Kernel(dict(env, JPY_SESSION_NAME=str(tmp_path / "train.ipynb")))
+    b = Kernel(dict(env, JPY_SESSION_NAME=str(tmp_path / "train-Copy1.ipynb")))
+    try:
+        for k in a, b:
+            k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        a.ok(setup.format(lr=1), metadata={"cellId": "set-up"})
+        _, code = a.execute_until_exit(SCALED, metadata={"cellId": "train"})
+        assert code == -9
+        a.restart()
+        b.ok(setup.format(lr=100), metadata={"cellId": "set-up"})
+        r = b.ok(SCALED, metadata={"cellId": "train"})
+        assert "colab_resilience" not in r.stdout, r.stdout  # nothing resumed, nothing to say
+        assert b.value("history") == [0, 100, 200, 300]
+        r = a.ok(SCALED, metadata={"cellId": "train"})
+        assert "continuing at 2" in r.stdout, r.stdout
+        assert a.value("history") == [0, 1, 2, 3]
+        runs = {json.loads((d / "journal.json").read_text())["notebook"]: d.name for d in (tmp_path / "runs").glob("run-*")}
+        assert sorted(runs) == [str(tmp_path / "train-Copy1.ipynb"), str(tmp_path / "train.ipynb")], runs
+        status = b.ok("%resilience status").stdout  # whose run each is
+        for notebook, whose in [("train-Copy1.ipynb", "this notebook"), ("train.ipynb", "notebook train.ipynb")]:
+            assert f"run {runs[str(tmp_path / notebook)].removeprefix('run-')} ({whose}): done;" in status, status
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
 def test_a_final_state_that_cannot_be_written_stops_the_cell_and_the_run_goes_on_once_it_can(tmp_path, env):
     """The training ends, but its final checkpoint cannot be written (past RLIMIT_FSIZE, which
     fails a write as a full disk does; the journal, smaller, still fits): the cell stops with one
