@@ -142,6 +142,33 @@ def run_replay_cell(shell, log: ReplayLog, line: str, body: str) -> None:
     log.ran(shell, body)
 
 
+def overwrites(shell, cells: list[ReplayCell], log: ReplayLog) -> tuple[ReplayCell, str, ReplayCell] | None:
+    """Whether replaying the run's set-up ``cells`` that this kernel has not run would bind a name
+    over what a set-up cell of this kernel's that the run does not know made: ``(the run's cell,
+    the name, this kernel's cell)``, else None. Without a cell id from the front end, a set-up
+    cell edited and run again is another cell to the run, as is another notebook's cell of the
+    same code (its training cell then shares the run): replayed, the run's old version would
+    silently undo what this kernel ran."""
+    from .setup_state import setup_names
+
+    known = {c.key for c in cells}
+    made: dict[str, ReplayCell] = {}
+    for cell in log.cells:
+        if cell.key not in known:
+            for name in setup_names(shell, [cell.source]):
+                made[name] = cell
+    if not made:
+        return None
+    clashes = [(cell, name, made[name]) for cell in cells if cell.key not in log
+               for name in sorted(setup_names(shell, [cell.source])) if name in made]
+    if not clashes:
+        return None
+    from .setup_state import binding_line  # a name both bind alike is the less telling one (MARK = ...)
+
+    return next((c for c in clashes if binding_line(shell, c[0].source, c[1]) != binding_line(shell, c[2].source, c[1])),
+                clashes[0])
+
+
 def replay(shell, cells: Iterable[ReplayCell], log: ReplayLog, say: Callable[[str], None]) -> int:
     """Execute the ``cells`` this kernel has not run yet, in order, one line each; their output
     is shown only if one fails, whose error is then raised as the cell's own. Returns how many

@@ -59,6 +59,7 @@ def execute(session, line: str, body: str, options: Options) -> None:
         shell, session.root(), run_id, cell_key=key, notebook=notebook(), source=source, body=body, names=options.names, shrink=shrink_names,
         max_restarts=options.max_restarts, every=options.every, policy=session.policy, say=session.say,
         saving=session.saving(), reopen=done is not None,  # saves nothing: it goes back to its start
+        setup_log=session.replay_log,
     )
     session.adopt = None  # after %resilience resume: this cell continued that run
     replayed, seconds = 0, 0.0

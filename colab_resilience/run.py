@@ -26,7 +26,7 @@ import threading
 import time
 from collections import ChainMap
 from pathlib import Path
-from typing import Callable, Collection, Iterable, Iterator, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Callable, Collection, Iterable, Iterator, Mapping, MutableMapping
 
 from . import carried, faults, fsutil, loops, memory, restart
 from .checkpoints import Checkpoint, CheckpointStore, capture_rng, restore_rng
@@ -38,6 +38,9 @@ from .lock import RunLock
 from .loops import LOOP_RNG, Loops, Plan, position_of
 from .recovery import put_back_shrunk, shrink_value
 from .saving import Saver
+
+if TYPE_CHECKING:
+    from .replay import ReplayLog
 
 
 def run_id_for(cell_key: str, key: bytes | None = None, notebook: str | None = None) -> str:
@@ -288,12 +291,14 @@ class Run:
              names: list[str], shrink: list[str] = (), max_restarts: int = 3,
              every: tuple[int | None, float | None] = (1, None), policy: RestartPolicy | None = None,
              say: Callable[[str], None] = print, saving: tuple[Budget, str] = (Budget(), "wait"),
-             reopen: bool = False) -> Run:
+             reopen: bool = False, setup_log: ReplayLog | None = None) -> Run:
         """Take the run's lock and read its journal (a pending run resumes) or start a new one.
         ``reopen``: a run that ended ``done`` resumes too (its kernel died before the cell
         returned, and the run saves nothing that could stand for its result). Raises
         :class:`RunLockedError` (another kernel holds it) or :class:`RunStoppedError` (an unusable
-        journal, or a death without warning that the budget does not cover)."""
+        journal, a death without warning that the budget does not cover, or a replay of its set-up
+        cells that would undo one of the set-up cells this kernel ran, ``setup_log``: then nothing
+        is written)."""
         from .signing import load_or_create_key
 
         root = fsutil.check_run_root(root)
@@ -311,6 +316,8 @@ class Run:
                     raise RunStoppedError(str(e)) from None
             edited = None
             if journal is not None and (journal.status == "pending" or reopen and journal.status == "done"):
+                if journal.kernel_pid != os.getpid() and setup_log is not None:  # a new kernel replays
+                    _refuse_undoing(shell, journal, setup_log)
                 after_restart = _take_over(shell, journal, root)
                 resuming = True
                 edited = code_change(journal.interrupted_cell, source)
@@ -1034,6 +1041,26 @@ def _take_over(shell, journal: Journal, root: Path) -> bool:
             raise RunStoppedError(report)
         journal.record_restart(why)
     return died
+
+
+def _refuse_undoing(shell, journal: Journal, log: ReplayLog) -> None:
+    """Refuse, before anything is replayed or written, a replay of the run's set-up cells that
+    would bind a name over what a set-up cell of this kernel's, which the run does not know, made
+    (:func:`.replay.overwrites`): the run's old version of a cell edited where the front end sends
+    no cell id, or another notebook's run of a cell of the same code, would silently undo it."""
+    from .replay import overwrites
+    from .setup_state import binding_line
+
+    clash = overwrites(shell, journal.replay_cells, log)
+    if clash is None:
+        return
+    theirs, name, ours = clash
+    raise RunStoppedError(
+        f"colab_resilience: run {journal.run_id} would replay its set-up cell {binding_line(shell, theirs.source, name)} "
+        f"over {name}, which this kernel's set-up cell {binding_line(shell, ours.source, name)} made (a set-up cell "
+        "edited where the front end sends no cell id, or another notebook's run of a cell with this code): nothing "
+        f"was replayed; to start the run over with this kernel's set-up, %resilience reset {journal.run_id} and run "
+        "this cell again; to go on with the run's, run its set-up cell as it was")
 
 
 def _integers(values: Mapping[str, object]) -> dict[str, int]:

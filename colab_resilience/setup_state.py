@@ -85,6 +85,20 @@ def setup_names(shell, sources: Iterable[str]) -> set[str]:
     return names
 
 
+def binding_line(shell, source: str, name: str) -> str:
+    """The line of the set-up cell ``source`` whose top-level statement first binds ``name``
+    (quoted, cut at 50 characters), for a message; its first line where none is found."""
+    from .journal import first_line
+
+    code = source.partition("\n")[2] if source.lstrip().startswith("%%") else source
+    tree = lint._parse(shell, code)
+    for statement in getattr(tree, "body", []):
+        if name in _top_level_bound(ast.Module(body=[statement], type_ignores=[])):
+            line = code.splitlines()[statement.lineno - 1].strip()
+            return repr(line[:50] + ("..." if len(line) > 50 else ""))
+    return first_line(source)
+
+
 # what differs in every process, by design: a name bound to one of these calls is not watched
 _CLOCKS = frozenset({"time", "perf_counter", "monotonic", "process_time", "time_ns", "perf_counter_ns", "now",
                      "today", "utcnow", "getpid", "uuid1", "uuid4", "mkdtemp", "gettempdir"})

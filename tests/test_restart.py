@@ -186,6 +186,44 @@ def test_a_copy_of_a_notebook_has_runs_of_its_own(tmp_path, env):
         b.shutdown()
 
 
+def test_a_replay_that_would_undo_a_set_up_cell_this_kernel_ran_is_refused(tmp_path, env):
+    """Where the front end sends no cell id (the terminal, a classic Notebook), a set-up cell
+    edited and run again after a death is another cell to the run; run after it, the training
+    cell replayed the run's old version, silently undoing the edit (lr back to 1), and trained
+    on. (Another notebook's cell of the same code, where the kernel does not know its notebook,
+    is the same case.) Now the cell stops with one line that names both versions and what to do,
+    before anything is replayed or written; reset, the cell trains with what the kernel ran."""
+    setup = "%%replay\nimport os\nhistory = []\nlr = {lr}\nMARK = " + repr(str(tmp_path / "m"))
+    k = Kernel(env)
+    try:
+        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        k.ok(setup.format(lr=1))
+        _, code = k.execute_until_exit(SCALED)
+        assert code == -9
+        k.restart()
+        run_dir = next((tmp_path / "runs").glob("run-*"))
+        journal = (run_dir / "journal.json").read_bytes()
+        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        k.ok(setup.format(lr=100))
+        r = k.execute(SCALED)
+        run_id = run_dir.name.removeprefix("run-")
+        assert (r.status, r.ename, r.stdout) == ("error", "UsageError", ""), (r.status, r.stdout)
+        assert r.evalue == (
+            f"colab_resilience: run {run_id} would replay its set-up cell 'lr = 1' over lr, which this kernel's "
+            "set-up cell 'lr = 100' made (a set-up cell edited where the front end sends no cell id, or another "
+            "notebook's run of a cell with this code): nothing was replayed; to start the run over with this kernel's "
+            f"set-up, %resilience reset {run_id} and run this cell again; to go on with the run's, run its set-up "
+            "cell as it was"), r.evalue
+        assert (k.value("lr"), k.value("history")) == (100, [])
+        assert (run_dir / "journal.json").read_bytes() == journal  # nothing written: the death is not counted twice
+        k.ok(f"%resilience reset {run_id}")
+        r = k.ok(SCALED)
+        assert "continuing" not in r.stdout, r.stdout
+        assert k.value("history") == [0, 100, 200, 300]
+    finally:
+        k.shutdown()
+
+
 def test_a_final_state_that_cannot_be_written_stops_the_cell_and_the_run_goes_on_once_it_can(tmp_path, env):
     """The training ends, but its final checkpoint cannot be written (past RLIMIT_FSIZE, which
     fails a write as a full disk does; the journal, smaller, still fits): the cell stops with one
