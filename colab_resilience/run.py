@@ -326,6 +326,9 @@ class Run:
                 store.clear()
                 journal = Journal.create(run_dir, run_id, max_restarts=max_restarts, save=False)
                 resuming = after_restart = False
+                left = _left_behind(root, key, cell_key, notebook) if notebook and not reopen else None
+                if left is not None:
+                    say(left)
             policy = policy or RestartPolicy()
             journal.cell_key, journal.names, journal.policy = cell_key, list(names), policy
             journal.notebook = notebook or journal.notebook
@@ -1041,6 +1044,23 @@ def _take_over(shell, journal: Journal, root: Path) -> bool:
             raise RunStoppedError(report)
         journal.record_restart(why)
     return died
+
+
+def _left_behind(root: Path, key: bytes, cell_key: str, notebook: str) -> str | None:
+    """A line where a pending run of this cell was begun in a notebook that is no longer there
+    (renamed or moved while its kernel was shut down: the run id includes the notebook, so the
+    cell of the notebook as it is now begins a run of its own), saying how to go on with it."""
+    from .journal import read_journals
+
+    for j in read_journals(root, key):
+        if j.status == "pending" and j.cell_key == cell_key and j.notebook and j.notebook != notebook \
+                and not os.path.exists(j.notebook):
+            at = f"it continues at {j.resume_at}" if j.resume_at else (
+                f"from checkpoint {j.last_checkpoint}" if j.last_checkpoint else "no checkpoint yet")
+            return (f"colab_resilience: run {j.run_id} of this cell, begun in {j.notebook}, which is no longer there "
+                    f"(renamed or moved?), is pending ({at}); this notebook's cell begins a run of its own; to go on "
+                    f"with that one instead, %resilience resume {j.run_id}, then run this cell")
+    return None
 
 
 def _refuse_undoing(shell, journal: Journal, log: ReplayLog) -> None:

@@ -186,6 +186,42 @@ def test_a_copy_of_a_notebook_has_runs_of_its_own(tmp_path, env):
         b.shutdown()
 
 
+def test_a_notebook_renamed_while_its_kernel_was_shut_down_says_where_its_pending_run_is(tmp_path, env):
+    """The notebook is part of a run's id: renamed while its kernel was shut down, its cell begins
+    a run of its own, and the run of its old name would stay pending unseen. One line names it
+    and how to go on with it; followed, the cell goes on with the old run to its uninterrupted end."""
+    setup = "%%replay\nimport os\nhistory = []\nlr = 1\nMARK = " + repr(str(tmp_path / "m"))
+    (tmp_path / "Untitled.ipynb").write_text("{}")
+    a = Kernel(dict(env, JPY_SESSION_NAME=str(tmp_path / "Untitled.ipynb")))
+    try:
+        a.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        a.ok(setup, metadata={"cellId": "set-up"})
+        _, code = a.execute_until_exit(SCALED, metadata={"cellId": "train"})
+        assert code == -9
+    finally:
+        a.shutdown()
+    (tmp_path / "Untitled.ipynb").rename(tmp_path / "train.ipynb")
+    old = next((tmp_path / "runs").glob("run-*")).name.removeprefix("run-")
+    b = Kernel(dict(env, JPY_SESSION_NAME=str(tmp_path / "train.ipynb")))
+    try:
+        b.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        b.ok(setup, metadata={"cellId": "set-up"})
+        r = b.execute(SCALED, metadata={"cellId": "train"})
+        said = [line for line in r.stdout.splitlines() if "no longer there" in line]
+        assert said == [
+            f"colab_resilience: run {old} of this cell, begun in {tmp_path / 'Untitled.ipynb'}, which is no longer "
+            "there (renamed or moved?), is pending (it continues at 2); this notebook's cell begins a "
+            f"run of its own; to go on with that one instead, %resilience resume {old}, then run this cell"], r.stdout
+        assert b.value("history") == [0, 1, 2, 3]  # from its start: a run of its own
+        b.ok(setup, metadata={"cellId": "set-up"})
+        b.ok(f"%resilience resume {old}")
+        r = b.ok(SCALED, metadata={"cellId": "train"})
+        assert "continuing at 2" in r.stdout and "no longer there" not in r.stdout, r.stdout
+        assert b.value("history") == [0, 1, 2, 3]
+    finally:
+        b.shutdown()
+
+
 def test_a_replay_that_would_undo_a_set_up_cell_this_kernel_ran_is_refused(tmp_path, env):
     """Where the front end sends no cell id (the terminal, a classic Notebook), a set-up cell
     edited and run again after a death is another cell to the run; run after it, the training
