@@ -109,8 +109,8 @@ class JournalUntrustedError(JournalError):
 
 class UnsafeDirectoryError(ResilienceError, PermissionError):
     """A run root or run folder another user could control: a symbolic link, a folder owned by
-    someone else or writable by others, or a pseudo-filesystem such as ``/proc``. Nothing is
-    written there."""
+    someone else or writable by others, or a pseudo-filesystem such as ``/proc``; or one that
+    cannot be made (a file in its path, no permission). Nothing is written there."""
 
 
 class JournalRolledBackError(JournalError):

@@ -233,7 +233,11 @@ def check_run_root(path: str | os.PathLike, another: str = ANOTHER) -> Path:
     if fs in PSEUDO_FILESYSTEMS:
         _refuse(path, f"is on a {fs} pseudo-filesystem (a view of the kernel, not storage)",
                 "use a folder on a disk", another)
-    created = not os.path.lexists(path) and _mkdir_private(path)
+    try:
+        created = not os.path.lexists(path) and _mkdir_private(path)
+    except OSError as e:
+        raise UnsafeDirectoryError(f"colab_resilience: {path} cannot be made ({_why_not_made(path, e)}), so nothing is "
+                                   f"written there; {another}") from None
     lst = os.lstat(path)
     if stat.S_ISLNK(lst.st_mode) and lst.st_uid not in (os.geteuid(), 0):
         _refuse(path, f"is a symbolic link that belongs to another user (uid {lst.st_uid})", "remove it", another)
@@ -247,6 +251,15 @@ def check_run_root(path: str | os.PathLike, another: str = ANOTHER) -> Path:
     if created and stat.S_IMODE(st.st_mode) != 0o700:  # a umask took owner bits away
         os.chmod(path, 0o700)
     return path
+
+
+def _why_not_made(path: Path, e: OSError) -> str:
+    """Why ``mkdir -p path`` failed, in a few words: the file in the way, where one is."""
+    if isinstance(e, (NotADirectoryError, FileExistsError)):
+        for above in [path, *path.parents]:
+            if os.path.lexists(above) and not os.path.isdir(above):
+                return f"{above} is a file, not a folder"
+    return e.strerror or str(e)
 
 
 def private_temp_dir(parent: str | os.PathLike, prefix: str) -> Path:

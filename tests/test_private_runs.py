@@ -159,6 +159,16 @@ def test_pseudo_filesystems_are_refused_as_run_directories(ip):
         assert magics.run_dir == before
 
 
+def test_a_run_directory_under_a_file_is_refused_in_one_line_and_the_file_kept(ip, tmp_path):
+    """A run directory (COLAB_RESILIENCE_RUN_DIR, the configuration) whose path runs through a
+    file: the cell was a NotADirectoryError traceback; now one line names the file in the way."""
+    (tmp_path / "notes.txt").write_bytes(b"fifteen bytes!\n")
+    said = refused(ip, str(tmp_path / "notes.txt" / "runs"))
+    assert said == (f"colab_resilience: {tmp_path / 'notes.txt' / 'runs'} cannot be made ({tmp_path / 'notes.txt'} is a "
+                    "file, not a folder), so nothing is written there; choose another run directory with %resilience dir")
+    assert (tmp_path / "notes.txt").read_bytes() == b"fifteen bytes!\n"
+
+
 def test_run_ids_cannot_be_computed_without_the_installation_key():
     """A cell's run id is the same in every kernel of one installation, but another user, who
     does not have the key, cannot work it out from the cell (it used to be sha256 of the cell)."""
