@@ -160,6 +160,8 @@ def test_a_copy_of_a_notebook_has_runs_of_its_own(tmp_path, env):
     server gives it): each notebook's cell is a run of its own. The copy trains from its start;
     the original, run again, resumes its own run and ends as uninterrupted."""
     setup = "%%replay\nimport os\nhistory = []\nlr = {lr}\nMARK = " + repr(str(tmp_path / "m"))
+    for name in ("train.ipynb", "train-Copy1.ipynb"):
+        (tmp_path / name).write_text("{}")  # open in the page: there
     a = Kernel(dict(env, JPY_SESSION_NAME=str(tmp_path / "train.ipynb")))
     b = Kernel(dict(env, JPY_SESSION_NAME=str(tmp_path / "train-Copy1.ipynb")))
     try:
