@@ -109,7 +109,7 @@ def set_dir(session, folder: str) -> None:
     path = Path(folder)
     try:
         path = path.expanduser()  # RuntimeError: ~user of no such user
-        path = fsutil.check_run_root(path)  # ValueError: a NUL in the path
+        path = fsutil.check_run_root(path, another="choose another folder")  # ValueError: a NUL in the path
     except UnsafeDirectoryError as e:
         raise OptionError(f"%resilience dir: {str(e).removeprefix('colab_resilience: ')}") from None
     except (OSError, ValueError, RuntimeError) as e:

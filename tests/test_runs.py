@@ -242,7 +242,8 @@ def test_resilience_bad_input(ip, root, tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(UsageError) as info:
         ip.run_line_magic("resilience", f"dir {tmp_path / 'file' / 'sub'}")
-    assert "cannot use" in str(info.value) and "choose a writable folder" in str(info.value)
+    assert str(info.value) == (f"%resilience dir: {tmp_path / 'file' / 'sub'} cannot be made ({tmp_path / 'file'} is a "
+                               "file, not a folder), so nothing is written there; choose another folder")
 
 
 def test_run_directories_are_owner_only(ip, root, tmp_path):
