@@ -106,7 +106,7 @@ def message(session: str, code: str, metadata: dict | None = None) -> dict:
                         "allow_stdin": False, "stop_on_error": True}}
 
 
-async def run_all(url: str, kernel_id: str, sources: list[str], timeout: float = 300,
+async def run_all(url: str, kernel_id: str, sources: list[str], timeout: float = 200,
                   ids: list[str] | None = None) -> tuple[list[dict], list[str]]:
     """Send every cell at once over the kernel's websocket, as Run All does; each cell's reply and
     text (streams, results, errors), and every execution state the kernel reported. A cell is
@@ -123,7 +123,13 @@ async def run_all(url: str, kernel_id: str, sources: list[str], timeout: float =
     states: list[str] = []
     deadline = time.monotonic() + timeout
     while any(c["reply"] is None or not c["idle"] for c in cells):
-        raw = await asyncio.wait_for(ws.read_message(), max(1.0, deadline - time.monotonic()))
+        try:
+            raw = await asyncio.wait_for(ws.read_message(), max(1.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:  # said before pytest's own timeout, with what each cell got
+            waiting = [i for i, c in enumerate(cells) if c["reply"] is None or not c["idle"]]
+            raise AssertionError(f"cells {waiting} not done after {timeout} s; states {states[-20:]}; " + "; ".join(
+                f"cell {i}: reply {(c['reply'] or {}).get('status')}, idle {c['idle']}, output ...{c['text'][-800:]!r}"
+                for i, c in enumerate(cells))) from None
         assert raw is not None, "the server closed the websocket"
         msg = json.loads(raw)
         kind, content = msg.get("msg_type") or msg["header"]["msg_type"], msg.get("content", {})
