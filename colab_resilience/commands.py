@@ -65,7 +65,8 @@ def status(session) -> None:
         last = j.restarts[-1].reason if j.restarts else "none"
         planned = j.policy.describe()
         print(
-            f"colab_resilience:   run {j.run_id}{_of_notebook(j)}: {j.status}; restarts {j.restarts_used}/{j.max_restarts} (last: {last}); "
+            f"colab_resilience:   run {j.run_id}{_of_notebook(j)}: {j.status}; "
+            f"restarts {j.restarts_used}/{j.max_restarts} (last: {last}); "
             f"saves {', '.join(j.names) or 'nothing'}; last checkpoint {j.last_checkpoint or 'none'}; "
             f"{_plural(len(j.replay_cells), 'replay cell')}"
             + (f"; planned restarts {planned}" if planned != "off" else "")

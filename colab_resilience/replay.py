@@ -165,8 +165,8 @@ def overwrites(shell, cells: list[ReplayCell], log: ReplayLog) -> tuple[ReplayCe
         return None
     from .setup_state import binding_line  # a name both bind alike is the less telling one (MARK = ...)
 
-    return next((c for c in clashes if binding_line(shell, c[0].source, c[1]) != binding_line(shell, c[2].source, c[1])),
-                clashes[0])
+    differ = (c for c in clashes if binding_line(shell, c[0].source, c[1]) != binding_line(shell, c[2].source, c[1]))
+    return next(differ, clashes[0])
 
 
 def replay(shell, cells: Iterable[ReplayCell], log: ReplayLog, say: Callable[[str], None]) -> int:

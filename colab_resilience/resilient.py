@@ -56,7 +56,8 @@ def execute(session, line: str, body: str, options: Options) -> None:
                     + ", and the cell is not run again" + unset_note(shell, body, done.names))
         return
     run = Run.open(
-        shell, session.root(), run_id, cell_key=key, notebook=notebook(), source=source, body=body, names=options.names, shrink=shrink_names,
+        shell, session.root(), run_id, cell_key=key, notebook=notebook(), source=source, body=body,
+        names=options.names, shrink=shrink_names,
         max_restarts=options.max_restarts, every=options.every, policy=session.policy, say=session.say,
         saving=session.saving(), reopen=done is not None,  # saves nothing: it goes back to its start
         setup_log=session.replay_log,

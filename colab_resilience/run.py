@@ -287,8 +287,8 @@ class Run:
         return self.journal.run_dir
 
     @classmethod
-    def open(cls, shell, root: Path, run_id: str, *, cell_key: str, source: str, body: str, notebook: str | None = None,
-             names: list[str], shrink: list[str] = (), max_restarts: int = 3,
+    def open(cls, shell, root: Path, run_id: str, *, cell_key: str, source: str, body: str,
+             notebook: str | None = None, names: list[str], shrink: list[str] = (), max_restarts: int = 3,
              every: tuple[int | None, float | None] = (1, None), policy: RestartPolicy | None = None,
              say: Callable[[str], None] = print, saving: tuple[Budget, str] = (Budget(), "wait"),
              reopen: bool = False, setup_log: ReplayLog | None = None) -> Run:
@@ -1054,7 +1054,7 @@ def _left_behind(root: Path, key: bytes, cell_key: str, notebook: str) -> str | 
 
     for j in read_journals(root, key):
         if j.status == "pending" and j.cell_key == cell_key and j.notebook and j.notebook != notebook \
-                and not os.path.exists(j.notebook):
+                and os.path.isabs(j.notebook) and not os.path.exists(j.notebook):
             at = f"it continues at {j.resume_at}" if j.resume_at else (
                 f"from checkpoint {j.last_checkpoint}" if j.last_checkpoint else "no checkpoint yet")
             return (f"colab_resilience: run {j.run_id} of this cell, begun in {j.notebook}, which is no longer there "
@@ -1075,9 +1075,10 @@ def _refuse_undoing(shell, journal: Journal, log: ReplayLog) -> None:
     if clash is None:
         return
     theirs, name, ours = clash
+    old, new = binding_line(shell, theirs.source, name), binding_line(shell, ours.source, name)
     raise RunStoppedError(
-        f"colab_resilience: run {journal.run_id} would replay its set-up cell {binding_line(shell, theirs.source, name)} "
-        f"over {name}, which this kernel's set-up cell {binding_line(shell, ours.source, name)} made (a set-up cell "
+        f"colab_resilience: run {journal.run_id} would replay its set-up cell {old} "
+        f"over {name}, which this kernel's set-up cell {new} made (a set-up cell "
         "edited where the front end sends no cell id, or another notebook's run of a cell with this code): nothing "
         f"was replayed; to start the run over with this kernel's set-up, %resilience reset {journal.run_id} and run "
         "this cell again; to go on with the run's, run its set-up cell as it was")
