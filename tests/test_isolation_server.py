@@ -6,6 +6,9 @@ What a JupyterLab user would see is read off the same messages the page receives
 reply, the kernel's status messages (a kernel that dies or restarts shows up as
 ``execution_state`` "dead", "restarting" or "autorestarting", which is where JupyterLab's "The
 kernel appears to have died" dialog comes from) and the kernel model the server reports.
+
+Also behind the same server, without isolation: two notebooks open at once (a notebook and its
+copy, sessions made through the REST API as JupyterLab makes them) keep their runs apart.
 """
 
 from __future__ import annotations
