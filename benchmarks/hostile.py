@@ -89,8 +89,9 @@ def _cell(shell, runs: Path, body: str = BODY) -> str | None:
 def _run_id(body: str = BODY) -> str:
     from colab_resilience import replay
     from colab_resilience.run import run_id_for
+    from colab_resilience.session import notebook
 
-    return run_id_for(replay.source_key("%%resilient\n" + body))
+    return run_id_for(replay.source_key("%%resilient\n" + body), notebook=notebook())
 
 
 def _plant(attack: str, base: Path, victim: Path, body: str) -> Path:

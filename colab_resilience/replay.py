@@ -148,7 +148,7 @@ def overwrites(shell, cells: list[ReplayCell], log: ReplayLog) -> tuple[ReplayCe
     the name, this kernel's cell)``, else None. Without a cell id from the front end, a set-up
     cell edited and run again is another cell to the run, as is another notebook's cell of the
     same code (its training cell then shares the run): replayed, the run's old version would
-    silently undo what this kernel ran."""
+    silently undo what this kernel ran. A cell of the same code as this kernel's is no clash."""
     from .setup_state import setup_names
 
     known = {c.key for c in cells}
@@ -159,8 +159,12 @@ def overwrites(shell, cells: list[ReplayCell], log: ReplayLog) -> tuple[ReplayCe
                 made[name] = cell
     if not made:
         return None
+    def code(cell: ReplayCell) -> str:
+        return split(cell.source)[1].strip()
+
+    # a cell of the same code (pasted, with a new id) makes what it made: replayed, it undoes nothing
     clashes = [(cell, name, made[name]) for cell in cells if cell.key not in log
-               for name in sorted(setup_names(shell, [cell.source])) if name in made]
+               for name in sorted(setup_names(shell, [cell.source])) if name in made and code(made[name]) != code(cell)]
     if not clashes:
         return None
     from .setup_state import binding_line  # a name both bind alike is the less telling one (MARK = ...)

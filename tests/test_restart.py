@@ -262,6 +262,26 @@ def test_a_replay_that_would_undo_a_set_up_cell_this_kernel_ran_is_refused(tmp_p
         k.shutdown()
 
 
+def test_a_set_up_cell_of_the_same_code_under_another_id_is_no_clash(tmp_path, env):
+    """The set-up cell the kernel ran has another id than the run's (pasted, or a front end that
+    numbers cells afresh) but the same code: replaying the run's makes what it made, so the run
+    resumes as before, and ends as uninterrupted."""
+    setup = "%%replay\nimport os\nhistory = []\nlr = 1\nMARK = " + repr(str(tmp_path / "m"))
+    k = Kernel(env)
+    try:
+        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        k.ok(setup, metadata={"cellId": "set-up"})
+        _, code = k.execute_until_exit(SCALED, metadata={"cellId": "train"})
+        assert code == -9
+        k.restart()
+        k.ok(setup, metadata={"cellId": "pasted"})
+        r = k.ok(SCALED, metadata={"cellId": "train"})
+        assert "continuing at 2" in r.stdout, r.stdout
+        assert k.value("history") == [0, 1, 2, 3]
+    finally:
+        k.shutdown()
+
+
 def test_a_final_state_that_cannot_be_written_stops_the_cell_and_the_run_goes_on_once_it_can(tmp_path, env):
     """The training ends, but its final checkpoint cannot be written (past RLIMIT_FSIZE, which
     fails a write as a full disk does; the journal, smaller, still fits): the cell stops with one
