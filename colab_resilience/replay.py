@@ -149,27 +149,28 @@ def overwrites(shell, cells: list[ReplayCell], log: ReplayLog) -> tuple[ReplayCe
     cell edited and run again is another cell to the run, as is another notebook's cell of the
     same code (its training cell then shares the run): replayed, the run's old version would
     silently undo what this kernel ran. A cell of the same code as this kernel's is no clash."""
-    from .setup_state import setup_names
+    from .setup_state import all_bound
 
     known = {c.key for c in cells}
     made: dict[str, ReplayCell] = {}
     for cell in log.cells:
         if cell.key not in known:
-            for name in setup_names(shell, [cell.source]):
+            for name in all_bound(shell, cell.source):
                 made[name] = cell
     if not made:
         return None
-    def code(cell: ReplayCell) -> str:
-        return split(cell.source)[1].strip()
+    def code(cell: ReplayCell) -> str:  # as run.code_change compares: spaces at line ends do not count
+        return "\n".join(line.rstrip() for line in split(cell.source)[1].strip().splitlines())
 
     # a cell of the same code (pasted, with a new id) makes what it made: replayed, it undoes nothing
     clashes = [(cell, name, made[name]) for cell in cells if cell.key not in log
-               for name in sorted(setup_names(shell, [cell.source])) if name in made and code(made[name]) != code(cell)]
+               for name in sorted(all_bound(shell, cell.source)) if name in made and code(made[name]) != code(cell)]
     if not clashes:
         return None
-    from .setup_state import binding_line  # a name both bind alike is the less telling one (MARK = ...)
+    from .setup_state import binding_statement  # a name both bind alike is the less telling one (MARK = ...)
 
-    differ = (c for c in clashes if binding_line(shell, c[0].source, c[1]) != binding_line(shell, c[2].source, c[1]))
+    differ = (c for c in clashes
+              if binding_statement(shell, c[0].source, c[1]) != binding_statement(shell, c[2].source, c[1]))
     return next(differ, clashes[0])
 
 

@@ -1068,7 +1068,7 @@ def _refuse_undoing(shell, journal: Journal, log: ReplayLog) -> None:
     would bind a name over what a set-up cell of this kernel's, which the run does not know, made
     (:func:`.replay.overwrites`): the run's old version of a cell edited where the front end sends
     no cell id, or another notebook's run of a cell of the same code, would silently undo it."""
-    from .replay import overwrites
+    from .replay import overwrites, split
     from .setup_state import binding_line
 
     clash = overwrites(shell, journal.replay_cells, log)
@@ -1076,12 +1076,16 @@ def _refuse_undoing(shell, journal: Journal, log: ReplayLog) -> None:
         return
     theirs, name, ours = clash
     old, new = binding_line(shell, theirs.source, name), binding_line(shell, ours.source, name)
+    if old != new:
+        what = f"its set-up cell {old} over {name}, which this kernel's set-up cell {new} made"
+    else:  # the same line (def step(epoch):), other code: where they differ
+        change = code_change(split(theirs.source)[1], split(ours.source)[1])
+        what = f"its version of the set-up cell {old} over {name}, which this kernel's version made ({change})"
     raise RunStoppedError(
-        f"colab_resilience: run {journal.run_id} would replay its set-up cell {old} "
-        f"over {name}, which this kernel's set-up cell {new} made (a set-up cell "
-        "edited where the front end sends no cell id, or another notebook's run of a cell with this code): nothing "
-        f"was replayed; to start the run over with this kernel's set-up, %resilience reset {journal.run_id} and run "
-        "this cell again; to go on with the run's, run its set-up cell as it was")
+        f"colab_resilience: run {journal.run_id} would replay {what} (a set-up cell edited where the front end sends "
+        "no cell id, or another notebook's run of a cell with this code): nothing was replayed; to start the run over "
+        f"with this kernel's set-up, %resilience reset {journal.run_id} and run this cell again; to go on with the "
+        "run's, run its set-up cell as it was")
 
 
 def _integers(values: Mapping[str, object]) -> dict[str, int]:

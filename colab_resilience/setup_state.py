@@ -85,18 +85,43 @@ def setup_names(shell, sources: Iterable[str]) -> set[str]:
     return names
 
 
-def binding_line(shell, source: str, name: str) -> str:
-    """The line of the set-up cell ``source`` whose top-level statement first binds ``name``
-    (quoted, cut at 50 characters), for a message; its first line where none is found."""
-    from .journal import first_line
+def all_bound(shell, source: str) -> set[str]:
+    """Every name the set-up cell ``source`` binds at its top level: as :func:`setup_names`, and
+    the functions, classes and imports it defines too (code, which no fingerprint watches)."""
+    code = source.partition("\n")[2] if source.lstrip().startswith("%%") else source
+    tree = lint._parse(shell, code)
+    return set().union(*(_statement_binds(s) for s in getattr(tree, "body", [])))
 
+
+def _statement_binds(statement: ast.stmt) -> set[str]:
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {statement.name}
+    if isinstance(statement, (ast.Import, ast.ImportFrom)):
+        return {(a.asname or a.name).partition(".")[0] for a in statement.names if a.name != "*"}
+    return _top_level_bound(ast.Module(body=[statement], type_ignores=[]))
+
+
+def binding_statement(shell, source: str, name: str) -> str | None:
+    """The code of the top-level statement of the set-up cell ``source`` that first binds ``name``
+    (the whole of a ``def``), or None."""
     code = source.partition("\n")[2] if source.lstrip().startswith("%%") else source
     tree = lint._parse(shell, code)
     for statement in getattr(tree, "body", []):
-        if name in _top_level_bound(ast.Module(body=[statement], type_ignores=[])):
-            line = code.splitlines()[statement.lineno - 1].strip()
-            return repr(line[:50] + ("..." if len(line) > 50 else ""))
-    return first_line(source)
+        if name in _statement_binds(statement):
+            return ast.get_source_segment(code, statement, padded=False) or ""
+    return None
+
+
+def binding_line(shell, source: str, name: str) -> str:
+    """The first line of :func:`binding_statement` (quoted, cut at 50 characters), for a message;
+    the cell's first line where none is found."""
+    from .journal import first_line
+
+    statement = binding_statement(shell, source, name)
+    if statement is None:
+        return first_line(source)
+    line = statement.strip().splitlines()[0].strip() if statement.strip() else ""
+    return repr(line[:50] + ("..." if len(line) > 50 else ""))
 
 
 # what differs in every process, by design: a name bound to one of these calls is not watched

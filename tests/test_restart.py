@@ -262,6 +262,36 @@ def test_a_replay_that_would_undo_a_set_up_cell_this_kernel_ran_is_refused(tmp_p
         k.shutdown()
 
 
+def test_a_function_edited_in_a_set_up_cell_without_a_cell_id_is_not_undone_by_the_replay(tmp_path, env):
+    """The same of a function the training calls, edited in its set-up cell (no cell id): the
+    run's old `def step` replayed over the new one trained on with the old code, silently (no
+    fingerprint watches code). The line names the function and the changed line."""
+    setup = "%%replay\nimport os\nhistory = []\nMARK = " + repr(str(tmp_path / "m"))
+    function = "%%replay\ndef step(epoch):\n    return {step}"
+    k = Kernel(env)
+    try:
+        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        k.ok(setup)
+        k.ok(function.format(step="epoch"))
+        _, code = k.execute_until_exit(EDITED.format(n=4, step="step(epoch)"))
+        assert code == -9
+        k.restart()
+        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        k.ok(setup)
+        k.ok(function.format(step="100 * epoch"))
+        r = k.execute(EDITED.format(n=4, step="step(epoch)"))
+        run_id = next((tmp_path / "runs").glob("run-*")).name.removeprefix("run-")
+        assert r.evalue == (
+            f"colab_resilience: run {run_id} would replay its version of the set-up cell 'def step(epoch):' over step, "
+            "which this kernel's version made (line 2 was 'return epoch', is 'return 100 * epoch') (a set-up cell "
+            "edited where the front end sends no cell id, or another notebook's run of a cell with this code): nothing "
+            f"was replayed; to start the run over with this kernel's set-up, %resilience reset {run_id} and run this "
+            "cell again; to go on with the run's, run its set-up cell as it was"), r.evalue
+        assert k.value("step(3)") == 300
+    finally:
+        k.shutdown()
+
+
 def test_a_set_up_cell_of_the_same_code_under_another_id_is_no_clash(tmp_path, env):
     """The set-up cell the kernel ran has another id than the run's (pasted, or a front end that
     numbers cells afresh) but the same code: replaying the run's makes what it made, so the run
