@@ -149,7 +149,7 @@ def overwrites(shell, cells: list[ReplayCell], log: ReplayLog) -> tuple[ReplayCe
     cell edited and run again is another cell to the run, as is another notebook's cell of the
     same code (its training cell then shares the run): replayed, the run's old version would
     silently undo what this kernel ran. A cell of the same code as this kernel's is no clash."""
-    from .setup_state import all_bound
+    from .setup_state import all_bound, same_definition
 
     known = {c.key for c in cells}
     made: dict[str, ReplayCell] = {}
@@ -164,7 +164,8 @@ def overwrites(shell, cells: list[ReplayCell], log: ReplayLog) -> tuple[ReplayCe
 
     # a cell of the same code (pasted, with a new id) makes what it made: replayed, it undoes nothing
     clashes = [(cell, name, made[name]) for cell in cells if cell.key not in log
-               for name in sorted(all_bound(shell, cell.source)) if name in made and code(made[name]) != code(cell)]
+               for name in sorted(all_bound(shell, cell.source)) if name in made and code(made[name]) != code(cell)
+               and not same_definition(shell, cell.source, made[name].source, name)]  # import torch, again
     if not clashes:
         return None
     from .setup_state import binding_statement  # a name both bind alike is the less telling one (MARK = ...)

@@ -104,11 +104,35 @@ def _statement_binds(statement: ast.stmt) -> set[str]:
 def binding_statement(shell, source: str, name: str) -> str | None:
     """The code of the top-level statement of the set-up cell ``source`` that first binds ``name``
     (the whole of a ``def``), or None."""
+    found = _binding(shell, source, name)
+    return found[1] if found else None
+
+
+def same_definition(shell, source: str, other: str, name: str) -> bool:
+    """Whether both set-up cells bind ``name`` by the same ``import``, ``def`` or ``class``
+    statement, or the same assignment of a literal (``lr = 1e-3``, ``history = []``), which makes
+    the same thing whatever else the cells hold (another assignment's value may depend on what the
+    rest of the cell set, so it is not the same by its code alone)."""
+    a, b = _binding(shell, source, name), _binding(shell, other, name)
+    return bool(a and b and a[0] and b[0] and a[1] == b[1])
+
+
+def _literal_assignment(statement: ast.stmt) -> bool:
+    value = getattr(statement, "value", None) if isinstance(statement, (ast.Assign, ast.AnnAssign)) else None
+    return value is not None and all(isinstance(node, (ast.Constant, ast.List, ast.Tuple, ast.Set, ast.Dict,
+                                                       ast.UnaryOp, ast.USub, ast.UAdd, ast.Load))
+                                     for node in ast.walk(value))
+
+
+def _binding(shell, source: str, name: str) -> tuple[bool, str] | None:
+    """(whether it is an import, def or class; its code) of the statement that binds ``name``."""
     code = source.partition("\n")[2] if source.lstrip().startswith("%%") else source
     tree = lint._parse(shell, code)
     for statement in getattr(tree, "body", []):
         if name in _statement_binds(statement):
-            return ast.get_source_segment(code, statement, padded=False) or ""
+            definition = isinstance(statement, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef,
+                                                ast.ClassDef)) or _literal_assignment(statement)
+            return definition, ast.get_source_segment(code, statement, padded=False) or ""
     return None
 
 

@@ -312,6 +312,27 @@ def test_a_set_up_cell_of_the_same_code_under_another_id_is_no_clash(tmp_path, e
         k.shutdown()
 
 
+def test_a_set_up_cell_edited_without_a_cell_id_where_replaying_it_undoes_nothing_is_no_clash(tmp_path, env):
+    """Without cell ids, a set-up cell given one more import (and a comment) is another cell to
+    the run, and the run's version is replayed after it: what both bind alike (the same import,
+    the same literal) it makes again as it was, so the run resumes, and ends as uninterrupted."""
+    setup = "%%replay\nimport os{more}\nhistory = []\nlr = 1\nMARK = " + repr(str(tmp_path / "m"))
+    k = Kernel(env)
+    try:
+        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        k.ok(setup.format(more=""))
+        _, code = k.execute_until_exit(SCALED)
+        assert code == -9
+        k.restart()
+        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        k.ok(setup.format(more="\nimport math  # for the plots below"))
+        r = k.ok(SCALED)
+        assert "continuing at 2" in r.stdout, r.stdout
+        assert k.value("history") == [0, 1, 2, 3]
+    finally:
+        k.shutdown()
+
+
 def test_a_final_state_that_cannot_be_written_stops_the_cell_and_the_run_goes_on_once_it_can(tmp_path, env):
     """The training ends, but its final checkpoint cannot be written (past RLIMIT_FSIZE, which
     fails a write as a full disk does; the journal, smaller, still fits): the cell stops with one
