@@ -148,31 +148,25 @@ def overwrites(shell, cells: list[ReplayCell], log: ReplayLog) -> tuple[ReplayCe
     the name, this kernel's cell)``, else None. Without a cell id from the front end, a set-up
     cell edited and run again is another cell to the run, as is another notebook's cell of the
     same code (its training cell then shares the run): replayed, the run's old version would
-    silently undo what this kernel ran. A cell of the same code as this kernel's is no clash."""
-    from .setup_state import all_bound, same_definition
+    silently undo what this kernel ran. No clash: a cell of the same code (pasted, with a new id),
+    and a name both bind alike (:func:`.setup_state.same_definition`: ``import torch`` again)."""
+    from .setup_state import all_bound, binding_statement, same_definition
 
     known = {c.key for c in cells}
-    made: dict[str, ReplayCell] = {}
-    for cell in log.cells:
-        if cell.key not in known:
-            for name in all_bound(shell, cell.source):
-                made[name] = cell
-    if not made:
-        return None
-    def code(cell: ReplayCell) -> str:  # as run.code_change compares: spaces at line ends do not count
-        return "\n".join(line.rstrip() for line in split(cell.source)[1].strip().splitlines())
-
-    # a cell of the same code (pasted, with a new id) makes what it made: replayed, it undoes nothing
-    clashes = [(cell, name, made[name]) for cell in cells if cell.key not in log
-               for name in sorted(all_bound(shell, cell.source)) if name in made and code(made[name]) != code(cell)
-               and not same_definition(shell, cell.source, made[name].source, name)]  # import torch, again
-    if not clashes:
-        return None
-    from .setup_state import binding_statement  # a name both bind alike is the less telling one (MARK = ...)
-
+    made = {name: cell for cell in log.cells if cell.key not in known for name in all_bound(shell, cell.source)}
+    clashes = [(cell, name, made[name]) for cell in cells if made and cell.key not in log
+               for name in sorted(all_bound(shell, cell.source))
+               if name in made and _code(made[name]) != _code(cell)
+               and not same_definition(shell, cell.source, made[name].source, name)]
+    # of those, one whose binding differs, rather than one of the same line (MARK = ...) in a cell edited elsewhere
     differ = (c for c in clashes
               if binding_statement(shell, c[0].source, c[1]) != binding_statement(shell, c[2].source, c[1]))
-    return next(differ, clashes[0])
+    return next(differ, clashes[0] if clashes else None)
+
+
+def _code(cell: ReplayCell) -> str:
+    """A set-up cell's code as :func:`.run.code_change` compares it: spaces at line ends do not count."""
+    return "\n".join(line.rstrip() for line in split(cell.source)[1].strip().splitlines())
 
 
 def replay(shell, cells: Iterable[ReplayCell], log: ReplayLog, say: Callable[[str], None]) -> int:
