@@ -150,23 +150,19 @@ def overwrites(shell, cells: list[ReplayCell], log: ReplayLog) -> tuple[ReplayCe
     same code (its training cell then shares the run): replayed, the run's old version would
     silently undo what this kernel ran. No clash: a cell of the same code (pasted, with a new id),
     and a name both bind alike (:func:`.setup_state.same_definition`: ``import torch`` again)."""
+    from .run import code_change
     from .setup_state import all_bound, binding_statement, same_definition
 
     known = {c.key for c in cells}
     made = {name: cell for cell in log.cells if cell.key not in known for name in all_bound(shell, cell.source)}
     clashes = [(cell, name, made[name]) for cell in cells if made and cell.key not in log
                for name in sorted(all_bound(shell, cell.source))
-               if name in made and _code(made[name]) != _code(cell)
+               if name in made and code_change(split(made[name].source)[1], split(cell.source)[1]) is not None
                and not same_definition(shell, cell.source, made[name].source, name)]
     # of those, one whose binding differs, rather than one of the same line (MARK = ...) in a cell edited elsewhere
     differ = (c for c in clashes
               if binding_statement(shell, c[0].source, c[1]) != binding_statement(shell, c[2].source, c[1]))
     return next(differ, clashes[0] if clashes else None)
-
-
-def _code(cell: ReplayCell) -> str:
-    """A set-up cell's code as :func:`.run.code_change` compares it: spaces at line ends do not count."""
-    return "\n".join(line.rstrip() for line in split(cell.source)[1].strip().splitlines())
 
 
 def replay(shell, cells: Iterable[ReplayCell], log: ReplayLog, say: Callable[[str], None]) -> int:
