@@ -46,6 +46,7 @@ import io
 import sys
 import textwrap
 import types
+from collections.abc import Collection
 
 from . import replay
 from .checkpoints import keras_state
@@ -132,14 +133,16 @@ def _did_you_mean(name: str, candidates: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def check_options(shell, names: list[str], shrink, body: str) -> None:
-    """:class:`OptionError` for a ``--save`` name that nothing defines, or a ``--shrink`` variable
-    that is missing, not a positive integer, assigned by the cell itself, or also saved."""
+def check_options(shell, names: list[str], shrink, body: str, restorable: Collection[str] = ()) -> None:
+    """:class:`OptionError` for a ``--save`` name that nothing defines (nor the checkpoint a
+    resume restores, ``restorable``: a list made by a cell that is not replayed comes back from
+    it), or a ``--shrink`` variable that is missing, not a positive integer, assigned by the cell
+    itself, or also saved."""
     ns = shell.user_ns
     tree = _parse(shell, body)
     assigned = bound_names(tree) | (declared_global(called_functions(shell, tree)) if tree is not None else set())
     for name in names:
-        if name not in ns and name not in assigned:
+        if name not in ns and name not in assigned and name not in restorable:
             raise OptionError(
                 f"%%resilient: --save {name}: no variable {name!r} exists and the cell does not "
                 f"assign it{_did_you_mean(name, _user_variables(shell))}; create it in a %%replay cell or in this cell"

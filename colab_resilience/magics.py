@@ -9,6 +9,8 @@ Each magic parses its line with ``magic_arguments`` and calls one function:
 
 from __future__ import annotations
 
+import re
+import shlex
 from typing import Callable
 
 from IPython.core.error import UsageError
@@ -94,6 +96,13 @@ def _parse(magic, line: str, prefix: str, unknown: Callable[[str], str] | None =
                 f"{prefix}{name}: unknown option {bad}; the options are {OPTIONS_HINT[name]} "
                 f"(see {prefix}{name}? for help)"
             ) from None
+        missing = re.fullmatch(r"argument (-\S+): expected one argument", text)
+        if missing:  # argparse reads a value that begins with '-' as an option: say which value
+            words = shlex.split(line)
+            i = next((i for i, w in enumerate(words) if w in missing[1].split("/")), None)
+            if i is not None and i + 1 < len(words):
+                raise UsageError(f"{prefix}{name}: {words[i]} {words[i + 1]}: the value cannot begin with '-'; "
+                                 f"see {prefix}{name}? for the options") from None
         raise UsageError(f"{prefix}{name}: {text}; see {prefix}{name}? for the options") from None
 
 

@@ -82,17 +82,21 @@ def execute(session, line: str, body: str, options: Options) -> None:
         run.close()  # still pending: a change the run began with and no checkpoint holds (it says which)
         raise
     try:
-        lint.check_options(shell, options.names, options.shrink, body)
-        if key not in session.linted:  # once per cell and kernel: after a restart, said again
-            session.linted.add(key)
-            saved = options.names + shrink_names
-            for line in lint.warnings(shell, body, saved, [c.source for c in session.replay_log.cells]):
-                session.say(line)
-            known = set(shell.user_ns)
-            run.at_loop_start = lambda: lint.at_loop_start(shell, body, saved, known)
+        # a --save name made by a cell that is not replayed comes back from the checkpoint
+        lint.check_options(shell, options.names, options.shrink, body,
+                           restorable=run.store.latest_names() if run.resuming else ())
     except OptionError:
-        run.finish("failed")
+        run.withdraw()  # a pending run stays pending, its checkpoints kept: put the option right, run it again
         raise
+    if run.edited is not None:
+        session.say(run.edited)
+    if key not in session.linted:  # once per cell and kernel: after a restart, said again
+        session.linted.add(key)
+        saved = options.names + shrink_names
+        for line in lint.warnings(shell, body, saved, [c.source for c in session.replay_log.cells]):
+            session.say(line)
+        known = set(shell.user_ns)
+        run.at_loop_start = lambda: lint.at_loop_start(shell, body, saved, known)
     if options.shrink:  # a new kernel gets them back from the journal, even after a SIGKILL
         run.record_shrink({n: shrink_value(shell.user_ns, n) for n in shrink_names})
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 import threading
 import time
@@ -253,6 +254,10 @@ class Run:
         # given, a weight tensor an optimizer was given): set when the set-up cells are known
         self.kept: list[str] = []
         self.resuming = resuming  # restore the last safe point at the next restore point
+        self.began_here = not resuming  # this execution began the run (it was not pending)
+        # a pending run whose cell's code changed: the line that says so, once the options are checked
+        self.edited: str | None = None
+        self.ran: str | None = None  # the code the pending run last ran (its journal's until this execution)
         self.after_restart = after_restart  # this kernel replaced the one that wrote the journal
         self.safe_points = 0
         self.iteration: str | None = None  # the iteration in progress, for people ("2, item 3")
@@ -321,11 +326,13 @@ class Run:
                 after_restart = _take_over(shell, journal, root)
                 resuming = True
                 edited = code_change(journal.interrupted_cell, source)
+                ran = journal.interrupted_cell
                 policy = policy or journal.policy
             else:
                 store.clear()
                 journal = Journal.create(run_dir, run_id, max_restarts=max_restarts, save=False)
                 resuming = after_restart = False
+                ran = None
                 left = _left_behind(root, key, cell_key, notebook) if notebook and not reopen else None
                 if left is not None:
                     say(left)
@@ -339,18 +346,21 @@ class Run:
         except BaseException:
             lock.release()
             raise
-        if edited is not None:
-            say(f"colab_resilience: the cell's code changed since run {run_id} began ({edited}): it goes on from its "
-                "last checkpoint with the code as it is now, so what it did before ran the old code and the result is "
-                f"not that of either run uninterrupted; to start over with this code, %resilience reset {run_id} "
-                "and run the cell again")
         if not restart.supervised():
             # already now, not only before a restart we ask for: a kernel killed without warning
             # (the OOM killer) must come back with the extension loaded too
             restart.install_startup_file(shell, Path(root))
-        return cls(shell, journal, store, lock, root=Path(root), body=body, names=list(names),
-                   shrink=list(shrink), every=every, policy=policy, resuming=resuming,
-                   after_restart=after_restart, say=say, saving=saving)
+        run = cls(shell, journal, store, lock, root=Path(root), body=body, names=list(names),
+                  shrink=list(shrink), every=every, policy=policy, resuming=resuming,
+                  after_restart=after_restart, say=say, saving=saving)
+        run.ran = ran
+        if edited is not None:
+            run.edited = (
+                f"colab_resilience: the cell's code changed since run {run_id} began ({edited}): it goes on from its "
+                "last checkpoint with the code as it is now, so what it did before ran the old code and the result is "
+                f"not that of either run uninterrupted; to start over with this code, %resilience reset {run_id} "
+                "and run the cell again")
+        return run
 
     # -------------------------------------------------------------------------------- resume
 
@@ -972,6 +982,22 @@ class Run:
                 f"({why}), so the cells after it would run on state no checkpoint holds: free space in {self.root} "
                 "(or choose another folder with %resilience dir), then run this cell again; it goes on from "
                 + (f"checkpoint {last}" if last else "the start"))
+
+    def withdraw(self) -> None:
+        """This execution stops before the cell's code ran (an option of its line is wrong): a run
+        it began is forgotten (its folder holds nothing of the user's: no step ran), a pending run
+        it took over stays pending, its checkpoints kept, for the cell run again with the option
+        put right. Only before the first safe point."""
+        assert self.safe_points == 0
+        try:
+            self.saver.close()
+            if self.began_here:
+                shutil.rmtree(self.journal.run_dir, ignore_errors=True)
+            else:  # the code it goes on with is told against what ran, not this cell's, which did not
+                self.journal.interrupted_cell = self.ran
+                self.journal.save()
+        finally:
+            self.close()
 
     def close(self) -> None:
         """Let go of the run: the lock, and the startup file once no run is pending."""

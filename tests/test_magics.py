@@ -29,6 +29,7 @@ def usage_error(ip, cell: str) -> str:
         ("%%resilient --retries -1\nx = 1", "--retries: cannot be negative (got -1); use --retries 0"),
         ("%%resilient --retries 1.5\nx = 1", "needs a whole number, like --retries 2 (got '1.5')"),
         ("%%resilient --retries\nx = 1", "--retries: expected one argument"),
+        ("%%resilient --every -5min\nx = 1", "%%resilient: --every -5min: the value cannot begin with '-'"),
         ("%%resilient --shrink nope\nx = 1", "--shrink nope: no variable 'nope' exists; set it in an earlier cell, e.g. nope = 256"),
         ("%%resilient --shrink batch_sise\nx = 1", "(did you mean 'batch_size'?)"),
         ("%%resilient --shrink lr\nx = 1", "--shrink lr: lr is a float (0.001), but --shrink needs an integer such as a batch size"),
@@ -54,6 +55,20 @@ def test_bad_input_is_one_clear_line_and_runs_nothing(ip, cell, expected):
     assert expected in message
     assert ip.user_ns["ran"] == []
     assert ip.user_ns["batch_size"] == 64
+
+
+def test_a_cell_refused_for_its_options_leaves_no_run(ip, tmp_path, monkeypatch):
+    """A %%resilient cell refused for a name its options give (a --save name nothing makes, a
+    typo) ran nothing: it leaves no run behind (it was a 'failed' run in %resilience status, and
+    its folder stayed); the cell put right then runs as a new run."""
+    monkeypatch.setenv("COLAB_RESILIENCE_RUN_DIR", str(tmp_path / "runs"))
+    ip.user_ns.update(history=[])
+    cell = "%%resilient --save {}\nfor epoch in resume_range(2):\n    history.append(epoch)"
+    assert "(did you mean 'history'?)" in usage_error(ip, cell.format("histroy"))
+    assert ip.user_ns["history"] == [] and not list((tmp_path / "runs").glob("run-*"))
+    assert ip.run_cell(cell.format("history")).success
+    assert ip.user_ns["history"] == [0, 1]
+    assert len(list((tmp_path / "runs").glob("run-*"))) == 1
 
 
 def test_empty_cell_body_is_a_usage_error(ip):

@@ -121,6 +121,53 @@ def test_a_cell_edited_after_its_kernel_died_goes_on_with_its_new_code_and_says_
         k.shutdown()
 
 
+def test_a_saved_list_made_by_a_cell_that_is_not_replayed_comes_back_from_the_checkpoint(tmp_path, env):
+    """``history = []`` in a plain cell (not ``%%replay``) and ``--save history``: after a death the
+    replay does not make it, and the training cell run again was refused ("no variable 'history'
+    exists"), again and again, though its checkpoint holds it; the user, told to make it in this
+    cell, then trained from zero. A --save name the checkpoint holds comes back from it: the cell
+    goes on where it stopped and ends as uninterrupted."""
+    k = Kernel(env)
+    try:
+        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        k.ok(f"%%replay\nimport os\nMARK = {str(tmp_path / 'm')!r}", metadata={"cellId": "set-up"})
+        k.ok("history = []", metadata={"cellId": "plain"})
+        _, code = k.execute_until_exit(EDITED.format(n=4, step="epoch"), metadata={"cellId": "train"})
+        assert code == -9
+        k.restart()
+        r = k.ok(EDITED.format(n=4, step="epoch"), metadata={"cellId": "train"})
+        assert "restored history" in r.stdout and "continuing at 2" in r.stdout, r.stdout
+        assert k.value("history") == [0, 1, 2, 3]
+    finally:
+        k.shutdown()
+
+
+def test_an_option_put_right_after_a_death_goes_on_from_the_checkpoint(tmp_path, env):
+    """After a death, the training cell run again with a mistake in its options (a --save name
+    misspelt) was refused in one line, and the run it had taken over was failed: put right, the
+    cell trained from zero, silently, the epochs before the death lost. The refused cell leaves
+    the run pending, its checkpoints kept: put right, it goes on where the dead kernel stopped,
+    and says nothing of a code change (the misspelt line never ran)."""
+    k = Kernel(env)
+    try:
+        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        k.ok(f"%%replay\nimport os\nhistory = []\nMARK = {str(tmp_path / 'm')!r}", metadata={"cellId": "set-up"})
+        train = EDITED.format(n=4, step="epoch")
+        _, code = k.execute_until_exit(train, metadata={"cellId": "train"})
+        assert code == -9
+        k.restart()
+        r = k.execute(train.replace("--save history", "--save history,histroy"), metadata={"cellId": "train"})
+        assert r.status == "error" and "--save histroy: no variable 'histroy' exists" in r.evalue, r.evalue
+        assert "code changed" not in r.stdout and "continuing" not in r.stdout, r.stdout
+        r = k.ok(train, metadata={"cellId": "train"})
+        assert "continuing at 2" in r.stdout and "code changed" not in r.stdout, r.stdout
+        assert k.value("history") == [0, 1, 2, 3]
+        journal = json.loads(next((tmp_path / "runs").glob("run-*/journal.json")).read_text())
+        assert journal["status"] == "done" and journal["restarts_used"] == 1, journal
+    finally:
+        k.shutdown()
+
+
 def test_a_set_up_cell_edited_and_run_again_after_a_death_is_said_when_the_run_goes_on(tmp_path, env):
     """The same of a set-up cell edited and run again before the training cell (a function the
     training calls, which no fingerprint of the set-up's values sees): one line names the cell and

@@ -119,6 +119,18 @@ class CheckpointStore:
         """The id ``LATEST`` points to (or the newest complete checkpoint); None if there is none."""
         return manifest.latest_id(self.run_dir)
 
+    def latest_names(self) -> list[str]:
+        """The names the newest checkpoint holds, from its manifest alone (nothing is verified or
+        loaded: for a message or a check that a load does again); [] if there is none or it is
+        unreadable."""
+        cid = self.latest_id()
+        if cid is None:
+            return []
+        try:
+            return [e.name for e in Manifest.from_body(manifest.read(self.run_dir / cid / MANIFEST).body, cid).entries]
+        except (CheckpointCorruptError, ValueError, TypeError):
+            return []
+
     def _next_id(self) -> str:
         return manifest.next_id(self.run_dir)
 
