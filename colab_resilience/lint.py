@@ -52,7 +52,7 @@ from . import replay
 from .checkpoints import keras_state
 from .checkpoints.restore import notebook_object
 from .checkpoints.rng import is_generator
-from .checkpoints.values import holds_state
+from .checkpoints.values import holds_state, saved_by_state
 from .errors import OptionError
 from .recovery import set_shrink_value, shrink_value
 
@@ -199,6 +199,16 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
         lines.append(
             f"colab_resilience: this cell reads {', '.join(lost)}, which neither --save nor a "
             "%%replay cell would bring back after a restart; add them to --save or define them in a %%replay cell"
+        )
+    unbuilt = built_by_no_replay_cell(shell, tree, saved, replay_sources)
+    if unbuilt:
+        them = _one(unbuilt, "it", "them")
+        lines.append(
+            f"colab_resilience: --save {', '.join(unbuilt)}: a checkpoint holds the state of "
+            f"{', '.join(f'{n} (a {type(shell.user_ns[n]).__name__})' for n in unbuilt)}, which a resume after a "
+            f"restart loads into what a %%replay cell builds, but no %%replay cell builds {them} (a cell that is not "
+            f"%%replay did): make {them} in a %%replay cell, or a resume after a restart stops until {them} "
+            f"{_one(unbuilt, 'is', 'are')} built again"
         )
     methods = called_methods(shell, tree)  # trainer.fit(6): (trainer, fit's code)
     # the cell's code, a train() it calls, a method of the notebook's classes it calls
@@ -1279,6 +1289,17 @@ def accumulates_gradients(tree: ast.AST) -> bool:
         if found and all(found):
             return True
     return False
+
+
+def built_by_no_replay_cell(shell, tree: ast.AST, saved: list[str], replay_sources: list[str]) -> list[str]:
+    """The ``--save`` names whose state a checkpoint holds (a model, an optimizer) that neither a
+    set-up cell nor the cell (``tree``) builds: after a restart nothing makes the object the
+    saved state goes into."""
+    ns = shell.user_ns
+    built = bound_names(tree)
+    for src in replay_sources:
+        built |= bound_names(_parse(shell, replay.split(src)[1]))
+    return [n for n in saved if n in ns and n not in built and saved_by_state(ns[n])]
 
 
 def names_lost_on_restart(shell, body: str, saved: list[str], replay_sources: list[str]) -> list[str]:

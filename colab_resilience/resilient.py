@@ -120,7 +120,15 @@ def execute(session, line: str, body: str, options: Options) -> None:
         try:
             recovery.run(header, body)
         except BaseException as e:
-            if run.lock.held:
+            if run.lock.held and not run.began_here and not run.safe_points and oom.classify(e) is None:
+                # the pending run did not go on in this execution (a refusal of ours, which says what
+                # to do; an error or the stop button before its next safe point): it stays as it was
+                if not isinstance(e, ResilienceError):
+                    session.say(f"colab_resilience: run {run.run_id} stopped by {type(e).__name__} before its next safe "
+                                f"point; it stays pending: run this cell again to go on from where it was "
+                                f"(%resilience reset {run.run_id} to start over)")
+                run.close()
+            elif run.lock.held:
                 # only when progress was made, and not after a refusal of ours (it says what to do)
                 if oom.classify(e) is None and run.safe_points and not isinstance(e, ResilienceError):
                     last = run.journal.last_checkpoint

@@ -168,6 +168,78 @@ def test_an_option_put_right_after_a_death_goes_on_from_the_checkpoint(tmp_path,
         k.shutdown()
 
 
+def test_a_resume_refused_for_a_model_no_replay_cell_builds_stays_pending_until_it_is_built(tmp_path, env):
+    """A model made by a cell that is not ``%%replay``, in --save: its state goes into the model a
+    set-up cell builds, and after a death nothing builds it. Said when the cell first runs; after
+    the death the resume is refused in one line ("run the cell that builds it first"), and that
+    refusal failed the run: built again as told, the cell trained from zero, the epochs before the
+    death lost. The run stays pending: built again, the cell goes on where it stopped and ends
+    with the weights of an uninterrupted run."""
+    train = ("%%resilient --save model,history\nfor epoch in resume_range(4):\n    with torch.no_grad():\n"
+             "        model.weight.mul_(1.5).add_(epoch)\n    history.append(epoch)\n"
+             "    if epoch == 2 and not os.path.exists(MARK):\n        open(MARK, 'w').close(); os.kill(os.getpid(), 9)\n")
+    build = "torch.manual_seed(0)\nmodel = torch.nn.Linear(2, 2)"
+    k = Kernel(env)
+    try:
+        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        k.ok(f"%%replay\nimport os, torch\nhistory = []\nMARK = {str(tmp_path / 'm')!r}", metadata={"cellId": "set-up"})
+        k.ok(build, metadata={"cellId": "model"})
+        said, code = k.execute_until_exit(train, metadata={"cellId": "train"})
+        assert code == -9
+        assert "--save model: a checkpoint holds the state of model (a Linear), which a resume after a restart loads " \
+               "into what a %%replay cell builds, but no %%replay cell builds it" in said, said
+        k.restart()
+        r = k.execute(train, metadata={"cellId": "train"})
+        assert r.status == "error" and "cannot restore 'model' in place: no variable 'model' exists now" in r.evalue
+        k.ok(build, metadata={"cellId": "model"})
+        r = k.ok(train, metadata={"cellId": "train"})
+        assert "continuing at 2" in r.stdout, r.stdout
+        assert k.value("history") == [0, 1, 2, 3]
+        k.ok(build.replace("model", "twin") + "\nwith torch.no_grad():\n    for epoch in range(4):\n"
+             "        twin.weight.mul_(1.5).add_(epoch)")
+        assert k.value("torch.equal(model.weight, twin.weight) and torch.equal(model.bias, twin.bias)") is True
+    finally:
+        k.shutdown()
+
+
+def test_the_stop_button_before_a_resumed_run_reaches_its_next_safe_point_leaves_it_pending(tmp_path, env):
+    """The stop button pressed while a resumed run is still before its next safe point (a long
+    first epoch, a slow restore) failed the run without a word: run again, the cell trained
+    from zero on the restored state (a history with the first epochs twice). The run stays
+    pending, and one line says so: run again, it goes on where it was."""
+    train = ("%%resilient --save history\nfor epoch in resume_range(4):\n"
+             "    while epoch == 2 and os.path.exists(SLOW):\n        open(SLOW + '.waiting', 'w').close(); time.sleep(0.05)\n"
+             "    history.append(epoch)\n"
+             "    if epoch == 2 and not os.path.exists(MARK):\n        open(MARK, 'w').close(); os.kill(os.getpid(), 9)\n")
+    slow = tmp_path / "slow"
+    k = Kernel(env)
+    try:
+        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        k.ok(f"%%replay\nimport os, time\nhistory = []\nMARK = {str(tmp_path / 'm')!r}\nSLOW = {str(slow)!r}",
+             metadata={"cellId": "set-up"})
+        _, code = k.execute_until_exit(train, metadata={"cellId": "train"})
+        assert code == -9
+        k.restart()
+        slow.touch()
+        msg_id = k.submit(train, metadata={"cellId": "train"})
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "slow.waiting").exists():
+            assert time.monotonic() < deadline, "the resumed cell never reached epoch 2"
+            time.sleep(0.05)
+        k.km.interrupt_kernel()
+        r = k.collect(msg_id)
+        assert r.status == "error" and r.ename == "KeyboardInterrupt", (r.ename, r.stdout)
+        run_id = next((tmp_path / "runs").glob("run-*")).name.removeprefix("run-")
+        assert (f"colab_resilience: run {run_id} stopped by KeyboardInterrupt before its next safe point; it stays "
+                "pending: run this cell again to go on from where it was") in r.stdout, r.stdout
+        slow.unlink()
+        r = k.ok(train, metadata={"cellId": "train"})
+        assert "continuing at 2" in r.stdout, r.stdout
+        assert k.value("history") == [0, 1, 2, 3]
+    finally:
+        k.shutdown()
+
+
 def test_a_set_up_cell_edited_and_run_again_after_a_death_is_said_when_the_run_goes_on(tmp_path, env):
     """The same of a set-up cell edited and run again before the training cell (a function the
     training calls, which no fingerprint of the set-up's values sees): one line names the cell and

@@ -179,6 +179,20 @@ def _immutable(obj: Any) -> bool:
                             type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType))
 
 
+def saved_by_state(value: Any) -> bool:
+    """Whether a checkpoint holds ``value``'s state rather than ``value`` (a torch module, an
+    optimizer, a Keras model: anything with a state dict): a restore loads it into the object of
+    that name, which must exist by then."""
+    if isinstance(value, type):
+        return False
+    if keras_state.kind(value) is not None:
+        return True
+    try:
+        return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+    except Exception:  # a property, or a __getattr__, that raises
+        return False
+
+
 def holds_state(value: Any) -> bool:
     """Whether ``value`` holds a state that methods change in place: a random number generator, a
     module with parameters, buffers or torchmetrics metrics (not a loss function), anything with a
