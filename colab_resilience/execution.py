@@ -60,9 +60,15 @@ def compile_body(shell, header: str | None, body: str):
     tree = shell.transform_ast(tree)
     tree, last = _split_last_expr(tree)
     flags = getattr(shell.compile, "flags", 0)
-    codes = [compile(tree, name, "exec", flags=flags, dont_inherit=True)]
-    if last is not None:
-        codes.append(compile(last, name, "single", flags=flags, dont_inherit=True))
+    try:
+        codes = [compile(tree, name, "exec", flags=flags, dont_inherit=True)]
+        if last is not None:
+            codes.append(compile(last, name, "single", flags=flags, dont_inherit=True))
+    except SyntaxError as e:
+        if header is not None and "outside" in str(e.msg) and ("'await'" in e.msg or "'async " in e.msg):
+            # a cell runs top-level await in IPython's event loop; a cell magic's body cannot
+            e.msg = f"{e.msg} (the code under a {header.split()[0]} line runs as plain Python, without top-level await)"
+        raise
     return codes
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from . import commands, lint, oom, replay, restart
 from .errors import OptionError, ResilienceError
+from .execution import compile_body
 from .recovery import Recovery, Shrink, shrink_value
 from .run import Run, finished_run, run_id_for, unset_note
 from .session import notebook
@@ -43,6 +44,7 @@ def execute(session, line: str, body: str, options: Options) -> None:
     shrink_names = [s.name for s in options.shrink]
     reexecuting, session.reexecuting = session.reexecuting, False
     run_id = session.adopt or run_id_for(key, notebook=notebook())
+    compile_body(shell, header, body)  # a syntax error touches no run (it is compiled again before it runs)
     done = finished_run(session.root(), run_id) if reexecuting else None
     # the kernel died after the run finished, before the cell returned (or, for a framework's
     # state, in a later cell: see kernelapi.rerun_finished); a framework's state comes back only

@@ -71,6 +71,22 @@ def test_a_cell_refused_for_its_options_leaves_no_run(ip, tmp_path, monkeypatch)
     assert len(list((tmp_path / "runs").glob("run-*"))) == 1
 
 
+def test_a_syntax_error_in_the_cell_touches_no_run_and_names_its_line(ip, tmp_path, monkeypatch):
+    """A %%resilient cell that does not parse is the SyntaxError of its line in the notebook, as
+    without the magic, before any run is opened (it left a 'failed' run; after a death, it took
+    the pending run over first). Top-level await, which a cell has and a cell magic's body has
+    not, says so in the error."""
+    monkeypatch.setenv("COLAB_RESILIENCE_RUN_DIR", str(tmp_path / "runs"))
+    ip.user_ns.update(history=[])
+    r = ip.run_cell("%%resilient --save history\nfor epoch in resume_range(2):\n    history.append(epoch\n")
+    assert isinstance(r.error_in_exec, SyntaxError) and r.error_in_exec.lineno == 3, r.error_in_exec
+    assert ip.user_ns["history"] == [] and not (tmp_path / "runs").exists()
+    r = ip.run_cell("%%resilient --save history\nfor epoch in resume_range(2):\n    history.append(await f(epoch))\n")
+    assert isinstance(r.error_in_exec, SyntaxError) and r.error_in_exec.lineno == 3, r.error_in_exec
+    assert "(the code under a %%resilient line runs as plain Python, without top-level await)" in str(r.error_in_exec)
+    assert not (tmp_path / "runs").exists()
+
+
 def test_empty_cell_body_is_a_usage_error(ip):
     """%%resilient with nothing under it is a UsageError."""
     result = ip.run_cell("%%resilient\n")
