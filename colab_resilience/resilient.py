@@ -72,7 +72,7 @@ def execute(session, line: str, body: str, options: Options) -> None:
         try:
             replayed = replay.replay(shell, run.journal.replay_cells, session.replay_log, session.say)
         except BaseException:
-            run.close()  # still pending: fix the set-up cell, then run this cell again
+            run.withdraw()  # still pending: fix the set-up cell, then run this cell again
             raise
         seconds = time.perf_counter() - start
     try:
@@ -81,7 +81,7 @@ def execute(session, line: str, body: str, options: Options) -> None:
         run.start(session.replay_log.cells, replayed=replayed, replay_seconds=seconds, setup=session.replay_log.prints,
                   setup_saved=session.replay_log.saved_prints)
     except BaseException:
-        run.close()  # still pending: a change the run began with and no checkpoint holds (it says which)
+        run.withdraw()  # still pending: a change the run began with and no checkpoint holds (it says which)
         raise
     try:
         # a --save name made by a cell that is not replayed comes back from the checkpoint
@@ -129,7 +129,7 @@ def execute(session, line: str, body: str, options: Options) -> None:
                     session.say(f"colab_resilience: run {run.run_id} stopped by {type(e).__name__} before its next safe "
                                 f"point; it stays pending: run this cell again to go on from where it was "
                                 f"(%resilience reset {run.run_id} to start over)")
-                run.close()
+                run.withdraw()
             elif run.lock.held:
                 # only when progress was made, and not after a refusal of ours (it says what to do)
                 if oom.classify(e) is None and run.safe_points and not isinstance(e, ResilienceError):

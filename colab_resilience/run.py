@@ -984,10 +984,11 @@ class Run:
                 + (f"checkpoint {last}" if last else "the start"))
 
     def withdraw(self) -> None:
-        """This execution stops before the cell's code ran (an option of its line is wrong): a run
-        it began is forgotten (its folder holds nothing of the user's: no step ran), a pending run
-        it took over stays pending, its checkpoints kept, for the cell run again with the option
-        put right. Only before the first safe point."""
+        """This execution stops before its first safe point (an option of its line is wrong, a set-up
+        cell failed to replay, a refusal, an error): a run it began is forgotten (its folder holds
+        nothing of the user's: no step ran), a pending run it took over stays pending, its
+        checkpoints kept and its code the code they were made with (a change is said when the
+        run goes on), for the cell run again once the cause is put right."""
         assert self.safe_points == 0
         try:
             self.saver.close()

@@ -240,6 +240,38 @@ def test_the_stop_button_before_a_resumed_run_reaches_its_next_safe_point_leaves
         k.shutdown()
 
 
+def test_an_edited_cell_whose_set_up_failed_to_replay_says_its_change_when_it_goes_on(tmp_path, env):
+    """The cell edited after a death, run while a set-up cell cannot replay (a file it reads is
+    gone): the run stays pending, and once the file is back, the cell goes on and says that its
+    code changed since the run began: the journal keeps the code the checkpoint was made with
+    until the new code runs (it took the edited code at the failed attempt, and the change went
+    unsaid)."""
+    data = tmp_path / "data.txt"
+    data.write_text("1")
+    k = Kernel(env)
+    try:
+        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        setup = f"%%replay\nimport os\nhistory = []\nMARK = {str(tmp_path / 'm')!r}\nscale = int(open({str(data)!r}).read())"
+        k.ok(setup, metadata={"cellId": "set-up"})
+        _, code = k.execute_until_exit(EDITED.format(n=4, step="epoch * scale"), metadata={"cellId": "train"})
+        assert code == -9
+        k.restart()
+        data.rename(tmp_path / "away.txt")
+        edited = EDITED.format(n=4, step="10 * epoch * scale")
+        r = k.execute(edited, metadata={"cellId": "train"})
+        assert r.status == "error" and r.ename == "FileNotFoundError", (r.ename, r.stdout)
+        assert "replaying a set-up cell failed" in r.stdout and "code changed" not in r.stdout, r.stdout
+        (tmp_path / "away.txt").rename(data)  # "fix it, run it, then run this cell again"
+        k.ok(setup, metadata={"cellId": "set-up"})
+        r = k.ok(edited, metadata={"cellId": "train"})
+        assert "the cell's code changed since run" in r.stdout and "is 'history.append(10 * epoch * scale)'" \
+            in r.stdout, r.stdout
+        assert "continuing at 2" in r.stdout, r.stdout
+        assert k.value("history") == [0, 1, 20, 30]
+    finally:
+        k.shutdown()
+
+
 def test_a_set_up_cell_edited_and_run_again_after_a_death_is_said_when_the_run_goes_on(tmp_path, env):
     """The same of a set-up cell edited and run again before the training cell (a function the
     training calls, which no fingerprint of the set-up's values sees): one line names the cell and
