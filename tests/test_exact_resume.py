@@ -1706,7 +1706,7 @@ def test_the_first_run_reads_the_loop_of_a_method_the_cell_calls(ip, tmp_path, c
     from colab_resilience import lint
 
     # (not run here: a class of this test shell's namespace is not one pickle finds in __main__)
-    assert lint.warnings(ip, "trainer.fit2(2)", ["model", "trainer"], []) == []
+    assert lint.warnings(ip, "trainer.fit2(2)", ["model", "trainer"], [replay]) == []
 
 
 def test_the_first_run_names_a_data_loader_whose_workers_persist(ip, tmp_path, capsys):
