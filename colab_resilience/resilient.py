@@ -64,7 +64,11 @@ def execute(session, line: str, body: str, options: Options) -> None:
         saving=session.saving(), reopen=done is not None,  # saves nothing: it goes back to its start
         setup_log=session.replay_log,
     )
-    session.adopt = None  # after %resilience resume: this cell continued that run
+    adopted, session.adopt = session.adopt, None  # after %resilience resume: this cell continues that run
+
+    def withdraw() -> None:  # before its first safe point: the run as it was (Run.withdraw), adopted still
+        run.withdraw()
+        session.adopt = adopted
     replayed, seconds = 0, 0.0
     if run.needs_replay:
         run.begin_replay()
@@ -72,7 +76,7 @@ def execute(session, line: str, body: str, options: Options) -> None:
         try:
             replayed = replay.replay(shell, run.journal.replay_cells, session.replay_log, session.say)
         except BaseException:
-            run.withdraw()  # still pending: fix the set-up cell, then run this cell again
+            withdraw()  # still pending: fix the set-up cell, then run this cell again
             raise
         seconds = time.perf_counter() - start
     try:
@@ -81,14 +85,14 @@ def execute(session, line: str, body: str, options: Options) -> None:
         run.start(session.replay_log.cells, replayed=replayed, replay_seconds=seconds, setup=session.replay_log.prints,
                   setup_saved=session.replay_log.saved_prints)
     except BaseException:
-        run.withdraw()  # still pending: a change the run began with and no checkpoint holds (it says which)
+        withdraw()  # still pending: a change the run began with and no checkpoint holds (it says which)
         raise
     try:
         # a --save name made by a cell that is not replayed comes back from the checkpoint
         lint.check_options(shell, options.names, options.shrink, body,
                            restorable=run.store.latest_names() if run.resuming else ())
     except OptionError:
-        run.withdraw()  # a pending run stays pending, its checkpoints kept: put the option right, run it again
+        withdraw()  # a pending run stays pending, its checkpoints kept: put the option right, run it again
         raise
     if run.edited is not None:
         session.say(run.edited)
@@ -129,7 +133,7 @@ def execute(session, line: str, body: str, options: Options) -> None:
                     session.say(f"colab_resilience: run {run.run_id} stopped by {type(e).__name__} before its next safe "
                                 f"point; it stays pending: run this cell again to go on from where it was "
                                 f"(%resilience reset {run.run_id} to start over)")
-                run.withdraw()
+                withdraw()
             elif run.lock.held:
                 # only when progress was made, and not after a refusal of ours (it says what to do)
                 if oom.classify(e) is None and run.safe_points and not isinstance(e, ResilienceError):

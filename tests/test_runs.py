@@ -282,6 +282,25 @@ def test_an_ordinary_error_ends_the_run_with_a_hint_to_resume_it(ip, root, tmp_p
     assert epochs(tmp_path / "events.log") == [0, 1, 2, 3]
 
 
+def test_a_resumed_run_stays_adopted_when_the_cell_is_refused_for_its_options(ip, root, capsys):
+    """`%resilience resume RUN`, then the cell, edited (no cell id: another cell to the package),
+    refused for a misspelt option: the cell put right still continues RUN (the refusal let go of
+    the adoption, and the cell began a run of its own from the start)."""
+    ip.user_ns.update(history=[], fail=[True])
+    cell = ("%%resilient --save {}\nfor epoch in resume_range(4):\n    history.append(epoch)\n"
+            "    if epoch == 2 and fail[0]:\n        fail[0] = False\n        raise ValueError('fault')\n")
+    assert isinstance(ip.run_cell(cell.format("history")).error_in_exec, ValueError)
+    run_id = next(root.glob("run-*")).name.removeprefix("run-")
+    ip.run_line_magic("resilience", f"resume {run_id}")
+    edited = cell.replace("history.append(epoch)", "history.append(10 * epoch)")
+    assert isinstance(ip.run_cell(edited.format("histroy")).error_in_exec, UsageError)
+    capsys.readouterr()
+    assert ip.run_cell(edited.format("history")).success
+    assert "continuing at 2" in capsys.readouterr().out
+    assert ip.user_ns["history"] == [0, 1, 20, 30]
+    assert [d.name for d in root.glob("run-*")] == [f"run-{run_id}"]
+
+
 def test_names_the_cell_assigns_later_and_unsaveable_values_stop_the_cell(ip, root, capsys):
     """A name the cell assigns is not "missing" before it runs; a value that cannot be saved stops
     the cell at its first safe point, naming it once; suggestions come from the user's names, not
