@@ -54,12 +54,51 @@ def planned_reason(policy: RestartPolicy, safe_points: int) -> str | None:
 def budget_report(journal: Journal, reason: str) -> str:
     done = [r for r in journal.restarts if not r.refused]
     fix = "the set-up cell that kills the kernel" if "replaying" in reason else "a smaller batch, less memory"
-    attempts = "; ".join(f"{i}. {r.reason}" + (" (planned)" if r.planned else "") for i, r in enumerate(done, 1))
+    attempts = "; ".join(f"{i}. {r.reason}" + (" (planned)" if r.planned and r.reason != SHUT_DOWN else "") for i, r in enumerate(done, 1))
     return (
         f"colab_resilience: run {journal.run_id} failed: restart budget spent "
         f"({journal.restarts_used}/{journal.max_restarts} restarts) and {reason}. Restarts: {attempts or 'none'}. "
         f"Fix the cause ({fix}), then run the cell again to start afresh, or raise --max-restarts."
     )
+
+
+#: the reason recorded for a kernel that ended cleanly (shut down or restarted from the front end, or
+#: closed by its supervisor) while it held a pending run: no death, and not counted against the budget
+SHUT_DOWN = "the kernel was shut down or restarted while the run was pending (not a crash)"
+
+_held: set[Path] = set()  # the run folders this process opened
+
+
+def held(run_dir: Path) -> None:
+    """This process opened the run in ``run_dir``: if it exits cleanly while it holds the run
+    pending (:func:`_mark_shut_down`), the next kernel counts no death."""
+    if not _held:
+        import atexit
+
+        atexit.register(_mark_shut_down)
+    _held.add(Path(run_dir))
+
+
+def _mark_shut_down() -> None:
+    """At a clean exit: each run this process holds pending (left so by a refused cell, the stop
+    button during a resume, a set-up cell that failed to replay) is marked as not having died
+    with it: without the mark, the next kernel counted a death without warning against the
+    run's budget, and said so. A kill or a crash runs no exit handlers, and is counted."""
+    from .lock import RunLock
+    from .signing import load_or_create_key
+
+    for run_dir in sorted(_held):
+        try:
+            with RunLock(run_dir):
+                if not Journal.exists(run_dir):
+                    continue
+                j = Journal.load(run_dir, key=load_or_create_key())
+                if j.status == "pending" and j.kernel_pid == os.getpid() and j.counted_pid != j.kernel_pid:
+                    j.restarts.append(RestartRecord(SHUT_DOWN, planned=True, at=j.resume_at))
+                    j.counted_pid = j.kernel_pid
+                    j.save()
+        except Exception:  # never the exit's failure: without the mark, the next kernel counts a death
+            continue
 
 
 def refuse(journal: Journal, reason: str) -> str:

@@ -309,6 +309,7 @@ class Run:
         root = fsutil.check_run_root(root)
         run_dir = root / f"run-{run_id}"
         lock = RunLock(run_dir).acquire()
+        restart.held(run_dir)
         try:
             key = load_or_create_key()
             # a run that saves no values resumes from its start after a restart: that checkpoint stays
@@ -562,7 +563,8 @@ class Run:
             why = ""
             if not restart.supervised():  # else the driver's marker above says why
                 last = j.restarts[-1] if j.restarts else None
-                budget = "planned" if last is not None and last.planned else f"restart {j.restarts_used}/{j.max_restarts}"
+                budget = ("not counted" if last is not None and last.reason == restart.SHUT_DOWN else
+                          "planned" if last is not None and last.planned else f"restart {j.restarts_used}/{j.max_restarts}")
                 why = f" after kernel restart ({last.reason if last else 'a restart'}; {budget})"
             self._resume_note = (
                 f"colab_resilience: resumed run {self.run_id}{why}: "

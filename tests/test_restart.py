@@ -168,6 +168,37 @@ def test_an_option_put_right_after_a_death_goes_on_from_the_checkpoint(tmp_path,
         k.shutdown()
 
 
+def test_a_kernel_restarted_from_the_front_end_with_a_run_pending_is_no_death(tmp_path, env):
+    """A run left pending in a kernel (a cell refused for its options after a death), then the
+    kernel restarted from the front end (a shutdown request, a clean exit): the next kernel
+    counted a death without warning against the run's budget and said "killed or crashed". It
+    replays and resumes, says the kernel was shut down, and the budget holds only the real death
+    (a kill runs no exit handler: counted, as the other tests show)."""
+    k = Kernel(env)
+    try:
+        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        k.ok(f"%%replay\nimport os\nhistory = []\nMARK = {str(tmp_path / 'm')!r}", metadata={"cellId": "set-up"})
+        train = EDITED.format(n=6, step="epoch")
+        _, code = k.execute_until_exit(train, metadata={"cellId": "train"})
+        assert code == -9
+        k.restart()
+        r = k.execute(train.replace("--save history", "--save history,histroy"), metadata={"cellId": "train"})
+        assert r.status == "error" and "histroy" in r.evalue, r.evalue
+        k.km.restart_kernel(now=False)  # JupyterLab's Restart Kernel: a shutdown request first
+        k.kc.wait_for_ready(timeout=60)
+        r = k.ok(train, metadata={"cellId": "train"})
+        said = [line for line in r.stdout.splitlines() if "resumed run" in line]
+        assert len(said) == 1 and "after kernel restart (the kernel was shut down or restarted while the run was " \
+            "pending (not a crash); not counted): replayed 1 cell" in said[0], r.stdout
+        assert "continuing at 2" in said[0], said
+        assert k.value("history") == [0, 1, 2, 3, 4, 5]
+        journal = json.loads(next((tmp_path / "runs").glob("run-*/journal.json")).read_text())
+        assert journal["restarts_used"] == 1, journal["restarts"]
+        assert [r["planned"] for r in journal["restarts"]] == [False, True], journal["restarts"]
+    finally:
+        k.shutdown()
+
+
 def test_a_resume_refused_for_a_model_no_replay_cell_builds_stays_pending_until_it_is_built(tmp_path, env):
     """A model made by a cell that is not ``%%replay``, in --save: its state goes into the model a
     set-up cell builds, and after a death nothing builds it. Said when the cell first runs; after
