@@ -207,8 +207,8 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
             f"colab_resilience: --save {', '.join(unbuilt)}: a checkpoint holds the state of "
             f"{', '.join(f'{n} (a {type(shell.user_ns[n]).__name__})' for n in unbuilt)}, which a resume after a "
             f"restart loads into what a %%replay cell builds, but no %%replay cell builds {them} (a cell that is not "
-            f"%%replay did): make {them} in a %%replay cell, or a resume after a restart stops until {them} "
-            f"{_one(unbuilt, 'is', 'are')} built again"
+            f"%%replay did): make {them} in a %%replay cell, or a resume after a restart stops until "
+            f"{_one(unbuilt, 'it is', 'they are')} built again"
         )
     methods = called_methods(shell, tree)  # trainer.fit(6): (trainer, fit's code)
     # the cell's code, a train() it calls, a method of the notebook's classes it calls

@@ -1709,6 +1709,30 @@ def test_the_first_run_reads_the_loop_of_a_method_the_cell_calls(ip, tmp_path, c
     assert lint.warnings(ip, "trainer.fit2(2)", ["model", "trainer"], [replay]) == []
 
 
+def test_the_first_run_names_a_saved_model_and_optimizer_no_set_up_cell_builds(ip):
+    """A model and its optimizer in --save, made by a cell that is not %%replay: their state goes
+    into what a set-up cell builds after a restart, and nothing would build them (the resume
+    stops until they are built again: test_restart). Named at the first run; built by a set-up
+    cell, or by the cell itself, nothing is said."""
+    import torch
+
+    from colab_resilience import lint
+
+    model = torch.nn.Linear(2, 1)
+    ip.user_ns.update(model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1), history=[])
+    body = "for epoch in resume_range(2):\n    opt.step()\n    history.append(epoch)\n"
+    lines = [line for line in lint.warnings(ip, body, ["model", "opt", "history"], []) if "--save model" in line]
+    assert lines == [
+        "colab_resilience: --save model, opt: a checkpoint holds the state of model (a Linear), opt (a SGD), which a "
+        "resume after a restart loads into what a %%replay cell builds, but no %%replay cell builds them (a cell that "
+        "is not %%replay did): make them in a %%replay cell, or a resume after a restart stops until they are built "
+        "again"]
+    setup = "%%replay\nmodel = torch.nn.Linear(2, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)"
+    assert not [line for line in lint.warnings(ip, body, ["model", "opt"], [setup]) if "holds the state of" in line]
+    built = "model = torch.nn.Linear(2, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n" + body
+    assert not [line for line in lint.warnings(ip, built, ["model", "opt"], []) if "holds the state of" in line]
+
+
 def test_the_first_run_names_a_data_loader_whose_workers_persist(ip, tmp_path, capsys):
     """A DataLoader with ``persistent_workers=True`` keeps its worker processes, and their random
     state (a dataset's augmentation), from epoch to epoch: after a kill the new kernel's workers
