@@ -93,7 +93,7 @@ def render(shell, exc: BaseException, tb: TracebackType | None) -> list[str]:
 
 def reraise(shell, exc: BaseException, tb: TracebackType | None, stb: list[str] | None = None):
     """Raise ``exc`` out of the magic, shown with ``stb`` (rendered now from ``tb`` if None)."""
-    if isinstance(exc, (KeyboardInterrupt, SystemExit)) or hasattr(exc, "_render_traceback_"):
+    if isinstance(exc, SystemExit) or hasattr(exc, "_render_traceback_"):  # IPython shows SystemExit alone
         raise exc.with_traceback(tb)
     if stb is None:
         stb = render(shell, exc, tb)

@@ -147,7 +147,8 @@ def test_ordinary_error_aborts_queued_cells(kernel):
 
 
 def test_keyboard_interrupt_is_never_caught(kernel):
-    """An interrupt stops the cell at once: never taken for an OOM, never retried."""
+    """An interrupt stops the cell at once: never taken for an OOM, never retried; its traceback is
+    the cell's, as without the magic (it showed the frames of the package's magic machinery)."""
     kernel.ok("%load_ext colab_resilience\nimport time\nattempts = 0")
     msg_id = kernel.submit("%%resilient --retries 5\nattempts += 1\nfor _ in range(600):\n    time.sleep(0.05)")
     time.sleep(1.5)
@@ -156,6 +157,9 @@ def test_keyboard_interrupt_is_never_caught(kernel):
     assert (r.status, r.ename) == ("error", "KeyboardInterrupt")
     assert "OOM" not in r.stdout and "retry" not in r.stdout
     assert kernel.value("attempts") == 1
+    assert _frames(r.traceback_text) == ["time.sleep(0.05)"], r.traceback_text
+    for foreign in ("colab_resilience", "interactiveshell", "run_cell_magic"):
+        assert foreign not in r.traceback_text, r.traceback_text
 
 
 def test_notebook_stops_at_an_ordinary_error_in_a_resilient_cell():
