@@ -26,7 +26,8 @@ def _plural(n: int, word: str) -> str:
 
 
 def pick_run(session, command: str, wanted: str | None) -> Path:
-    """The run folder ``wanted`` names (``run-<id>`` or ``<id>``), or the most recent one."""
+    """The run folder ``wanted`` names (``run-<id>`` or ``<id>``), or the most recent one (for
+    ``reset``, which deletes: the run of this kernel's last ``%%resilient`` cell, or the only run)."""
     try:
         fsutil.check_run_root(session.root())
     except UnsafeDirectoryError as e:
@@ -41,6 +42,15 @@ def pick_run(session, command: str, wanted: str | None) -> Path:
         return match[0]
     if not found:
         raise OptionError(f"%resilience {command}: no runs in {session.root()}; a %%resilient cell creates one")
+    if command == "reset":  # it deletes: the run of this kernel's last %%resilient cell, or the only one
+        mine = [p for p in found if p.name == f"run-{session.last_run}"]
+        if mine:
+            return mine[0]
+        if len(found) > 1:  # the newest may be another notebook's (Colab's runs share one Drive folder)
+            have = ", ".join(p.name.removeprefix("run-") for p in found)
+            raise OptionError(f"%resilience reset: which run? {session.root()} holds {len(found)} runs ({have}, "
+                              "the newest first) and this kernel has run none of them; name it: %resilience reset RUN "
+                              "(%resilience status says whose each is)")
     return found[0]
 
 

@@ -45,6 +45,7 @@ def execute(session, line: str, body: str, options: Options) -> None:
     reexecuting, session.reexecuting = session.reexecuting, False
     run_id = session.adopt or run_id_for(key, notebook=notebook())
     compile_body(shell, header, body)  # a syntax error touches no run (it is compiled again before it runs)
+    session.last_run = run_id  # a refusal's "%resilience reset" means this run
     done = finished_run(session.root(), run_id) if reexecuting else None
     # the kernel died after the run finished, before the cell returned (or, for a framework's
     # state, in a later cell: see kernelapi.rerun_finished); a framework's state comes back only

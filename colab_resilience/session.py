@@ -56,6 +56,7 @@ class Session:
         self.policy: RestartPolicy | None = None  # None: not set in this kernel
         self.linted: set[str] = set()  # cells already warned about names a restart would lose
         self.adopt: str | None = None  # the run id the next %%resilient cell continues
+        self.last_run: str | None = None  # the run of the last %%resilient cell run here (a bare reset's)
         # a driver brings back the cell a dead kernel was running: if its run had finished, the
         # cell is done (its state was put back), not to be trained again on top of that state
         self.reexecuting = False

@@ -117,6 +117,34 @@ def test_reset_forgets_a_run_and_resume_marks_it_pending(ip, root, tmp_path, cap
     assert "forgot run-" in capsys.readouterr().out
 
 
+def test_a_bare_reset_forgets_this_kernels_run_and_asks_which_when_it_has_none(ip, root, capsys):
+    """`%resilience reset` without RUN (as the refusals advise) deleted the newest run in the
+    folder, whoever's: Colab's runs share one Drive folder, and another notebook's killed run,
+    pending with its checkpoints, was the newest. It forgets the run of this kernel's last
+    %%resilient cell; in a kernel that ran none, with more than one run there, it asks which and
+    deletes nothing."""
+    import os
+
+    ip.user_ns.update(history=[])
+    for n in (2, 3):
+        assert ip.run_cell(f"%%resilient --save history\nfor epoch in resume_range({n}):\n    history.append(epoch)").success
+    first, second = sorted(root.glob("run-*"), key=lambda p: (p / "journal.json").stat().st_mtime)
+    ip.run_line_magic("unload_ext", "colab_resilience")  # a new kernel: no %%resilient cell run in it
+    ip.run_line_magic("load_ext", "colab_resilience")
+    ip.run_line_magic("resilience", f"dir {root}")
+    with pytest.raises(UsageError) as info:
+        ip.run_line_magic("resilience", "reset")
+    assert str(info.value).startswith(f"%resilience reset: which run? {root} holds 2 runs ("), info.value
+    assert first.exists() and second.exists()
+    assert ip.run_cell("%%resilient --save history\nfor epoch in resume_range(2):\n    history.append(epoch)").success
+    later = (second / "journal.json").stat().st_mtime + 10
+    os.utime(second / "journal.json", (later, later))  # another kernel's run, written since
+    capsys.readouterr()
+    ip.run_line_magic("resilience", "reset")
+    assert f"forgot {first.name}" in capsys.readouterr().out
+    assert not first.exists() and second.exists()
+
+
 def test_damaged_journal_is_refused_with_one_line(ip, root, tmp_path):
     """A journal edited without the key (a replay cell swapped for evil code) is refused by the
     cell that would resume it, in one line, and nothing of it runs."""
