@@ -70,6 +70,7 @@ def execute(session, line: str, body: str, options: Options) -> None:
     def withdraw() -> None:  # before its first safe point: the run as it was (Run.withdraw), adopted still
         run.withdraw()
         session.adopt = adopted
+
     replayed, seconds = 0, 0.0
     if run.needs_replay:
         run.begin_replay()
