@@ -142,6 +142,22 @@ def test_a_saved_list_made_by_a_cell_that_is_not_replayed_comes_back_from_the_ch
         k.shutdown()
 
 
+def _killed_then_refused_for_a_misspelt_option(k: Kernel, tmp_path, epochs: int) -> str:
+    """In ``k``: a training cell of ``epochs`` epochs SIGKILLed in epoch 2, the kernel restarted, the
+    cell run again with a --save name misspelt, refused in one line with nothing said of resuming.
+    Returns the training cell as it was."""
+    k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+    k.ok(f"%%replay\nimport os\nhistory = []\nMARK = {str(tmp_path / 'm')!r}", metadata={"cellId": "set-up"})
+    train = EDITED.format(n=epochs, step="epoch")
+    _, code = k.execute_until_exit(train, metadata={"cellId": "train"})
+    assert code == -9
+    k.restart()
+    r = k.execute(train.replace("--save history", "--save history,histroy"), metadata={"cellId": "train"})
+    assert r.status == "error" and "--save histroy: no variable 'histroy' exists" in r.evalue, r.evalue
+    assert "code changed" not in r.stdout and "continuing" not in r.stdout, r.stdout
+    return train
+
+
 def test_an_option_put_right_after_a_death_goes_on_from_the_checkpoint(tmp_path, env):
     """After a death, the training cell run again with a mistake in its options (a --save name
     misspelt) was refused in one line, and the run it had taken over was failed: put right, the
@@ -150,15 +166,7 @@ def test_an_option_put_right_after_a_death_goes_on_from_the_checkpoint(tmp_path,
     and says nothing of a code change (the misspelt line never ran)."""
     k = Kernel(env)
     try:
-        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
-        k.ok(f"%%replay\nimport os\nhistory = []\nMARK = {str(tmp_path / 'm')!r}", metadata={"cellId": "set-up"})
-        train = EDITED.format(n=4, step="epoch")
-        _, code = k.execute_until_exit(train, metadata={"cellId": "train"})
-        assert code == -9
-        k.restart()
-        r = k.execute(train.replace("--save history", "--save history,histroy"), metadata={"cellId": "train"})
-        assert r.status == "error" and "--save histroy: no variable 'histroy' exists" in r.evalue, r.evalue
-        assert "code changed" not in r.stdout and "continuing" not in r.stdout, r.stdout
+        train = _killed_then_refused_for_a_misspelt_option(k, tmp_path, epochs=4)
         r = k.ok(train, metadata={"cellId": "train"})
         assert "continuing at 2" in r.stdout and "code changed" not in r.stdout, r.stdout
         assert k.value("history") == [0, 1, 2, 3]
@@ -176,14 +184,7 @@ def test_a_kernel_restarted_from_the_front_end_with_a_run_pending_is_no_death(tm
     (a kill runs no exit handler: counted, as the other tests show)."""
     k = Kernel(env)
     try:
-        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
-        k.ok(f"%%replay\nimport os\nhistory = []\nMARK = {str(tmp_path / 'm')!r}", metadata={"cellId": "set-up"})
-        train = EDITED.format(n=6, step="epoch")
-        _, code = k.execute_until_exit(train, metadata={"cellId": "train"})
-        assert code == -9
-        k.restart()
-        r = k.execute(train.replace("--save history", "--save history,histroy"), metadata={"cellId": "train"})
-        assert r.status == "error" and "histroy" in r.evalue, r.evalue
+        train = _killed_then_refused_for_a_misspelt_option(k, tmp_path, epochs=6)
         k.km.restart_kernel(now=False)  # JupyterLab's Restart Kernel: a shutdown request first
         k.kc.wait_for_ready(timeout=60)
         r = k.ok(train, metadata={"cellId": "train"})
