@@ -181,7 +181,9 @@ def replay(shell, cells: Iterable[ReplayCell], log: ReplayLog, say: Callable[[st
         first = next((line for line in body.splitlines() if line.strip()), "").strip()
         if failure is not None:
             captured.show()
-            say(f"colab_resilience: replaying a set-up cell failed ({first[:60]}); fix it, run it, then run this cell again")
+            what = "was interrupted" if isinstance(failure.exc, KeyboardInterrupt) else "failed"
+            say(f"colab_resilience: replaying a set-up cell {what} ({first[:60]}); put right what it needs (or run it "
+                "yourself), then run this cell again: the replay goes on from that cell")
             execution.reraise(shell, failure.exc, failure.tb)
         log.record(cell.key, cell.source)
         log.ran(shell, body)

@@ -1059,8 +1059,9 @@ def _quoted(line: str, most: int = 60) -> str:
 
 def _take_over(shell, journal: Journal, root: Path) -> bool:
     """A pending run found by a new execution of its cell: count a death without warning (or
-    fail the run when the budget does not cover it). Returns whether a kernel restart came
-    between (the set-up cells must be replayed)."""
+    fail the run when the budget does not cover it). Returns whether the set-up cells must be
+    replayed: a kernel restart came between, or their replay in this kernel stopped (a set-up
+    cell that failed, the stop button), and goes on from the cell it stopped at."""
     in_replay = journal.phase == "replay"
     journal.restart_requested, journal.phase = False, None
     died = journal.kernel_pid != os.getpid()
@@ -1072,7 +1073,7 @@ def _take_over(shell, journal: Journal, root: Path) -> bool:
             restart.remove_startup_file_if_idle(shell, root)
             raise RunStoppedError(report)
         journal.record_restart(why)
-    return died
+    return died or in_replay
 
 
 def _left_behind(root: Path, key: bytes, cell_key: str, notebook: str) -> str | None:

@@ -274,10 +274,11 @@ def test_the_stop_button_before_a_resumed_run_reaches_its_next_safe_point_leaves
 
 def test_an_edited_cell_whose_set_up_failed_to_replay_says_its_change_when_it_goes_on(tmp_path, env):
     """The cell edited after a death, run while a set-up cell cannot replay (a file it reads is
-    gone): the run stays pending, and once the file is back, the cell goes on and says that its
-    code changed since the run began: the journal keeps the code the checkpoint was made with
-    until the new code runs (it took the edited code at the failed attempt, and the change went
-    unsaid)."""
+    gone): the run stays pending, and once the file is back, the cell run again replays from that
+    set-up cell on (it did not: the set-up cell had to be run by hand, else a NameError), goes on,
+    and says that its code changed since the run began: the journal keeps the code the checkpoint
+    was made with until the new code runs (it took the edited code at the failed attempt, and the
+    change went unsaid)."""
     data = tmp_path / "data.txt"
     data.write_text("1")
     k = Kernel(env)
@@ -292,10 +293,12 @@ def test_an_edited_cell_whose_set_up_failed_to_replay_says_its_change_when_it_go
         edited = EDITED.format(n=4, step="10 * epoch * scale")
         r = k.execute(edited, metadata={"cellId": "train"})
         assert r.status == "error" and r.ename == "FileNotFoundError", (r.ename, r.stdout)
-        assert "replaying a set-up cell failed" in r.stdout and "code changed" not in r.stdout, r.stdout
-        (tmp_path / "away.txt").rename(data)  # "fix it, run it, then run this cell again"
-        k.ok(setup, metadata={"cellId": "set-up"})
+        assert "replaying a set-up cell failed (import os); put right what it needs (or run it yourself), then run " \
+            "this cell again: the replay goes on from that cell" in r.stdout, r.stdout
+        assert "code changed" not in r.stdout, r.stdout
+        (tmp_path / "away.txt").rename(data)
         r = k.ok(edited, metadata={"cellId": "train"})
+        assert "colab_resilience: replayed import os" in r.stdout, r.stdout
         assert "the cell's code changed since run" in r.stdout and "is 'history.append(10 * epoch * scale)'" \
             in r.stdout, r.stdout
         assert "continuing at 2" in r.stdout, r.stdout
