@@ -10,12 +10,12 @@ Each magic parses its line with ``magic_arguments`` and calls one function:
 from __future__ import annotations
 
 import re
-import shlex
 from typing import Callable
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.utils.process import arg_split
 from traitlets import Bool, Enum, Float, Integer, TraitError, Unicode, validate
 
 from . import commands, options, replay, resilient
@@ -98,7 +98,7 @@ def _parse(magic, line: str, prefix: str, unknown: Callable[[str], str] | None =
             ) from None
         missing = re.fullmatch(r"argument (-\S+): expected one argument", text)
         if missing:  # argparse reads a value that begins with '-' as an option: say which value
-            words = shlex.split(line)
+            words = arg_split(line)  # as parse_argstring splits it (it keeps an unclosed quote)
             i = next((i for i, w in enumerate(words) if w in missing[1].split("/")), None)
             if i is not None and i + 1 < len(words):
                 raise UsageError(f"{prefix}{name}: {words[i]} {words[i + 1]}: the value cannot begin with '-'; "

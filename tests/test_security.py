@@ -168,6 +168,7 @@ RESTART_SEEDS = ["--memory 90%", "--memory=85", "5", "off", ""]
 @settings(max_examples=250, **FUZZ)
 @given(line=option_lines(RESTART_WORDS, RESTART_SEEDS))
 @example(line="--memory nan")
+@example(line='--memory --memory 0"')  # an option with no value, then an unclosed quote
 def test_restart_after_options_fuzzed(sandbox, ip, line):
     """Any %restart_after line is refused with a UsageError or sets a valid policy."""
     magics, _ = sandbox
