@@ -39,10 +39,10 @@ from typing import Any, Callable
 from . import journal
 from .deaths import Budgets, Restart
 from .errors import NotebookInputError
-from .kernels import CellFailed, KernelDied, api_call
+from .kernels import CellFailed, KernelDied, api_call, kernel_pid
 from .standby_driver import Standby
 from .replay import MAGIC, is_replay_cell
-from .restart import SUPERVISED_ENV
+from .restart import SUPERVISED_ENV, mark_shut_down
 from .session import NOTEBOOK_ENV, RUN_DIR_ENV
 from .tempdirs import TempFolder
 
@@ -493,9 +493,14 @@ class Supervisor:
             self.client.call(api_call("declare_replay_cell", source))
 
     def close(self) -> None:
+        pid = kernel_pid(self.client.km)
         if self.spare is not None:
             self.spare.shutdown()
         self.client.shutdown()
+        if pid is not None:
+            # ended with a kill, which runs no exit handler: the runs it held pending (its resume
+            # refused, Ctrl-C) are marked as shut down, else the same command again counted a death
+            mark_shut_down(journal.find_runs(self.run_root), pid)
 
 
 def _error_words(ename, evalue) -> str:

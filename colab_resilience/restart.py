@@ -22,7 +22,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from . import fsutil
 from .journal import Journal, RestartPolicy, RestartRecord, pending_runs
@@ -71,31 +71,34 @@ _held: set[Path] = set()  # the run folders this process opened
 
 def held(run_dir: Path) -> None:
     """This process opened the run in ``run_dir``: if it exits cleanly while it holds the run
-    pending (:func:`_mark_shut_down`), the next kernel counts no death."""
+    pending (:func:`mark_shut_down`), the next kernel counts no death."""
     if not _held:
         import atexit
 
-        atexit.register(_mark_shut_down)
+        atexit.register(mark_shut_down)
     _held.add(Path(run_dir))
 
 
-def _mark_shut_down() -> None:
-    """At a clean exit: each run this process holds pending (left so by a refused cell, the stop
-    button during a resume, a set-up cell that failed to replay) is marked as not having died
-    with it: without the mark, the next kernel counted a death without warning against the
-    run's budget, and said so. A kill or a crash runs no exit handlers, and is counted."""
+def mark_shut_down(run_dirs: Iterable[Path] | None = None, pid: int | None = None) -> None:
+    """Each run of ``run_dirs`` (default: those this process opened) that the kernel ``pid``
+    (default: this process) holds pending is marked as not having died with it: without the mark,
+    the next kernel counted a death without warning against the run's budget, and said so. Run
+    at a clean exit (a run left pending by a refused cell, the stop button during a resume, a
+    set-up cell that failed to replay; a kill or a crash runs no exit handlers, and is counted),
+    and by a supervisor once it has ended its kernel (its notebook run over, or stopped by Ctrl-C)."""
     from .lock import RunLock
     from .signing import load_or_create_key
 
-    for run_dir in sorted(_held):
+    pid = os.getpid() if pid is None else pid
+    for run_dir in sorted(_held if run_dirs is None else run_dirs):
         try:
             with RunLock(run_dir):
                 if not Journal.exists(run_dir):
                     continue
                 j = Journal.load(run_dir, key=load_or_create_key())
-                if j.status == "pending" and j.kernel_pid == os.getpid() and j.counted_pid != j.kernel_pid:
+                if j.status == "pending" and j.kernel_pid == pid and j.counted_pid != pid:
                     j.restarts.append(RestartRecord(SHUT_DOWN, planned=True, at=j.resume_at))
-                    j.counted_pid = j.kernel_pid
+                    j.counted_pid = pid
                     j.save()
         except Exception:  # never the exit's failure: without the mark, the next kernel counts a death
             continue

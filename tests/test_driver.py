@@ -206,6 +206,37 @@ def test_a_set_up_cell_that_fails_when_replayed_stops_the_run_in_one_line(tmp_pa
     assert written.metadata["colab_resilience"]["status"] == "failed" and not written.cells[3].get("outputs")
 
 
+def test_a_run_a_stopped_notebook_leaves_pending_costs_no_restart_when_the_same_command_goes_on(tmp_path):
+    """A supervised notebook that stops with its run pending (killed in training, then the resume
+    refused: a plain cell builds the model, and no set-up cell does): the driver ended its kernel
+    with a kill, and the same command again (same --run-dir) counted that kernel as a death
+    without warning, a restart of the run's budget spent. The driver tells the kernel first: the
+    run's journal says it was shut down, not counted, and the next command goes on from the
+    checkpoint to the uninterrupted weights."""
+    train = ("%%resilient --save model,history\nfor epoch in resume_range(4):\n    with torch.no_grad():\n"
+             "        model.weight.mul_(1.5).add_(epoch)\n    history.append(epoch)\n"
+             f"    if epoch == 2 and not os.path.exists({str(tmp_path / 'm')!r}):\n"
+             f"        open({str(tmp_path / 'm')!r}, 'w').close(); os.kill(os.getpid(), 9)")
+    cells = ("%load_ext colab_resilience", "%%replay\nimport os, torch\nhistory = []",
+             "torch.manual_seed(0)\nmodel = torch.nn.Linear(2, 2)", train,
+             "torch.manual_seed(0); twin = torch.nn.Linear(2, 2)\n"
+             "with torch.no_grad():\n    for epoch in range(4):\n        twin.weight.mul_(1.5).add_(epoch)\n"
+             "print('RESULT', history, torch.equal(model.weight, twin.weight) and torch.equal(model.bias, twin.bias))")
+    first = run(notebook(*cells), tmp_path, standby=False)
+    assert first.status == driver.EXIT_CELL_FAILED and first.failed_cell == 3, first.message
+    assert "cannot restore 'model' in place" in first.message, first.message
+    nb = notebook(*cells)
+    again = run(nb, tmp_path, standby=False)
+    assert again.status == 0, again.message
+    assert re.search(r"resumed run \w+: restored model, history in [\d.]+ s; continuing at [12]\n",
+                     cell_text(nb.cells[3])), cell_text(nb.cells[3])
+    assert "RESULT [0, 1, 2, 3] True" in cell_text(nb.cells[4]), cell_text(nb.cells[4])
+    journal = json.loads(next((tmp_path / "runs").glob("run-*/journal.json")).read_text())
+    assert journal["restarts_used"] == 1, journal["restarts"]
+    assert [(r["reason"], r["planned"]) for r in journal["restarts"][1:]] == [
+        ("the kernel was shut down or restarted while the run was pending (not a crash)", True)], journal["restarts"]
+
+
 def test_a_crash_loop_at_start_up_stops_at_the_driver_budget(tmp_path):
     """A plain first cell that kills every kernel (no run to count restarts) stops at the driver's
     own budget, quickly, and says it was the notebook's budget and how to raise it."""
@@ -467,7 +498,7 @@ def test_cli_ctrl_c_says_where_in_one_line_and_the_same_command_goes_on_from_the
     """Ctrl-C (SIGINT to the command) in the middle of a training cell: exit status 130 and one line
     that names the cell, the notebook written (its metadata says "interrupted", not "done") and how
     to go on; the same command with the same --run-dir goes on from the run's last checkpoint and
-    ends as the uninterrupted run would. It was a KeyboardInterrupt traceback, asyncio's "Task
+    ends as the uninterrupted run would, none of the run's restarts spent. It was a KeyboardInterrupt traceback, asyncio's "Task
     exception was never retrieved", and a notebook that said "done"."""
     command = [sys.executable, "-m", "colab_resilience", "run", "in.ipynb", "-o", "out.ipynb", "--run-dir", "runs",
                "--no-progress", "--no-standby"]
@@ -483,6 +514,9 @@ def test_cli_ctrl_c_says_where_in_one_line_and_the_same_command_goes_on_from_the
                      cell_text(out.cells[2])), cell_text(out.cells[2])
     assert "RESULT True" in cell_text(out.cells[3])
     assert out.metadata["colab_resilience"]["status"] == "done"
+    # the kernel ended by Ctrl-C is no death: it spent none of the run's restarts (it spent one)
+    journal = json.loads(next((tmp_path / "runs").glob("run-*/journal.json")).read_text())
+    assert journal["restarts_used"] == 0 and [r["planned"] for r in journal["restarts"]] == [True], journal["restarts"]
 
 
 def test_cli_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
