@@ -17,9 +17,16 @@ import sys
 import time
 from pathlib import Path
 
-from . import options
-from .driver import EXIT_OK, EXIT_USAGE, resolve_parameter, run_notebook
-from .errors import NotebookInputError
+# nbformat (which nbclient imports) imports jsonschema, whose format checkers import rfc3987-syntax
+# where it is installed (jupyter-events, which Jupyter Server needs, pulls it in): that builds some
+# 35 Lark parsers as it is imported, 1 to 2.5 s of every command's start
+# (python-jsonschema/jsonschema#1428). A notebook's schema checks no IRI: this process does without
+# that one checker.
+sys.modules.setdefault("rfc3987_syntax", None)
+
+from . import options  # noqa: E402
+from .driver import EXIT_OK, EXIT_USAGE, resolve_parameter, run_notebook  # noqa: E402
+from .errors import NotebookInputError  # noqa: E402
 
 
 def _fail(message: str) -> int:

@@ -22,7 +22,7 @@ import nbformat
 import pytest
 
 from colab_resilience import driver
-from harness import FILES, KERNEL_NAME, cell_text, epochs, events, index, insert, load, notebook, result, run
+from harness import FILES, KERNEL_NAME, cell_text, child_env, epochs, events, index, insert, load, notebook, result, run
 
 pytestmark = pytest.mark.kernel
 
@@ -375,6 +375,9 @@ def test_cli_run_ids_do_not_depend_on_the_notebook_the_command_was_given_from(tm
     [
         (None, ["run", "missing.ipynb"], "colab-resilience: missing.ipynb: no such notebook; give the path of an .ipynb file"),
         ("{not json", ["run", "bad.ipynb"], "colab-resilience: bad.ipynb: not a readable notebook (Notebook does not appear to be JSON"),
+        ('{"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [{"cell_type": "code", "source": "1"}]}',
+         ["run", "bad.ipynb"], "colab-resilience: bad.ipynb: not a readable notebook (The notebook is invalid and is "
+         "missing an expected key: metadata)"),
         ("nb", ["run", "good.ipynb", "--kernel", "no-such-kernel"], "colab-resilience: no kernel named 'no-such-kernel'; list them with `jupyter kernelspec list`"),
         ("nb", ["run", "good.ipynb", "-p", "2x", "1"], "colab-resilience: -p 2x: not a Python variable name"),
         ("nb", ["run", "good.ipynb", "--max-restarts", "-1"], "argument --max-restarts: cannot be negative (got -1)"),
@@ -568,3 +571,19 @@ def test_bundled_demo_and_notebooks_copy_are_the_same():
 
     bundled = (resources.files("colab_resilience") / "notebooks" / "demo.ipynb").read_bytes()
     assert json.loads(bundled) == json.loads((Path(__file__).parent.parent / "notebooks" / "demo.ipynb").read_bytes())
+
+
+def test_the_command_starts_without_building_jsonschemas_iri_parsers():
+    """nbformat imports jsonschema, which imports rfc3987-syntax where it is installed (Jupyter
+    Server's jupyter-events pulls it in, as in this suite's environments): some 35 Lark parsers
+    built at import, most of the command's 2.5 s start before any work (0.7 s without). The
+    command does without that one checker (no notebook schema checks an IRI), and still refuses
+    a notebook that breaks the schema (test_cli_bad_input_exits_2_with_one_line)."""
+    import importlib.util
+
+    if importlib.util.find_spec("rfc3987_syntax") is None:
+        pytest.skip("rfc3987-syntax is not installed here (Jupyter Server's jupyter-events installs it)")
+    r = subprocess.run([sys.executable, "-c", "import sys, colab_resilience.cli, nbformat\n"
+                        "print(sorted(m for m, v in sys.modules.items() if v and m.split('.')[0] in ('lark', 'rfc3987_syntax')))"],
+                       capture_output=True, text=True, timeout=60, env=child_env())
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
