@@ -48,7 +48,7 @@ import textwrap
 import types
 from collections.abc import Collection
 
-from . import replay
+from . import replay, words
 from .checkpoints import keras_state
 from .checkpoints.restore import notebook_object
 from .checkpoints.rng import is_generator
@@ -163,7 +163,7 @@ def check_options(shell, names: list[str], shrink, body: str, restorable: Collec
             )
         if not isinstance(value, int) or isinstance(value, bool):
             raise OptionError(
-                f"%%resilient: --shrink {s.name}: {s.name} is a {type(value).__name__} "
+                f"%%resilient: --shrink {s.name}: {s.name} is {words.a(type(value).__name__)} "
                 f"({value!r:.40}), but --shrink needs an integer such as a batch size"
             )
         if value < 1:
@@ -205,7 +205,7 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
         them = _one(unbuilt, "it", "them")
         lines.append(
             f"colab_resilience: --save {', '.join(unbuilt)}: a checkpoint holds the state of "
-            f"{', '.join(f'{n} (a {type(shell.user_ns[n]).__name__})' for n in unbuilt)}, which a resume after a "
+            f"{', '.join(f'{n} ({words.a(type(shell.user_ns[n]).__name__)})' for n in unbuilt)}, which a resume after a "
             f"restart loads into what a %%replay cell builds, but no %%replay cell builds {them} (a cell that is not "
             f"%%replay did): make {them} in a %%replay cell, or a resume after a restart stops until "
             f"{_one(unbuilt, 'it is', 'they are')} built again"
@@ -981,7 +981,7 @@ def accelerate_accumulation(tree: ast.AST, namespace) -> list[str]:
 
 def _loader_generators_line(found: list[tuple[str, str | None, str]]) -> str:
     named = list(dict.fromkeys(g for _, g, _ in found if g))
-    each = ", ".join(f"{n} (its order drawn from {g})" if g else f"{n} (its order drawn from a {t} no variable holds)"
+    each = ", ".join(f"{n} (its order drawn from {g})" if g else f"{n} (its order drawn from {words.a(t)} no variable holds)"
                      for n, g, t in found)
     advice = [f"add {', '.join(named)} to --save"] if named else []
     if len(named) < len(found):

@@ -35,6 +35,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
+from . import words
 from .errors import RetryNotExactError, RunStoppedError, UnsafeCheckpointError
 
 LOOP_RNG = "loops:rng"  # the checkpoint entry holding the outer loops' random states
@@ -81,7 +82,7 @@ def _items(args: tuple) -> Any:
     if len(args) == 1 and not hasattr(type(args[0]), "__index__"):
         items = args[0]
         if not hasattr(items, "__iter__"):
-            raise TypeError(f"resume_range takes the arguments of range, or one iterable; got a {type(items).__name__}")
+            raise TypeError(f"resume_range takes the arguments of range, or one iterable; got {words.a(type(items).__name__)}")
         return items
     return range(*(operator.index(a) for a in args))
 
@@ -241,7 +242,7 @@ class Loops:
         in has ended. A restarted kernel's set-up cells make it afresh."""
         earlier = self._drawn_before.get(id(items))
         if earlier is not None and (earlier() if isinstance(earlier, weakref.ref) else earlier) is items:
-            what = f"a {type(items).__name__}"
+            what = words.a(type(items).__name__)
             raise RetryNotExactError(
                 f"colab_resilience: resume_range goes on over {what} an earlier attempt drew from (made outside "
                 "the cell): its items up to the safe point are gone, so a retry in this kernel would skip others; "

@@ -29,7 +29,7 @@ from collections import ChainMap
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Collection, Iterable, Iterator, Mapping, MutableMapping
 
-from . import carried, faults, fsutil, loops, memory, restart
+from . import carried, faults, fsutil, loops, memory, restart, words
 from .checkpoints import Checkpoint, CheckpointStore, capture_rng, restore_rng
 from .checkpoints.rng import generator_state, is_generator, set_generator_state
 from .checkpoints.staging import Budget
@@ -184,16 +184,16 @@ def after_loop_refusal(value) -> str | None:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
         if value.is_sparse or value.is_nested:  # kept only as plain dense tensors
-            return f"a {type(value).__name__}"
+            return words.a(type(value).__name__)
         nbytes = value.numel() * value.element_size()
     kind = type(value).__module__.split(".")[0]
     if kind in ("torch", "numpy", "jax", "jaxlib") and isinstance(nbytes, int):
-        return None if nbytes <= AFTER_LOOP_BUDGET else f"a {type(value).__name__} of {nbytes / 2**20:.1f} MiB"
+        return None if nbytes <= AFTER_LOOP_BUDGET else f"{words.a(type(value).__name__)} of {nbytes / 2**20:.1f} MiB"
     try:
         size = len(json_bytes(Encoder(leaves=False).encode(value)))
     except Exception:  # not plain data (NotPlainError), or what encoding it raised
-        return f"a {type(value).__name__}"
-    return None if size <= AFTER_LOOP_BUDGET else f"a {type(value).__name__} of {size / 2**20:.1f} MiB"
+        return words.a(type(value).__name__)
+    return None if size <= AFTER_LOOP_BUDGET else f"{words.a(type(value).__name__)} of {size / 2**20:.1f} MiB"
 
 
 def put_back_left(ckpt: Checkpoint, namespace: MutableMapping) -> list[str]:

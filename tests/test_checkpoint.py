@@ -651,6 +651,32 @@ def test_restore_into_missing_object_says_so_and_invents_nothing(store):
         ckpt.restore({}, ["modle"])
 
 
+def test_a_refused_restore_names_each_object_missing_with_its_type_said_right(store):
+    """Two objects missing: the first problem in full, the others named ("and 1 more problem(s):
+    opt" before); the type with the article it is said with ("a SGD" before)."""
+    model = torch.nn.Linear(2, 2)
+    store.save({"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1)}, ["model", "opt"])
+    with pytest.raises(CheckpointError) as info:
+        store.load().restore({})
+    assert str(info.value) == (
+        "colab_resilience: cannot restore 'model' in place: no variable 'model' exists now (it was a Linear); run the "
+        "cell that builds it first (a %%replay cell is run again after a restart); opt cannot be restored either")
+    with pytest.raises(CheckpointError) as info:
+        store.load().restore({"model": model}, ["opt"])
+    assert "no variable 'opt' exists now (it was an SGD)" in str(info.value), info.value
+
+
+@pytest.mark.parametrize("name,said", [
+    ("int", "an int"), ("AdamW", "an AdamW"), ("ndarray", "an ndarray"), ("SGD", "an SGD"), ("LSTM", "an LSTM"),
+    ("MSELoss", "an MSELoss"), ("Linear", "a Linear"), ("GRU", "a GRU"), ("uint8", "a uint8"),
+    ("UsageError", "a UsageError"), ("Embedding", "an Embedding"), ("list", "a list"), ("", "a"),
+])
+def test_a_types_name_is_said_with_its_article(name, said):
+    from colab_resilience.words import a
+
+    assert a(name) == said
+
+
 def test_each_restore_hands_out_fresh_tensors(store):
     """Two restores of one checkpoint give tensors that do not share memory: a second rollback
     undoes in-place training."""

@@ -1723,7 +1723,7 @@ def test_the_first_run_names_a_saved_model_and_optimizer_no_set_up_cell_builds(i
     body = "for epoch in resume_range(2):\n    opt.step()\n    history.append(epoch)\n"
     lines = [line for line in lint.warnings(ip, body, ["model", "opt", "history"], []) if "--save model" in line]
     assert lines == [
-        "colab_resilience: --save model, opt: a checkpoint holds the state of model (a Linear), opt (a SGD), which a "
+        "colab_resilience: --save model, opt: a checkpoint holds the state of model (a Linear), opt (an SGD), which a "
         "resume after a restart loads into what a %%replay cell builds, but no %%replay cell builds them (a cell that "
         "is not %%replay did): make them in a %%replay cell, or a resume after a restart stops until they are built "
         "again"]

@@ -27,6 +27,7 @@ import struct
 import sys
 from typing import Any, Sequence
 
+from .. import words
 from ..errors import NotPlainError
 
 # what decoding malformed input raises (JSON, tags, struct, safetensors headers): a damaged checkpoint
@@ -80,7 +81,7 @@ class Encoder:
                 if dt.hasobject or dt.fields is not None or np.dtype(dt.str) != dt:
                     raise NotPlainError("a NumPy scalar of a dtype its string does not name")
                 return {"$np": [dt.str, _b64(np.asarray(x).tobytes())]}
-        raise NotPlainError(f"a {t.__name__} is not plain data")
+        raise NotPlainError(f"{words.a(t.__name__)} is not plain data")
 
     def _container(self, x, t):
         i = id(x)

@@ -102,12 +102,13 @@ def load(name: str, target: Any, state: Mapping[str, Any], namespace: Mapping[st
     built); ``restore_layers`` restores the Keras layers of the same restore first (an optimizer
     is built for their variables). Raises :class:`~colab_resilience.errors.CheckpointError`, with
     nothing assigned, where the variables do not match."""
+    from .. import words
     from ..errors import BuiltSinceError, CheckpointError
 
     what = state.get("keras")
     if what != kind(target):
         raise CheckpointError(f"colab_resilience: cannot restore {name!r} into what it holds now: it was saved "
-                              f"as a Keras {what}, and now holds a {type(target).__name__}")
+                              f"as a Keras {what}, and now holds {words.a(type(target).__name__)}")
     unbuilt = (what == "layer" and state.get("build") is None) or (what == "optimizer" and not state.get("built_for"))
     if unbuilt and target.built and len(list(target.variables)) != len(state["values"]):
         raise BuiltSinceError(f"colab_resilience: cannot restore {name!r}: the Keras {what} was not built yet at the "

@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from .. import words
 from ..errors import CheckpointError, NotPlainError
 
 _SCALARS = (bool, int, float, complex, str, type(None))
@@ -54,7 +55,7 @@ def flatten(value: Any) -> dict | None:
 
     for path, leaf in pairs:
         if not isinstance(leaf, (jax.Array, np.ndarray, np.generic) + _SCALARS):
-            raise NotPlainError(f"its leaf {jax.tree_util.keystr(path)} is a {type(leaf).__name__}")
+            raise NotPlainError(f"its leaf {jax.tree_util.keystr(path)} is {words.a(type(leaf).__name__)}")
     return {"paths": [jax.tree_util.keystr(p) for p, _ in pairs], "leaves": [v for _, v in pairs],
             "nnx": nnx is not None}
 
@@ -115,7 +116,7 @@ def _leaf_problem(jax, now: Any, new: Any) -> str | None:
     if array is not None and tuple(array.shape) != ():
         other = new if array is now else now
         return f"is {'now' if array is now else 'saved as'} an array of shape {list(array.shape)}, " \
-               f"and {'was' if array is now else 'is now'} a {type(other).__name__}"
+               f"and {'was' if array is now else 'is now'} {words.a(type(other).__name__)}"
     return None
 
 

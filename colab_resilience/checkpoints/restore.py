@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Collection, MutableMapping, Sequence
 
+from .. import words
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointWarning
 from . import blobs, codec, hashing, keras_state, pytree, tensorfile
 from .manifest import Entry, Manifest
@@ -135,8 +136,7 @@ class Checkpoint:
         problems = {n: p for n in wanted if (p := self._problem(n, namespace)) is not None}
         if problems and strict:
             raise CheckpointError(next(iter(problems.values())) + (
-                f" (and {len(problems) - 1} more problem(s): {', '.join(list(problems)[1:])})"
-                if len(problems) > 1 else ""
+                f"; {', '.join(list(problems)[1:])} cannot be restored either" if len(problems) > 1 else ""
             ))
         for message in problems.values():
             warnings.warn(message, CheckpointWarning, stacklevel=2)
@@ -194,18 +194,18 @@ class Checkpoint:
                 f"the set-up cells build, but no variable {n!r} exists now; build it in a %%replay cell"
             ) if pytree else (
                 f"colab_resilience: cannot restore {n!r} in place: no variable {n!r} exists "
-                f"now (it was a {short}); run the cell that builds it (a %%replay cell) first"
+                f"now (it was {words.a(short)}); run the cell that builds it first (a %%replay cell is run again after a restart)"
             )
         if not pytree and not callable(getattr(namespace[n], "load_state_dict", None)) \
                 and keras_state.kind(namespace[n]) is None:
             return (
                 f"colab_resilience: cannot restore {n!r} in place: it now holds a "
-                f"{type(namespace[n]).__name__}, which has no load_state_dict (it was a {short})"
+                f"{type(namespace[n]).__name__}, which has no load_state_dict (it was {words.a(short)})"
             )
         if type_name(namespace[n]) != e.type_name:
             return (
                 f"colab_resilience: cannot restore {n!r} {'into what it holds now' if pytree else 'in place'}: it "
-                f"was saved from a {e.type_name} and now holds a {type_name(namespace[n])}"
+                f"was saved from {words.a(e.type_name)} and now holds {words.a(type_name(namespace[n]))}"
             )
         return None
 
@@ -370,7 +370,7 @@ class _Restoring:
             except Exception:
                 raise CheckpointError(
                     f"colab_resilience: cannot restore {holder!r}: it holds the tensor {k!r} of {name!r}, which "
-                    f"{name!r} has no more (it holds a {type(self.namespace[name]).__name__} now)") from None
+                    f"{name!r} has no more (it holds {words.a(type(self.namespace[name]).__name__)} now)") from None
         return obj
 
 

@@ -63,6 +63,7 @@ import numpy as np
 
 from ..checkpoints.keras_state import array as keras_array
 from ..checkpoints.rng import keras_seed_generator
+from .. import words
 from ..errors import RunStoppedError
 from ..lint import reshuffles
 from ..loops import active_run
@@ -804,7 +805,7 @@ def _inexact(fit: dict) -> list[str]:
                        "goes on with, so it is not identical to an uninterrupted one; pass arrays, or a dataset "
                        "that shuffles with reshuffle_each_iteration=False, for an exact resume")
         return out
-    out.append(f"colab_resilience: fit reads its data from a {type(x).__name__}, whose order the callback cannot "
+    out.append(f"colab_resilience: fit reads its data from {words.a(type(x).__name__)}, whose order the callback cannot "
                "put back: a resumed fit is identical to an uninterrupted one only if each epoch's batches do not "
                "depend on the epochs before it")
     return out

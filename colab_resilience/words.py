@@ -1,0 +1,18 @@
+"""How the messages say things: a type's name with its article."""
+
+from __future__ import annotations
+
+
+def a(name: str) -> str:
+    """``name`` (a type's) with its indefinite article, as it is said: "an int", "an AdamW",
+    "an ndarray", "an SGD" and "an LSTM" (said letter by letter), "a Linear", "a GRU", "a uint8"."""
+    if not name:
+        return "a"
+    first, rest = name[0], name[1:]
+    if first.isupper() and (rest[:1].isupper() or rest[:1].isdigit()):  # an acronym: its first letter's name
+        vowel = first in "AEFHILMNORSX"
+    elif first in "uU":  # "a Union", "a uint8", "a UserDict"; "an Upsample", "an Undefined"
+        vowel = not name.lower().startswith(("uni", "uin", "use", "usa", "uti"))
+    else:
+        vowel = first in "aeioAEIO" or name.startswith("nd")  # "an ndarray"
+    return f"{'an' if vowel else 'a'} {name}"
