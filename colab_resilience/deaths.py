@@ -41,6 +41,7 @@ class Restart:
     requested: bool = False  # the kernel left on its own request (an OOM past its retries, a plan)
     planned: bool = False  # a planned restart (%restart_after)
     cold: str | None = None  # why no standby took over, where one was kept and could not
+    went_on: bool = True  # False: the cell, sent again, stopped before its run went on (it stays pending)
 
     def marker(self) -> str:
         if self.planned:
@@ -57,8 +58,13 @@ class Restart:
             how += f" (not the standby kernel: {self.cold})"
         at = _where(self.iteration)
         lost = unsaved_line(self.unsaved) + "\n" if self.unsaved else ""
+        cells = f"{self.replayed} cell{'s' if self.replayed != 1 else ''}"
+        if not self.went_on:
+            return (f"{what}; {how} and replayed {cells}{state} in {self.seconds:.1f} s; the cell, run again, stopped "
+                    f"before it resumed{at}: its run stays pending\n{lost}"
+                    + "".join(f"{line}\n" for line in self.not_back))
         return (
-            f"{what}; {how}, replayed {self.replayed} cell{'s' if self.replayed != 1 else ''}{state} "
+            f"{what}; {how}, replayed {cells}{state} "
             f"and resumed{at} in {self.seconds:.1f} s\n{lost}" + "".join(f"{line}\n" for line in self.not_back)
         )
 
@@ -165,6 +171,17 @@ class Budgets:
             self.recovering = mine[0].run_dir
             return mine[0]
         return next((j for j in pending if j.run_dir == self.recovering), None)
+
+    def went_on(self) -> bool:
+        """Whether the run whose interrupted cell is being brought back went on when the cell was
+        sent again: a cell stopped before its run's next safe point (a refusal, an error, an
+        interrupt) leaves the run pending, as it was."""
+        if self.recovering is None:
+            return True
+        try:
+            return journal.Journal.load(self.recovering).status != "pending"
+        except Exception:  # gone (reset), or unreadable: nothing says it did not
+            return True
 
     def charge(self, index: int, death: Death, restarts: list[Restart]) -> str | None:
         """Count a death against the budget it belongs to: the run's (``--max-restarts`` of its

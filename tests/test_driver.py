@@ -210,9 +210,10 @@ def test_a_run_a_stopped_notebook_leaves_pending_costs_no_restart_when_the_same_
     """A supervised notebook that stops with its run pending (killed in training, then the resume
     refused: a plain cell builds the model, and no set-up cell does): the driver ended its kernel
     with a kill, and the same command again (same --run-dir) counted that kernel as a death
-    without warning, a restart of the run's budget spent. The driver tells the kernel first: the
-    run's journal says it was shut down, not counted, and the next command goes on from the
-    checkpoint to the uninterrupted weights."""
+    without warning, a restart of the run's budget spent. Once the kernel is gone, the driver marks
+    the run shut down, not counted, and the next command goes on from the checkpoint to the
+    uninterrupted weights. The first run's marker no longer says the cell "resumed" before the
+    refusal below it."""
     train = ("%%resilient --save model,history\nfor epoch in resume_range(4):\n    with torch.no_grad():\n"
              "        model.weight.mul_(1.5).add_(epoch)\n    history.append(epoch)\n"
              f"    if epoch == 2 and not os.path.exists({str(tmp_path / 'm')!r}):\n"
@@ -222,9 +223,13 @@ def test_a_run_a_stopped_notebook_leaves_pending_costs_no_restart_when_the_same_
              "torch.manual_seed(0); twin = torch.nn.Linear(2, 2)\n"
              "with torch.no_grad():\n    for epoch in range(4):\n        twin.weight.mul_(1.5).add_(epoch)\n"
              "print('RESULT', history, torch.equal(model.weight, twin.weight) and torch.equal(model.bias, twin.bias))")
-    first = run(notebook(*cells), tmp_path, standby=False)
+    first = run(nb := notebook(*cells), tmp_path, standby=False)
     assert first.status == driver.EXIT_CELL_FAILED and first.failed_cell == 3, first.message
     assert "cannot restore 'model' in place" in first.message, first.message
+    # the marker said "... and resumed at iteration 2", and then the refusal
+    assert re.search(r"the kernel died \(killed by SIGKILL\); restarted it and replayed 1 cell in [\d.]+ s; the cell, "
+                     r"run again, stopped before it resumed at iteration [12]: its run stays pending\n",
+                     cell_text(nb.cells[3])), cell_text(nb.cells[3])
     nb = notebook(*cells)
     again = run(nb, tmp_path, standby=False)
     assert again.status == 0, again.message
