@@ -561,8 +561,10 @@ class Run:
             j = self.journal
             replayed, seconds = self._replayed, time.perf_counter() - start + self._replay_seconds
             why = ""
-            if not restart.supervised():  # else the driver's marker above says why
-                last = j.restarts[-1] if j.restarts else None
+            last = j.restarts[-1] if j.restarts else None
+            # supervised, the driver's marker above says why, but of no kernel it ended itself (the
+            # run left pending by an earlier command, or an earlier kernel the user shut down)
+            if not restart.supervised() or (last is not None and last.reason == restart.SHUT_DOWN):
                 budget = ("not counted" if last is not None and last.reason == restart.SHUT_DOWN else
                           "planned" if last is not None and last.planned else f"restart {j.restarts_used}/{j.max_restarts}")
                 why = f" after kernel restart ({last.reason if last else 'a restart'}; {budget})"

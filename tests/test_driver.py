@@ -233,7 +233,8 @@ def test_a_run_a_stopped_notebook_leaves_pending_costs_no_restart_when_the_same_
     nb = notebook(*cells)
     again = run(nb, tmp_path, standby=False)
     assert again.status == 0, again.message
-    assert re.search(r"resumed run \w+: restored model, history in [\d.]+ s; continuing at [12]\n",
+    assert re.search(r"resumed run \w+ after kernel restart \(the kernel was shut down or restarted while the run was "
+                     r"pending \(not a crash\); not counted\): restored model, history in [\d.]+ s; continuing at [12]\n",
                      cell_text(nb.cells[3])), cell_text(nb.cells[3])
     assert "RESULT [0, 1, 2, 3] True" in cell_text(nb.cells[4]), cell_text(nb.cells[4])
     journal = json.loads(next((tmp_path / "runs").glob("run-*/journal.json")).read_text())
@@ -518,8 +519,9 @@ def test_cli_ctrl_c_says_where_in_one_line_and_the_same_command_goes_on_from_the
     again = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stdout + again.stderr
     out = nbformat.read(tmp_path / "out.ipynb", 4)
-    assert re.search(r"colab_resilience: resumed run \w+: restored h in [\d.]+ s; continuing at [1-9]",
-                     cell_text(out.cells[2])), cell_text(out.cells[2])
+    assert re.search(r"colab_resilience: resumed run \w+ after kernel restart \(the kernel was shut down or restarted "
+                     r"while the run was pending \(not a crash\); not counted\): restored h in [\d.]+ s; continuing "
+                     r"at [1-9]", cell_text(out.cells[2])), cell_text(out.cells[2])
     assert "RESULT True" in cell_text(out.cells[3])
     assert out.metadata["colab_resilience"]["status"] == "done"
     # the kernel ended by Ctrl-C is no death: it spent none of the run's restarts (it spent one)
