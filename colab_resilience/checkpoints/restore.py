@@ -194,13 +194,14 @@ class Checkpoint:
                 f"the set-up cells build, but no variable {n!r} exists now; build it in a %%replay cell"
             ) if pytree else (
                 f"colab_resilience: cannot restore {n!r} in place: no variable {n!r} exists "
-                f"now (it was {words.a(short)}); run the cell that builds it first (a %%replay cell is run again after a restart)"
+                f"now (it was {words.a(short)}); run the cell that builds it first (a %%replay cell is run again "
+                "after a restart)"
             )
         if not pytree and not callable(getattr(namespace[n], "load_state_dict", None)) \
                 and keras_state.kind(namespace[n]) is None:
             return (
-                f"colab_resilience: cannot restore {n!r} in place: it now holds a "
-                f"{type(namespace[n]).__name__}, which has no load_state_dict (it was {words.a(short)})"
+                f"colab_resilience: cannot restore {n!r} in place: it now holds "
+                f"{words.a(type(namespace[n]).__name__)}, which has no load_state_dict (it was {words.a(short)})"
             )
         if type_name(namespace[n]) != e.type_name:
             return (
