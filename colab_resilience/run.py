@@ -330,6 +330,12 @@ class Run:
                 ran = journal.interrupted_cell
                 policy = policy or journal.policy
             else:
+                if journal is not None and journal.status == "failed" and journal.resume_at:
+                    # its checkpoints go now: said where it happens, not only in the line that said
+                    # how to go on when it stopped (before a kernel restart, maybe not read)
+                    say(f"colab_resilience: run {run_id} of this cell had stopped before its end, with a checkpoint "
+                        f"to go on at {journal.resume_at}; it starts afresh now and that checkpoint is dropped (to go "
+                        f"on from a stopped run's checkpoint, %resilience resume {run_id} before running its cell)")
                 store.clear()
                 journal = Journal.create(run_dir, run_id, max_restarts=max_restarts, save=False)
                 resuming = after_restart = False

@@ -200,6 +200,39 @@ def test_a_kernel_restarted_from_the_front_end_with_a_run_pending_is_no_death(tm
         k.shutdown()
 
 
+def test_a_run_stopped_by_a_kernel_restart_that_starts_afresh_says_so(tmp_path, env):
+    """JupyterLab's Restart Kernel while a run trains: the interrupt that comes first stops it
+    (failed, its checkpoints kept: the stop line says how to go on). The cell run again in the new
+    kernel started the run afresh and dropped those checkpoints without a word; it says so."""
+    log = tmp_path / "log"
+    train = ("%%resilient --save history\nfor epoch in resume_range(6):\n    time.sleep(0.3)\n    history.append(epoch)\n"
+             f"    open({str(log)!r}, 'a').write(f'{{epoch}}\\n')\n")
+    set_up = "%%replay\nimport time\nhistory = []"
+    k = Kernel(env)
+    try:
+        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        k.ok(set_up, metadata={"cellId": "set-up"})
+        k.submit(train, metadata={"cellId": "train"})
+        deadline = time.monotonic() + 60
+        while not (log.exists() and len(log.read_text().split()) >= 3):
+            assert time.monotonic() < deadline, "the run never reached epoch 3"
+            time.sleep(0.05)
+        k.km.restart_kernel(now=False)
+        k.kc.wait_for_ready(timeout=60)
+        journal = json.loads(next((tmp_path / "runs").glob("run-*/journal.json")).read_text())
+        assert journal["status"] == "failed" and journal["resume_at"], journal
+        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        k.ok(set_up, metadata={"cellId": "set-up"})
+        r = k.ok(train, metadata={"cellId": "train"})
+        run_id = journal["run_id"]
+        assert (f"colab_resilience: run {run_id} of this cell had stopped before its end, with a checkpoint to go on "
+                f"at {journal['resume_at']}; it starts afresh now and that checkpoint is dropped (to go on from a stopped "
+                f"run's checkpoint, %resilience resume {run_id} before running its cell)") in r.stdout, r.stdout
+        assert k.value("history") == [0, 1, 2, 3, 4, 5]
+    finally:
+        k.shutdown()
+
+
 def test_a_resume_refused_for_a_model_no_replay_cell_builds_stays_pending_until_it_is_built(tmp_path, env):
     """A model made by a cell that is not ``%%replay``, in --save: its state goes into the model a
     set-up cell builds, and after a death nothing builds it. Said when the cell first runs; after
