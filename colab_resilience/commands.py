@@ -27,7 +27,7 @@ def _plural(n: int, word: str) -> str:
 
 def pick_run(session, command: str, wanted: str | None) -> Path:
     """The run folder ``wanted`` names (``run-<id>`` or ``<id>``), or the most recent one (for
-    ``reset``, which deletes: the run of this kernel's last ``%%resilient`` cell, or the only run)."""
+    ``reset`` and ``resume``: the run of this kernel's last ``%%resilient`` cell, or the only run)."""
     try:
         fsutil.check_run_root(session.root())
     except UnsafeDirectoryError as e:
@@ -42,15 +42,18 @@ def pick_run(session, command: str, wanted: str | None) -> Path:
         return match[0]
     if not found:
         raise OptionError(f"%resilience {command}: no runs in {session.root()}; a %%resilient cell creates one")
-    if command == "reset":  # it deletes: the run of this kernel's last %%resilient cell, or the only one
+    if command in ("reset", "resume"):
+        # reset deletes, and the next %%resilient cell continues what resume picks: the run of this
+        # kernel's last %%resilient cell, or the only one, never the newest of several, which may be
+        # another cell's or another notebook's (Colab's runs share one Drive folder)
         mine = [p for p in found if p.name == f"run-{session.last_run}"]
         if mine:
             return mine[0]
-        if len(found) > 1:  # the newest may be another notebook's (Colab's runs share one Drive folder)
+        if len(found) > 1:
             have = ", ".join(p.name.removeprefix("run-") for p in found)
-            raise OptionError(f"%resilience reset: which run? {session.root()} holds {len(found)} runs ({have}, "
-                              "the newest first) and this kernel has run none of them; name it: %resilience reset RUN "
-                              "(%resilience status says whose each is)")
+            raise OptionError(f"%resilience {command}: which run? {session.root()} holds {len(found)} runs ({have}, "
+                              f"the newest first) and this kernel has run none of them; name it: %resilience {command} "
+                              "RUN (%resilience status says whose each is)")
     return found[0]
 
 

@@ -139,9 +139,10 @@ def execute(session, line: str, body: str, options: Options) -> None:
             elif run.lock.held:
                 # only when progress was made, and not after a refusal of ours (it says what to do)
                 if oom.classify(e) is None and run.safe_points and not isinstance(e, ResilienceError):
-                    last = run.journal.last_checkpoint
-                    hint = (f"%resilience resume then run this cell again to continue from {last}" if last
-                            else "run the cell again to start afresh")
+                    j = run.journal
+                    at = f"at {j.resume_at}" if j.resume_at else f"from {j.last_checkpoint}"
+                    hint = (f"%resilience resume {run.run_id}, then run this cell again: it goes on {at}"
+                            if j.last_checkpoint else "run the cell again to start afresh")
                     session.say(f"colab_resilience: run {run.run_id} stopped by {type(e).__name__}; to go on anyway: {hint}")
                 run.finish("failed")
             raise

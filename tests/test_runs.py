@@ -122,7 +122,7 @@ def test_a_bare_reset_forgets_this_kernels_run_and_asks_which_when_it_has_none(i
     folder, whoever's: Colab's runs share one Drive folder, and another notebook's killed run,
     pending with its checkpoints, was the newest. It forgets the run of this kernel's last
     %%resilient cell; in a kernel that ran none, with more than one run there, it asks which and
-    deletes nothing."""
+    deletes nothing. A bare `%resilience resume` likewise (the next cell continues the run it picks)."""
     import os
 
     ip.user_ns.update(history=[])
@@ -136,6 +136,12 @@ def test_a_bare_reset_forgets_this_kernels_run_and_asks_which_when_it_has_none(i
         ip.run_line_magic("resilience", "reset")
     assert str(info.value).startswith(f"%resilience reset: which run? {root} holds 2 runs ("), info.value
     assert first.exists() and second.exists()
+    # resume, the same: the next %%resilient cell continues what it picks (it picked the newest, whoever's)
+    journals = {p: (p / "journal.json").read_bytes() for p in (first, second)}
+    with pytest.raises(UsageError) as info:
+        ip.run_line_magic("resilience", "resume")
+    assert str(info.value).startswith(f"%resilience resume: which run? {root} holds 2 runs ("), info.value
+    assert {p: (p / "journal.json").read_bytes() for p in (first, second)} == journals
     assert ip.run_cell("%%resilient --save history\nfor epoch in resume_range(2):\n    history.append(epoch)").success
     later = (second / "journal.json").stat().st_mtime + 10
     os.utime(second / "journal.json", (later, later))  # another kernel's run, written since
@@ -300,10 +306,11 @@ def test_an_ordinary_error_ends_the_run_with_a_hint_to_resume_it(ip, root, tmp_p
     outcome = ip.run_cell(user_cell(nb, "train"))
     assert isinstance(outcome.error_in_exec, ValueError)
     out = capsys.readouterr().out
-    assert "stopped by ValueError; to go on anyway: %resilience resume then run this cell again to continue from ckpt-" in out
     j = json.loads(next(root.glob("run-*/journal.json")).read_text())
+    assert (f"colab_resilience: run {j['run_id']} stopped by ValueError; to go on anyway: %resilience resume "
+            f"{j['run_id']}, then run this cell again: it goes on at 2\n") in out, out
     assert j["status"] == "failed"
-    ip.run_line_magic("resilience", "resume")
+    ip.run_line_magic("resilience", "resume")  # bare: the run of this kernel's last %%resilient cell
     outcome = ip.run_cell(user_cell(nb, "train"))  # the "fixed" cell: the fault struck its one time
     assert outcome.success
     assert "rolled back to the last safe point; continuing at 2" in capsys.readouterr().out
