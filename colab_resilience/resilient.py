@@ -137,6 +137,7 @@ def execute(session, line: str, body: str, options: Options) -> None:
                                 f"(%resilience reset {run.run_id} to start over)")
                 withdraw()
             elif run.lock.held:
+                run.finish("failed")  # the checkpoint being written is on disk first: the line names it
                 # only when progress was made, and not after a refusal of ours (it says what to do)
                 if oom.classify(e) is None and run.safe_points and not isinstance(e, ResilienceError):
                     j = run.journal
@@ -144,7 +145,6 @@ def execute(session, line: str, body: str, options: Options) -> None:
                     hint = (f"%resilience resume {run.run_id}, then run this cell again: it goes on {at}"
                             if j.last_checkpoint else "run the cell again to start afresh")
                     session.say(f"colab_resilience: run {run.run_id} stopped by {type(e).__name__}; to go on anyway: {hint}")
-                run.finish("failed")
             raise
         if not run.finished_before:
             run.finish_save()

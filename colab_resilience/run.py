@@ -331,11 +331,13 @@ class Run:
                 policy = policy or journal.policy
             else:
                 if journal is not None and journal.status == "failed" and journal.resume_at:
+                    _refuse_beginning_on_what_it_left(shell, journal, names, setup_log)
                     # its checkpoints go now: said where it happens, not only in the line that said
                     # how to go on when it stopped (before a kernel restart, maybe not read)
                     say(f"colab_resilience: run {run_id} of this cell had stopped before its end, with a checkpoint "
-                        f"to go on at {journal.resume_at}; it starts afresh now and that checkpoint is dropped (to go "
-                        f"on from a stopped run's checkpoint, %resilience resume {run_id} before running its cell)")
+                        f"to go on at {journal.resume_at}; it starts again from its beginning now and that checkpoint "
+                        f"is dropped (to go on from a stopped run's checkpoint, %resilience resume {run_id} before "
+                        "running its cell)")
                 store.clear()
                 journal = Journal.create(run_dir, run_id, max_restarts=max_restarts, save=False)
                 resuming = after_restart = False
@@ -1099,6 +1101,31 @@ def _left_behind(root: Path, key: bytes, cell_key: str, notebook: str) -> str | 
                     f"(renamed or moved?), is pending ({at}); this notebook's cell begins a run of its own; to go on "
                     f"with that one instead, %resilience resume {j.run_id}, then run this cell")
     return None
+
+
+def _refuse_beginning_on_what_it_left(shell, journal: Journal, names: list[str], log: ReplayLog | None) -> None:
+    """The cell of a run that stopped (an error, the stop button) run again: where its ``--save``
+    values are not what the set-up cells made but what the stopped run's training left (a model
+    trained for some epochs, a history appended to), a run from the loop's beginning trains on
+    them and ends with no uninterrupted run's result (plain Jupyter does the same, silently).
+    Refused, the run's checkpoint kept: it can still go on from there, or the set-up cells run
+    first start it over. Nothing is compared where the set-up cells did not make the value."""
+    if log is None or not log.saved_prints:
+        return
+    from . import setup_state
+
+    made = [n for n in names if n in log.saved_prints]
+    now = setup_state.fingerprint(shell.user_ns, made, saved=True)
+    left = [n for n in made if n in now and now[n] != log.saved_prints[n]]
+    if not left:
+        return
+    hold = "holds" if len(left) == 1 else "hold"
+    raise RunStoppedError(
+        f"colab_resilience: run {journal.run_id} of this cell stopped at {journal.resume_at}, and {', '.join(left)} "
+        f"{hold} what its training left, not what the set-up cells made: from its beginning on that, the cell would "
+        f"not give an uninterrupted run's result. To go on from its checkpoint: %resilience resume {journal.run_id}, "
+        f"then run this cell; to start over: run the set-up cells first (or %resilience reset {journal.run_id} to "
+        "train on the values as they are)")
 
 
 def _refuse_undoing(shell, journal: Journal, log: ReplayLog) -> None:

@@ -226,8 +226,9 @@ def test_a_run_stopped_by_a_kernel_restart_that_starts_afresh_says_so(tmp_path, 
         r = k.ok(train, metadata={"cellId": "train"})
         run_id = journal["run_id"]
         assert (f"colab_resilience: run {run_id} of this cell had stopped before its end, with a checkpoint to go on "
-                f"at {journal['resume_at']}; it starts afresh now and that checkpoint is dropped (to go on from a stopped "
-                f"run's checkpoint, %resilience resume {run_id} before running its cell)") in r.stdout, r.stdout
+                f"at {journal['resume_at']}; it starts again from its beginning now and that checkpoint is dropped (to go "
+                f"on from a stopped run's checkpoint, %resilience resume {run_id} before running its cell)") in r.stdout, \
+            r.stdout
         assert k.value("history") == [0, 1, 2, 3, 4, 5]
     finally:
         k.shutdown()

@@ -317,6 +317,69 @@ def test_an_ordinary_error_ends_the_run_with_a_hint_to_resume_it(ip, root, tmp_p
     assert epochs(tmp_path / "events.log") == [0, 1, 2, 3]
 
 
+SET_UP = ("%%replay\nimport torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(2, 2)\n"
+          "opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\nhistory = []")
+STOPPED = ("%%resilient --save model,opt,history\nfor epoch in resume_range(4):\n"
+           "    opt.zero_grad(); model(torch.ones(1, 2)).pow(2).sum().backward(); opt.step()\n    history.append(epoch)\n"
+           "    if epoch == 2 and fail:\n        raise ValueError('a bug')\n")
+
+
+def _uninterrupted_weights(ip) -> list:
+    ip.run_cell("torch.manual_seed(0)\ntwin = torch.nn.Linear(2, 2)\n"
+                "o = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)\nfor epoch in range(4):\n"
+                "    o.zero_grad(); twin(torch.ones(1, 2)).pow(2).sum().backward(); o.step()")
+    return [ip.user_ns["twin"].weight.tolist(), ip.user_ns["twin"].bias.tolist()]
+
+
+@pytest.mark.parametrize("then", ["resume", "set-up again"])
+def test_a_stopped_runs_cell_run_again_on_what_its_training_left_is_refused(ip, root, capsys, then):
+    """A run stopped by an error in epoch 2, its cell run again (the bug fixed) without running the
+    set-up cells: it started from epoch 0 on the model, optimizer and history the stopped run had
+    trained and appended to, dropped the checkpoint, and ended "done" with 7 steps and
+    [0, 1, 2, 0, 1, 2, 3] (as plain Jupyter does, silently). Refused in one line that names what
+    its training left and the two ways on, the checkpoint kept; either ends as an uninterrupted
+    run, bit for bit."""
+    ip.user_ns["fail"] = True
+    assert ip.run_cell(SET_UP).success
+    assert isinstance(ip.run_cell(STOPPED).error_in_exec, ValueError)
+    run_id = next(root.glob("run-*")).name.removeprefix("run-")
+    ip.user_ns["fail"] = False  # the bug fixed
+    refused = ip.run_cell(STOPPED).error_in_exec
+    assert isinstance(refused, UsageError) and str(refused) == (
+        f"colab_resilience: run {run_id} of this cell stopped at 2, and model, opt, history hold what its training "
+        "left, not what the set-up cells made: from its beginning on that, the cell would not give an uninterrupted "
+        f"run's result. To go on from its checkpoint: %resilience resume {run_id}, then run this cell; to start over: "
+        f"run the set-up cells first (or %resilience reset {run_id} to train on the values as they are)"), refused
+    assert ip.user_ns["history"] == [0, 1, 2]
+    capsys.readouterr()
+    if then == "resume":
+        ip.run_line_magic("resilience", f"resume {run_id}")
+        assert ip.run_cell(STOPPED).success
+        assert "continuing at 2" in capsys.readouterr().out
+    else:
+        assert ip.run_cell(SET_UP).success
+        assert ip.run_cell(STOPPED).success
+        assert (f"colab_resilience: run {run_id} of this cell had stopped before its end, with a checkpoint to go on "
+                "at 2; it starts again from its beginning now") in capsys.readouterr().out
+    assert ip.user_ns["history"] == [0, 1, 2, 3]
+    model = ip.user_ns["model"]
+    assert [model.weight.tolist(), model.bias.tolist()] == _uninterrupted_weights(ip)
+
+
+def test_a_reset_stopped_run_trains_on_the_values_as_they_are(ip, root, capsys):
+    """The refusal's third way: %resilience reset RUN, and the cell trains on what the stopped run
+    left, as the user chose (a new run; nothing compared)."""
+    ip.user_ns["fail"] = True
+    assert ip.run_cell(SET_UP).success
+    assert isinstance(ip.run_cell(STOPPED).error_in_exec, ValueError)
+    run_id = next(root.glob("run-*")).name.removeprefix("run-")
+    ip.user_ns["fail"] = False
+    assert not ip.run_cell(STOPPED).success
+    ip.run_line_magic("resilience", f"reset {run_id}")
+    assert ip.run_cell(STOPPED).success
+    assert ip.user_ns["history"] == [0, 1, 2, 0, 1, 2, 3]
+
+
 def test_a_resumed_run_stays_adopted_when_the_cell_is_refused_for_its_options(ip, root, capsys):
     """`%resilience resume RUN`, then the cell, edited (no cell id: another cell to the package),
     refused for a misspelt option: the cell put right still continues RUN (the refusal let go of
