@@ -11,7 +11,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from . import fsutil, replay, restart
+from . import fsutil, replay, restart, words
 from .checkpoints import manifest as checkpoint_manifest
 from .errors import CheckpointWarning, JournalError, OptionError, ResilienceError, RunLockedError, UnsafeDirectoryError
 from .journal import Journal, find_runs
@@ -19,10 +19,6 @@ from .lock import RunLock, pid_alive
 from .recovery import put_back_shrunk
 from .run import open_store, put_back_left, restore_latest
 from .session import notebook as session_notebook
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'s' if n != 1 else ''}"
 
 
 def pick_run(session, command: str, wanted: str | None) -> Path:
@@ -81,7 +77,7 @@ def status(session) -> None:
             f"colab_resilience:   run {j.run_id}{_of_notebook(j)}: {j.status}; "
             f"restarts {j.restarts_used}/{j.max_restarts} (last: {last}); "
             f"saves {', '.join(j.names) or 'nothing'}; last checkpoint {j.last_checkpoint or 'none'}; "
-            f"{_plural(len(j.replay_cells), 'replay cell')}"
+            f"{words.plural(len(j.replay_cells), 'replay cell')}"
             + (f"; planned restarts {planned}" if planned != "off" else "")
             + (f"; {shrink}" if shrink else "")
         )
@@ -173,7 +169,7 @@ def unsigned_pickles(store) -> list[tuple[str, str, str]]:
 def review(j: Journal, store) -> list[str]:
     """What ``%resilience resume --trust`` would run: every set-up cell in full, then every
     pickled value of the checkpoints not signed here, by name and type."""
-    lines = [f"colab_resilience: run {j.run_id} replays {_plural(len(j.replay_cells), 'set-up cell')}:"]
+    lines = [f"colab_resilience: run {j.run_id} replays {words.plural(len(j.replay_cells), 'set-up cell')}:"]
     for i, cell in enumerate(j.replay_cells, 1):
         lines.append(f"---- set-up cell {i} of {len(j.replay_cells)} ----")
         lines += cell.source.rstrip("\n").splitlines() or [""]
@@ -181,7 +177,7 @@ def review(j: Journal, store) -> list[str]:
     if j.replay_cells:
         lines.append("---- end of the set-up cells ----")
     if pickles:
-        lines.append(f"colab_resilience: and unpickles {_plural(len(pickles), 'value')} that this installation did not sign:")
+        lines.append(f"colab_resilience: and unpickles {words.plural(len(pickles), 'value')} that this installation did not sign:")
         lines += [f"  {name}: {type_name} (in {cid})" for cid, name, type_name in pickles]
     else:
         lines.append("colab_resilience: no pickled value to unpickle that this installation did not sign")
@@ -225,7 +221,7 @@ def resume(session, run_dir: Path, *, trust: bool = False) -> None:
             j.save()
             session.say(
                 f"colab_resilience: run {j.run_id} trusted and signed with this installation's key "
-                f"(journal and {_plural(len(adopted), 'checkpoint')}); running the cells above"
+                f"(journal and {words.plural(len(adopted), 'checkpoint')}); running the cells above"
             )
         replayed = replay.replay(session.shell, j.replay_cells, session.replay_log, session.say)
         restored: list[str] = []
@@ -242,7 +238,7 @@ def resume(session, run_dir: Path, *, trust: bool = False) -> None:
         lock.release()
     session.adopt = j.run_id
     session.say(
-        f"colab_resilience: run {j.run_id}: replayed {_plural(replayed, 'cell')}, "
+        f"colab_resilience: run {j.run_id}: replayed {words.plural(replayed, 'cell')}, "
         f"restored {', '.join(restored) or 'nothing'}; the next %%resilient cell you run continues it"
     )
 

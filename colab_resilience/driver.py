@@ -369,9 +369,8 @@ class Supervisor:
                     return False
             except CellFailed as e:
                 if died and not self.budgets.went_on():  # said in the marker, which said "resumed" before
-                    for r in self.result.restarts:
-                        if r.cell == index:
-                            r.went_on = False
+                    # the last restart's (one before it went on, and died again)
+                    next(r for r in reversed(self.result.restarts) if r.cell == index).went_on = False
                 cell.outputs = earlier + self.markers(index) + cell.get("outputs", [])
                 self.fail(index, cell, e)
                 self.finished(index, cell, failed=True)

@@ -570,10 +570,11 @@ class Run:
             replayed, seconds = self._replayed, time.perf_counter() - start + self._replay_seconds
             why = ""
             last = j.restarts[-1] if j.restarts else None
+            shut_down = last is not None and last.reason == restart.SHUT_DOWN
             # supervised, the driver's marker above says why, but of no kernel it ended itself (the
             # run left pending by an earlier command, or an earlier kernel the user shut down)
-            if not restart.supervised() or (last is not None and last.reason == restart.SHUT_DOWN):
-                budget = ("not counted" if last is not None and last.reason == restart.SHUT_DOWN else
+            if not restart.supervised() or shut_down:
+                budget = ("not counted" if shut_down else
                           "planned" if last is not None and last.planned else f"restart {j.restarts_used}/{j.max_restarts}")
                 why = f" after kernel restart ({last.reason if last else 'a restart'}; {budget})"
             self._resume_note = (

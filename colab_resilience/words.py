@@ -1,4 +1,4 @@
-"""How the messages say things: a type's name with its article."""
+"""How the messages say things: a type's name with its article, a count with its noun."""
 
 from __future__ import annotations
 
@@ -16,3 +16,8 @@ def a(name: str) -> str:
     else:
         vowel = first in "aeioAEIO" or name.startswith("nd")  # "an ndarray"
     return f"{'an' if vowel else 'a'} {name}"
+
+
+def plural(n: int, word: str) -> str:
+    """``n`` and ``word``, plural but for one: "1 cell", "3 cells"."""
+    return f"{n} {word}{'s' if n != 1 else ''}"
