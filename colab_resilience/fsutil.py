@@ -156,8 +156,10 @@ def _mkdir_private(path: Path) -> bool:
         return False
 
 
-def make_private_dir(path: str | os.PathLike) -> Path:
+def make_private_dir(path: str | os.PathLike, *, create: bool = True) -> Path:
     """Create the folder ``path`` (and missing parents) owner-only (0700) and check it.
+    ``create=False``: only check it; a folder that is not there raises FileNotFoundError and is
+    not made (a run someone removed is not brought back, nor the folders above it).
 
     A ``path`` that exists must be a real folder (not a symbolic link) of this user's that no one
     else can write; what group and others may read of it is taken away (it is a run's own). Anything else is refused with
@@ -165,7 +167,7 @@ def make_private_dir(path: str | os.PathLike) -> Path:
     written, truncated or chmod'ed on the strength of a link or a folder someone else prepared.
     """
     path = Path(path)
-    created = _mkdir_private(path)
+    created = _mkdir_private(path) if create else False
     try:
         fd = os.open(path, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
     except OSError as e:

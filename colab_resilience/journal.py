@@ -20,7 +20,7 @@ refused with :class:`JournalRolledBackError`: nothing in it runs.
 
 The run directory's lock is :class:`colab_resilience.lock.RunLock`:
 
-    with RunLock(run_dir):
+    with RunLock(run_dir, create=True):
         j = Journal.load(run_dir) if Journal.exists(run_dir) else Journal.create(run_dir)
         j.record_restart("CUDA out of memory")
 """

@@ -77,10 +77,14 @@ def _flock_or_wait_for_orphans(fd: int) -> None:
 
 class RunLock:
     """Exclusive use of one run directory by one process (re-entrant within the process). Keep a
-    reference while you need it: a lock object that is garbage-collected releases its hold."""
+    reference while you need it: a lock object that is garbage-collected releases its hold.
+    ``create``: make the run folder where it is not there (a run that starts); otherwise (a run
+    that exists: reset, resume, the exit handler, a supervisor counting a death) a folder that is
+    gone raises FileNotFoundError and is not made again, nor the folders above it."""
 
-    def __init__(self, run_dir: str | os.PathLike):
+    def __init__(self, run_dir: str | os.PathLike, *, create: bool = False):
         self.run_dir = Path(run_dir)
+        self.create = create
         self.path = self.run_dir / LOCK_NAME
         self._key: str | None = None
 
@@ -91,7 +95,7 @@ class RunLock:
     def acquire(self) -> RunLock:
         if self._key is not None:
             return self
-        fsutil.make_private_dir(self.run_dir)  # a real folder of this user's, or refused
+        fsutil.make_private_dir(self.run_dir, create=self.create)  # a real folder of this user's, or refused
         key = os.path.realpath(self.path)
         with _held_guard:
             if key in _held:

@@ -308,7 +308,7 @@ class Run:
 
         root = fsutil.check_run_root(root)
         run_dir = root / f"run-{run_id}"
-        lock = RunLock(run_dir).acquire()
+        lock = RunLock(run_dir, create=True).acquire()
         restart.held(run_dir)
         try:
             key = load_or_create_key()

@@ -164,7 +164,7 @@ def _holder(run_dir, ready_file):
     return _started(
         "import sys, time, pathlib\n"
         "from colab_resilience.lock import RunLock\n"
-        f"lock = RunLock({str(run_dir)!r}).acquire()\n"
+        f"lock = RunLock({str(run_dir)!r}, create=True).acquire()\n"
         f"pathlib.Path({str(ready_file)!r}).write_text('ok')\n"
         "time.sleep(60)\n", ready_file)
 
@@ -198,7 +198,7 @@ def test_a_forked_child_does_not_keep_the_lock_after_its_parent_is_killed(tmp_pa
     code = (
         "import os, time, pathlib\n"
         "from colab_resilience.lock import RunLock\n"
-        f"lock = RunLock({str(run)!r}).acquire()\n"
+        f"lock = RunLock({str(run)!r}, create=True).acquire()\n"
         "child = os.fork()\n"
         "if child == 0:\n"
         f"    pathlib.Path({str(ready) + '.part'!r}).write_text(str(os.getpid()))\n"
@@ -234,7 +234,7 @@ def test_a_lock_whose_holder_died_waits_a_moment_for_its_children(tmp_path, clos
     code = (
         "import os, sys, subprocess, pathlib\n"
         "from colab_resilience.lock import RunLock, _held\n"
-        f"lock = RunLock({str(run)!r}).acquire()\n"
+        f"lock = RunLock({str(run)!r}, create=True).acquire()\n"
         "fd = next(iter(_held.values()))[0]\n"
         f"child = subprocess.Popen([sys.executable, '-c', {child_code!r}, str(fd)], pass_fds=[fd])\n"
         f"pathlib.Path({str(ready)!r}).write_text(str(child.pid))\n"
@@ -259,13 +259,13 @@ def test_lock_is_reentrant_in_one_process_and_released_on_close(tmp_path):
     """One process may take its own run's lock twice; another process is refused until the last
     holder releases it."""
     run = tmp_path / "run"
-    a = RunLock(run).acquire()
+    a = RunLock(run, create=True).acquire()
     b = RunLock(run).acquire()  # same process: fine
     a.release()
     code = (
         "from colab_resilience.lock import RunLock\n"
         "from colab_resilience.errors import RunLockedError\n"
-        f"try:\n    RunLock({str(run)!r}).acquire(); print('got')\n"
+        f"try:\n    RunLock({str(run)!r}, create=True).acquire(); print('got')\n"
         "except RunLockedError as e:\n    print('locked', e.pid)\n"
     )
     env = child_env()

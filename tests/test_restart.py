@@ -306,6 +306,31 @@ def test_the_stop_button_before_a_resumed_run_reaches_its_next_safe_point_leaves
         k.shutdown()
 
 
+def test_a_kernel_shut_down_after_its_runs_folder_was_removed_does_not_make_it_again(tmp_path, env):
+    """At a clean exit the kernel marks the runs it holds pending as shut down (not dead); it took
+    each run's lock for that, and the lock made the run's folder where it was not: a runs folder
+    removed in the notebook (`!rm -rf runs`; in Colab, a Drive folder unmounted, where a folder
+    made under the mount point then blocks the next mount) came back at the kernel's shutdown,
+    with the folders above it. A run that starts makes its folder; nothing else does."""
+    runs = tmp_path / "deep" / "runs"
+    k = Kernel({**env, "COLAB_RESILIENCE_RUN_DIR": str(runs)})
+    try:
+        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        k.ok("%%replay\nhistory = []", metadata={"cellId": "set-up"})
+        k.ok("%%resilient --save history\nfor epoch in resume_range(2):\n    history.append(epoch)",
+             metadata={"cellId": "done"})
+        r = k.execute("%%resilient --save history\nfor epoch in resume_range(4):\n    history.append(epoch)\n"
+                      "    if epoch == 1:\n        raise ValueError('a bug')", metadata={"cellId": "stopped"})
+        assert r.status == "error" and r.ename == "ValueError", r.stdout
+        assert len(list(runs.glob("run-*/journal.json"))) == 2
+        k.ok(f"import shutil\nshutil.rmtree({str(tmp_path / 'deep')!r})")
+        k.km.shutdown_kernel(now=False)  # a shutdown request: the kernel exits cleanly, its exit handlers run
+        assert not k.km.is_alive()
+        assert not (tmp_path / "deep").exists(), sorted(map(str, (tmp_path / "deep").rglob("*")))
+    finally:
+        k.shutdown()
+
+
 def test_an_edited_cell_whose_set_up_failed_to_replay_says_its_change_when_it_goes_on(tmp_path, env):
     """The cell edited after a death, run while a set-up cell cannot replay (a file it reads is
     gone): the run stays pending, and once the file is back, the cell run again replays from that

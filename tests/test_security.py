@@ -689,7 +689,7 @@ def _lock_holder(run_dir: Path, ready: Path) -> subprocess.Popen:
     code = (
         "import pathlib, time\n"
         "from colab_resilience.lock import RunLock\n"
-        f"lock = RunLock({str(run_dir)!r}).acquire()\n"
+        f"lock = RunLock({str(run_dir)!r}, create=True).acquire()\n"
         f"pathlib.Path({str(ready)!r}).write_text('ok')\n"
         "time.sleep(60)\n"
     )
