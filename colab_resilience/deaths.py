@@ -43,7 +43,10 @@ class Restart:
     cold: str | None = None  # why no standby took over, where one was kept and could not
     went_on: bool = True  # False: the cell, sent again, stopped before its run went on (it stays pending)
 
-    def marker(self) -> str:
+    def marker(self, *, live: bool = False) -> str:
+        """The line that says what happened. ``live``: printed as it happens, before the cell runs
+        again (``%resilience isolate``), which may yet stop before its run goes on: where it goes on
+        is said as what comes, not as done."""
         if self.planned:
             what = f"colab_resilience: {self.reason}"
         elif self.requested:
@@ -59,6 +62,10 @@ class Restart:
         at = _where(self.iteration)
         lost = unsaved_line(self.unsaved) + "\n" if self.unsaved else ""
         cells = f"{self.replayed} cell{'s' if self.replayed != 1 else ''}"
+        if live:
+            goes = f" to go on{at}" if at else ""
+            return (f"{what}; {how} and replayed {cells}{state} in {self.seconds:.1f} s; the cell runs again{goes}\n"
+                    f"{lost}" + "".join(f"{line}\n" for line in self.not_back))
         if not self.went_on:
             return (f"{what}; {how} and replayed {cells}{state} in {self.seconds:.1f} s; the cell, run again, stopped "
                     f"before it resumed{at}: its run stays pending\n{lost}"

@@ -542,7 +542,7 @@ class Relay:
         self._widgets_lost()
         ok = self.supervisor.recover(index)
         for r in self.restarts[seen:]:
-            print(r.marker(), end="", file=sys.stderr, flush=True)
+            print(r.marker(live=True), end="", file=sys.stderr, flush=True)
         if not ok:  # the budget is spent, or the new worker could not be brought to where the dead one was
             result = self.supervisor.result
             raise relayed_error({"ename": "RestartBudgetSpent" if result.status == EXIT_BUDGET else "RecoveryFailed",

@@ -167,7 +167,7 @@ def test_run_all_in_jupyter_survives_a_worker_kill_with_no_click(server, tmp_pat
     replies, states = asyncio.run(run_all(server, kernel["id"], sources))
     assert [c["reply"]["status"] for c in replies] == ["ok"] * len(sources), [c["text"][-2000:] for c in replies]
     train = next(c["text"] for c, s in zip(replies, sources) if s.startswith("%%resilient"))
-    assert "colab_resilience: the kernel died (killed by SIGKILL); switched to the standby kernel, replayed 3 cells" in train
+    assert "colab_resilience: the kernel died (killed by SIGKILL); switched to the standby kernel and replayed 3 cells in " in train
     assert result(replies[-1]["text"]) == reference.result
     assert epochs(tmp_path / "events.log") == [0, 1, 2, 3]
     assert not set(states) & {"dead", "restarting", "autorestarting", "starting"}, states
