@@ -237,9 +237,12 @@ def resume(session, run_dir: Path, *, trust: bool = False) -> None:
     finally:
         lock.release()
     session.adopt = j.run_id
+    # a framework's state (a Keras model a fit's callback keeps) is put back by its callback as the
+    # training begins, not here: "restored nothing" alone read as if the run would start over
+    later = f" ({j.framework} come back as the training begins)" if j.framework else ""
     session.say(
         f"colab_resilience: run {j.run_id}: replayed {words.plural(replayed, 'cell')}, "
-        f"restored {', '.join(restored) or 'nothing'}; the next %%resilient cell you run continues it"
+        f"restored {', '.join(restored) or 'nothing'}{later}; the next %%resilient cell you run continues it"
     )
 
 

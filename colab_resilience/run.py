@@ -331,7 +331,8 @@ class Run:
                 policy = policy or journal.policy
             else:
                 if journal is not None and journal.status == "failed" and journal.resume_at:
-                    _refuse_beginning_on_what_it_left(shell, journal, names, setup_log)
+                    # its --save values, and what it trained without them (a Keras model its callback keeps)
+                    _refuse_beginning_on_what_it_left(shell, journal, [*names, *journal.start_saved], setup_log)
                     # its checkpoints go now: said where it happens, not only in the line that said
                     # how to go on when it stopped (before a kernel restart, maybe not read)
                     say(f"colab_resilience: run {run_id} of this cell had stopped before its end, with a checkpoint "
@@ -1105,17 +1106,19 @@ def _left_behind(root: Path, key: bytes, cell_key: str, notebook: str) -> str | 
 
 
 def _refuse_beginning_on_what_it_left(shell, journal: Journal, names: list[str], log: ReplayLog | None) -> None:
-    """The cell of a run that stopped (an error, the stop button) run again: where its ``--save``
-    values are not what the set-up cells made but what the stopped run's training left (a model
-    trained for some epochs, a history appended to), a run from the loop's beginning trains on
-    them and ends with no uninterrupted run's result (plain Jupyter does the same, silently).
-    Refused, the run's checkpoint kept: it can still go on from there, or the set-up cells run
-    first start it over. Nothing is compared where the set-up cells did not make the value."""
+    """The cell of a run that stopped (an error, the stop button) run again: where the values of
+    ``names`` (its ``--save`` values, and the models and optimizers it began with that its
+    checkpoints keep without them: a Keras model a ``fit`` trains, a Trainer's) are not what the
+    set-up cells made but what the stopped run's training left (a model trained for some epochs, a
+    history appended to), a run from the loop's beginning trains on them and ends with no
+    uninterrupted run's result (plain Jupyter does the same, silently). Refused, the run's
+    checkpoint kept: it can still go on from there, or the set-up cells run first start it over.
+    Nothing is compared where the set-up cells did not make the value."""
     if log is None or not log.saved_prints:
         return
     from . import setup_state
 
-    made = [n for n in names if n in log.saved_prints]
+    made = [n for n in dict.fromkeys(names) if n in log.saved_prints]
     now = setup_state.fingerprint(shell.user_ns, made, saved=True)
     left = [n for n in made if n in now and now[n] != log.saved_prints[n]]
     if not left:

@@ -352,9 +352,23 @@ def _read_before_bound(tree: ast.AST) -> set[str]:
     return free
 
 
+def _held_module(value: Any) -> Any:
+    """The torch model a trainer holds and trains (the Hugging Face ``Trainer``'s ``model``), or None."""
+    torch = sys.modules.get("torch")
+    if torch is None or isinstance(value, torch.nn.Module):
+        return None
+    try:
+        model = getattr(value, "model", None)
+    except Exception:  # a property that raises
+        return None
+    return model if isinstance(model, torch.nn.Module) else None
+
+
 def _trainable(value: Any) -> bool:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
+        return True
+    if _held_module(value) is not None:
         return True
     from .checkpoints import keras_state
 
@@ -364,8 +378,9 @@ def _trainable(value: Any) -> bool:
 def _feed_saved(value: Any, h) -> bool:
     torch = sys.modules.get("torch")
     h.update(f"<{type(value).__qualname__}>".encode())
-    if torch is not None and isinstance(value, torch.nn.Module):
-        for k, t in value.state_dict(keep_vars=True).items():
+    module = value if torch is not None and isinstance(value, torch.nn.Module) else _held_module(value)
+    if module is not None:  # a model, or a trainer by the model it trains
+        for k, t in module.state_dict(keep_vars=True).items():
             h.update(k.encode())
             _feed(t, h, set(), 1)
         return True

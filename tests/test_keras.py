@@ -979,6 +979,38 @@ def test_a_keras_fit_killed_in_a_kernel_goes_on_when_its_cell_runs_again(kernel,
 
 
 @pytest.mark.kernel
+def test_a_stopped_fits_cell_run_again_on_the_model_it_trained_is_refused(kernel, tmp_path, tmp_path_factory):
+    """A fit stopped by an error in epoch 1 (the stop button does the same), its cell run again
+    without the set-up cells: the fit began at epoch 0 on the model the stopped fit had trained (no
+    --save names it: the callback keeps it), dropped the checkpoint, and ended "done" with 4 epochs
+    too many. Refused in one line naming the model; the set-up cells run first, the fit starts
+    over and ends as the uninterrupted twin, bit for bit."""
+    reference = twin(tmp_path_factory)
+    nb = harness.load("train_keras.ipynb", tmp_path, fault="error")
+    harness.run_interactive(kernel, nb, stop="train")
+    train = harness.user_cell(nb, "train")
+    r = kernel.execute(train)
+    assert r.status == "error" and r.ename == "ValueError", r.stdout
+    r = kernel.execute(train)
+    assert r.status == "error" and "epochs_seen, model hold what its training left, not what the set-up cells made" \
+        in r.evalue, (r.evalue, r.stdout)
+    harness.run_interactive(kernel, nb, start="setup", stop="train")
+    out = kernel.ok(train).stdout
+    assert "it starts again from its beginning now and that checkpoint is dropped" in out, out
+    # the model built again in this kernel has other variable paths (dense_1/...), which the RESULT
+    # line's fingerprints hash: the rest of the line is compared, and every value with a twin fit
+    # on the set-up cell run once more
+    without_paths = re.compile(r" (model|optimizer)=[0-9a-f]+")
+    assert without_paths.sub("", harness.result(kernel.ok(harness.user_cell(nb, "result")).stdout)) == \
+        without_paths.sub("", reference)
+    kernel.ok("resumed = [v.numpy() for v in [*model.variables, *model.optimizer.variables]]")
+    harness.run_interactive(kernel, nb, start="setup", stop="train")
+    kernel.ok("model.fit(**train, epochs=epochs, verbose=0)")
+    assert kernel.value("[np.array_equal(a, v.numpy()) for a, v in zip(resumed, [*model.variables, *model.optimizer.variables])]") \
+        == [True] * kernel.value("len(resumed)")
+
+
+@pytest.mark.kernel
 @pytest.mark.parametrize("parameters,said", [
     ({"seed": None}, ("colab_resilience: no random seed is set, so Keras initialises, shuffles and drops out "
                       "differently in every kernel, and a resumed fit is not identical to an uninterrupted one; "

@@ -366,6 +366,28 @@ def test_a_stopped_runs_cell_run_again_on_what_its_training_left_is_refused(ip, 
     assert [model.weight.tolist(), model.bias.tolist()] == _uninterrupted_weights(ip)
 
 
+def test_a_stopped_runs_cell_run_again_on_a_model_it_trained_without_save_is_refused(ip, root, capsys):
+    """The same with a model and optimizer the training trains that no --save names: they were not
+    compared, and the cell run again trained on from them, said nothing and ended "done" with 7
+    steps for 4 (a Keras model a fit's callback keeps is such a value: tests/test_keras.py).
+    Refused naming them; the set-up cells run first, it starts over and ends as an uninterrupted
+    run, bit for bit."""
+    stopped = STOPPED.replace(" --save model,opt,history", "").replace("    history.append(epoch)\n", "")
+    ip.user_ns["fail"] = True
+    assert ip.run_cell(SET_UP).success
+    assert isinstance(ip.run_cell(stopped).error_in_exec, ValueError)
+    run_id = next(root.glob("run-*")).name.removeprefix("run-")
+    ip.user_ns["fail"] = False
+    refused = ip.run_cell(stopped).error_in_exec
+    assert isinstance(refused, UsageError) and str(refused).startswith(
+        f"colab_resilience: run {run_id} of this cell stopped at 2, and model, opt hold what its training "
+        "left, not what the set-up cells made"), refused
+    assert ip.run_cell(SET_UP).success
+    assert ip.run_cell(stopped).success
+    model = ip.user_ns["model"]
+    assert [model.weight.tolist(), model.bias.tolist()] == _uninterrupted_weights(ip)
+
+
 def test_a_reset_stopped_run_trains_on_the_values_as_they_are(ip, root, capsys):
     """The refusal's third way: %resilience reset RUN, and the cell trains on what the stopped run
     left, as the user chose (a new run; nothing compared)."""

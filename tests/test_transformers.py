@@ -346,6 +346,30 @@ def test_a_trainer_killed_in_a_kernel_goes_on_when_its_cell_runs_again(kernel, t
     assert harness.result(kernel.ok(harness.user_cell(nb, "result")).stdout) == reference
 
 
+def test_a_stopped_trainers_cell_run_again_on_the_model_it_trained_is_refused(kernel, tmp_path, tmp_path_factory):
+    """train() stopped by an error after step 12 (the stop button does the same), its cell run
+    again without the set-up cell: it began at step 0 on the model the stopped train() had trained
+    (the Trainer holds it; no --save names it), dropped the checkpoint and ended "done" with 42
+    steps trained. Refused in one line naming the Trainer; `%resilience resume` (which says the
+    Trainer's state comes back as the training begins), then the cell: it goes on at step 12 and
+    ends as the uninterrupted twin, bit for bit."""
+    reference = twin(tmp_path_factory)
+    nb = load(tmp_path, fault="error")
+    harness.run_interactive(kernel, nb, stop="train")
+    train = harness.user_cell(nb, "train")
+    r = kernel.execute(train)
+    assert r.status == "error" and r.ename == "ValueError", r.stdout
+    r = kernel.execute(train)
+    assert r.status == "error" and "stopped at step 12, and trainer holds what its training left, not what the set-up " \
+        "cells made" in r.evalue, (r.evalue, r.stdout)
+    out = kernel.ok("%resilience resume").stdout
+    assert "restored nothing (the Trainer's model, optimizer, scheduler and state come back as the training begins)" \
+        in out, out
+    out = kernel.ok(train).stdout
+    assert "continuing at step 12" in out, out
+    assert harness.result(kernel.ok(harness.user_cell(nb, "result")).stdout) == reference
+
+
 def test_what_the_callback_refuses_and_where_it_does_nothing(kernel, tmp_path):
     """Outside a %%resilient cell it says so once and the Trainer trains as usual; inside one,
     train(resume_from_checkpoint=...) is refused in one line (the run resumes from its own
