@@ -244,6 +244,26 @@ def resume(session, run_dir: Path, *, trust: bool = False) -> None:
         f"colab_resilience: run {j.run_id}: replayed {words.plural(replayed, 'cell')}, "
         f"restored {', '.join(restored) or 'nothing'}{later}; the next %%resilient cell you run continues it"
     )
+    unheld = _trained_unsaved(session, j)
+    if unheld:
+        one = len(unheld) == 1
+        session.say(
+            f"colab_resilience: run {j.run_id}: {', '.join(unheld)} {'is' if one else 'are'} not in --save, so no checkpoint "
+            f"holds {'it' if one else 'them'}: the run goes on with {'it' if one else 'them'} as {'it is' if one else 'they are'} "
+            "now, not as at its safe point, and can end otherwise than an uninterrupted run; for that result, "
+            f"`%resilience reset {j.run_id}`, add {'it' if one else 'them'} to --save and run the cells again")
+
+
+def _trained_unsaved(session, j: Journal) -> list[str]:
+    """The models and optimizers run ``j`` trains that no checkpoint of it holds: not in --save,
+    and no framework's callback keeps them (a torch model the loop trains, named only at the run's
+    first start by the lint)."""
+    from .setup_state import _trainable
+
+    if j.framework:
+        return []
+    ns = session.shell.user_ns
+    return [n for n in j.start_saved if n not in j.names and n in ns and _trainable(ns[n])]
 
 
 def restore_finished_runs(session, dead_pid: int | None = None, rerun_source: str | None = None, *,

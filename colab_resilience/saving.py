@@ -32,6 +32,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 from .checkpoints import CheckpointStore
 from .checkpoints.restore import goes_into
 from .checkpoints.staging import Budget, Staging
+from .words import plural
 from .checkpoints.store import SaveReport
 from .errors import CheckpointError, MissingNameError, UnsaveableValueError
 from .memory import format_bytes
@@ -78,9 +79,9 @@ class SaveStats:
         how = f"synchronous ({self.synchronous})" if self.synchronous else "in the background"
         parts = [f"{self.saves} saves {how}, training waited {mean:.3f} s per save (longest {self.longest_stall:.3f} s)"]
         if self.waited:
-            parts.append(f"{self.waited} safe points waited {self.waited_seconds:.1f} s for the previous write")
+            parts.append(f"{plural(self.waited, 'safe point')} waited {self.waited_seconds:.1f} s for the previous write")
         if self.skipped:
-            parts.append(f"{self.skipped} safe points not saved (the previous write was still going)")
+            parts.append(f"{plural(self.skipped, 'safe point')} not saved (the previous write was still going)")
         return "; ".join(parts)
 
 

@@ -388,6 +388,32 @@ def test_a_stopped_runs_cell_run_again_on_a_model_it_trained_without_save_is_ref
     assert [model.weight.tolist(), model.bias.tolist()] == _uninterrupted_weights(ip)
 
 
+def test_resuming_a_stopped_run_says_what_it_trains_that_no_checkpoint_holds(ip, root, capsys):
+    """`%resilience resume` of a stopped run whose loop trains a model and optimizer no --save
+    names: the history went back to the safe point, the model went on as the error left it (one
+    step more), and nothing said so but the lint at the run's start. One line names them and
+    says the run can end otherwise; a run that saves them says nothing of the kind."""
+    ip.user_ns["fail"] = True
+    assert ip.run_cell(SET_UP).success
+    stopped = STOPPED.replace("--save model,opt,history", "--save history")
+    assert isinstance(ip.run_cell(stopped).error_in_exec, ValueError)
+    run_id = next(root.glob("run-*")).name.removeprefix("run-")
+    capsys.readouterr()
+    ip.run_line_magic("resilience", f"resume {run_id}")
+    assert (f"colab_resilience: run {run_id}: model, opt are not in --save, so no checkpoint holds them: the run goes "
+            "on with them as they are now, not as at its safe point, and can end otherwise than an uninterrupted run; "
+            f"for that result, `%resilience reset {run_id}`, add them to --save and run the cells again\n"
+            ) in capsys.readouterr().out
+    ip.run_line_magic("resilience", f"reset {run_id}")
+    assert ip.run_cell(SET_UP).success
+    assert isinstance(ip.run_cell(STOPPED).error_in_exec, ValueError)
+    run_id = next(p for p in root.glob("run-*")).name.removeprefix("run-")
+    capsys.readouterr()
+    ip.run_line_magic("resilience", f"resume {run_id}")
+    out = capsys.readouterr().out
+    assert "restored model, opt, history;" in out and "not in --save" not in out, out
+
+
 def test_a_reset_stopped_run_trains_on_the_values_as_they_are(ip, root, capsys):
     """The refusal's third way: %resilience reset RUN, and the cell trains on what the stopped run
     left, as the user chose (a new run; nothing compared)."""
