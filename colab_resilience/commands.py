@@ -258,12 +258,12 @@ def _trained_unsaved(session, j: Journal) -> list[str]:
     """The models and optimizers run ``j`` trains that no checkpoint of it holds: not in --save,
     and no framework's callback keeps them (a torch model the loop trains, named only at the run's
     first start by the lint)."""
-    from .setup_state import _trainable
+    from .setup_state import trainable
 
     if j.framework:
         return []
     ns = session.shell.user_ns
-    return [n for n in j.start_saved if n not in j.names and n in ns and _trainable(ns[n])]
+    return [n for n in j.start_saved if n not in j.names and n in ns and trainable(ns[n])]
 
 
 def restore_finished_runs(session, dead_pid: int | None = None, rerun_source: str | None = None, *,

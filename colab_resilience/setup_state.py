@@ -268,7 +268,7 @@ def trained(shell, body: str, sources: Iterable[str], saved: Iterable[str]) -> l
     names = setup_names(shell, sources) & read_names(shell, body)
     return sorted(n for n in names - set(saved)
                   if n in ns and not n.startswith("_") and n not in hidden and _kind(ns[n]) is None
-                  and _trainable(ns[n]))
+                  and trainable(ns[n]))
 
 
 def carried_in(shell, body: str, sources: Iterable[str], saved: Iterable[str]) -> list[str]:
@@ -364,7 +364,9 @@ def _held_module(value: Any) -> Any:
     return model if isinstance(model, torch.nn.Module) else None
 
 
-def _trainable(value: Any) -> bool:
+def trainable(value: Any) -> bool:
+    """A model or optimizer (torch, Keras), or a trainer by the torch model it holds: what a training
+    changes in place."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
         return True
