@@ -475,6 +475,16 @@ def killed_and_rerun(kernel: "Kernel", nb, expect_code: int = -9) -> str:
     return kernel.ok(user_cell(nb, "train")).stdout
 
 
+def stopped_and_run_again(kernel: "Kernel", nb) -> "Reply":
+    """As a user in Jupyter: run the cells up to the training cell, run it until its run stops with
+    the error the notebook raises once (``fault="error"``), then run it again as it is, without
+    the set-up cells; returns that second reply."""
+    run_interactive(kernel, nb, stop="train")
+    r = kernel.execute(user_cell(nb, "train"))
+    assert r.status == "error" and r.ename == "ValueError", r.stdout
+    return kernel.execute(user_cell(nb, "train"))
+
+
 def run_in_shell(ip, nb, *, stop: str | None = None, verbatim: bool = False) -> None:
     """Execute :func:`user_cells` in the in-process shell ``ip`` (the extension already loaded:
     the ``load-extension`` cell is skipped), up to but not including ``stop``; each must succeed."""

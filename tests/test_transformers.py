@@ -355,17 +355,13 @@ def test_a_stopped_trainers_cell_run_again_on_the_model_it_trained_is_refused(ke
     ends as the uninterrupted twin, bit for bit."""
     reference = twin(tmp_path_factory)
     nb = load(tmp_path, fault="error")
-    harness.run_interactive(kernel, nb, stop="train")
-    train = harness.user_cell(nb, "train")
-    r = kernel.execute(train)
-    assert r.status == "error" and r.ename == "ValueError", r.stdout
-    r = kernel.execute(train)
+    r = harness.stopped_and_run_again(kernel, nb)
     assert r.status == "error" and "stopped at step 12, and trainer holds what its training left, not what the set-up " \
         "cells made" in r.evalue, (r.evalue, r.stdout)
     out = kernel.ok("%resilience resume").stdout
     assert "restored nothing (the Trainer's model, optimizer, scheduler and state come back as the training begins)" \
         in out, out
-    out = kernel.ok(train).stdout
+    out = kernel.ok(harness.user_cell(nb, "train")).stdout
     assert "continuing at step 12" in out, out
     assert harness.result(kernel.ok(harness.user_cell(nb, "result")).stdout) == reference
 
