@@ -52,6 +52,7 @@ def load_ipython_extension(ipython) -> None:
     magics = ResilienceMagics(shell=ipython, parent=ipython)
     ipython.register_magics(magics)  # Magics.__init__ already listed it in shell.configurables
     ipython.events.register("post_run_cell", _post_run_cell)
+    ipython.input_transformers_post.append(magics.parse_first)
     # as in the examples: `for epoch in resume_range(20)` works without an import
     ipython.push({"resume_range": resume_range, "checkpoint": checkpoint}, interactive=False)
     session.register(ipython, magics.session)
@@ -69,6 +70,8 @@ def unload_ipython_extension(ipython) -> None:
         ipython.events.unregister("post_run_cell", _post_run_cell)
     except ValueError:
         pass
+    if magics.parse_first in ipython.input_transformers_post:
+        ipython.input_transformers_post.remove(magics.parse_first)
     for kind, table in magics.magics.items():
         registered = ipython.magics_manager.magics.get(kind, {})
         for name in table:

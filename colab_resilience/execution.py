@@ -72,6 +72,35 @@ def compile_body(shell, header: str | None, body: str):
     return codes
 
 
+def parse_first(shell, names: tuple[str, ...]):
+    """An IPython input transformer (``input_transformers_post``) for the cell magics ``names``:
+    a cell under one of them whose body does not compile raises its SyntaxError while the cell is
+    transformed, as a plain cell's does, so that IPython shows the line and its caret alone, and
+    runs nothing. Raised from inside the magic, the error came with every frame between the cell
+    and the parser (IPython shows a SyntaxError raised while code runs with its whole stack)."""
+
+    def check(lines: list[str]) -> list[str]:
+        source = "".join(lines)
+        if not source.startswith("get_ipython().run_cell_magic("):
+            return lines
+        try:
+            call = ast.parse(source).body
+            name, line, body = (ast.literal_eval(a) for a in call[0].value.args)  # type: ignore[attr-defined]
+        except (SyntaxError, ValueError, TypeError, AttributeError, IndexError):
+            return lines
+        if len(call) != 1 or name not in names or not isinstance(body, str):
+            return lines
+        try:
+            compile_body(shell, f"%%{name} {line}".rstrip(), body)
+        except SyntaxError:
+            raise  # the cell's
+        except Exception:  # an AST transformer of the user's that fails: as the magic runs, as before
+            pass
+        return lines
+
+    return check
+
+
 def run_body(shell, codes) -> Failure | None:
     """Execute compiled body code in the user's namespace; what it raised, if anything."""
     try:

@@ -18,7 +18,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.utils.process import arg_split
 from traitlets import Bool, Enum, Float, Integer, TraitError, Unicode, validate
 
-from . import commands, options, replay, resilient
+from . import commands, execution, options, replay, resilient
 from .errors import (
     OptionError, RunLockedError, RunStoppedError, UnsafeCheckpointError, UnsafeDirectoryError, UnsaveableValueError,
 )
@@ -157,6 +157,8 @@ class ResilienceMagics(Magics):
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
         self.session = Session(shell, self)
+        # an input transformer: a syntax error in either cell's body is shown as a plain cell's
+        self.parse_first = execution.parse_first(shell, ("resilient", "replay"))
 
     @magic_arguments()
     @argument(

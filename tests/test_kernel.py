@@ -134,6 +134,25 @@ def test_ordinary_error_is_reported_exactly_as_without_the_magic(kernel):
     assert "colab_resilience" not in wrapped.stdout
 
 
+def test_a_syntax_error_under_either_magic_is_shown_as_a_plain_cells(kernel):
+    """A typo in a %%resilient or %%replay cell is shown as in a plain cell: the line, its caret
+    and the SyntaxError, without the frames between IPython's run_code and the parser (it showed
+    seven: IPython shows a SyntaxError raised while code runs with its whole stack); nothing runs
+    and the %%replay cell is not recorded."""
+    kernel.ok("%load_ext colab_resilience")
+    plain = kernel.execute("for epoch in range(2):\n    history.append(epoch\n")
+    assert (plain.status, plain.ename) == ("error", "SyntaxError")
+    for magic in ("%%resilient --save history", "%%replay"):
+        r = kernel.execute(f"{magic}\nfor epoch in range(2):\n    history.append(epoch\n")
+        assert (r.status, r.ename) == (plain.status, plain.ename), r.traceback_text
+        text = r.traceback_text
+        assert ", line 3" in text and "    history.append(epoch" in text and text.rstrip().endswith(
+            "SyntaxError: '(' was never closed"), text
+        for foreign in ("colab_resilience", "interactiveshell", "run_cell_magic", "ast.py", "Traceback"):
+            assert foreign not in text, text
+    assert kernel.value("__import__('colab_resilience').replay_cells()") == []
+
+
 def test_ordinary_error_aborts_queued_cells(kernel):
     """An error in a %%resilient cell aborts the requests queued behind it, as any error does."""
     kernel.ok("%load_ext colab_resilience\nimport time")

@@ -79,11 +79,11 @@ def test_a_syntax_error_in_the_cell_touches_no_run_and_names_its_line(ip, tmp_pa
     monkeypatch.setenv("COLAB_RESILIENCE_RUN_DIR", str(tmp_path / "runs"))
     ip.user_ns.update(history=[])
     r = ip.run_cell("%%resilient --save history\nfor epoch in resume_range(2):\n    history.append(epoch\n")
-    assert isinstance(r.error_in_exec, SyntaxError) and r.error_in_exec.lineno == 3, r.error_in_exec
+    assert isinstance(r.error_before_exec, SyntaxError) and r.error_before_exec.lineno == 3, r.error_before_exec
     assert ip.user_ns["history"] == [] and not (tmp_path / "runs").exists()
     r = ip.run_cell("%%resilient --save history\nfor epoch in resume_range(2):\n    history.append(await f(epoch))\n")
-    assert isinstance(r.error_in_exec, SyntaxError) and r.error_in_exec.lineno == 3, r.error_in_exec
-    assert "(the code under a %%resilient line runs as plain Python, without top-level await)" in str(r.error_in_exec)
+    assert isinstance(r.error_before_exec, SyntaxError) and r.error_before_exec.lineno == 3, r.error_before_exec
+    assert "(the code under a %%resilient line runs as plain Python, without top-level await)" in str(r.error_before_exec)
     assert not (tmp_path / "runs").exists()
 
 
@@ -178,9 +178,8 @@ def test_non_oom_error_is_untouched(ip, capsys):
 def test_syntax_error_reports_the_notebook_line(ip):
     """A syntax error in the body points at its line in the cell, magic line included."""
     result = ip.run_cell("%%resilient\nx = 1\ny = = 2")
-    assert isinstance(result.error_in_exec or result.error_before_exec, SyntaxError)
-    err = result.error_in_exec or result.error_before_exec
-    assert err.lineno == 3
+    assert isinstance(result.error_before_exec, SyntaxError)
+    assert result.error_before_exec.lineno == 3
 
 
 def test_config_magic_sets_default_retries(ip):
