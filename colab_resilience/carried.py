@@ -381,3 +381,69 @@ def _reset_scaler(scaler: Any) -> None:
     states = getattr(scaler, "_per_optimizer_states", None)
     if hasattr(states, "clear"):
         states.clear()
+
+
+def _members(name: str, value: Any) -> list[tuple[str, Any]]:
+    """``value`` as ``[(name, value)]``, or the items of a list, tuple or dict it is, or the
+    attributes of an object of a class the notebook defines, one level down (``models[0]``,
+    ``opts['g']``, ``trainer.opt``)."""
+    if type(value) in (list, tuple):
+        return [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    if type(value) is dict:
+        return [(f"{name}[{k!r}]", v) for k, v in value.items()]
+    if type(value).__module__ == "__main__" and isinstance(getattr(value, "__dict__", None), dict):
+        return [(name, value)] + [(f"{name}.{k}", v) for k, v in list(vars(value).items())]
+    return [(name, value)]
+
+
+def joins(namespace: Mapping[str, Any], names: list[str]) -> dict[str, list[list[list[str] | None]]]:
+    """Which tensors each optimizer among ``names`` steps: for each of its parameter groups, its
+    parameters as ``[module, parameter name]`` by the first module among ``names`` that holds each
+    (``["model", "lin.weight"]``), None for a tensor none of them holds. A checkpoint keeps this beside it: the optimizer's state goes
+    back by position into the optimizer the set-up cells build again, and the set-up cells, run
+    again in a new kernel, can join it to other tensors than the run's (the model's cell run again
+    after the optimizer's, the optimizer then stepping the tensors of a model no name holds)."""
+    torch = _torch()
+    if torch is None:
+        return {}
+    members = [m for n in names if n in namespace for m in _members(n, namespace[n])]
+    optimizers = [(label, v) for label, v in members if isinstance(v, torch.optim.Optimizer)]
+    if not optimizers:
+        return {}
+    owner: dict[int, tuple[str, str]] = {}
+    try:
+        for label, value in members:
+            if isinstance(value, torch.nn.Module):
+                for pname, p in value.named_parameters():
+                    owner.setdefault(id(p), (label, pname))
+        # lists of their own (the checkpoint's meta holds no object twice: one optimizer may have two names)
+        return {label: [[list(owner[id(p)]) if id(p) in owner else None for p in group["params"]]
+                        for group in opt.param_groups] for label, opt in optimizers}
+    except Exception:  # a guard: a module or optimizer of a kind that will not list its tensors is not compared
+        return {}
+
+
+def _stepped(groups: list) -> str:
+    """What a :func:`joins` entry steps, in words."""
+    found = [entry for group in groups for entry in group]
+    owners = sorted({str(entry[0]) for entry in found if entry})
+    parts = [f"the parameters of {' and '.join(owners)}"] if owners else []
+    if None in found:
+        parts.append("tensors no saved model holds")
+    return " and ".join(parts) or "no tensors"
+
+
+def joins_changed(recorded: Any, now: Mapping[str, list]) -> str | None:
+    """Where an optimizer steps other tensors now than it did when ``recorded`` (:func:`joins`) was
+    taken, one clause that says so (of the first such); else None."""
+    if not isinstance(recorded, Mapping):
+        return None  # a checkpoint of an earlier version: not recorded
+    for label, groups in now.items():
+        then = recorded.get(label)
+        if not isinstance(then, list) or then == groups:
+            continue
+        before, after = _stepped(then), _stepped(groups)
+        if before == after:
+            after += " in another order"
+        return f"{label} steps {after} now, where at the safe point it stepped {before}"
+    return None

@@ -533,6 +533,7 @@ class Run:
                     ns[n] = obj
         try:
             ckpt = self.store.load(oldest=from_start)
+            self._same_joins(ckpt)
             # an object the cell makes below its first loop, not there yet (opt2 = Adam(...) between
             # two loops), that the saved state goes into, waits for the plan to arrive; a plain
             # value (a best_lr the first loop found) is bound now, for the code before that
@@ -586,6 +587,18 @@ class Run:
                    "nothing to restore (no --save), so the cell starts again from its beginning")
             )
         return ckpt, restored
+
+    def _same_joins(self, ckpt: Checkpoint) -> None:
+        """RunStoppedError where an optimizer steps other tensors than at the checkpoint's safe point
+        (:func:`.carried.joins`): its state goes back by position, and the run would go on training
+        otherwise than it did, to another result. Nothing is restored then."""
+        ns = self.shell.user_ns
+        changed = carried.joins_changed(_meta(ckpt).get("joins"), carried.joins(ns, [n for n in self.names if n in ns]))
+        if changed:
+            raise RunStoppedError(
+                f"colab_resilience: run {self.run_id}: {changed} (a cell that makes the model run again after the "
+                "one that makes the optimizer?), so the run cannot go on as it was; to start it afresh with them "
+                f"as they are now: `%resilience reset {self.run_id}`, then run this cell")
 
     def _restore_extras(self, ckpt: Checkpoint) -> None:
         """Load the registered extras in place from ``ckpt``. One saved by an earlier safe point
@@ -826,7 +839,7 @@ class Run:
             )
         after_loop = self._kept_after_loop(ns)
         meta = {"loops": [list(p) for p in position], "carried": carried.snapshot(ns, present), "end": end,
-                "where": where}
+                "where": where, "joins": carried.joins(ns, present)}
         loaders = carried.loader_epochs(ns)
         if loaders:
             meta["loaders"] = loaders

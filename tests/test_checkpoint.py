@@ -1441,3 +1441,43 @@ def test_large_checkpoint_round_trip(tmp_path):
     store.load().restore({"model": fresh, "opt": fresh_opt})
     for a, b in zip(model.parameters(), fresh.parameters()):
         assert raw(a) == raw(b)
+
+
+class _Trainer:  # a class of the notebook's (its module is __main__ there; here it is set below)
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+
+
+def test_the_tensors_each_saved_optimizer_steps_are_named_by_the_saved_models_parameters():
+    """What a checkpoint keeps so that a resume can tell that the set-up cells, run again, joined an
+    optimizer to other tensors (carried.joins): each optimizer among the saved names, also in a list,
+    a dict or an object of the notebook's class, by the saved models' parameter names, None for a
+    tensor none holds; a change, in words."""
+    from colab_resilience import carried
+
+    _Trainer.__module__ = "__main__"
+    torch.manual_seed(0)
+    gs = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)]
+    opts = {"g": torch.optim.SGD(gs[0].parameters(), lr=0.1), "d": torch.optim.Adam(gs[1].parameters())}
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    trainer = _Trainer(model, torch.optim.SGD([{"params": model[1].parameters()}, {"params": model[0].parameters()}]))
+    ns = {"gs": gs, "opts": opts, "trainer": trainer, "stale": torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1)}
+    names = ["gs", "opts", "trainer", "stale"]
+    recorded = carried.joins(ns, names)
+    assert recorded == {
+        "opts['g']": [[["gs[0]", "weight"], ["gs[0]", "bias"]]], "opts['d']": [[["gs[1]", "weight"], ["gs[1]", "bias"]]],
+        "trainer.opt": [[["trainer.model", "1.weight"], ["trainer.model", "1.bias"]],
+                        [["trainer.model", "0.weight"], ["trainer.model", "0.bias"]]],
+        "stale": [[None, None]]}
+    assert json.loads(json.dumps(recorded)) == recorded  # it goes into the checkpoint's meta
+    assert carried.joins_changed(recorded, carried.joins(ns, names)) is None
+    assert carried.joins_changed(None, carried.joins(ns, names)) is None  # a checkpoint of an earlier version
+
+    ns["stale"] = torch.optim.SGD(gs[1].parameters(), lr=1)  # the set-up cells, run again, joined it to gs[1]
+    assert carried.joins_changed(recorded, carried.joins(ns, names)) == (
+        "stale steps the parameters of gs[1] now, where at the safe point it stepped tensors no saved model holds")
+    ns["stale"] = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1)
+    trainer.opt = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[1].parameters()}])
+    assert carried.joins_changed(recorded, carried.joins(ns, names)) == (
+        "trainer.opt steps the parameters of trainer.model in another order now, where at the safe point it "
+        "stepped the parameters of trainer.model")

@@ -756,6 +756,40 @@ def test_what_the_replayed_set_up_cells_made_otherwise_is_named_when_the_run_res
 
 
 
+def test_an_optimizer_the_replay_joins_to_other_tensors_stops_the_run_before_anything_is_restored(kernel, tmp_path):
+    """The model's set-up cell run again after the optimizer's (as one does, to start over): the
+    optimizer steps the first model's tensors, and the model the training reads does not learn.
+    The new kernel's replay runs each cell once, in the order they first ran, and joined the
+    optimizer to the model: the resumed run trained it, and ended done with other losses than the
+    uninterrupted run's, saying nothing. Each checkpoint keeps which tensors each saved optimizer
+    steps (by the saved models' parameter names); the resumed run stops in one line before it
+    restores anything, and `%resilience reset` starts it afresh."""
+    kernel.ok(f"%load_ext colab_resilience\n%resilience dir {tmp_path / 'runs'}")
+    model_cell = "%%replay\nimport os, signal, torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(2, 1)\nlosses = []"
+    kernel.ok(model_cell, metadata={"cellId": "model"})
+    kernel.ok("%%replay\nopt = torch.optim.SGD(model.parameters(), lr=0.1)", metadata={"cellId": "opt"})
+    kernel.ok(model_cell, metadata={"cellId": "model"})
+    train = ("%%resilient --save model,opt,losses\nfor epoch in resume_range(4):\n"
+             "    opt.zero_grad(); loss = model(torch.ones(1, 2)).sum(); loss.backward(); opt.step()\n"
+             "    losses.append(loss.item())\n    if epoch == 2:\n" + _kill(tmp_path / "m", "        "))
+    _, code = kernel.execute_until_exit(train, metadata={"cellId": "train"})
+    assert code == -9
+    kernel.restart()
+    r = kernel.execute(train, metadata={"cellId": "train"})
+    assert r.status == "error", r.stdout
+    run_id = r.evalue.split()[2].rstrip(":")
+    assert r.evalue == (
+        f"colab_resilience: run {run_id}: opt steps the parameters of model now, where at the safe point it stepped "
+        "tensors no saved model holds (a cell that makes the model run again after the one that makes the "
+        "optimizer?), so the run cannot go on as it was; to start it afresh with them as they are now: "
+        f"`%resilience reset {run_id}`, then run this cell"), r.evalue
+    assert kernel.value("losses") == []  # nothing was restored
+    kernel.ok(f"%resilience reset {run_id}")
+    kernel.ok(train, metadata={"cellId": "train"})
+    losses = kernel.value("losses")
+    assert len(losses) == 4 and len(set(losses)) == 4, losses  # a run afresh, in which the model learns
+
+
 def test_one_element_a_plain_cell_changed_in_a_large_tensor_is_named(tmp_path):
     """A plain cell (not replayed) sets one element of a 1.5 MiB train set the training reads; a
     kill in epoch 2. The replay made the set without it and the run ended done with other losses,
