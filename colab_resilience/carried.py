@@ -399,10 +399,11 @@ def _members(name: str, value: Any) -> list[tuple[str, Any]]:
 def joins(namespace: Mapping[str, Any], names: list[str]) -> dict[str, list[list[list[str] | None]]]:
     """Which tensors each optimizer among ``names`` steps: for each of its parameter groups, its
     parameters as ``[module, parameter name]`` by the first module among ``names`` that holds each
-    (``["model", "lin.weight"]``), None for a tensor none of them holds. A checkpoint keeps this beside it: the optimizer's state goes
-    back by position into the optimizer the set-up cells build again, and the set-up cells, run
-    again in a new kernel, can join it to other tensors than the run's (the model's cell run again
-    after the optimizer's, the optimizer then stepping the tensors of a model no name holds)."""
+    (``["model", "lin.weight"]``), None for a tensor none of them holds. A checkpoint keeps this
+    beside it: the optimizer's state goes back by position into the optimizer the set-up cells
+    build again, and the set-up cells, run again in a new kernel, can join it to other tensors than
+    the run's (the model's cell run again after the optimizer's, the optimizer then stepping the
+    tensors of a model no name holds)."""
     torch = _torch()
     if torch is None:
         return {}
