@@ -523,10 +523,12 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
     hashing = {HASH_SEED: os.environ.get(HASH_SEED) or hash_seed(work)}
 
     def run(name: str, env: dict, standby: bool = standby) -> RunResult:
+        # one standby kernel for a run with one fault: one started after it took over would import
+        # the notebook's modules (5 s of CPU for torch's) for a further restart the fault never makes
         try:
             return run_notebook(nbformat.from_dict(json.loads(json.dumps(nb))), work / f"{name}.ipynb", cwd=cwd,
                                 run_dir=work / f"runs-{name}", kernel_name=kernel_name,
-                                cell_timeout=cell_timeout, env={**hashing, **env}, standby=standby)
+                                cell_timeout=cell_timeout, env={**hashing, **env}, standby=standby, standbys=1)
         finally:
             place.after_run()
 

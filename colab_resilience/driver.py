@@ -204,13 +204,16 @@ def run_notebook(
     on_cell_error: CellHook | None = None,
     env: dict[str, str] | None = None,
     standby: bool = True,
+    standbys: int | None = None,
 ) -> RunResult:
     """Execute ``notebook`` (a path or a NotebookNode) under supervision; see the module doc.
 
     ``standby``: keep a second kernel started and warmed with the working kernel's imports, to
-    take over when it dies; False restarts a kernel instead. ``on_cell_start(index, cell)`` is
-    called once before a code cell first runs, ``on_cell_complete`` once after it finished (its
-    kernel restarts included), and ``on_cell_error`` then too when it failed.
+    take over when it dies; False restarts a kernel instead. ``standbys``: start at most that many
+    in all (``colab-resilience check`` starts one for a run with its one fault; None: a new one
+    after each that took over). ``on_cell_start(index, cell)`` is called once before a code cell
+    first runs, ``on_cell_complete`` once after it finished (its kernel restarts included), and
+    ``on_cell_error`` then too when it failed.
 
     Returns a :class:`RunResult`; raises :class:`NotebookInputError` for unusable input. The
     executed notebook is written to ``output`` when given (also after a failure).
@@ -258,7 +261,7 @@ def run_notebook(
         extra_arguments=[f"--IPKernelApp.exec_lines={LOAD_EXTENSION}"],
     )
     supervisor = Supervisor(
-        client, run_root, max_restarts, spare=Standby(client, sockets, kernel_env, cwd) if standby else None,
+        client, run_root, max_restarts, spare=Standby(client, sockets, kernel_env, cwd, standbys) if standby else None,
         on_cell_start=on_cell_start, on_cell_complete=on_cell_complete, on_cell_error=on_cell_error,
         log_output=log_output, progress=progress,
     )

@@ -33,8 +33,9 @@ class Standby:
     """The driver's standby kernel: started with the working kernel's arguments, environment and
     folder; fed the working kernel's imports after every cell; handed over by :meth:`take`."""
 
-    def __init__(self, client, sockets: str, env: dict, cwd: str):
+    def __init__(self, client, sockets: str, env: dict, cwd: str, limit: int | None = None):
         self.client, self.sockets, self.env, self.cwd = client, sockets, env, cwd
+        self.limit = limit  # the most standbys started in all (None: no limit)
         self.km = self.kc = None
         self.started = 0
         self.modules: set[str] = set()  # every module a working kernel reported
@@ -45,7 +46,7 @@ class Standby:
 
     def spawn(self) -> None:
         self.shutdown()
-        if self.off:
+        if self.off or (self.limit is not None and self.started >= self.limit):
             return
         self.started += 1
         km = self.client.new_manager(os.path.join(self.sockets, f"standby-{self.started}"))

@@ -223,6 +223,22 @@ def test_a_dead_standby_means_a_cold_restart_and_the_same_result(tmp_path, refer
 
 
 @pytest.mark.kernel
+def test_a_run_given_one_standby_starts_no_other_after_it_took_over(tmp_path, reference):
+    """standbys=1 (what `colab-resilience check` gives a run with its one fault): the standby takes
+    over after the SIGKILL, the run ends bit-identical, and no new standby is started beside the
+    kernel it became (by default one is, at once: the test above)."""
+    nb = load("train.ipynb", tmp_path, fault="sigkill", fault_epoch=2)
+    insert(nb, "train", SIBLINGS + WAIT_WARM, "standby-probe")
+    insert(nb, "result", SIBLINGS + "print('SIBLINGS', siblings())", "after-probe")
+    result = run(nb, tmp_path, standbys=1)
+    assert result.status == 0, result.message
+    assert line(nb, "RESULT") == reference.result
+    [restart] = result.restarts
+    assert restart.standby
+    assert line(nb, "SIBLINGS") == "SIBLINGS []"
+
+
+@pytest.mark.kernel
 def test_no_standby_means_no_second_kernel(tmp_path):
     """standby=False: the driver starts no kernel besides the working one."""
     nb = notebook("import time\ntime.sleep(2)", SIBLINGS + "print('SIBLINGS', siblings())")
