@@ -22,15 +22,19 @@ def isolated_jupyter(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory, isolated_jupyter) -> harness.Reference:
-    """tests/files/train.ipynb with its default parameters, run once, supervised and uninterrupted:
-    the RESULT line every interrupted run of it must end with, bit for bit. (tests/test_golden.py
-    proves an interactive run and a run in this process end with it too.)"""
-    work = tmp_path_factory.mktemp("reference")
-    nb = harness.load("train.ipynb", work)
-    run = harness.run(nb, work, standby=False)
-    assert run.status == 0, run.message
-    assert harness.epochs(work / "events.log") == [0, 1, 2, 3]
-    return harness.Reference(harness.result(nb), work / "events.log")
+    """tests/files/train.ipynb with its default parameters, run supervised and uninterrupted once in
+    the session (by one worker for all: :func:`harness.once`): the RESULT line every interrupted run
+    of it must end with, bit for bit. (tests/test_golden.py proves an interactive run and a run in
+    this process end with it too.)"""
+    def uninterrupted(work):
+        nb = harness.load("train.ipynb", work)
+        run = harness.run(nb, work, standby=False)
+        assert run.status == 0, run.message
+        assert harness.epochs(work / "events.log") == [0, 1, 2, 3]
+        return [harness.result(nb), str(work / "events.log")]
+
+    result, log = harness.once(tmp_path_factory.getbasetemp(), "reference", uninterrupted)
+    return harness.Reference(result, Path(log))
 
 
 @pytest.fixture

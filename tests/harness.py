@@ -395,14 +395,47 @@ def run_ok(nb, workdir: str | os.PathLike, **kw):
     return result, cell_text(nb.cells[index(nb, "train")])
 
 
-def faulted_and_twin(tmp_path: Path, notebook):
+def once(basetemp: Path, key: str, make):
+    """``make(folder)``, a JSON value, computed once in the whole test session, in a folder kept for
+    it: by the first pytest-xdist worker that asks, while another that asks for the same ``key``
+    waits and then reads it. For an uninterrupted twin run, which is the same run whichever test
+    asks for it. ``basetemp``: ``tmp_path_factory.getbasetemp()`` (``tmp_path.parent``)."""
+    import fcntl
+    import hashlib
+
+    root = Path(basetemp).parent if os.environ.get("PYTEST_XDIST_WORKER") else Path(basetemp)
+    folder = root / "once"
+    folder.mkdir(exist_ok=True)
+    name = hashlib.sha256(key.encode()).hexdigest()[:16]
+    value = folder / f"{name}.json"
+    with open(folder / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not value.exists():
+            work = folder / name
+            work.mkdir(exist_ok=True)
+            made = make(work)
+            value.with_suffix(".part").write_text(json.dumps(made))
+            value.with_suffix(".part").rename(value)
+        return json.loads(value.read_text())
+
+
+def faulted_and_twin(tmp_path: Path, notebook, shared: str | None = None):
     """``notebook(mark)`` run supervised with its fault (which strikes once, then creates
     ``mark``), and uninterrupted (its mark made already): the run, which must succeed, the
-    executed notebook and its twin's."""
-    (tmp_path / "twin").mkdir()
-    (tmp_path / "twin" / "m").touch()  # the fault has struck already: none
-    twin = notebook(tmp_path / "twin" / "m")
-    assert run(twin, tmp_path / "twin", standby=False).status == 0
+    executed notebook and its twin's. ``shared``: a name for the twin, run once for all the tests
+    that give it (:func:`once`): the fault is never raised in the twin, so the notebooks that
+    differ only by the fault they would raise share one."""
+    def uninterrupted(folder: Path):
+        (folder / "m").touch()  # the fault has struck already: none
+        twin = notebook(folder / "m")
+        assert run(twin, folder, standby=False).status == 0
+        return twin
+
+    if shared is None:
+        (tmp_path / "twin").mkdir()
+        twin = uninterrupted(tmp_path / "twin")
+    else:
+        twin = nbformat.reads(once(tmp_path.parent, f"twin {shared}", lambda f: nbformat.writes(uninterrupted(f))), 4)
     nb = notebook(tmp_path / "m")
     faulted = run(nb, tmp_path, standby=False)
     assert faulted.status == 0, faulted.message

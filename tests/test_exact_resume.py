@@ -18,19 +18,15 @@ from harness import faulted_and_twin
 
 pytestmark = pytest.mark.kernel
 
-_twins: dict = {}
-
-
 def twin(tmp_path_factory, name: str, **parameters) -> str:
-    """The RESULT of ``name`` run uninterrupted with ``parameters`` (computed once per session)."""
-    key = (name, tuple(sorted(parameters.items())))
-    if key not in _twins:
-        work = tmp_path_factory.mktemp("twin")
+    """The RESULT of ``name`` run uninterrupted with ``parameters`` (run once in the session)."""
+    def uninterrupted(work):
         nb = harness.load(name, work, **parameters)
         run = harness.run(nb, work, standby=False)
         assert run.status == 0, run.message
-        _twins[key] = harness.result(nb)
-    return _twins[key]
+        return harness.result(nb)
+
+    return harness.once(tmp_path_factory.getbasetemp(), f"{name} {sorted(parameters.items())}", uninterrupted)
 
 
 def retried(ip, tmp_path, replay: str, cell: str) -> None:
@@ -316,7 +312,8 @@ def test_objects_the_set_up_cells_handed_on_see_the_restored_values(tmp_path, fa
     done. The average the loop binds anew each epoch, and a scale a set-up cell's function binds
     anew (``global``), are bound to their saved values, and the names that kept their first values
     keep them."""
-    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _handed_on_notebook(fault, mark))
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _handed_on_notebook(fault, mark),
+                                     shared="handed_on")
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(nb).startswith("RESULT 6 True ") and harness.result(nb).endswith(" 0.015625 1.0")
@@ -361,7 +358,8 @@ def test_models_and_optimizers_saved_in_lists_and_dicts_stay_joined(tmp_path, fa
     restore loads the saved state into the models and optimizers the lists hold (rebuilt by the
     set-up cell after a kill, the same ones after an OOM), and the run ends bit for bit as its twin,
     without the first run's line that the lists hold `model` and `opt` cut off from them."""
-    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _ensemble_notebook(fault, mark))
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _ensemble_notebook(fault, mark),
+                                     shared="ensemble")
     train = harness.cell_text(nb.cells[2])
     assert len(run.restarts) == (fault == "kill"), train
     assert "cut off" not in train, train
@@ -407,7 +405,8 @@ def test_a_modules_own_plain_attributes_come_back_with_it(tmp_path, fault):
     they were the replayed module's (20 calls for 24), after an OOM the rolled-back step's call
     stayed counted (25), and the run said done. They go beside the checkpoint with the module's
     modes and are put back (the list into the one the module and the notebook hold)."""
-    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _counting_module_notebook(fault, mark))
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _counting_module_notebook(fault, mark),
+                                     shared="counting_module")
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(nb).startswith("RESULT 24 24 True 384 ")
@@ -445,7 +444,8 @@ def test_an_object_the_code_above_an_inner_loop_changes_is_back_at_the_inner_saf
     the module's count reset, and the run said done. At the inner loop the saved modules and
     optimizers get the inner safe point's state again (as lists and tensors did), and the run ends
     bit for bit as its twin."""
-    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _decay_above_inner_notebook(fault, mark))
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _decay_above_inner_notebook(fault, mark),
+                                     shared="decay_above_inner")
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(nb).startswith("RESULT 0.025 64 ")
@@ -579,7 +579,8 @@ def test_a_model_copy_the_loop_makes_comes_back_whole(tmp_path, fault):
     name to load it into), and the run stopped. A module the loop binds anew, whose parameters no
     saved optimizer steps, is saved whole and bound again; the run ends bit for bit as its twin,
     the copy apart from the model."""
-    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _best_copy_notebook(fault, mark))
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _best_copy_notebook(fault, mark),
+                                     shared="best_copy")
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert " True False " in harness.result(nb), harness.result(nb)
@@ -626,7 +627,8 @@ def test_a_modules_tensors_no_state_dict_holds_come_back_with_it(tmp_path, fault
     out-of-memory error they kept the failed attempt's updates, and the run said done with other
     weights. They go with the checkpoint and are copied back into the module; the run ends bit for
     bit as its twin."""
-    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _non_persistent_buffer_notebook(fault, mark))
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _non_persistent_buffer_notebook(fault, mark),
+                                     shared="non_persistent_buffer")
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(nb).startswith("RESULT False "), harness.result(nb)
@@ -668,7 +670,8 @@ def test_tensors_come_back_laid_out_in_memory_as_they_were(tmp_path, fault):
     reduces in memory order, gave other bits after a kill or an out-of-memory error, and the
     optimizer's moments lost the parameters' layout. They come back with their strides; the run
     ends bit for bit as its twin."""
-    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _channels_last_notebook(fault, mark))
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _channels_last_notebook(fault, mark),
+                                     shared="channels_last")
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(nb).startswith("RESULT (192, 1, 24, 3) (27, 1, 9, 3) "), harness.result(nb)
@@ -702,7 +705,8 @@ def test_an_optimizer_state_that_is_summed_comes_back_summed_in_the_same_order(t
     its saved history, summed in another order after a kill or an out-of-memory error, and the run
     ended in other last bits. Each comes back in memory of its own; the run ends bit for bit as
     its twin."""
-    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _lbfgs_notebook(fault, mark))
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _lbfgs_notebook(fault, mark),
+                                     shared="lbfgs")
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
 
@@ -927,7 +931,8 @@ def test_a_loop_in_a_function_the_cell_calls_resumes_where_it_stopped(tmp_path, 
     and the run ends bit for bit as its uninterrupted twin. Before, the cell, whose own code holds
     no loop, was restored at its first line and run again: train() halved the restored weights
     and trained them from epoch 0, and the run said done."""
-    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _train_function_notebook(fault, mark))
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _train_function_notebook(fault, mark),
+                                     shared="train_function")
     text = harness.cell_text(nb.cells[2])
     assert len(run.restarts) == (fault == "kill"), text
     assert harness.result(nb) == harness.result(twin)
@@ -968,7 +973,7 @@ def test_a_trainer_object_whose_method_runs_the_loop_is_restored_into_itself(tmp
             "print('RESULT', len(hist), hist is trainer.history, trainer.model is model, [h.hex() for h in hist],"
             " model.weight.detach().numpy().tobytes().hex())")
 
-    run, nb, twin = faulted_and_twin(tmp_path, notebook)
+    run, nb, twin = faulted_and_twin(tmp_path, notebook, shared="trainer_class")
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(nb).startswith("RESULT 6 True True "), harness.result(nb)

@@ -138,17 +138,15 @@ def test_a_rebuilt_state_of_another_structure_is_refused_in_one_line_and_left_as
         ckpt.restore({}, ["net"])
 
 
-_twins: dict = {}
-
-
 def twin(tmp_path_factory, api: str) -> str:
-    if api not in _twins:
-        work = tmp_path_factory.mktemp("flax-twin")
+    """The RESULT of train_flax.ipynb run uninterrupted with ``api``, once in the session."""
+    def uninterrupted(work):
         nb = harness.load("train_flax.ipynb", work, api=api)
         run = harness.run(nb, work, standby=False)
         assert run.status == 0, run.message
-        _twins[api] = harness.result(nb)
-    return _twins[api]
+        return harness.result(nb)
+
+    return harness.once(tmp_path_factory.getbasetemp(), f"flax {api}", uninterrupted)
 
 
 @pytest.mark.kernel

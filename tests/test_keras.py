@@ -309,7 +309,8 @@ def test_a_custom_training_loop_killed_or_out_of_memory_resumes_bit_identical(tm
     epoch's numbers from the failed attempt's generator, and the run said done).
     Each ends bit for bit as the uninterrupted run (weights, moments, step counts, the metric's
     means, keras.random's draws), and the first run says nothing of them (they were refused before)."""
-    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: custom_loop_notebook(fault, mark, epoch, built))
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: custom_loop_notebook(fault, mark, epoch, built),
+                                              shared=f"keras custom loop built={built}")
     train = harness.cell_text(nb.cells[2])
     restarted = fault == "kill" or epoch == 0
     assert len(run.restarts) == restarted, train
@@ -362,7 +363,8 @@ def test_keras_models_and_optimizers_in_dicts_resume_bit_identical(tmp_path, fau
     after a kill the optimizers had lost their moments and step counts, each run saying done with
     another result. Each Keras object is now saved by its variables and assigned into the one in
     its place; the run ends bit for bit as its twin."""
-    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: models_dict_notebook(fault, mark))
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: models_dict_notebook(fault, mark),
+                                              shared="keras models dict")
     train = harness.cell_text(nb.cells[2])
     assert len(run.restarts) == (fault == "kill"), train
     assert harness.result(nb) == harness.result(twin)
@@ -399,7 +401,8 @@ def test_a_compiled_model_fit_one_epoch_at_a_time_resumes_with_its_optimizer(tmp
     optimizer's variables go with the model's, and are assigned into the rebuilt model's optimizer
     (built for it first). An OOM in the first epoch, where the safe point had it unbuilt, goes on in
     a restarted kernel. Each ends bit for bit as its twin."""
-    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: fit_per_epoch_notebook(fault, mark, epoch))
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: fit_per_epoch_notebook(fault, mark, epoch),
+                                              shared="keras fit per epoch")
     train = harness.cell_text(nb.cells[2])
     assert len(run.restarts) == (fault == "kill" or epoch == 0), train
     assert harness.result(nb) == harness.result(twin)
@@ -474,7 +477,8 @@ def test_a_subclassed_model_built_by_its_first_step_resumes_with_its_own_metrics
     count, the CSV file, the weights and the optimizer's variables. The first run says one thing:
     that the notebook's callback appends to a file of its own (where a fault strikes after it wrote
     and before the next safe point is on disk, the lines are written again); not CSVLogger's."""
-    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: subclassed_fit_notebook(fault, mark, epoch))
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: subclassed_fit_notebook(fault, mark, epoch),
+                                              shared="keras subclassed fit")
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     said = [line for line in harness.cell_text(twin.cells[2]).splitlines() if "colab_resilience:" in line]
     assert said == ["colab_resilience: Strike, which the training calls, appends to 'epochs.txt': a checkpoint does "
@@ -560,7 +564,8 @@ def test_a_csv_logger_that_appends_does_not_write_the_epochs_trained_again_twice
     file had its header) and trains it again, and the logger appended its row again: the file
     held it twice, and the run said done. The logger now skips the rows its file holds from after
     the checkpoint; the file is the uninterrupted fit's, byte for byte, as is the model."""
-    faulted, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: csv_logger_notebook(fault, mark, epoch))
+    faulted, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: csv_logger_notebook(fault, mark, epoch),
+                                                   shared="keras csv logger")
     assert len(faulted.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
     rows = harness.result(twin).split(" ", 2)[1].split("|")
@@ -633,18 +638,21 @@ def test_tensorflows_global_seed_state_goes_with_the_random_states():
     assert state["tensorflow"]["seed"] == 5
 
 
-_twins: dict = {}
+def uninterrupted(tmp_path_factory, **parameters) -> str:
+    """The RESULT of train_keras.ipynb run uninterrupted with ``parameters``, once in the session."""
+    def run(work):
+        nb = harness.load("train_keras.ipynb", work, **parameters)
+        ran = harness.run(nb, work, standby=False)
+        assert ran.status == 0, ran.message
+        return harness.result(nb)
+
+    return harness.once(tmp_path_factory.getbasetemp(), f"keras {sorted(parameters.items())}", run)
 
 
 def twin(tmp_path_factory) -> str:
-    if "arrays" not in _twins:
-        work = tmp_path_factory.mktemp("keras-twin")
-        nb = harness.load("train_keras.ipynb", work)
-        run = harness.run(nb, work, standby=False)
-        assert run.status == 0, run.message
-        _twins["arrays"] = harness.result(nb)
-        assert "epochs=[0, 1, 2, 3]" in _twins["arrays"] and "torch_imported=False" in _twins["arrays"]
-    return _twins["arrays"]
+    made = uninterrupted(tmp_path_factory)
+    assert "epochs=[0, 1, 2, 3]" in made and "torch_imported=False" in made
+    return made
 
 
 trained_epochs = harness.by_kernel  # (kernel, epoch) for each epoch begun
@@ -678,15 +686,7 @@ def test_a_keras_fit_killed_or_out_of_memory_mid_epoch_goes_on_at_that_epoch_bit
 def plain_twin(tmp_path_factory, **parameters) -> str:
     """The uninterrupted run of the notebook with ``parameters`` (a model without Dropout and
     BatchNormalization unless they say otherwise), made once per set of parameters."""
-    parameters = {"dropout": 0.0, "batch_norm": False, **parameters}
-    key = repr(sorted(parameters.items()))
-    if key not in _twins:
-        work = tmp_path_factory.mktemp("keras-twin")
-        nb = harness.load("train_keras.ipynb", work, **parameters)
-        run = harness.run(nb, work, standby=False)
-        assert run.status == 0, run.message
-        _twins[key] = harness.result(nb)
-    return _twins[key]
+    return uninterrupted(tmp_path_factory, **{"dropout": 0.0, "batch_norm": False, **parameters})
 
 
 def history_losses(result: str) -> list[float]:
@@ -911,19 +911,15 @@ def test_early_stoppings_count_and_best_weights_go_with_the_checkpoint(tmp_path,
     negative for a loss, which must stay so); killed when training ended, after the callback's
     last safe point and before the cell ended, the resumed fit trains no more epochs. Both end
     with the uninterrupted weights."""
-    if "early" not in _twins:
-        work = tmp_path_factory.mktemp("keras-early-twin")
-        nb = harness.load("train_keras.ipynb", work, early_stop=True, epochs=8)
-        assert harness.run(nb, work, standby=False).status == 0
-        _twins["early"] = harness.result(nb)
-        assert "epochs=[0, 1, 2, 3]" in _twins["early"]  # it stopped early
+    early = uninterrupted(tmp_path_factory, early_stop=True, epochs=8)
+    assert "epochs=[0, 1, 2, 3]" in early  # it stopped early
     nb = harness.load("train_keras.ipynb", tmp_path, early_stop=True, epochs=8, fault="sigkill",
                       fault_epoch=fault_epoch, fault_step=fault_step)
     run, out = harness.run_ok(nb, tmp_path)
     assert len(run.restarts) == 1, out
     assert "the state of EarlyStopping, Fault in " in out, out
     assert ("the loop had finished" if fault_step == "end" else "continuing at epoch 4/8") in out, out
-    assert harness.result(nb) == _twins["early"]
+    assert harness.result(nb) == early
     assert max(e for _, e in trained_epochs(tmp_path / "events.log")) == 3
 
 
