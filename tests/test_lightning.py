@@ -26,9 +26,6 @@ import harness
 
 pytestmark = pytest.mark.kernel
 
-_twins: dict = {}
-
-
 def load(tmp_path, **parameters):
     return harness.load("train_lightning.ipynb", tmp_path, root_dir=str(tmp_path / "out"), **parameters)
 
@@ -36,15 +33,16 @@ def load(tmp_path, **parameters):
 def twin(tmp_path_factory, workers: int = 0, **parameters) -> str:
     """The uninterrupted run (with DataLoader workers, the samples' noise is drawn in them: another
     run); with ``parameters``, that run of the notebook."""
-    key = (workers, *sorted(parameters.items()))
-    if key not in _twins:
-        work = tmp_path_factory.mktemp("lightning-twin")
+    def uninterrupted(work):
         nb = load(work, workers=workers, **parameters)
         run = harness.run(nb, work, standby=False)
         assert run.status == 0, run.message
-        _twins[key] = harness.result(nb)
-        assert parameters or "step=30 epoch=3" in _twins[key], _twins[key]
-    return _twins[key]
+        return harness.result(nb)
+
+    made = harness.once(tmp_path_factory.getbasetemp(), f"lightning {workers} {sorted(parameters.items())}",
+                        uninterrupted)
+    assert parameters or "step=30 epoch=3" in made, made
+    return made
 
 
 trained_steps = harness.by_kernel  # (kernel, step) for each step begun
@@ -117,12 +115,7 @@ def test_shrinking_the_batch_keeps_the_effective_batch(tmp_path, tmp_path_factor
     rate and EarlyStopping count, and, without dropout or noise (whose draws depend on the shapes),
     its losses up to float rounding. Killed after step 25 as well, the kernel that takes over starts
     from the journal's shrunk batch and raises the accumulation again."""
-    if "still" not in _twins:
-        work = tmp_path_factory.mktemp("lightning-twin-still")
-        nb = load(work, dropout=0.0, noise=0.0)
-        assert harness.run(nb, work, standby=False).status == 0
-        _twins["still"] = harness.result(nb)
-    want = _parts(_twins["still"])
+    want = _parts(twin(tmp_path_factory, dropout=0.0, noise=0.0))
     nb = load(tmp_path, fault="oom-error", fault_step=fault_step, every_steps=every_steps, kill_step=kill_step,
               dropout=0.0, noise=0.0, shrink="--shrink batch_size")
     run, out = harness.run_ok(nb, tmp_path)

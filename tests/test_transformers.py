@@ -25,22 +25,25 @@ import harness
 
 pytestmark = pytest.mark.kernel
 
-_twins: dict = {}
-
-
 def load(tmp_path, **parameters):
     return harness.load("train_hf.ipynb", tmp_path, output_dir=str(tmp_path / "out"), **parameters)
 
 
+def uninterrupted(tmp_path_factory, **parameters) -> str:
+    """The RESULT of train_hf.ipynb run uninterrupted with ``parameters``, once in the session."""
+    def run(work):
+        nb = load(work, **parameters)
+        ran = harness.run(nb, work, standby=False)
+        assert ran.status == 0, ran.message
+        return harness.result(nb)
+
+    return harness.once(tmp_path_factory.getbasetemp(), f"hf {sorted(parameters.items())}", run)
+
+
 def twin(tmp_path_factory) -> str:
-    if "hf" not in _twins:
-        work = tmp_path_factory.mktemp("hf-twin")
-        nb = load(work)
-        run = harness.run(nb, work, standby=False)
-        assert run.status == 0, run.message
-        _twins["hf"] = harness.result(nb)
-        assert "step=30" in _twins["hf"]
-    return _twins["hf"]
+    made = uninterrupted(tmp_path_factory)
+    assert "step=30" in made
+    return made
 
 
 trained_steps = harness.by_kernel  # (kernel, step) for each step begun
@@ -95,12 +98,7 @@ def test_shrinking_the_trainers_batch_keeps_its_effective_batch(tmp_path, tmp_pa
     dropout (whose masks depend on the shapes drawn), with the twin's logged losses up to float
     rounding (each step's sums are made in two parts). Killed after step 20 as well, the kernel
     that takes over starts from the shrunk batch (the journal's) and raises the accumulation again."""
-    if "no-dropout" not in _twins:
-        work = tmp_path_factory.mktemp("hf-twin-no-dropout")
-        nb = load(work, dropout=0.0)
-        assert harness.run(nb, work, standby=False).status == 0
-        _twins["no-dropout"] = harness.result(nb)
-    reference = _twins["no-dropout"]
+    reference = uninterrupted(tmp_path_factory, dropout=0.0)
     nb = load(tmp_path, fault="oom-error", fault_step=12, kill_step=kill_step, dropout=0.0,
               shrink="--shrink trainer.args.per_device_train_batch_size")
     run, out = harness.run_ok(nb, tmp_path)
