@@ -26,6 +26,7 @@ import harness
 
 pytestmark = pytest.mark.kernel
 
+
 def load(tmp_path, **parameters):
     return harness.load("train_lightning.ipynb", tmp_path, root_dir=str(tmp_path / "out"), **parameters)
 

@@ -25,6 +25,7 @@ import harness
 
 pytestmark = pytest.mark.kernel
 
+
 def load(tmp_path, **parameters):
     return harness.load("train_hf.ipynb", tmp_path, output_dir=str(tmp_path / "out"), **parameters)
 
