@@ -66,8 +66,7 @@ def test_an_accelerate_loop_killed_or_out_of_memory_resumes_bit_identical(tmp_pa
     prepared (accelerate's wrappers around them), the loader's epoch is the loop's, and the run
     ends bit for bit as its twin: every epoch's loss, the learning rate, the weights. The first
     run says nothing of the loop (written the way the lines below ask)."""
-    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: accelerate_notebook(fault, mark),
-                                              shared="accelerate loop")
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: accelerate_notebook(fault, mark))
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert "colab_resilience:" not in harness.cell_text(twin.cells[2]), harness.cell_text(twin.cells[2])
     assert harness.result(nb) == harness.result(twin)
@@ -124,8 +123,7 @@ def test_a_loaders_own_count_of_epochs_comes_back_with_the_checkpoint(tmp_path, 
     loader says so, and the Accelerator's state differed, found by a probe), and its optimizer as
     having been stepped (the flag a scheduler's wrapper of ``step`` sets, which the Accelerator
     holds too: a new kernel's had not been stepped, and check said the Accelerator differs)."""
-    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: counted_epochs_notebook(fault, mark, seedable, after),
-                                              shared=f"accelerate counted epochs seedable={seedable}")
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: counted_epochs_notebook(fault, mark, seedable, after))
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert "colab_resilience:" not in harness.cell_text(twin.cells[2]), harness.cell_text(twin.cells[2])
     assert harness.result(nb) == harness.result(twin)
