@@ -102,17 +102,21 @@ def _pending_line(j: Journal) -> str:
 
     cell = "run its cell again (or Run all) to continue"
     where = f"from checkpoint {j.last_checkpoint}" if j.last_checkpoint else "from the start (no checkpoint yet)"
+    # a refusal repeats what it said, with what to do, where "run its cell again" would only stop it again
+    stopped = j.stopped.removeprefix("colab_resilience: ").removeprefix(f"run {j.run_id}: ") if j.stopped else None
     how = uncounted_death(j)
     if how is not None and pid_alive(j.kernel_pid):
         return f"held by kernel PID {j.kernel_pid}, which is still running"
     if how is not None:
         return (f"its kernel (PID {j.kernel_pid}) died without warning ({how}); not counted yet: "
-                f"{cell} {where}; that restart will count against the budget")
+                f"{cell} {where}; that restart will count against the budget"
+                + (f"; before that, its cell had stopped: {stopped}" if stopped else ""))
     if j.kernel_pid == os.getpid():
-        return f"left pending in this kernel: {cell} {where}"
+        return f"stopped in this kernel: {stopped}" if stopped else f"left pending in this kernel: {cell} {where}"
     last = j.restarts[-1] if j.restarts else None
     why = f" ({last.reason})" if last is not None else ""
-    return f"its kernel restarted{why}: {cell} {where}"
+    return (f"its kernel restarted{why}: {cell} {where}"
+            + (f"; before that, its cell had stopped: {stopped}" if stopped else ""))
 
 
 def set_dir(session, folder: str) -> None:

@@ -118,6 +118,10 @@ class Journal:
     # the cell's safe points are that loop's, though its own code holds none
     loops: bool = False
     notebook: str | None = None  # the notebook whose cell the run is, where the kernel knew it (session.notebook)
+    # the one line that stopped the run's last execution before its first safe point (a refusal
+    # of this package, which says what to do): what %resilience status says in place of "run its
+    # cell again to continue", which would only stop it again
+    stopped: str | None = None
     # what the names the set-up cells bind and the cell reads (not in --save) held when the run
     # began, as fingerprints: a kernel that resumes it after a replay compares (setup_state)
     setup: dict[str, str] = field(default_factory=dict)
@@ -264,6 +268,7 @@ class Journal:
     def held_here(self) -> None:
         """This kernel holds the run from now on."""
         self.kernel_pid = os.getpid()
+        self.stopped = None
         if self.kernels[-1:] != [kernel_identity()]:
             self.kernels.append(kernel_identity())
 

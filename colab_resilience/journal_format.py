@@ -38,10 +38,11 @@ SCALARS: dict[str, tuple[type, ...]] = {
     "framework": (str, type(None)),
     "loops": (bool,),
     "notebook": (str, type(None)),
+    "stopped": (str, type(None)),
 }
 # absent from the first journals of version 2
 OPTIONAL = {"resume_at": None, "oom_kills": None, "counted_pid": None, "generation": 0, "framework": None,
-            "loops": False, "notebook": None}
+            "loops": False, "notebook": None, "stopped": None}
 
 
 def bad(path: Path, why: str):

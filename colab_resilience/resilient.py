@@ -67,8 +67,8 @@ def execute(session, line: str, body: str, options: Options) -> None:
     )
     adopted, session.adopt = session.adopt, None  # after %resilience resume: this cell continues that run
 
-    def withdraw() -> None:  # before its first safe point: the run as it was (Run.withdraw), adopted still
-        run.withdraw()
+    def withdraw(e: BaseException) -> None:  # before its first safe point: the run as it was, adopted still
+        run.withdraw(str(e) if isinstance(e, ResilienceError) else None)  # a refusal: status repeats it
         session.adopt = adopted
 
     replayed, seconds = 0, 0.0
@@ -77,8 +77,8 @@ def execute(session, line: str, body: str, options: Options) -> None:
         start = time.perf_counter()
         try:
             replayed = replay.replay(shell, run.journal.replay_cells, session.replay_log, session.say)
-        except BaseException:
-            withdraw()  # still pending: fix the set-up cell, then run this cell again
+        except BaseException as e:
+            withdraw(e)  # still pending: fix the set-up cell, then run this cell again
             raise
         seconds = time.perf_counter() - start
     try:
@@ -86,15 +86,15 @@ def execute(session, line: str, body: str, options: Options) -> None:
             commands.put_back_finished(session, run)
         run.start(session.replay_log.cells, replayed=replayed, replay_seconds=seconds, setup=session.replay_log.prints,
                   setup_saved=session.replay_log.saved_prints)
-    except BaseException:
-        withdraw()  # still pending: a change the run began with and no checkpoint holds (it says which)
+    except BaseException as e:
+        withdraw(e)  # still pending: a change the run began with and no checkpoint holds (it says which)
         raise
     try:
         # a --save name made by a cell that is not replayed comes back from the checkpoint
         lint.check_options(shell, options.names, options.shrink, body,
                            restorable=run.store.latest_names() if run.resuming else ())
-    except OptionError:
-        withdraw()  # a pending run stays pending, its checkpoints kept: put the option right, run it again
+    except OptionError as e:
+        withdraw(e)  # a pending run stays pending, its checkpoints kept: put the option right, run it again
         raise
     if run.edited is not None:
         session.say(run.edited)
@@ -135,7 +135,7 @@ def execute(session, line: str, body: str, options: Options) -> None:
                     session.say(f"colab_resilience: run {run.run_id} stopped by {type(e).__name__} before its next safe "
                                 f"point; it stays pending: run this cell again to go on from where it was "
                                 f"(%resilience reset {run.run_id} to start over)")
-                withdraw()
+                withdraw(e)
             elif run.lock.held:
                 run.finish("failed")  # the checkpoint being written is on disk first: the line names it
                 # only when progress was made, and not after a refusal of ours (it says what to do)

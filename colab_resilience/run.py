@@ -1010,12 +1010,13 @@ class Run:
                 "(or choose another folder with %resilience dir), then run this cell again; it goes on from "
                 + (f"checkpoint {last}" if last else "the start"))
 
-    def withdraw(self) -> None:
+    def withdraw(self, stopped: str | None = None) -> None:
         """This execution stops before its first safe point (an option of its line is wrong, a set-up
         cell failed to replay, a refusal, an error): a run it began is forgotten (its folder holds
         nothing of the user's: no step ran), a pending run it took over stays pending, its
         checkpoints kept and its code the code they were made with (a change is said when the
-        run goes on), for the cell run again once the cause is put right."""
+        run goes on), for the cell run again once the cause is put right. ``stopped``: the refusal
+        that stopped it, which ``%resilience status`` repeats until the run is taken up again."""
         assert self.safe_points == 0
         try:
             self.saver.close()
@@ -1023,6 +1024,7 @@ class Run:
                 shutil.rmtree(self.journal.run_dir, ignore_errors=True)
             else:  # the code it goes on with is told against what ran, not this cell's, which did not
                 self.journal.interrupted_cell = self.ran
+                self.journal.stopped = stopped.splitlines()[0] if stopped else None
                 self.journal.save()
         finally:
             self.close()

@@ -788,6 +788,10 @@ def test_an_optimizer_the_replay_joins_to_other_tensors_stops_the_run_before_any
         "optimizer?), so the run cannot go on as it was; to start it afresh with them as they are now: "
         f"`%resilience reset {run_id}`, then run this cell"), r.evalue
     assert kernel.value("losses") == []  # nothing was restored
+    # status repeats the refusal, not "run its cell again to continue", which would only stop it again
+    status = kernel.ok("%resilience status").stdout.splitlines()
+    refusal = r.evalue.split(f"run {run_id}: ", 1)[1]
+    assert status[2] == f"colab_resilience:     stopped in this kernel: {refusal}", status
     kernel.ok(f"%resilience reset {run_id}")
     kernel.ok(train, metadata={"cellId": "train"})
     losses = kernel.value("losses")

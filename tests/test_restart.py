@@ -758,3 +758,43 @@ def test_a_second_kernel_on_the_same_run_is_refused(tmp_path, env):
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_status_repeats_the_refusal_that_stopped_a_pending_run_until_it_goes_on(tmp_path, env):
+    """A run killed in epoch 1, then its cell run again with a --shrink name that does not exist:
+    the run stays pending, refused in one line. `%resilience status` said "left pending in this
+    kernel: run its cell again (or Run all) to continue", which only refuses again; it repeats the
+    refusal, with what to do, and says so in the next kernel too. Once the cell, put right, goes on
+    (and is killed again in epoch 3), the refusal is no longer said."""
+    k = Kernel(env)
+    try:
+        k.ok("%load_ext colab_resilience")
+        k.ok("%%replay\nimport os, signal, torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(2, 1)\n"
+             "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nlosses = []\nbatch = 4", metadata={"cellId": "setup"})
+
+        def train(shrink):
+            return (f"%%resilient --save model,opt,losses --shrink {shrink}\nfor epoch in resume_range(5):\n"
+                    "    opt.zero_grad(); loss = model(torch.ones(batch, 2)).sum(); loss.backward(); opt.step()\n"
+                    f"    losses.append(loss.item())\n    mark = {str(tmp_path)!r} + f'/killed-{{epoch}}'\n"
+                    "    if epoch in (1, 3) and not os.path.exists(mark):\n"
+                    "        open(mark, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)")
+
+        assert k.execute_until_exit(train("batch"), metadata={"cellId": "train"})[1] == -9
+        k.restart()
+        r = k.execute(train("batchsize"), metadata={"cellId": "train"})
+        assert r.evalue.startswith("%%resilient: --shrink batchsize: no variable 'batchsize' exists"), r.evalue
+        status = k.ok("%resilience status").stdout.splitlines()
+        assert status[2] == f"colab_resilience:     stopped in this kernel: {r.evalue}", status
+        k.restart()
+        status = k.ok("%resilience status").stdout.splitlines()
+        assert status[2].endswith(f"; before that, its cell had stopped: {r.evalue}"), status
+        went_on = k.pid
+        assert k.execute_until_exit(train("batch"), metadata={"cellId": "train"})[1] == -9  # went on, to epoch 3
+        k.restart()
+        status = k.ok("%resilience status").stdout.splitlines()
+        assert status[2].startswith(f"colab_resilience:     its kernel (PID {went_on}) died without warning"), status
+        assert "stopped" not in "\n".join(status), status
+        k.ok(train("batch"), metadata={"cellId": "train"})
+        assert len(k.value("losses")) == 5
+    finally:
+        k.shutdown()
