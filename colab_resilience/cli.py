@@ -13,6 +13,7 @@ Exit codes: 0 done, 1 a cell failed, 2 usage or input error, 3 restart budget sp
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import time
 from pathlib import Path
@@ -170,6 +171,20 @@ EXIT_CODES = ("exit codes: 0 done, 1 a cell failed, 2 usage or input error, 3 re
               "130 interrupted (Ctrl-C), 143 stopped by SIGTERM")
 
 
+def _hint(extra: list[str], where: argparse.ArgumentParser, commands: dict[str, argparse.ArgumentParser]) -> str:
+    """For an unknown option: the command it belongs to (``run --faults``), or the option meant."""
+    options = [a for a in extra if a.startswith("-") and len(a) > 1]
+    if not options:
+        return ""
+    name = options[0].partition("=")[0]
+    for command, other in commands.items():
+        if other is not where and name in other._option_string_actions:
+            return f" ({name} is an option of `colab-resilience {command}`)"
+    longs = [s for s in where._option_string_actions if s.startswith("--")]
+    close = difflib.get_close_matches(name, longs, n=1) if name.startswith("--") else []
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="colab-resilience", description=DESCRIPTION, epilog=EXIT_CODES)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -210,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="train a small model through a real OOM and a real kernel kill, and compare")
     d.add_argument("--keep", metavar="DIR", help="keep the demo's notebooks in DIR")
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # said by the command's own parser, which its --help explains
+            commands = {"run": p, "check": c, "demo": d}
+            where = commands.get(args.command, parser)
+            where.error(f"unrecognized arguments: {' '.join(extra)}{_hint(extra, where, commands)}")
     except SystemExit as e:
         return EXIT_USAGE if e.code else EXIT_OK
     import signal

@@ -388,6 +388,14 @@ def test_cli_run_ids_do_not_depend_on_the_notebook_the_command_was_given_from(tm
         ("nb", ["run", "good.ipynb", "-p", "2x", "1"], "colab-resilience: -p 2x: not a Python variable name"),
         ("nb", ["run", "good.ipynb", "--max-restarts", "-1"], "argument --max-restarts: cannot be negative (got -1)"),
         (None, ["frobnicate"], "invalid choice: 'frobnicate'"),
+        # said by the command given, with the command whose option it is: it was `colab-resilience
+        # --help`, whose text names no command's options
+        ("nb", ["run", "good.ipynb", "--faults", "2"], "colab-resilience run: unrecognized arguments: --faults 2 "
+         "(--faults is an option of `colab-resilience check`); see `colab-resilience run --help`"),
+        ("nb", ["check", "good.ipynb", "-o", "x.ipynb"], "colab-resilience check: unrecognized arguments: -o x.ipynb "
+         "(-o is an option of `colab-resilience run`); see `colab-resilience check --help`"),
+        ("nb", ["run", "good.ipynb", "--no-standy"], "colab-resilience run: unrecognized arguments: --no-standy "
+         "(did you mean --no-standby?); see `colab-resilience run --help`"),
         # found only after the run, the executed notebook was lost with a traceback
         ("nb", ["run", "good.ipynb", "-o", "missing/o.ipynb"], "colab-resilience: cannot write the executed notebook to "
          "missing/o.ipynb: there is no folder missing; make it first, or give another output path"),
