@@ -419,6 +419,20 @@ def once(basetemp: Path, key: str, make):
         return json.loads(value.read_text())
 
 
+def twin_result(tmp_path_factory, name: str, loader=None, **parameters) -> str:
+    """The RESULT line of the golden notebook ``name`` with ``parameters`` (read by ``loader(work,
+    **parameters)`` where it needs more, a folder of its own in ``work``, else :func:`load`) run
+    supervised and uninterrupted, once in the test session (:func:`once`): what every faulted run
+    of it must end with, bit for bit."""
+    def uninterrupted(work: Path) -> str:
+        nb = loader(work, **parameters) if loader is not None else load(name, work, **parameters)
+        ran = run(nb, work, standby=False)
+        assert ran.status == 0, ran.message
+        return result(nb)
+
+    return once(tmp_path_factory.getbasetemp(), f"{name} {sorted(parameters.items())}", uninterrupted)
+
+
 def faulted_and_twin(tmp_path: Path, notebook, shared: str | None = None):
     """``notebook(mark)`` run supervised with its fault (which strikes once, then creates
     ``mark``), and uninterrupted (its mark made already): the run, which must succeed, the

@@ -18,15 +18,7 @@ from harness import faulted_and_twin
 
 pytestmark = pytest.mark.kernel
 
-def twin(tmp_path_factory, name: str, **parameters) -> str:
-    """The RESULT of ``name`` run uninterrupted with ``parameters`` (run once in the session)."""
-    def uninterrupted(work):
-        nb = harness.load(name, work, **parameters)
-        run = harness.run(nb, work, standby=False)
-        assert run.status == 0, run.message
-        return harness.result(nb)
-
-    return harness.once(tmp_path_factory.getbasetemp(), f"{name} {sorted(parameters.items())}", uninterrupted)
+twin = harness.twin_result  # the RESULT of a golden notebook run uninterrupted, once in the session
 
 
 def retried(ip, tmp_path, replay: str, cell: str) -> None:

@@ -140,13 +140,7 @@ def test_a_rebuilt_state_of_another_structure_is_refused_in_one_line_and_left_as
 
 def twin(tmp_path_factory, api: str) -> str:
     """The RESULT of train_flax.ipynb run uninterrupted with ``api``, once in the session."""
-    def uninterrupted(work):
-        nb = harness.load("train_flax.ipynb", work, api=api)
-        run = harness.run(nb, work, standby=False)
-        assert run.status == 0, run.message
-        return harness.result(nb)
-
-    return harness.once(tmp_path_factory.getbasetemp(), f"flax {api}", uninterrupted)
+    return harness.twin_result(tmp_path_factory, "train_flax.ipynb", api=api)
 
 
 @pytest.mark.kernel

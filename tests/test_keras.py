@@ -24,6 +24,7 @@ tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed (CI's
 keras = pytest.importorskip("keras", minversion="3", reason="Keras 3 is not installed (CI's framework stack has it)")
 
 import harness
+import nbformat
 import numpy as np
 
 from colab_resilience.checkpoints import CheckpointStore
@@ -579,7 +580,7 @@ def test_a_csv_row_the_fault_cut_short_is_said_and_the_file_is_not_truncated(tmp
     run = harness.run(nb, tmp_path, standby=False)
     out = harness.cell_text(nb.cells[2])
     assert run.status == 0 and len(run.restarts) == 1, out
-    assert out.count(f"colab_resilience: fit.csv ends in a row that the fault cut short, after the checkpoint this "
+    assert out.count("colab_resilience: fit.csv ends in a row that the fault cut short, after the checkpoint this "
                      "fit resumes from; the resumed fit appends its rows after it (nothing here truncates your "
                      "file): mend that line by hand") == 1, out
     rows = harness.result(nb).split(" ", 2)[1].split("|")
@@ -638,13 +639,7 @@ def test_tensorflows_global_seed_state_goes_with_the_random_states():
 
 def uninterrupted(tmp_path_factory, **parameters) -> str:
     """The RESULT of train_keras.ipynb run uninterrupted with ``parameters``, once in the session."""
-    def run(work):
-        nb = harness.load("train_keras.ipynb", work, **parameters)
-        ran = harness.run(nb, work, standby=False)
-        assert ran.status == 0, ran.message
-        return harness.result(nb)
-
-    return harness.once(tmp_path_factory.getbasetemp(), f"keras {sorted(parameters.items())}", run)
+    return harness.twin_result(tmp_path_factory, "train_keras.ipynb", **parameters)
 
 
 def twin(tmp_path_factory) -> str:

@@ -23,6 +23,7 @@ pytest.importorskip("torch", reason="torch is not installed")
 pytest.importorskip("lightning", reason="lightning is not installed (CI's trainers stack has it)")
 
 import harness
+import nbformat
 
 pytestmark = pytest.mark.kernel
 
@@ -34,14 +35,7 @@ def load(tmp_path, **parameters):
 def twin(tmp_path_factory, workers: int = 0, **parameters) -> str:
     """The uninterrupted run (with DataLoader workers, the samples' noise is drawn in them: another
     run); with ``parameters``, that run of the notebook."""
-    def uninterrupted(work):
-        nb = load(work, workers=workers, **parameters)
-        run = harness.run(nb, work, standby=False)
-        assert run.status == 0, run.message
-        return harness.result(nb)
-
-    made = harness.once(tmp_path_factory.getbasetemp(), f"lightning {workers} {sorted(parameters.items())}",
-                        uninterrupted)
+    made = harness.twin_result(tmp_path_factory, "train_lightning.ipynb", load, workers=workers, **parameters)
     assert parameters or "step=30 epoch=3" in made, made
     return made
 

@@ -32,13 +32,7 @@ def load(tmp_path, **parameters):
 
 def uninterrupted(tmp_path_factory, **parameters) -> str:
     """The RESULT of train_hf.ipynb run uninterrupted with ``parameters``, once in the session."""
-    def run(work):
-        nb = load(work, **parameters)
-        ran = harness.run(nb, work, standby=False)
-        assert ran.status == 0, ran.message
-        return harness.result(nb)
-
-    return harness.once(tmp_path_factory.getbasetemp(), f"hf {sorted(parameters.items())}", run)
+    return harness.twin_result(tmp_path_factory, "train_hf.ipynb", load, **parameters)
 
 
 def twin(tmp_path_factory) -> str:
