@@ -124,10 +124,19 @@ def check_output(output: str | os.PathLike) -> None:
     if not folder.is_dir():
         raise NotebookInputError(f"cannot write the executed notebook to {path}: there is no folder {folder}; "
                                  "make it first, or give another output path")
-    if not os.access(folder, os.W_OK | os.X_OK) or path.exists() and not os.access(path, os.W_OK):
-        where = path if path.exists() else f"its folder {folder}"
-        raise NotebookInputError(f"cannot write the executed notebook to {path}: {where} is not writable by you; "
-                                 "give another output path")
+    # tried, not asked (os.access): root may "write" anywhere by permission bits, not to /sys, nor to
+    # a read-only or FUSE mount; the file that is there is opened, not written; a new one is removed
+    exists = path.exists()
+    try:
+        if exists:
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
+        else:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NONBLOCK, 0o644))
+            os.unlink(path)
+    except OSError as e:
+        where = path if exists else f"its folder {folder}"
+        raise NotebookInputError(f"cannot write the executed notebook to {path}: {where} is not writable by you "
+                                 f"({e.strerror or e}); give another output path") from None
 
 
 def keep_folder(keep: str | os.PathLike, what: str) -> Path:

@@ -399,6 +399,9 @@ def test_cli_run_ids_do_not_depend_on_the_notebook_the_command_was_given_from(tm
         # found only after the run, the executed notebook was lost with a traceback
         ("nb", ["run", "good.ipynb", "-o", "missing/o.ipynb"], "colab-resilience: cannot write the executed notebook to "
          "missing/o.ipynb: there is no folder missing; make it first, or give another output path"),
+        # root "may write" there by its permission bits: found only after the run
+        ("nb", ["run", "good.ipynb", "-o", "/sys/o.ipynb"], "colab-resilience: cannot write the executed notebook to "
+         "/sys/o.ipynb: its folder /sys is not writable by you (Permission denied); give another output path"),
         ("nb", ["run", "good.ipynb", "-o", "."], "colab-resilience: . is a folder; give the path of the .ipynb file to "
          "write the executed notebook to"),
         # found by the first %%resilient cell, after the cells above it had run
