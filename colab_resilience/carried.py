@@ -396,32 +396,46 @@ def _members(name: str, value: Any) -> list[tuple[str, Any]]:
     return [(name, value)]
 
 
-def joins(namespace: Mapping[str, Any], names: list[str]) -> dict[str, list[list[list[str] | None]]]:
+def joins(namespace: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
     """Which tensors each optimizer among ``names`` steps: for each of its parameter groups, its
     parameters as ``[module, parameter name]`` by the first module among ``names`` that holds each
-    (``["model", "lin.weight"]``), None for a tensor none of them holds. A checkpoint keeps this
-    beside it: the optimizer's state goes back by position into the optimizer the set-up cells
-    build again, and the set-up cells, run again in a new kernel, can join it to other tensors than
-    the run's (the model's cell run again after the optimizer's, the optimizer then stepping the
-    tensors of a model no name holds)."""
+    (``["model", "lin.weight"]``), None for a tensor none of them holds; and which of those
+    optimizers each learning-rate scheduler among ``names`` drives (``{"drives": "opt"}``, None for
+    one no name holds). A checkpoint keeps this beside it: the optimizer's state goes back by
+    position into the optimizer the set-up cells build again, and the set-up cells, run again in a
+    new kernel, can join it to other tensors than the run's (the model's cell run again after the
+    optimizer's, the optimizer then stepping the tensors of a model no name holds), or join the
+    scheduler to the optimizer that trains (the optimizer's cell run again after the scheduler's,
+    which then decayed the learning rate of an optimizer that did not train)."""
     torch = _torch()
     if torch is None:
         return {}
     members = [m for n in names if n in namespace for m in _members(n, namespace[n])]
     optimizers = [(label, v) for label, v in members if isinstance(v, torch.optim.Optimizer)]
-    if not optimizers:
-        return {}
+    found: dict[str, Any] = {}
     owner: dict[int, tuple[str, str]] = {}
     try:
         for label, value in members:
-            if isinstance(value, torch.nn.Module):
+            if optimizers and isinstance(value, torch.nn.Module):
                 for pname, p in value.named_parameters():
                     owner.setdefault(id(p), (label, pname))
         # lists of their own (the checkpoint's meta holds no object twice: one optimizer may have two names)
-        return {label: [[list(owner[id(p)]) if id(p) in owner else None for p in group["params"]]
-                        for group in opt.param_groups] for label, opt in optimizers}
+        found.update({label: [[list(owner[id(p)]) if id(p) in owner else None for p in group["params"]]
+                              for group in opt.param_groups] for label, opt in optimizers})
     except Exception:  # a guard: a module or optimizer of a kind that will not list its tensors is not compared
         return {}
+    schedulers = _scheduler_types(torch)
+    for label, value in members:
+        if schedulers and isinstance(value, schedulers):
+            driven = getattr(value, "optimizer", None)
+            found[label] = {"drives": next((o for o, opt in optimizers if opt is driven), None)}
+    return found
+
+
+def _scheduler_types(torch) -> tuple[type, ...]:
+    module = getattr(torch.optim, "lr_scheduler", None)
+    return tuple(c for c in (getattr(module, "LRScheduler", None), getattr(module, "_LRScheduler", None),
+                             getattr(module, "ReduceLROnPlateau", None)) if isinstance(c, type))
 
 
 def _stepped(groups: list) -> str:
@@ -434,17 +448,29 @@ def _stepped(groups: list) -> str:
     return " and ".join(parts) or "no tensors"
 
 
-def joins_changed(recorded: Any, now: Mapping[str, list]) -> str | None:
+def joins_changed(recorded: Any, now: Mapping[str, Any]) -> str | None:
     """Where an optimizer steps other tensors now than it did when ``recorded`` (:func:`joins`) was
-    taken, one clause that says so (of the first such); else None."""
+    taken, or a scheduler drives another optimizer, one clause that says so, and the likely cause
+    (of the first such); else None."""
     if not isinstance(recorded, Mapping):
         return None  # a checkpoint of an earlier version: not recorded
-    for label, groups in now.items():
+    for label, entry in now.items():
         then = recorded.get(label)
-        if not isinstance(then, list) or then == groups:
+        if isinstance(entry, Mapping):  # a scheduler
+            if not isinstance(then, Mapping) or then.get("drives") == entry.get("drives"):
+                continue
+
+            def driven(opt: Any) -> str:
+                return str(opt) if opt else "an optimizer no saved name holds"
+
+            return (f"{label} drives {driven(entry.get('drives'))} now, where at the safe point it drove "
+                    f"{driven(then.get('drives'))} (a cell that makes the optimizer run again after the one that "
+                    "makes the scheduler?)")
+        if not isinstance(then, list) or then == entry:
             continue
-        before, after = _stepped(then), _stepped(groups)
+        before, after = _stepped(then), _stepped(entry)
         if before == after:
             after += " in another order"
-        return f"{label} steps {after} now, where at the safe point it stepped {before}"
+        return (f"{label} steps {after} now, where at the safe point it stepped {before} (a cell that makes the "
+                "model run again after the one that makes the optimizer?)")
     return None

@@ -589,16 +589,15 @@ class Run:
         return ckpt, restored
 
     def _same_joins(self, ckpt: Checkpoint) -> None:
-        """RunStoppedError where an optimizer steps other tensors than at the checkpoint's safe point
-        (:func:`.carried.joins`): its state goes back by position, and the run would go on training
-        otherwise than it did, to another result. Nothing is restored then."""
+        """RunStoppedError where an optimizer steps other tensors than at the checkpoint's safe point,
+        or a scheduler drives another optimizer (:func:`.carried.joins`): the run would go on
+        training otherwise than it did, to another result. Nothing is restored then."""
         ns = self.shell.user_ns
         changed = carried.joins_changed(_meta(ckpt).get("joins"), carried.joins(ns, [n for n in self.names if n in ns]))
         if changed:
             raise RunStoppedError(
-                f"colab_resilience: run {self.run_id}: {changed} (a cell that makes the model run again after the "
-                "one that makes the optimizer?), so the run cannot go on as it was; to start it afresh with them "
-                f"as they are now: `%resilience reset {self.run_id}`, then run this cell")
+                f"colab_resilience: run {self.run_id}: {changed}, so the run cannot go on as it was; to start it "
+                f"afresh with them as they are now: `%resilience reset {self.run_id}`, then run this cell")
 
     def _restore_extras(self, ckpt: Checkpoint) -> None:
         """Load the registered extras in place from ``ckpt``. One saved by an earlier safe point

@@ -1474,10 +1474,38 @@ def test_the_tensors_each_saved_optimizer_steps_are_named_by_the_saved_models_pa
     assert carried.joins_changed(None, carried.joins(ns, names)) is None  # a checkpoint of an earlier version
 
     ns["stale"] = torch.optim.SGD(gs[1].parameters(), lr=1)  # the set-up cells, run again, joined it to gs[1]
+    model_again = "(a cell that makes the model run again after the one that makes the optimizer?)"
     assert carried.joins_changed(recorded, carried.joins(ns, names)) == (
-        "stale steps the parameters of gs[1] now, where at the safe point it stepped tensors no saved model holds")
+        "stale steps the parameters of gs[1] now, where at the safe point it stepped tensors no saved model holds "
+        + model_again)
     ns["stale"] = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1)
     trainer.opt = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[1].parameters()}])
     assert carried.joins_changed(recorded, carried.joins(ns, names)) == (
         "trainer.opt steps the parameters of trainer.model in another order now, where at the safe point it "
-        "stepped the parameters of trainer.model")
+        "stepped the parameters of trainer.model " + model_again)
+
+
+def test_the_optimizer_each_saved_scheduler_drives_is_named_by_its_saved_name():
+    """carried.joins for learning-rate schedulers: which saved optimizer each saved scheduler drives
+    (also in a dict, and ReduceLROnPlateau, which older torch did not derive from LRScheduler), None
+    for an optimizer no saved name holds; a scheduler joined to another optimizer, in words."""
+    from colab_resilience import carried
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = torch.optim.SGD(model.parameters(), lr=0.1)  # an optimizer the user made again since
+    scheds = {"step": torch.optim.lr_scheduler.StepLR(first, 1),
+              "plateau": torch.optim.lr_scheduler.ReduceLROnPlateau(opt)}
+    ns = {"model": model, "opt": opt, "scheds": scheds}
+    recorded = carried.joins(ns, ["model", "opt", "scheds"])
+    assert recorded == {"opt": [[["model", "weight"], ["model", "bias"]]],
+                        "scheds['step']": {"drives": None}, "scheds['plateau']": {"drives": "opt"}}
+    assert json.loads(json.dumps(recorded)) == recorded  # it goes into the checkpoint's meta
+    assert carried.joins_changed(recorded, carried.joins(ns, ["model", "opt", "scheds"])) is None
+    scheds["step"] = torch.optim.lr_scheduler.StepLR(opt, 1)  # the replay joined it to the optimizer that trains
+    assert carried.joins_changed(recorded, carried.joins(ns, ["model", "opt", "scheds"])) == (
+        "scheds['step'] drives opt now, where at the safe point it drove an optimizer no saved name holds (a cell "
+        "that makes the optimizer run again after the one that makes the scheduler?)")
+    # a scheduler saved without its optimizer drives none of the names, in every kernel alike
+    alone = {"sched": torch.optim.lr_scheduler.StepLR(opt, 1)}
+    assert carried.joins(alone, ["sched"]) == {"sched": {"drives": None}}

@@ -790,6 +790,39 @@ def test_an_optimizer_the_replay_joins_to_other_tensors_stops_the_run_before_any
     assert len(losses) == 4 and len(set(losses)) == 4, losses  # a run afresh, in which the model learns
 
 
+def test_a_scheduler_the_replay_joins_to_another_optimizer_stops_the_run_before_anything_is_restored(kernel, tmp_path):
+    """The optimizer's set-up cell run again after the scheduler's: the scheduler decays the first
+    optimizer's learning rate, and the optimizer that trains keeps its own. The new kernel's replay
+    runs each cell once, in the order they first ran, and joined the scheduler to the optimizer
+    that trains: the resumed run decayed its rate, and ended done with other losses than the
+    uninterrupted run's (found by a probe: epochs 3 and 4 moved by 0.15 and 0.075, not 0.3),
+    saying nothing. Each checkpoint keeps which saved optimizer each saved scheduler drives; the
+    resumed run stops in one line before it restores anything."""
+    kernel.ok(f"%load_ext colab_resilience\n%resilience dir {tmp_path / 'runs'}")
+    kernel.ok("%%replay\nimport os, signal, torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(2, 1)\nlosses = []",
+              metadata={"cellId": "model"})
+    opt_cell = "%%replay\nopt = torch.optim.SGD(model.parameters(), lr=0.1)"
+    kernel.ok(opt_cell, metadata={"cellId": "opt"})
+    kernel.ok("%%replay\nsched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)",
+              metadata={"cellId": "sched"})
+    kernel.ok(opt_cell, metadata={"cellId": "opt"})
+    train = ("%%resilient --save model,opt,sched,losses\nfor epoch in resume_range(4):\n"
+             "    opt.zero_grad(); loss = model(torch.ones(1, 2)).sum(); loss.backward(); opt.step(); sched.step()\n"
+             "    losses.append(loss.item())\n    if epoch == 2:\n" + _kill(tmp_path / "m", "        "))
+    _, code = kernel.execute_until_exit(train, metadata={"cellId": "train"})
+    assert code == -9
+    kernel.restart()
+    r = kernel.execute(train, metadata={"cellId": "train"})
+    assert r.status == "error", r.stdout
+    run_id = r.evalue.split()[2].rstrip(":")
+    assert r.evalue == (
+        f"colab_resilience: run {run_id}: sched drives opt now, where at the safe point it drove an optimizer no "
+        "saved name holds (a cell that makes the optimizer run again after the one that makes the scheduler?), so "
+        f"the run cannot go on as it was; to start it afresh with them as they are now: `%resilience reset {run_id}`, "
+        "then run this cell"), r.evalue
+    assert kernel.value("losses") == []  # nothing was restored
+
+
 def test_one_element_a_plain_cell_changed_in_a_large_tensor_is_named(tmp_path):
     """A plain cell (not replayed) sets one element of a 1.5 MiB train set the training reads; a
     kill in epoch 2. The replay made the set without it and the run ended done with other losses,
