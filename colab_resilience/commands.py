@@ -83,6 +83,9 @@ def status(session) -> None:
         )
         if j.status == "pending":
             print(f"colab_resilience:     {_pending_line(j)}")
+        elif j.status == "failed" and j.stopped:
+            said = _stopped_words(j)
+            print(f"colab_resilience:     {said if said.startswith('stopped') else f'stopped: {said}'}")
         stats = session.saves.get(j.run_id)
         if stats is not None:  # its last execution in this kernel
             print(f"colab_resilience:     checkpoints in this kernel: {stats.line()}")
@@ -96,6 +99,13 @@ def _of_notebook(j: Journal) -> str:
     return " (this notebook)" if j.notebook == here else f" (notebook {Path(j.notebook).name})"
 
 
+def _stopped_words(j: Journal) -> str:
+    """The line that stopped the run's last execution (:attr:`Journal.stopped`), without the
+    package's prefix and the run's id, which the status line before it names."""
+    words = (j.stopped or "").removeprefix("colab_resilience: ")
+    return words.removeprefix(f"run {j.run_id}: ").removeprefix(f"run {j.run_id} ")
+
+
 def _pending_line(j: Journal) -> str:
     """What became of a pending run's kernel, and what the user does next."""
     from .run import uncounted_death
@@ -103,7 +113,7 @@ def _pending_line(j: Journal) -> str:
     cell = "run its cell again (or Run all) to continue"
     where = f"from checkpoint {j.last_checkpoint}" if j.last_checkpoint else "from the start (no checkpoint yet)"
     # a refusal repeats what it said, with what to do, where "run its cell again" would only stop it again
-    stopped = j.stopped.removeprefix("colab_resilience: ").removeprefix(f"run {j.run_id}: ") if j.stopped else None
+    stopped = _stopped_words(j) if j.stopped else None
     how = uncounted_death(j)
     if how is not None and pid_alive(j.kernel_pid):
         return f"held by kernel PID {j.kernel_pid}, which is still running"

@@ -118,9 +118,9 @@ class Journal:
     # the cell's safe points are that loop's, though its own code holds none
     loops: bool = False
     notebook: str | None = None  # the notebook whose cell the run is, where the kernel knew it (session.notebook)
-    # the one line that stopped the run's last execution before its first safe point (a refusal
-    # of this package, which says what to do): what %resilience status says in place of "run its
-    # cell again to continue", which would only stop it again
+    # the one line that stopped the run's last execution, with what to do: a refusal of this
+    # package before its first safe point (a pending run: what %resilience status says in place of
+    # "run its cell again to continue", which would only stop it again), or the error that failed it
     stopped: str | None = None
     # what the names the set-up cells bind and the cell reads (not in --save) held when the run
     # began, as fingerprints: a kernel that resumes it after a replay compares (setup_state)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -137,15 +138,25 @@ def execute(session, line: str, body: str, options: Options) -> None:
                                 f"(%resilience reset {run.run_id} to start over)")
                 withdraw(e)
             elif run.lock.held:
-                run.finish("failed")  # the checkpoint being written is on disk first: the line names it
-                # only when progress was made, and not after a refusal of ours (it says what to do)
-                if oom.classify(e) is None and run.safe_points and not isinstance(e, ResilienceError):
-                    j = run.journal
-                    at = f"at {j.resume_at}" if j.resume_at else f"from {j.last_checkpoint}"
-                    hint = (f"%resilience resume {run.run_id}, then run this cell again: it goes on {at}"
-                            if j.last_checkpoint else "run the cell again to start afresh")
-                    session.say(f"colab_resilience: run {run.run_id} stopped by {type(e).__name__}; to go on anyway: {hint}")
+                # the line is made once the checkpoint being written is on disk: it names it
+                run.finish("failed", functools.partial(_failed_line, run, e))  # status repeats it
+                if run.journal.stopped and not isinstance(e, ResilienceError):
+                    session.say(run.journal.stopped)
             raise
         if not run.finished_before:
             run.finish_save()
         run.finish("done")
+
+
+def _failed_line(run, error: BaseException, j) -> str | None:
+    """Why ``run`` failed and how to go on, in one line, for the journal ``j`` it ends with: a
+    refusal of ours as it was said (it says what to do); an error after progress with the hint to
+    resume; None for an out-of-memory error (the recovery said it) or no progress."""
+    if isinstance(error, ResilienceError):
+        return str(error).splitlines()[0] if str(error) else None
+    if oom.classify(error) is not None or not run.safe_points:
+        return None
+    at = f"at {j.resume_at}" if j.resume_at else f"from {j.last_checkpoint}"
+    hint = (f"%resilience resume {run.run_id}, then run this cell again: it goes on {at}"
+            if j.last_checkpoint else "run the cell again to start afresh")
+    return f"colab_resilience: run {run.run_id} stopped by {type(error).__name__}; to go on anyway: {hint}"

@@ -978,16 +978,19 @@ class Run:
         self.close()
         return report
 
-    def finish(self, status: str) -> None:
+    def finish(self, status: str, stopped: Callable[[Journal], str | None] | None = None) -> None:
         """The run ends ``status`` ("done" or "failed"). Where its final save was not written (a
         full disk), a run that would end done stays pending and the cell stops in one line: the
         cells after it would run on state no checkpoint holds, and after a death a supervisor
-        would put back the last checkpoint, from the middle of the training, as its end."""
+        would put back the last checkpoint, from the middle of the training, as its end.
+        ``stopped``: for a failed run, the line that says why and how to go on, made from the
+        journal once the checkpoint being written is on disk; ``%resilience status`` repeats it."""
         self.saver.close(say=status != "done")
         unsaved = self.saver.failure if status == "done" else None
         self.journal.restart_requested = False
         if unsaved is None:
             self.journal.status = status
+        self.journal.stopped = stopped(self.journal) if stopped is not None and status == "failed" else None
         self.journal.framework = "; ".join(getattr(x, "label", n) for n, x in self.extras.items()) or None
         try:
             self.journal.save()

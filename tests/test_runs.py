@@ -310,6 +310,12 @@ def test_an_ordinary_error_ends_the_run_with_a_hint_to_resume_it(ip, root, tmp_p
     assert (f"colab_resilience: run {j['run_id']} stopped by ValueError; to go on anyway: %resilience resume "
             f"{j['run_id']}, then run this cell again: it goes on at 2\n") in out, out
     assert j["status"] == "failed"
+    # and status, which had only "failed", says it too, in this kernel as in any other
+    ip.run_line_magic("resilience", "status")
+    status = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(status) if line.startswith(f"colab_resilience:   run {j['run_id']}: failed;"))
+    assert status[at + 1] == (f"colab_resilience:     stopped by ValueError; to go on anyway: %resilience resume "
+                              f"{j['run_id']}, then run this cell again: it goes on at 2"), status
     ip.run_line_magic("resilience", "resume")  # bare: the run of this kernel's last %%resilient cell
     outcome = ip.run_cell(user_cell(nb, "train"))  # the "fixed" cell: the fault struck its one time
     assert outcome.success
