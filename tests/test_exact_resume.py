@@ -752,6 +752,32 @@ def test_what_the_replayed_set_up_cells_made_otherwise_is_named_when_the_run_res
 
 
 
+SET_UP_CELLS = {
+    "model": "%%replay\nimport os, signal, torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(2, 1)\nlosses = []",
+    "opt": "%%replay\nopt = torch.optim.SGD(model.parameters(), lr=0.1)",
+    "sched": "%%replay\nsched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)",
+}
+
+
+def _set_up_out_of_order_then_killed(kernel, tmp_path, cells: list[str], saves: str, step: str):
+    """The set-up cells ``cells`` (of :data:`SET_UP_CELLS`) run in that order, one of them again;
+    the training cell (``--save saves``, ``step`` after the optimizer's) killed in epoch 2 and run
+    again in the restarted kernel, which replays each set-up cell once, in the order they first
+    ran. Returns its reply, which must be an error, the run id and the training cell."""
+    kernel.ok(f"%load_ext colab_resilience\n%resilience dir {tmp_path / 'runs'}")
+    for cell in cells:
+        kernel.ok(SET_UP_CELLS[cell], metadata={"cellId": cell})
+    train = (f"%%resilient --save {saves}\nfor epoch in resume_range(4):\n"
+             f"    opt.zero_grad(); loss = model(torch.ones(1, 2)).sum(); loss.backward(); opt.step(){step}\n"
+             "    losses.append(loss.item())\n    if epoch == 2:\n" + _kill(tmp_path / "m", "        "))
+    _, code = kernel.execute_until_exit(train, metadata={"cellId": "train"})
+    assert code == -9
+    kernel.restart()
+    r = kernel.execute(train, metadata={"cellId": "train"})
+    assert r.status == "error", r.stdout
+    return r, r.evalue.split()[2].rstrip(":"), train
+
+
 def test_an_optimizer_the_replay_joins_to_other_tensors_stops_the_run_before_anything_is_restored(kernel, tmp_path):
     """The model's set-up cell run again after the optimizer's (as one does, to start over): the
     optimizer steps the first model's tensors, and the model the training reads does not learn.
@@ -760,20 +786,8 @@ def test_an_optimizer_the_replay_joins_to_other_tensors_stops_the_run_before_any
     uninterrupted run's, saying nothing. Each checkpoint keeps which tensors each saved optimizer
     steps (by the saved models' parameter names); the resumed run stops in one line before it
     restores anything, and `%resilience reset` starts it afresh."""
-    kernel.ok(f"%load_ext colab_resilience\n%resilience dir {tmp_path / 'runs'}")
-    model_cell = "%%replay\nimport os, signal, torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(2, 1)\nlosses = []"
-    kernel.ok(model_cell, metadata={"cellId": "model"})
-    kernel.ok("%%replay\nopt = torch.optim.SGD(model.parameters(), lr=0.1)", metadata={"cellId": "opt"})
-    kernel.ok(model_cell, metadata={"cellId": "model"})
-    train = ("%%resilient --save model,opt,losses\nfor epoch in resume_range(4):\n"
-             "    opt.zero_grad(); loss = model(torch.ones(1, 2)).sum(); loss.backward(); opt.step()\n"
-             "    losses.append(loss.item())\n    if epoch == 2:\n" + _kill(tmp_path / "m", "        "))
-    _, code = kernel.execute_until_exit(train, metadata={"cellId": "train"})
-    assert code == -9
-    kernel.restart()
-    r = kernel.execute(train, metadata={"cellId": "train"})
-    assert r.status == "error", r.stdout
-    run_id = r.evalue.split()[2].rstrip(":")
+    r, run_id, train = _set_up_out_of_order_then_killed(kernel, tmp_path, ["model", "opt", "model"],
+                                                        "model,opt,losses", "")
     assert r.evalue == (
         f"colab_resilience: run {run_id}: opt steps the parameters of model now, where at the safe point it stepped "
         "tensors no saved model holds (a cell that makes the model run again after the one that makes the "
@@ -798,23 +812,8 @@ def test_a_scheduler_the_replay_joins_to_another_optimizer_stops_the_run_before_
     uninterrupted run's (found by a probe: epochs 3 and 4 moved by 0.15 and 0.075, not 0.3),
     saying nothing. Each checkpoint keeps which saved optimizer each saved scheduler drives; the
     resumed run stops in one line before it restores anything."""
-    kernel.ok(f"%load_ext colab_resilience\n%resilience dir {tmp_path / 'runs'}")
-    kernel.ok("%%replay\nimport os, signal, torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(2, 1)\nlosses = []",
-              metadata={"cellId": "model"})
-    opt_cell = "%%replay\nopt = torch.optim.SGD(model.parameters(), lr=0.1)"
-    kernel.ok(opt_cell, metadata={"cellId": "opt"})
-    kernel.ok("%%replay\nsched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)",
-              metadata={"cellId": "sched"})
-    kernel.ok(opt_cell, metadata={"cellId": "opt"})
-    train = ("%%resilient --save model,opt,sched,losses\nfor epoch in resume_range(4):\n"
-             "    opt.zero_grad(); loss = model(torch.ones(1, 2)).sum(); loss.backward(); opt.step(); sched.step()\n"
-             "    losses.append(loss.item())\n    if epoch == 2:\n" + _kill(tmp_path / "m", "        "))
-    _, code = kernel.execute_until_exit(train, metadata={"cellId": "train"})
-    assert code == -9
-    kernel.restart()
-    r = kernel.execute(train, metadata={"cellId": "train"})
-    assert r.status == "error", r.stdout
-    run_id = r.evalue.split()[2].rstrip(":")
+    r, run_id, _ = _set_up_out_of_order_then_killed(kernel, tmp_path, ["model", "opt", "sched", "opt"],
+                                                    "model,opt,sched,losses", "; sched.step()")
     assert r.evalue == (
         f"colab_resilience: run {run_id}: sched drives opt now, where at the safe point it drove an optimizer no "
         "saved name holds (a cell that makes the optimizer run again after the one that makes the scheduler?), so "
