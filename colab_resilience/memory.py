@@ -72,7 +72,8 @@ def memory_in_use_percent(*, discount_standby: bool = False) -> tuple[float, str
 def available_bytes() -> int | None:
     """Memory this process could still take without failing an allocation or waking the OOM
     killer: the least of the machine's ``MemAvailable``, what its memory cgroup (v2) has left,
-    and what its address-space limit (``RLIMIT_AS``) has left; None where none is known."""
+    what its address-space limit (``RLIMIT_AS``) has left, and what its data limit
+    (``RLIMIT_DATA``, over ``VmData``) has left; None where none is known."""
     import resource
 
     found: list[int] = []
@@ -102,6 +103,14 @@ def available_bytes() -> int | None:
                 size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
             found.append(max(0, soft - size))
         except (OSError, ValueError, IndexError):
+            pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
+    if soft != resource.RLIM_INFINITY:
+        try:
+            with open("/proc/self/status") as f:
+                data = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+            found.append(max(0, soft - data))
+        except (OSError, ValueError, IndexError, StopIteration):
             pass
     return min(found) if found else None
 

@@ -52,10 +52,18 @@ def _persist_thread() -> ThreadPoolExecutor:
         return _thread_of[1]
 
 
-def _address_space_limited() -> bool:
+def _memory_limited() -> str | None:
+    """The limit set on this process that counts a thread's stack, its malloc arena and the
+    staging memory against what the training may allocate (in words), if any: the address space
+    (``ulimit -v``) or the data size (``ulimit -d``, which Linux counts over every private
+    writable mapping since 4.7)."""
     import resource
 
-    return resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
+    for limit, what in ((resource.RLIMIT_AS, "the address space is limited (ulimit -v)"),
+                        (resource.RLIMIT_DATA, "the data size is limited (ulimit -d)")):
+        if resource.getrlimit(limit)[0] != resource.RLIM_INFINITY:
+            return what
+    return None
 
 
 @dataclass
@@ -137,9 +145,10 @@ class Saver:
                            "use --every to save less often, or ResilienceMagics.when_busy = 'skip'")
         else:
             self.settle()
-        if self.staging is not None and _address_space_limited():
-            # a thread of its own and staging memory would take address space the limit counts
-            self.go_synchronous("the address space is limited (ulimit -v)")
+        limited = _memory_limited() if self.staging is not None else None
+        if limited is not None:
+            # a thread of its own and staging memory would take what the limit counts
+            self.go_synchronous(limited)
         try:
             snap = self.store.snapshot(namespace, names, meta=meta, strict=True, staging=self.staging, whole=whole)
         except (UnsaveableValueError, MissingNameError):
