@@ -448,6 +448,11 @@ def _stepped(groups: list) -> str:
     return " and ".join(parts) or "no tensors"
 
 
+def _driven(optimizer: Any) -> str:
+    """What a :func:`joins` scheduler entry drives, in words."""
+    return str(optimizer) if optimizer else "an optimizer no saved name holds"
+
+
 def joins_changed(recorded: Any, now: Mapping[str, Any]) -> str | None:
     """Where an optimizer steps other tensors now than it did when ``recorded`` (:func:`joins`) was
     taken, or a scheduler drives another optimizer, one clause that says so, and the likely cause
@@ -459,12 +464,8 @@ def joins_changed(recorded: Any, now: Mapping[str, Any]) -> str | None:
         if isinstance(entry, Mapping):  # a scheduler
             if not isinstance(then, Mapping) or then.get("drives") == entry.get("drives"):
                 continue
-
-            def driven(opt: Any) -> str:
-                return str(opt) if opt else "an optimizer no saved name holds"
-
-            return (f"{label} drives {driven(entry.get('drives'))} now, where at the safe point it drove "
-                    f"{driven(then.get('drives'))} (a cell that makes the optimizer run again after the one that "
+            return (f"{label} drives {_driven(entry.get('drives'))} now, where at the safe point it drove "
+                    f"{_driven(then.get('drives'))} (a cell that makes the optimizer run again after the one that "
                     "makes the scheduler?)")
         if not isinstance(then, list) or then == entry:
             continue
