@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from harness import Kernel, cell_text, child_env, faulted_and_twin, index, insert, load, result, run_interactive
-from test_isolation import holds_torch, running, standby_pid, worker_pid
-from test_standby import SIBLINGS, WAIT_WARM, line, run
+from test_isolation import holds_torch, recovered, running, standby_pid, worker_pid
+from test_standby import SIBLINGS, WAIT_WARM, line, resumed, run
 
 
 pytestmark = [
@@ -184,7 +184,7 @@ def test_a_supervised_gpu_run_resumes_bit_identical_and_the_standby_never_opened
     text = cell_text(nb.cells[index(nb, "train")])
     if fault == "cuda-oom":
         assert "OOM (CUDA out of memory) — freed" in text and "retry 1/1" in text
-    assert "switched to the standby kernel, replayed 3 cells and resumed at iteration 2 in" in text
+    assert resumed("switched to the standby kernel", cells=3, iteration=2) in text
     assert "continuing at 2" in text
 
 
@@ -295,7 +295,7 @@ def test_an_isolated_worker_that_dies_on_the_gpu_is_replaced_and_the_notebooks_k
     assert train.status == "ok"
     why = ["killed by SIGKILL"] if fault == "sigkill" else ["the kernel restarted itself (", "CUDA out of memory"]
     assert all(w in train.stderr for w in why), train.stderr
-    assert "switched to the standby kernel, replayed 3 cells and resumed at iteration 2" in train.stderr
+    assert recovered(train.stderr, "switched to the standby kernel", cells=3, iteration=2), train.stderr
     assert result(replies["result"].stdout) == gpu_reference
     assert "device=cuda:0" in gpu_reference
     second = worker_pid(relay)

@@ -83,6 +83,13 @@ def line(nb, prefix: str) -> str:
     return next(l for c in nb.cells for l in cell_text(c).splitlines() if l.startswith(prefix))
 
 
+def resumed(how: str, cells: int, iteration: int) -> str:
+    """The supervisor's line in a cell after a restart: what it did (``how``: "switched to the
+    standby kernel" or "restarted it"), the cells replayed, the iteration it resumed at. One
+    wording for the tests here and the GPU ones (tests/test_cuda.py), which CI cannot run."""
+    return f"{how}, replayed {cells} cells and resumed at iteration {iteration} in"
+
+
 @pytest.mark.kernel
 def test_the_warm_standby_takes_over_and_the_run_resumes_exactly(tmp_path, reference):
     """Before any death the standby has the working kernel's imports (torch), the lowest CPU
@@ -118,8 +125,8 @@ def test_the_warm_standby_takes_over_and_the_run_resumes_exactly(tmp_path, refer
     [restart] = result.restarts
     assert restart.standby and restart.exit_code == -9
     out = nbformat.read(tmp_path / "out.ipynb", 4)
-    assert "the kernel died (killed by SIGKILL); switched to the standby kernel, " \
-           "replayed 3 cells and resumed at iteration 2 in" in cell_text(out.cells[index(out, "train")])
+    assert "the kernel died (killed by SIGKILL); " + resumed("switched to the standby kernel", cells=3, iteration=2) \
+        in cell_text(out.cells[index(out, "train")])
     assert out.metadata["colab_resilience"]["restarts"][0]["kernel"] == "standby"
 
 
