@@ -237,3 +237,47 @@ def test_a_runs_first_checkpoint_is_on_disk_before_its_training_goes_on(tmp_path
     assert len(run.restarts) == 1 and "continuing at 3" in out and "no checkpoint yet" not in out, out
     assert harness.result(nb) == harness.result(twin)
     assert " 0.003 " in harness.result(twin), harness.result(twin)
+
+
+def test_a_snapshot_holds_the_safe_points_values_while_training_writes_them_at_once(tmp_path):
+    """A snapshot in staging memory (the first half of a background save), then every saved value
+    written in place before the persist runs, as the next iteration does: the checkpoint holds
+    the safe point's bytes. Large tensors are copied by the pool, small ones (a bias, AdamW's step
+    count, a small array) by the snapshot itself; a view with gaps, a transposed tensor and NumPy
+    arrays too. (tests/test_cuda.py: the same for CUDA tensors.)"""
+    import numpy as np
+    import torch
+
+    from colab_resilience.checkpoints.staging import Staging
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 3))  # 256 KiB, 3 KiB, 12 B
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    big = torch.randn(512, 512)
+    ns = {"model": model, "opt": opt, "view": big.t()[::2], "small": np.arange(10.0), "large": np.ones((300, 300))}
+    expected = {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "opt": {k: v.clone() for k, v in opt.state[model[1].bias].items()},
+        "view": ns["view"].clone(), "small": ns["small"].copy(), "large": ns["large"].copy(),
+    }
+    store = CheckpointStore(tmp_path / "c", key=b"k" * 32)
+    snap = store.snapshot(ns, list(ns), staging=Staging(Budget()))
+    assert snap.staged and not snap.written_through
+    with torch.no_grad():  # the next iteration, before the persist has run
+        for p in model.parameters():
+            p.add_(1.0)
+        opt.step()
+        big.mul_(3.0)
+    ns["small"] += 1
+    ns["large"] *= 2
+    store.persist(snap)
+    fresh = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 3))
+    out = {"model": fresh, "opt": torch.optim.AdamW(fresh.parameters())}
+    store.load().restore(out, list(ns))
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected["model"].items())
+    state = out["opt"].state[fresh[1].bias]
+    assert state.keys() == expected["opt"].keys() and all(torch.equal(state[k], v) for k, v in expected["opt"].items())
+    assert torch.equal(out["view"], expected["view"])
+    assert np.array_equal(out["small"], expected["small"]) and np.array_equal(out["large"], expected["large"])

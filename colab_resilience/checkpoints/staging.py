@@ -9,7 +9,7 @@ pickle, tagged JSON, a safetensors header, a CUDA tensor copied to the host).
 - CPU memory goes into one arena, a NumPy byte array reused from save to save: allocated and
   touched once (a VM backs memory touched for the first time slowly), grown when the state grows,
   copied into by the hashing threads (``np.copyto`` releases the GIL).
-- CUDA tensors are copied device-to-host into pinned memory on a side stream of their device,
+- CUDA tensors are copied device-to-host into pinned memory on their device's current stream,
   without waiting for each copy; :meth:`Staging.device_copies_done` waits for them all before the
   snapshot returns, so training never writes a tensor whose copy is still under way. The pinned
   blocks come from torch's caching host allocator, which keeps them for the next save.
@@ -32,6 +32,8 @@ from .tensorfile import Payload
 
 _GROW = 64 << 20  # the arena grows by whole steps of this, so a slightly larger state reuses it
 _PIECE = 16 << 20  # one copy task
+_SMALL = 64 << 10  # a smaller segment (a bias, an optimizer's step count) is copied by the snapshot's
+# own thread: handing it to the pool costs more than the copy
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ class Staging:
         self._arena = None  # NumPy uint8, reused
         self._limit = 0  # of the snapshot being taken
         self._pinned = 0  # bytes of pinned memory the snapshot being taken holds
-        self._streams: dict = {}  # CUDA device -> side stream
+        self._pinned_ever = False  # torch's host allocator keeps pinned blocks of ours
         self._waiting: set = set()  # devices with copies under way
         self.failed: str | None = None  # why staging memory could not be had (said once)
         self.measured = False  # an iteration's peak was measured before this snapshot
@@ -116,8 +118,14 @@ class Staging:
         self._pinned = 0
 
     def device_copy(self, t):
-        """A pinned host tensor that ``t`` (a contiguous CUDA tensor) is being copied into on a
-        side stream; None when the budget has no room (the caller copies it synchronously)."""
+        """A pinned host tensor that ``t`` (a CUDA tensor) is being copied into; None when the
+        budget has no room (the caller copies it synchronously). The copy is queued on the
+        stream that is current for ``t``'s device, the training's own: it starts once the work
+        that produced ``t`` is done, needs no event per tensor, and the training cannot write
+        ``t`` before it, since :meth:`device_copies_done` waits for it before the snapshot
+        returns. (A side stream, as asynchronous checkpointing uses to let training run during
+        the copy, buys nothing when the safe point waits for the copy anyway, and cost an event
+        and a stream switch per tensor: 385 of them for a 50M model with AdamW.)"""
         torch = sys.modules["torch"]
         n = t.numel() * t.element_size()
         if self._pinned + n > self._limit:
@@ -127,25 +135,18 @@ class Staging:
         except RuntimeError:  # no pinned memory to be had: the synchronous copy
             return None
         self._pinned += n
-        device = t.device
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device)
-        # the copy starts once the work queued on the training's stream (which produced t) is done
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            dst.copy_(t, non_blocking=True)
-        # t may be a temporary (a contiguous copy): its block is not handed out again before
-        # the side stream has read it
-        t.record_stream(stream)
-        self._waiting.add(device)
+        self._pinned_ever = True
+        dst.copy_(t, non_blocking=True)
+        self._waiting.add(t.device)
         return dst
 
     def device_copies_done(self) -> None:
         """Wait for every device-to-host copy of this snapshot (before training goes on)."""
-        for device in self._waiting:
-            self._streams[device].synchronize()
-        self._waiting.clear()
+        if self._waiting:
+            torch = sys.modules["torch"]
+            for device in self._waiting:
+                torch.cuda.current_stream(device).synchronize()
+            self._waiting.clear()
 
     def stage(self, payloads: list[Payload], pool: ThreadPoolExecutor) -> list[bool]:
         """Copy the live segments of each payload that fits into the arena, in order, and point
@@ -165,7 +166,7 @@ class Staging:
         if not total:
             return fits
         arena = memoryview(self._arena)
-        tasks, pos = [], 0
+        tasks, small, pos = [], [], 0
         for p, ok in zip(payloads, fits):
             if not ok or not p.live_bytes:
                 continue
@@ -173,12 +174,16 @@ class Staging:
                 if not live or not seg.nbytes:
                     continue
                 dst = arena[pos : pos + seg.nbytes]
-                for a in range(0, seg.nbytes, _PIECE):
+                if seg.nbytes < _SMALL:
+                    small.append((dst, seg))
+                for a in range(0, seg.nbytes if seg.nbytes >= _SMALL else 0, _PIECE):
                     tasks.append((dst[a : a + _PIECE], seg[a : a + _PIECE]))
                 p.segments[i] = dst
                 p.live[i] = False
                 pos += seg.nbytes
         futures = [pool.submit(_copy, d, s) for d, s in tasks]
+        for d, s in small:  # here, while the pool copies the rest
+            d[:] = s
         wait(futures)
         for f in futures:
             f.result()
@@ -207,12 +212,12 @@ class Staging:
         """Give the staging memory back (at the end of the run, and before an OOM retry)."""
         self._arena = None
         torch = sys.modules.get("torch")
-        if torch is not None and self._streams:
+        if torch is not None and self._pinned_ever:
             try:
                 torch._C._host_emptyCache()  # the pinned blocks torch's host allocator keeps
             except Exception:
                 pass
-        self._streams.clear()
+            self._pinned_ever = False
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:
