@@ -115,6 +115,20 @@ def available_bytes() -> int | None:
     return min(found) if found else None
 
 
+def limited() -> str | None:
+    """The limit set on this process that counts a thread's stack, its malloc arena and staging
+    memory against what the training may allocate (in words), if any: the address space
+    (``ulimit -v``) or the data size (``ulimit -d``, which Linux counts over every private
+    writable mapping since 4.7)."""
+    import resource
+
+    for limit, what in ((resource.RLIMIT_AS, "the address space is limited (ulimit -v)"),
+                        (resource.RLIMIT_DATA, "the data size is limited (ulimit -d)")):
+        if resource.getrlimit(limit)[0] != resource.RLIM_INFINITY:
+            return what
+    return None
+
+
 def transient_bytes() -> int:
     """How much more memory this process took at its peak since the last call (the first time:
     since it started) than it holds now: what an iteration of training needs on top of its state

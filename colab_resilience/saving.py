@@ -35,6 +35,7 @@ from .checkpoints.staging import Budget, Staging
 from .words import plural
 from .checkpoints.store import SaveReport
 from .errors import CheckpointError, MissingNameError, UnsaveableValueError
+from . import memory
 from .memory import format_bytes
 
 SAY_WAIT = 0.5  # seconds: a safe point that waits this long for the previous persist is said (once)
@@ -50,20 +51,6 @@ def _persist_thread() -> ThreadPoolExecutor:
         if _thread_of is None or _thread_of[0] != os.getpid():
             _thread_of = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="colab_resilience-persist"))
         return _thread_of[1]
-
-
-def _memory_limited() -> str | None:
-    """The limit set on this process that counts a thread's stack, its malloc arena and the
-    staging memory against what the training may allocate (in words), if any: the address space
-    (``ulimit -v``) or the data size (``ulimit -d``, which Linux counts over every private
-    writable mapping since 4.7)."""
-    import resource
-
-    for limit, what in ((resource.RLIMIT_AS, "the address space is limited (ulimit -v)"),
-                        (resource.RLIMIT_DATA, "the data size is limited (ulimit -d)")):
-        if resource.getrlimit(limit)[0] != resource.RLIM_INFINITY:
-            return what
-    return None
 
 
 @dataclass
@@ -145,7 +132,7 @@ class Saver:
                            "use --every to save less often, or ResilienceMagics.when_busy = 'skip'")
         else:
             self.settle()
-        limited = _memory_limited() if self.staging is not None else None
+        limited = memory.limited() if self.staging is not None else None
         if limited is not None:
             # a thread of its own and staging memory would take what the limit counts
             self.go_synchronous(limited)

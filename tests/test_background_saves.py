@@ -68,39 +68,51 @@ def test_an_oom_retry_rolls_back_to_the_checkpoint_being_written(ip, tmp_path, c
     assert f"saves {saves}" in status(ip, capsys)
 
 
-DATA_LIMITED = """
-import resource, sys
+LIMITED = """
+import resource, sys, threading
 from IPython.testing.globalipapp import start_ipython
 ip = start_ipython()
 ip.run_line_magic("load_ext", "colab_resilience")
 ip.run_line_magic("resilience", "dir " + sys.argv[1])
 ip.run_cell("%%replay\\nimport torch\\nw = torch.zeros(1 << 18)\\nhistory = []")
+limit, field = getattr(resource, sys.argv[2]), sys.argv[3]
 with open("/proc/self/status") as f:
-    data = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
-resource.setrlimit(resource.RLIMIT_DATA, (data + (256 << 20), resource.getrlimit(resource.RLIMIT_DATA)[1]))
+    held = next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+resource.setrlimit(limit, (held + (256 << 20), resource.getrlimit(limit)[1]))
 r = ip.run_cell("%%resilient --save w,history --retries 0\\nfor i in resume_range(4):\\n"
                 "    big = torch.ones(200 << 18)  # 200 MiB, touched\\n"
                 "    w.add_(big[:1 << 18]); history.append(float(w[0])); del big")
 print("RESULT", "ok" if r.success else type(r.error_in_exec).__name__, ip.user_ns["history"])
+print("THREADS", sorted(t.name for t in threading.enumerate() if t.name.startswith("colab_resilience")))
 ip.run_line_magic("resilience", "status")
 """
 
 
-def test_under_a_data_size_limit_saves_take_none_of_what_the_training_may_allocate(tmp_path):
-    """`ulimit -d` (RLIMIT_DATA: how the demo makes its real OOM), 256 MiB above what the process
-    holds, and iterations that each need 200 MiB. Linux counts every private writable mapping
-    against that limit, so the staging memory (a 64 MiB arena) and the persisting thread's stack
-    came out of what the training may allocate: the first iteration failed with a real
-    out-of-memory error, where synchronous saves leave it room. (Found by the demo's check, which
-    shrank the batch once more than its twin in one CI run in fifteen.) As under `ulimit -v`,
-    saves are synchronous from the start, and status says why. A real process, a real limit."""
+@pytest.mark.parametrize("limit, field, why", [
+    ("RLIMIT_DATA", "VmData", "the data size is limited (ulimit -d)"),
+    ("RLIMIT_AS", "VmSize", "the address space is limited (ulimit -v)"),
+])
+def test_under_a_memory_limit_saves_take_none_of_what_the_training_may_allocate(tmp_path, limit, field, why):
+    """`ulimit -d` (RLIMIT_DATA: how the demo makes its real OOM) or `ulimit -v` (RLIMIT_AS), 256 MiB
+    above what the process holds, and iterations that each need 200 MiB. Linux counts every
+    private writable mapping against the data limit, and every mapping against the address-space
+    one: the staging memory (a 64 MiB arena), the persisting thread's stack, and under `ulimit -v`
+    each hashing thread's stack and malloc arena (two threads: 144 MiB) came out of what the
+    training may allocate, and the first iteration failed with a real out-of-memory error. (Found
+    by the demo's check, which shrank the batch once more than its twin in one CI run in fifteen;
+    and by a probe under `ulimit -v`, where iterations of 150 MiB failed.) Saves are synchronous
+    from the start, status says why, and the hashing is done on the kernel's own thread: no
+    thread of this package is started. A real process, a real limit."""
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", DATA_LIMITED, str(tmp_path / "runs")], capture_output=True, text=True,
-                       env=harness.child_env(), timeout=180)
+    r = subprocess.run([sys.executable, "-c", LIMITED, str(tmp_path / "runs"), limit, field], capture_output=True,
+                       text=True, env=harness.child_env(), timeout=180)
     assert "RESULT ok [1.0, 2.0, 3.0, 4.0]" in r.stdout, r.stdout + r.stderr
-    assert "saves synchronous (the data size is limited (ulimit -d))" in r.stdout, r.stdout
+    assert "THREADS []" in r.stdout, r.stdout
+    assert f"saves synchronous ({why})" in r.stdout, r.stdout
+    saved = last_checkpoint(tmp_path / "runs")
+    assert saved["history"] == [1.0, 2.0, 3.0, 4.0] and bool((saved["w"] == 4.0).all())
 
 
 def test_a_state_larger_than_the_staging_memory_is_written_while_training_waits(ip, tmp_path, capsys):

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Iterator
 
 import blake3
 import xxhash
+
+from .. import memory
 
 CHUNK = 8 << 20
 HASH_ALGORITHM = "blake3-tree-8MiB"
@@ -37,17 +39,38 @@ _pool_lock = threading.Lock()
 _pool_of: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool)
 
 
-def pool() -> ThreadPoolExecutor:
+def pool() -> Executor:
     """The threads that hash, read, flush and unlink for every store of this process, made once
     (again after a fork). A pool per save would start threads at every safe point; and each
     thread alive at once costs a stack and, from glibc, a malloc arena of address space that is
     never returned, which under an address-space cap (``RLIMIT_AS``) is memory the training
-    loses: hence at most 4, and the same ones all along."""
+    loses: hence at most 4, and the same ones all along. Under such a cap, or a data-size one
+    (``RLIMIT_DATA`` counts the stacks), with no pool made yet, the work is done on the calling
+    thread instead (:data:`INLINE`): two threads took 144 MiB of a capped address space at the
+    first save, which an iteration near the cap then lacked (a pool made before the cap was set
+    is already inside what the cap left, and is kept)."""
     global _pool_of
     with _pool_lock:
         if _pool_of is None or _pool_of[0] != os.getpid():
+            if memory.limited():
+                return INLINE
             _pool_of = (os.getpid(), ThreadPoolExecutor(_WORKERS, thread_name_prefix="colab_resilience-io"))
         return _pool_of[1]
+
+
+class _Inline(Executor):
+    """An executor that runs each task when it is submitted, on the submitting thread."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        f: Future = Future()
+        try:
+            f.set_result(fn(*args, **kwargs))
+        except Exception as e:  # held for the caller's .result(), as a pool's future holds it
+            f.set_exception(e)
+        return f
+
+
+INLINE = _Inline()
 
 
 def chunks(segments: list[memoryview]) -> list[list[memoryview]]:
