@@ -11,7 +11,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from . import fsutil, replay, restart, words
+from . import fsutil, memory, replay, restart, words
 from .checkpoints import manifest as checkpoint_manifest
 from .errors import CheckpointWarning, JournalError, OptionError, ResilienceError, RunLockedError, UnsafeDirectoryError
 from .journal import Journal, find_runs
@@ -58,7 +58,10 @@ def status(session) -> None:
     found = find_runs(session.root())
     policy = session.policy.describe() if session.policy else "not set in this kernel"
     budget, when_busy = session.saving()
+    limited = memory.limited()
     saving = ("written while training waits (staging_memory off)" if budget.off else
+              f"written while training waits ({limited}, which would count the staging memory and the "
+              "writing threads against what the training may allocate)" if limited else
               f"written in the background (staging memory: {budget.describe()}; a busy safe point: {when_busy})")
     # every line begins as all of this package's lines do: a reader can tell them from the notebook's
     print(f"colab_resilience: run directory {session.root()}; planned restarts {policy}; checkpoints {saving}")

@@ -101,8 +101,9 @@ def test_under_a_memory_limit_saves_take_none_of_what_the_training_may_allocate(
     training may allocate, and the first iteration failed with a real out-of-memory error. (Found
     by the demo's check, which shrank the batch once more than its twin in one CI run in fifteen;
     and by a probe under `ulimit -v`, where iterations of 150 MiB failed.) Saves are synchronous
-    from the start, status says why, and the hashing is done on the kernel's own thread: no
-    thread of this package is started. A real process, a real limit."""
+    from the start, status says so and why (its first line said "written in the background"),
+    and the hashing is done on the kernel's own thread: no thread of this package is started. A
+    real process, a real limit."""
     import subprocess
     import sys
 
@@ -111,6 +112,7 @@ def test_under_a_memory_limit_saves_take_none_of_what_the_training_may_allocate(
     assert "RESULT ok [1.0, 2.0, 3.0, 4.0]" in r.stdout, r.stdout + r.stderr
     assert "THREADS []" in r.stdout, r.stdout
     assert f"saves synchronous ({why})" in r.stdout, r.stdout
+    assert f"; checkpoints written while training waits ({why}, which would count" in r.stdout, r.stdout
     saved = last_checkpoint(tmp_path / "runs")
     assert saved["history"] == [1.0, 2.0, 3.0, 4.0] and bool((saved["w"] == 4.0).all())
 
