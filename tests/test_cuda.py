@@ -239,8 +239,8 @@ def test_gpu_memory_in_use_triggers_a_planned_restart(tmp_path):
 
 def test_a_snapshot_of_cuda_tensors_holds_their_values_at_the_safe_point(tmp_path):
     """A snapshot copies CUDA tensors (a module, AdamW state, a non-contiguous view) to pinned
-    memory on a side stream; training writes them on its own stream at once, before the persist
-    has run: the checkpoint holds the values of the safe point, byte for byte."""
+    memory, queued on the training's stream; training writes them on that stream at once, before
+    the persist has run: the checkpoint holds the values of the safe point, byte for byte."""
     from colab_resilience.checkpoints import CheckpointStore
     from colab_resilience.checkpoints.staging import Budget, Staging
 
