@@ -40,7 +40,7 @@ import os
 import secrets
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Executor, Future, wait
 from pathlib import Path
 from typing import Iterable
 
@@ -187,7 +187,7 @@ class PendingBlobs:
     removes every temporary file that is left: a failed save holds no disk space afterwards.
     """
 
-    def __init__(self, pool: ThreadPoolExecutor):
+    def __init__(self, pool: Executor):
         self._pool = pool
         self._writing: _Pending | None = None  # created, being written
         self._items: deque[_Pending] = deque()  # written: flushing or flushed, to be renamed
@@ -335,7 +335,7 @@ def present(path: Path, size: int) -> bool:
         return False
 
 
-def read(folder: Path, blob_hash: str, size: int, pool: ThreadPoolExecutor, *, map_file: bool = False):
+def read(folder: Path, blob_hash: str, size: int, pool: Executor, *, map_file: bool = False):
     """The verified bytes of a blob as a NumPy uint8 array, hashed chunk by chunk on the pool;
     CheckpointCorruptError if it is missing, of another size, or does not match its hash.
 

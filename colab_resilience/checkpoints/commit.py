@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Executor, wait
 from typing import TYPE_CHECKING, Any, Iterable
 
 from ..fsutil import fsync_dir, private_temp_dir, write_new
@@ -61,7 +61,7 @@ class Snapshot:
 class Commit:
     """The blobs of one save being written, then the manifest and ``LATEST``."""
 
-    def __init__(self, store: CheckpointStore, previous: str | None, pool: ThreadPoolExecutor):
+    def __init__(self, store: CheckpointStore, previous: str | None, pool: Executor):
         self.store, self.previous = store, previous
         self.pending = blobs.PendingBlobs(pool)
         self.entries: dict[int, Entry] = {}

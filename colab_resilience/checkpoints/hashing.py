@@ -145,7 +145,7 @@ class HashJob:
     there once every digest is out (a blob not hashed to the end, in a failed save, is forgotten).
     """
 
-    def __init__(self, segments: list[memoryview], pool: ThreadPoolExecutor,
+    def __init__(self, segments: list[memoryview], pool: Executor,
                  memory: dict[str, list[tuple[bytes | None, bytes]]], key: str):
         previous = memory.pop(key, None) or []
         self.chunks = chunks(segments)

@@ -26,7 +26,7 @@ import json
 import pickle
 import sys
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, Collection, MutableMapping, Sequence
 
@@ -51,7 +51,7 @@ class LoadedBlob:
         self._buf = None
         self._decoded: tuple | None = None
 
-    def read(self, pool: ThreadPoolExecutor) -> LoadedBlob:
+    def read(self, pool: Executor) -> LoadedBlob:
         """Read and verify the blob (CheckpointCorruptError if it is damaged)."""
         e = self.entry
         self.fill(blobs.read(self.folder, e.hash, e.size, pool, map_file=e.format == "st"))

@@ -17,7 +17,7 @@ import os
 import shutil
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Collection, Mapping, Sequence
@@ -270,11 +270,11 @@ class CheckpointStore:
             written_through=snap.written_through,
         )
 
-    def _hash_job(self, p: values.Prepared, pool: ThreadPoolExecutor) -> HashJob:
+    def _hash_job(self, p: values.Prepared, pool: Executor) -> HashJob:
         """Have the pool fingerprint ``p``'s chunks, and hash those that changed since the last save."""
         return HashJob(p.payload.segments, pool, self._chunk_memory, f"{p.name}\0{p.kind}\0{p.format}")
 
-    def _begin_commit(self, pool: ThreadPoolExecutor) -> Commit:
+    def _begin_commit(self, pool: Executor) -> Commit:
         previous = self.latest_id()
         try:
             make_private_dir(self.run_dir)
