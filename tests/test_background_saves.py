@@ -80,7 +80,7 @@ with open("/proc/self/status") as f:
     held = next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 resource.setrlimit(limit, (held + (256 << 20), resource.getrlimit(limit)[1]))
 r = ip.run_cell("%%resilient --save w,history --retries 0\\nfor i in resume_range(4):\\n"
-                "    big = torch.ones(200 << 18)  # 200 MiB, touched\\n"
+                "    big = torch.ones(150 << 18)  # 150 MiB, touched\\n"
                 "    w.add_(big[:1 << 18]); history.append(float(w[0])); del big")
 print("RESULT", "ok" if r.success else type(r.error_in_exec).__name__, ip.user_ns["history"])
 print("THREADS", sorted(t.name for t in threading.enumerate() if t.name.startswith("colab_resilience")))
@@ -94,7 +94,7 @@ ip.run_line_magic("resilience", "status")
 ])
 def test_under_a_memory_limit_saves_take_none_of_what_the_training_may_allocate(tmp_path, limit, field, why):
     """`ulimit -d` (RLIMIT_DATA: how the demo makes its real OOM) or `ulimit -v` (RLIMIT_AS), 256 MiB
-    above what the process holds, and iterations that each need 200 MiB. Linux counts every
+    above what the process holds, and iterations that each need 150 MiB. Linux counts every
     private writable mapping against the data limit, and every mapping against the address-space
     one: the staging memory (a 64 MiB arena), the persisting thread's stack, and under `ulimit -v`
     each hashing thread's stack and malloc arena (two threads: 144 MiB) came out of what the
@@ -103,7 +103,10 @@ def test_under_a_memory_limit_saves_take_none_of_what_the_training_may_allocate(
     and by a probe under `ulimit -v`, where iterations of 150 MiB failed.) Saves are synchronous
     from the start, status says so and why (its first line said "written in the background"),
     and the hashing is done on the kernel's own thread: no thread of this package is started. A
-    real process, a real limit."""
+    real process, a real limit. 150 MiB leaves 106 MiB for what else the process maps meanwhile:
+    with 200 MiB (56 left) the Colab stack's run failed once in a suite, with no thread of ours;
+    one thread's first malloc takes 72 MiB of address space (its stack and arena, measured), and
+    our two hashing threads took 144."""
     import subprocess
     import sys
 
