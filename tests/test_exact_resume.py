@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from IPython.core.error import UsageError
@@ -702,6 +703,44 @@ def test_an_optimizer_state_that_is_summed_comes_back_summed_in_the_same_order(t
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
 
+
+
+def _compiled_notebook(fault: str, mark):
+    """A model bound to its name, then bound again to ``torch.compile(model)`` (the default backend,
+    inductor: C++ code generated and built for the CPU), AdamW, minibatches drawn by a randperm;
+    --save model,opt,losses. One fault in epoch 2, once."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        _setup(mark) + "X = torch.randn(256, 8); Y = X.sum(1, keepdim=True).sin()\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))\n"
+        "model = torch.compile(model)\n"
+        "opt = torch.optim.AdamW(model.parameters(), lr=1e-2)\nlosses = []",
+        "%%resilient --save model,opt,losses\n"
+        "for epoch in resume_range(5):\n"
+        "    perm = torch.randperm(256)\n"
+        "    for i in range(0, 256, 64):\n"
+        "        idx = perm[i:i+64]\n"
+        "        loss = torch.nn.functional.mse_loss(model(X[idx]), Y[idx])\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()\n"
+        "    losses.append(loss.item())\n"
+        "    if epoch == 2 and not os.path.exists(MARK):\n"
+        f"        open(MARK, 'w').close(); {_FAULTS[fault]}\n",
+        "print('RESULT', type(model).__name__, losses, b''.join(p.detach().numpy().tobytes() for p in model.parameters()).hex())",
+    )
+
+
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")),
+                    reason="torch.compile's default backend builds C++ for the CPU: no C++ compiler here")
+@pytest.mark.parametrize("fault", ["kill", "oom"])
+def test_a_model_bound_again_to_torch_compile_of_itself_resumes_bit_for_bit(tmp_path, fault):
+    """``model = torch.compile(model)``, the way notebooks compile: the name holds the compiled
+    wrapper, whose state dict names every tensor under ``_orig_mod.``, and the replay compiles a
+    new one. After a kill (the new kernel compiles again) or an out-of-memory error (rolled back in
+    the same kernel, under the code compiled before), the run ends bit for bit as its twin."""
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _compiled_notebook(fault, mark), shared="compiled")
+    assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
+    assert "RESULT OptimizedModule [" in harness.cell_text(nb.cells[3])
+    assert harness.result(nb) == harness.result(twin)
 
 def _setup_draws_notebook(mark, *, seeded: bool):
     """A vocabulary in a set's order (``list(set(text))``) and a train split drawn in the %%replay
