@@ -182,7 +182,7 @@ class CheckReport:
         unfired = sum(1 for r in self.results if not r.fired and not r.differences)
         caught = sum(1 for r in self.results if r.fired and r.caught)  # what followed proves nothing
         if not differ and not unfired and not caught:
-            return f"identical after each of {n} faults (seed {seed})"
+            return f"identical after each of {n} faults (seed {seed})" if n > 1 else f"identical after its fault (seed {seed})"
         parts = [f"{differ} of {n} faulted runs differ"] if differ else []
         if unfired:
             parts.append(f"{unfired} of {n} faults never fired, even aimed again (try another --seed)")

@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                    metavar=("NAME", "VALUE"), help="set a parameter (papermill's `parameters` tag convention)")
     p.add_argument("--max-restarts", type=options.whole_number(), default=3, metavar="N",
                    help="kernel restarts for the whole notebook (default 3)")
-    p.add_argument("--cell-timeout", type=options.whole_number(), default=None, metavar="S", help="seconds a cell may run")
+    p.add_argument("--cell-timeout", type=options.whole_number(), default=None, metavar="S", help="seconds a cell may run (default, or 0: no limit)")
     p.add_argument("--kernel", help="kernel name (default: the notebook's kernelspec, else python3)")
     p.add_argument("--run-dir", help="where runs keep journals and checkpoints (default: a temporary folder)")
     p.add_argument("--log-output", action="store_true", help="echo each cell's output as it finishes")
@@ -215,10 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("notebook", help="the .ipynb file to check")
     c.add_argument("-p", "--parameter", dest="parameters", nargs=2, action="append", default=[],
                    metavar=("NAME", "VALUE"), help="set a parameter, e.g. -p epochs 2 for a short check")
-    c.add_argument("--faults", type=options.whole_number(), default=3, metavar="N",
+    c.add_argument("--faults", type=options.whole_number(
+                       like="--faults 3", if_zero="a check with no fault compares nothing"), default=3, metavar="N",
                    help="faulted runs, one fault each (default 3)")
     c.add_argument("--seed", type=int, default=0, metavar="S", help="which faults, and when (default 0)")
-    c.add_argument("--cell-timeout", type=options.whole_number(), default=None, metavar="S", help="seconds a cell may run")
+    c.add_argument("--cell-timeout", type=options.whole_number(), default=None, metavar="S", help="seconds a cell may run (default, or 0: no limit)")
     c.add_argument("--kernel", help="kernel name (default: the notebook's kernelspec, else python3)")
     c.add_argument("--keep", metavar="DIR", help="keep the executed notebooks, runs and timeline in DIR")
     c.add_argument("--no-standby", action="store_true", help="cold restarts only (no standby kernel)")

@@ -8,9 +8,10 @@ import re
 from typing import Callable
 
 
-def whole_number(like: str = "", if_negative: str = "") -> Callable[[str], int]:
+def whole_number(like: str = "", if_negative: str = "", if_zero: str = "") -> Callable[[str], int]:
     """An argparse type for a count of 0 or more; ``like`` shows an example (``--retries 2``),
-    ``if_negative`` what to write instead of a negative number."""
+    ``if_negative`` what to write instead of a negative number; ``if_zero``: 0 is refused too, and
+    this says why."""
 
     def convert(text: str) -> int:
         try:
@@ -20,6 +21,8 @@ def whole_number(like: str = "", if_negative: str = "") -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"needs a whole number{example} (got {text!r})") from None
         if n < 0:
             raise argparse.ArgumentTypeError(f"cannot be negative (got {n})" + (f"; {if_negative}" if if_negative else ""))
+        if n == 0 and if_zero:
+            raise argparse.ArgumentTypeError(f"needs at least 1: {if_zero}")
         return n
 
     return convert

@@ -156,7 +156,11 @@ def test_a_notebook_that_fails_without_faults_is_exit_3_and_usage_errors_exit_2(
     r = check(str(tmp_path / "missing.ipynb"))
     assert r.returncode == 2 and "no such notebook" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = check(str(tmp_path / "broken.ipynb"), "--faults", "x")
-    assert r.returncode == 2 and "--faults: needs a whole number" in r.stderr
+    assert r.returncode == 2 and "--faults: needs a whole number, like --faults 3 (got 'x')" in r.stderr
+    r = check(str(tmp_path / "broken.ipynb"), "--faults", "0")  # it said "identical after each of 0 faults", exit 0
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines() == ["colab-resilience check: argument --faults: needs at least 1: a check with no "
+                                             "fault compares nothing; see `colab-resilience check --help`"], r.stderr
 
 
 @pytest.mark.parametrize("command", [[], ["run"], ["check"], ["demo"]])
@@ -281,6 +285,7 @@ def test_a_warning_whose_location_names_the_kernels_folder_is_the_same_output_in
     r = check(str(path), "--faults", "1", "--seed", "0")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SIGKILL" in r.stdout and ": identical (1 kernel restart" in r.stdout, r.stdout
+    assert r.stdout.splitlines()[-1].endswith("warns.ipynb: identical after its fault (seed 0)"), r.stdout  # not "each of 1 faults"
 
 
 def test_two_dicts_that_are_equal_are_one_value_whatever_the_order_of_their_keys(ip):
