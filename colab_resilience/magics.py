@@ -32,7 +32,7 @@ OPTIONS_HINT = {
     "resilient": "--save NAMES, --retries N, --shrink NAME[=FACTOR], --max-restarts N and --every N|5min",
     "restart_after": "N, --memory PERCENT and off",
     "resilience": "status, show [RUN], resume [--trust] [RUN], reset [RUN], dir PATH and isolate [off]",
-    "replay": "none",
+    "replay": "",  # none
 }
 
 
@@ -92,10 +92,8 @@ def _parse(magic, line: str, prefix: str, unknown: Callable[[str], str] | None =
             bad = text.split(":", 1)[1].strip()
             if unknown is not None:
                 raise UsageError(unknown(bad)) from None
-            raise UsageError(
-                f"{prefix}{name}: unknown option {bad}; the options are {OPTIONS_HINT[name]} "
-                f"(see {prefix}{name}? for help)"
-            ) from None
+            options = f"the options are {OPTIONS_HINT[name]}" if OPTIONS_HINT[name] else f"{prefix}{name} takes no options"
+            raise UsageError(f"{prefix}{name}: unknown option {bad}; {options} (see {prefix}{name}? for help)") from None
         missing = re.fullmatch(r"argument (-\S+): expected one argument", text)
         if missing:  # argparse reads a value that begins with '-' as an option: say which value
             words = arg_split(line)  # as parse_argstring splits it (it keeps an unclosed quote)

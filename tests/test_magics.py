@@ -43,7 +43,7 @@ def usage_error(ip, cell: str) -> str:
         ("%%resilient --shrink 3d\nx = 1", "'3d' is not a variable name or an attribute path; write --shrink NAME or --shrink NAME=FACTOR"),
         ("%%resilient --shrink batch_size\nbatch_size = 64\nx = 1", "the cell assigns batch_size, so every retry would undo the shrink"),
         ("%%resilient\n   \n", "%%resilient: the cell has no code under the %%resilient line"),
-        ("%%replay --x\ny = 1", "%%replay: unknown option --x"),
+        ("%%replay --x\ny = 1", "%%replay: unknown option --x; %%replay takes no options (see %%replay? for help)"),
         ("%%replay\n\n", "%%replay: the cell has no code under the %%replay line"),
     ],
 )
