@@ -212,8 +212,13 @@ def show(session, run_dir: Path) -> None:
         raise OptionError(str(e)) from None
     for line in review(j, open_store(run_dir, key)):
         print(line)
-    print(f"colab_resilience: nothing was run; `%resilience resume --trust {j.run_id}` runs this, "
-          f"`%resilience reset {j.run_id}` forgets it")
+    try:
+        Journal.load(run_dir, key=key)
+        resume = f"`%resilience resume {j.run_id}`"  # signed here: --trust is not needed
+    except JournalError:
+        resume = f"`%resilience resume --trust {j.run_id}`"
+    done = " (the run is done: its final state comes back)" if j.status == "done" else ""
+    print(f"colab_resilience: nothing was run; {resume} runs this{done}, `%resilience reset {j.run_id}` forgets it")
 
 
 def resume(session, run_dir: Path, *, trust: bool = False) -> None:

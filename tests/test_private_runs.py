@@ -294,8 +294,8 @@ def test_trust_prints_every_set_up_cell_and_pickle_before_anything_runs(ip, tmp_
     shown = capsys.readouterr().out
     assert SETUP_1.rstrip("\n") in shown and f"open({str(canary)!r}, 'w').close()\nprint('SETUP-2 RAN')" in shown
     assert "  p: payloads.Opaque (in ckpt-000001)" in shown
-    assert "nothing was run" in shown and "RAN\n" not in shown.replace("print('SETUP-1 RAN')", "").replace(
-        "print('SETUP-2 RAN')", "")
+    assert f"nothing was run; `%resilience resume --trust {run_id}` runs this, `%resilience reset {run_id}` forgets it" \
+        in shown and "RAN\n" not in shown.replace("print('SETUP-1 RAN')", "").replace("print('SETUP-2 RAN')", "")
     assert not canary.exists()
 
     ip.run_line_magic("resilience", f"resume --trust {run_id}")
@@ -305,6 +305,21 @@ def test_trust_prints_every_set_up_cell_and_pickle_before_anything_runs(ip, tmp_
     # a replayed cell's own output is kept back unless it fails; each says it ran, in order
     assert out.index("p: payloads.Opaque") < out.index("replayed import os") < out.index("replayed # the second cell")
     assert canary.exists() and ip.user_ns["p"].v == 7 and ip.user_ns["long_name_for_a_value"] == 42
+
+
+
+def test_show_of_a_run_signed_here_names_resume_without_trust(ip, tmp_path, capsys):
+    """`%resilience show` of a run this installation wrote and signed: resuming it needs no
+    --trust, and a done run's final state is what comes back (it named `resume --trust`, whatever
+    the run)."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell("%%replay\nhistory = []")
+    assert ip.run_cell("%%resilient --save history\nfor i in resume_range(2):\n    history.append(i)").success
+    run_id = next((tmp_path / "runs").glob("run-*")).name.removeprefix("run-")
+    capsys.readouterr()
+    ip.run_line_magic("resilience", f"show {run_id}")
+    assert (f"colab_resilience: nothing was run; `%resilience resume {run_id}` runs this (the run is done: its final "
+            f"state comes back), `%resilience reset {run_id}` forgets it") in capsys.readouterr().out
 
 
 def test_the_startup_file_is_never_written_through_a_link(ip, base, mine):
