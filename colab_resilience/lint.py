@@ -877,8 +877,9 @@ def unsaved_state_objects(tree: ast.AST, saved: list[str], namespace) -> list[st
     one with a ``state_dict`` (a scheduler, a second model, a ``GradScaler``; a module without
     parameters or buffers, as a loss function, has none), or a random number generator."""
     found: list[str] = []
-    # a part of a saved model (its backbone, a Keras model's layers) is saved with it
-    parts = {id(m) for n in saved if n in namespace for m in _parts(namespace[n])}
+    # a part of a saved model (its backbone, a Keras model's layers) is saved with it, and so is what a
+    # saved list, tuple or dict holds (models = {"main": model}; restored in place: `model` sees it)
+    parts = _saved_parts([namespace[n] for n in saved if n in namespace])
     kept = frozenset(id(namespace[n]) for n in saved if n in namespace)  # a history list a logger appends to
     for loop in _resume_loops(tree):
         fresh = bound_names(loop.target) | _bound_in(loop.body)
@@ -1024,6 +1025,27 @@ def _reshuffled_line(names: list[str]) -> str:
         "draw another order than it did (in a new kernel, the first epoch's), and the result would differ; shuffle "
         "with a seed from the epoch (for x, y in ds.shuffle(n, seed=epoch)), or pass reshuffle_each_iteration=False"
     )
+
+
+def _saved_parts(values: list, budget: int = 10_000) -> set[int]:
+    """The ids of ``values``, of the models' parts (:func:`_parts`), and of what the lists, tuples
+    and dicts among them hold, through nested ones: at most ``budget`` objects are looked at (a
+    saved history of a million floats is not walked to its end)."""
+    ids: set[int] = set()
+    todo = list(values)
+    while todo and budget > 0:
+        value = todo.pop()
+        budget -= 1
+        if id(value) in ids:
+            continue
+        ids.add(id(value))
+        if isinstance(value, (list, tuple)):
+            todo.extend(value)
+        elif isinstance(value, dict):
+            todo.extend(value.values())
+        else:
+            ids.update(id(m) for m in _parts(value))
+    return ids
 
 
 def _parts(value) -> list:

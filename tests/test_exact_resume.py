@@ -1998,6 +1998,23 @@ def test_the_first_run_names_the_objects_with_a_state_that_the_loop_uses_without
     assert "a state it changes in place" not in capsys.readouterr().out
 
 
+def test_a_model_and_optimizer_saved_in_a_dict_are_not_named_as_unsaved(ip, tmp_path, capsys):
+    """``models = {"main": model}`` and ``[opt]`` in --save, the loop using ``model`` and ``opt``: they
+    are saved (restored in place, the loop's names see it), and the first run said "the loop uses
+    model (Linear) without --save ... the result would differ". A scheduler the containers do not
+    hold is still named."""
+    cell = ("%%resilient --save models,opts\n"
+            "for step in resume_range(3):\n"
+            "    loss = model(torch.ones(4, 2)).sum()\n"
+            "    opt.zero_grad(); loss.backward(); opt.step(); sched.step()\n")
+    out = said_at_first_run(ip, tmp_path, capsys, "import torch\nmodel = torch.nn.Linear(2, 1)\n"
+                            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                            "sched = torch.optim.lr_scheduler.StepLR(opt, 1)\n"
+                            "models = {'main': model}\nopts = [opt]", cell)
+    lines = [line for line in out.splitlines() if "without --save: a state it changes in place" in line]
+    assert len(lines) == 1 and lines[0].startswith("colab_resilience: the resume_range loop uses sched (StepLR) "
+                                                   "without --save"), out
+
 def test_the_first_run_names_a_resume_range_loop_that_something_around_it_would_start_over(ip, tmp_path, capsys):
     """A resume_range loop inside a plain for loop (after a restart the epoch starts over at 0, the
     inner loop goes on at its saved step: the run went on in the wrong epoch and said done), or
