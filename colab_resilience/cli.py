@@ -44,6 +44,16 @@ def _parameters(args) -> dict | str:
     return parameters
 
 
+def _say_unknown_parameters(command: str, notebook, parameters: dict) -> None:
+    """One line, as papermill warns, where -p names a value the notebook's parameters cell does
+    not set (the run goes on: papermill's rule sets it anyway)."""
+    from .driver import read_notebook, unknown_parameters
+
+    said = unknown_parameters(read_notebook(notebook)[0], parameters) if parameters else None
+    if said:
+        print(f"colab-resilience {command}: {said}", file=sys.stderr, flush=True)
+
+
 def run(args) -> int:
     path = Path(args.notebook)
     out = Path(args.output) if args.output else path.with_name(path.stem + ".out.ipynb")
@@ -53,6 +63,7 @@ def run(args) -> int:
     cell: list[int] = []
     started = time.time()
     try:
+        _say_unknown_parameters("run", path, parameters)
         result = run_notebook(
             path, out, parameters=parameters, max_restarts=args.max_restarts,
             cell_timeout=args.cell_timeout, kernel_name=args.kernel, run_dir=args.run_dir,
@@ -135,6 +146,7 @@ def check(args) -> int:
     if isinstance(parameters, str):
         return _fail(parameters)
     try:
+        _say_unknown_parameters("check", args.notebook, parameters)
         report = check_notebook(args.notebook, parameters=parameters, faults=args.faults, seed=args.seed,
                                 kernel_name=args.kernel, cell_timeout=args.cell_timeout, keep=args.keep,
                                 standby=not args.no_standby)

@@ -97,6 +97,38 @@ def inject_parameters(nb, parameters: dict[str, Any]) -> None:
     cells.insert(0 if index is None else index + 1, new)
 
 
+def unknown_parameters(nb, parameters: dict[str, Any]) -> str | None:
+    """papermill's two warnings, in one line: the notebook has no cell tagged ``parameters`` (the
+    values go in a cell put first, which a later cell may set again), or some of ``parameters``
+    are not set in it (a typo, likely: they are set anyway, as new names)."""
+    import ast
+    import difflib
+
+    if not parameters:
+        return None
+    names = ", ".join(parameters)
+    cell = next((c for c in nb.cells if c.get("cell_type") == "code"
+                 and "parameters" in c.get("metadata", {}).get("tags", [])), None)
+    if cell is None:
+        one = len(parameters) == 1
+        return (f"-p {names}: the notebook has no cell tagged 'parameters', so {'it is' if one else 'they are'} set in "
+                f"a cell put first, and a cell that sets {'it' if one else 'one'} again wins; tag the cell that sets "
+                f"{'it' if one else 'them'} 'parameters'")
+    try:
+        tree = ast.parse(cell.source)
+    except SyntaxError:  # a magic in it: nothing can be said of what it sets
+        return None
+    known = [t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+             for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+             for t in ast.walk(target) if isinstance(t, ast.Name)]
+    unknown = [n for n in parameters if n not in known]
+    if not unknown:
+        return None
+    close = [f"{n} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(n, known, n=1)) else n for n in unknown]
+    return (f"-p {', '.join(close)}: the parameters cell does not set {'it' if len(unknown) == 1 else 'them'} "
+            f"(it sets {', '.join(known) or 'nothing'}); set anyway, as {'a new name' if len(unknown) == 1 else 'new names'}")
+
+
 def read_notebook(notebook) -> tuple[Any, Path | None]:
     import nbformat
 

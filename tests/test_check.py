@@ -92,6 +92,8 @@ def test_the_shipped_quickstart_passes_and_says_what_it_did_not_compare(tmp_path
     r = check(str(tmp_path / "quickstart.ipynb"), "--faults", "2", "--kernel", harness.KERNEL_NAME,
               "-p", "batch_size", "8192", "--keep", str(tmp_path / "kept"))
     assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stderr.startswith("colab-resilience check: -p batch_size: the notebook has no cell tagged 'parameters', "
+                               "so it is set in a cell put first, and a cell that sets it again wins"), r.stderr
     # as users see it run: its memory cap's OOMs shrink the batch twice, and the training ends
     text = _printed(tmp_path / "kept" / "uninterrupted.ipynb")
     assert "trained 4 steps with batch_size=2048" in text, text

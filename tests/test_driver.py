@@ -338,6 +338,26 @@ def test_cli_runs_a_notebook_with_parameters(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "[cell 2] N 42" in r.stdout
     assert "colab-resilience: done in" in r.stdout and "with 0 kernel restarts; wrote" in r.stdout
+    assert r.stderr == "", r.stderr  # n is the parameters cell's
+
+
+def test_a_parameter_the_notebook_does_not_set_is_said_as_papermill_warns():
+    """A -p name the parameters cell does not set (a typo: the run went on with the notebook's
+    value, and nothing said so), or a notebook without a parameters cell: one line, as papermill
+    warns; the value is set anyway (papermill's rule, `-p steps 3` adds a name)."""
+    nb = notebook("epochs = 4  # parameters\nlr: float = 0.1\nname, width = 'a', 8", "print(epochs)",
+                  tags={0: ["parameters"]})
+    assert driver.unknown_parameters(nb, {"epochs": 2, "lr": 0.01, "width": 4}) is None
+    assert driver.unknown_parameters(nb, {"epoch": 2, "lr": 0.01}) == (
+        "-p epoch (did you mean epochs?): the parameters cell does not set it (it sets epochs, lr, name, width); "
+        "set anyway, as a new name")
+    assert driver.unknown_parameters(nb, {"steps": 3, "withd": 4}).startswith(
+        "-p steps, withd (did you mean width?): the parameters cell does not set them (")
+    untagged = notebook("epochs = 4", "print(epochs)")
+    assert driver.unknown_parameters(untagged, {"epochs": 2}) == (
+        "-p epochs: the notebook has no cell tagged 'parameters', so it is set in a cell put first, and a cell that "
+        "sets it again wins; tag the cell that sets it 'parameters'")
+    assert driver.unknown_parameters(untagged, {}) is None
 
 
 def test_cli_a_relative_run_dir_is_where_the_command_was_given_not_the_notebooks_folder(tmp_path):
