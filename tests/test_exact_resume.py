@@ -742,6 +742,7 @@ def test_a_model_bound_again_to_torch_compile_of_itself_resumes_bit_for_bit(tmp_
     assert "RESULT OptimizedModule [" in harness.cell_text(nb.cells[3])
     assert harness.result(nb) == harness.result(twin)
 
+
 def _setup_draws_notebook(mark, *, seeded: bool):
     """A vocabulary in a set's order (``list(set(text))``) and a train split drawn in the %%replay
     cell before its seed (``seeded``: after it), read by the training; the model and optimizer in
@@ -2014,6 +2015,7 @@ def test_a_model_and_optimizer_saved_in_a_dict_are_not_named_as_unsaved(ip, tmp_
     lines = [line for line in out.splitlines() if "without --save: a state it changes in place" in line]
     assert len(lines) == 1 and lines[0].startswith("colab_resilience: the resume_range loop uses sched (StepLR) "
                                                    "without --save"), out
+
 
 def test_the_first_run_names_a_resume_range_loop_that_something_around_it_would_start_over(ip, tmp_path, capsys):
     """A resume_range loop inside a plain for loop (after a restart the epoch starts over at 0, the
