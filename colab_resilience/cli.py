@@ -13,7 +13,6 @@ Exit codes: 0 done, 1 a cell failed, 2 usage or input error, 3 restart budget sp
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ sys.modules.setdefault("rfc3987_syntax", None)
 from . import options  # noqa: E402
 from .driver import EXIT_OK, EXIT_USAGE, resolve_parameter, run_notebook  # noqa: E402
 from .errors import NotebookInputError  # noqa: E402
+from .words import did_you_mean  # noqa: E402
 
 
 def _fail(message: str) -> int:
@@ -193,8 +193,7 @@ def _hint(extra: list[str], where: argparse.ArgumentParser, commands: dict[str, 
         if other is not where and name in other._option_string_actions:
             return f" ({name} is an option of `colab-resilience {command}`)"
     longs = [s for s in where._option_string_actions if s.startswith("--")]
-    close = difflib.get_close_matches(name, longs, n=1) if name.startswith("--") else []
-    return f" (did you mean {close[0]}?)" if close else ""
+    return did_you_mean(name, longs, quoted=False) if name.startswith("--") else ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,7 @@ from .replay import MAGIC, is_replay_cell
 from .restart import SUPERVISED_ENV, mark_shut_down
 from .session import NOTEBOOK_ENV, RUN_DIR_ENV
 from .tempdirs import TempFolder
+from .words import did_you_mean
 
 # exit codes of `colab-resilience run` (and the `status` of a RunResult)
 EXIT_OK, EXIT_CELL_FAILED, EXIT_USAGE, EXIT_BUDGET = 0, 1, 2, 3
@@ -102,7 +103,6 @@ def unknown_parameters(nb, parameters: dict[str, Any]) -> str | None:
     values go in a cell put first, which a later cell may set again), or some of ``parameters``
     are not set in it (a typo, likely: they are set anyway, as new names)."""
     import ast
-    import difflib
 
     if not parameters:
         return None
@@ -124,7 +124,7 @@ def unknown_parameters(nb, parameters: dict[str, Any]) -> str | None:
     unknown = [n for n in parameters if n not in known]
     if not unknown:
         return None
-    close = [f"{n} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(n, known, n=1)) else n for n in unknown]
+    close = [n + did_you_mean(n, known, quoted=False) for n in unknown]
     return (f"-p {', '.join(close)}: the parameters cell does not set {'it' if len(unknown) == 1 else 'them'} "
             f"(it sets {', '.join(known) or 'nothing'}); set anyway, as {'a new name' if len(unknown) == 1 else 'new names'}")
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import difflib
 import inspect
 import io
 import sys
@@ -128,11 +127,6 @@ def _user_variables(shell) -> list[str]:
     return [k for k in shell.user_ns if not k.startswith("_") and k not in hidden]
 
 
-def _did_you_mean(name: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(name, candidates, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def check_options(shell, names: list[str], shrink, body: str, restorable: Collection[str] = ()) -> None:
     """:class:`OptionError` for a ``--save`` name that nothing defines (nor the checkpoint a
     resume restores, ``restorable``: a list made by a cell that is not replayed comes back from
@@ -145,14 +139,14 @@ def check_options(shell, names: list[str], shrink, body: str, restorable: Collec
         if name not in ns and name not in assigned and name not in restorable:
             raise OptionError(
                 f"%%resilient: --save {name}: no variable {name!r} exists and the cell does not "
-                f"assign it{_did_you_mean(name, _user_variables(shell))}; create it in a %%replay cell or in this cell"
+                f"assign it{words.did_you_mean(name, _user_variables(shell))}; create it in a %%replay cell or in this cell"
             )
     for s in shrink:
         root, _, path = s.name.partition(".")
         if root not in ns:
             ints = [k for k in _user_variables(shell) if type(ns[k]) is int]
             raise OptionError(
-                f"%%resilient: --shrink {s.name}: no variable {root!r} exists{_did_you_mean(root, ints)}; "
+                f"%%resilient: --shrink {s.name}: no variable {root!r} exists{words.did_you_mean(root, ints)}; "
                 + (f"set it in an earlier cell, e.g. {s.name} = 256" if not path else "make it in a %%replay cell")
             )
         value = shrink_value(ns, s.name, _NONE)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+
 
 def a(name: str) -> str:
     """``name`` (a type's) with its indefinite article, as it is said: "an int", "an AdamW",
@@ -21,3 +23,11 @@ def a(name: str) -> str:
 def plural(n: int, word: str) -> str:
     """``n`` and ``word``, plural but for one: "1 cell", "3 cells"."""
     return f"{n} {word}{'s' if n != 1 else ''}"
+
+
+def did_you_mean(name: str, candidates: list[str], *, quoted: bool = True) -> str:
+    """" (did you mean 'epochs'?)" for the candidate closest to ``name`` (difflib's rule), or ""."""
+    close = difflib.get_close_matches(name, candidates, n=1)
+    if not close:
+        return ""
+    return f" (did you mean {close[0]!r}?)" if quoted else f" (did you mean {close[0]}?)"

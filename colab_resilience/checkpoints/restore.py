@@ -20,7 +20,6 @@ Pickles are unpickled only here, after the manifest's signature and the blob's h
 from __future__ import annotations
 
 import collections
-import difflib
 import io
 import json
 import pickle
@@ -178,8 +177,7 @@ class Checkpoint:
         """Why ``n`` cannot be restored into ``namespace`` (one line), or None."""
         e = self._entries.get(n)
         if e is None:
-            close = difflib.get_close_matches(n, self.names, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            hint = words.did_you_mean(n, self.names)
             return (
                 f"colab_resilience: {n!r} is not in checkpoint {self.checkpoint_id}{hint}; "
                 f"it holds: {', '.join(self.names) or 'nothing'}"

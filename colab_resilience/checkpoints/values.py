@@ -37,7 +37,6 @@ number generator), :attr:`Prepared.cut_off` names it, for the save to say so onc
 from __future__ import annotations
 
 import copyreg
-import difflib
 import io
 import mmap
 import pickle
@@ -50,6 +49,7 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import NotPlainError, UnsaveableValueError
 from ..oom import is_oom
+from ..words import did_you_mean
 from . import codec, keras_state, pytree, tensorfile
 from .rng import is_generator
 from .tensorfile import Payload
@@ -420,8 +420,7 @@ def unsaveable(name: str, value: Any, reason: str) -> UnsaveableValueError:
 def missing_name_message(name: str, namespace: Mapping[str, Any], verb: str) -> str:
     """One line for a name that is not in ``namespace``: the closest user name, and what exists."""
     names = _user_names(namespace)
-    close = difflib.get_close_matches(name, names, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    hint = did_you_mean(name, names)
     shown = ", ".join(names[:15]) + (", ..." if len(names) > 15 else "")
     return (
         f"colab_resilience: cannot {verb} {name!r}: no variable of that name{hint}; "
