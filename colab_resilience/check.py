@@ -29,7 +29,9 @@ but one line names what the runs wrote there (:class:`Folder`): each run after t
 what the earlier ones left (a marker file would keep a later run from its own fault).
 
 What it cannot see: other side effects outside the kernel (files written elsewhere, a remote
-service), and output that differs from run to run anyway (times, progress bars).
+service), and output that differs from run to run anyway (a time a cell prints in its own
+words; the times that ``%%time`` prints, and numbers a line names as times or rates, are not
+compared: :func:`_untimed`).
 """
 
 from __future__ import annotations
@@ -298,10 +300,20 @@ def _add_check_cells(nb) -> None:
 _PRINTED_TIME = re.compile(r"""(['"]?)(\w*?(?:runtime|time|seconds|duration|per_second))\1(\s*[:=]\s*)(['"]?)[-+0-9.eE]+\4""")
 
 
+# what IPython's %%time and %time print after the cell: "CPU times: user 266 ms, sys: 24.8 ms, total:
+# 291 ms" ("CPU times: total: ..." where there is no user and sys time), "Wall time: 1min 3s"; and,
+# only where compiling or parsing the cell took over 0.1 s, "Compiler : 0.12 s" and "Parser   : ..."
+_TIME_MAGIC = re.compile(r"^(CPU times: |Wall time: )\d.*$|^CPU times: (?:user .*, sys: .*, )?total: .*$")
+_TIME_MAGIC_SOMETIMES = re.compile(r"^(?:Compiler|Parser  ) : \d.*$")
+
+
 def _untimed(lines: list[str]) -> list[str]:
     """Printed lines with the numbers they name as times or rates left out: they differ between
-    any two runs (the metrics a Hugging Face ``Trainer`` prints at its end)."""
-    return [_PRINTED_TIME.sub(r"\1\2\1\3<time>", line) for line in lines]
+    any two runs (the metrics a Hugging Face ``Trainer`` prints at its end, what ``%%time``
+    prints after its cell; its compile and parse times, printed only where they were long, are
+    left out whole)."""
+    return [_PRINTED_TIME.sub(r"\1\2\1\3<time>", _TIME_MAGIC.sub(lambda m: (m.group(1) or "CPU times: ") + "<time>", line))
+            for line in lines if not _TIME_MAGIC_SOMETIMES.match(line)]
 
 
 def _output_difference(reference: list[str], faulted: list[str], logged: frozenset[str] | set[str] = frozenset()

@@ -490,6 +490,38 @@ def test_printed_times_and_rates_are_not_a_difference_and_the_rest_of_the_line_i
     assert _output_difference(_untimed(ran), _untimed(other)).startswith("first at ")
     assert _untimed(["epoch_time=3.2s loss=0.5", "timer 3"]) == ["epoch_time=<time>s loss=0.5", "timer 3"]
 
+def test_what_time_magics_print_after_a_cell_is_not_a_difference_and_what_the_cell_prints_is():
+    """``%%time`` on the training cell (found by a probe: check called a notebook that resumed bit
+    for bit different, at 'CPU times: user 266 ms, ...'): its times differ between any two runs,
+    in any unit (``1min 3s``), and its compile and parse times are printed only where they were
+    long. The cell's own lines are compared as before."""
+    from colab_resilience.check import _output_difference, _untimed
+
+    ran = ["0 2.31", "1 2.20", "CPU times: user 266 ms, sys: 24.8 ms, total: 291 ms", "Wall time: 158 ms"]
+    again = ["0 2.31", "1 2.20", "CPU times: user 1min 3s, sys: 2.1 s, total: 1min 5s", "Wall time: 1min 9s",
+             "Compiler : 112 ms", "Parser   : 104 ms"]
+    assert _output_difference(_untimed(ran), _untimed(again)) is None
+    assert _output_difference(_untimed(ran), _untimed(["0 2.31", "1 2.21"] + again[2:])) == "first at '1 2.21'"
+    assert _untimed(["CPU times: total: 3 s", "Wall time is up", "Compiler : ok"]) == [
+        "CPU times: <time>", "Wall time is up", "Compiler : ok"]
+
+
+def test_a_training_cell_under_time_magics_resumes_identical(tmp_path):
+    """The same in real runs: the training cell under ``%%time`` (its line, then ``%%resilient``),
+    a later cell under ``%time``; a SIGKILL and an out-of-memory error: identical."""
+    nb = harness.notebook("%load_ext colab_resilience", "%%replay\nimport time\ntotal = 0",
+                          "%%time\n%%resilient --save total\nfor i in resume_range(4):\n    total += i\n"
+                          "    print(i, total)\n    time.sleep(0.05)",
+                          "%time print('total', total)")
+    nb.metadata["kernelspec"] = {"name": harness.KERNEL_NAME, "language": "python", "display_name": "tests"}
+    path = tmp_path / "timed.ipynb"
+    nbformat.write(nb, path)
+    r = check(str(path), "--faults", "2", "--seed", "3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SIGKILL" in r.stdout and "an out-of-memory error" in r.stdout, r.stdout
+    assert r.stdout.splitlines()[-1].endswith("timed.ipynb: identical after each of 2 faults (seed 3)"), r.stdout
+
+
 def test_a_global_a_set_up_cells_function_changes_is_not_excused_as_recomputed():
     """``steps = 0`` in a set-up cell, changed by ``tick()`` (``global steps``) that the training
     calls: a difference in it after a restart is the training's, not the replayed cell's, and is
