@@ -145,6 +145,7 @@ class Outcome:
     training: int = 0  # the first %%resilient cell's number: the cells before it ran before any fault
     sources: dict[int, str] = field(default_factory=dict)  # each code cell's first line
     logged: dict[int, set[str]] = field(default_factory=dict)  # each code cell's lines written to stderr
+    cleared: frozenset[int] = frozenset()  # the code cells that cleared their output as they ran
 
 
 @dataclass
@@ -270,13 +271,14 @@ def _outcome(result: RunResult, set_up: frozenset[str] = frozenset()) -> Outcome
     mine = [c for c in cells if not c.get("metadata", {}).get(MARK)]
     by_role = {c["metadata"][MARK]: c for c in ours}
     outputs = {i: _lines(c) for i, c in enumerate(mine) if c.get("cell_type") == "code"}
+    cleared = frozenset(i for i, c in enumerate(mine) if any(c is cells[j] for j in result.cleared))
     logged = {i: _logged(c) for i, c in enumerate(mine) if c.get("cell_type") == "code"}
     training = next((i for i, c in enumerate(mine) if c.get("cell_type") == "code"
                      and "".join(c.get("source", "")).lstrip().startswith("%%resilient")), 0)
     sources = {i: next((ln for ln in "".join(c.get("source", "")).splitlines() if ln.strip()), "")
                for i, c in enumerate(mine) if c.get("cell_type") == "code"}
     return Outcome(result, _digests(by_role.get("after", {}), MARK), outputs,
-                   _digests(by_role.get("before", {}), BEFORE), set_up, training, sources, logged)
+                   _digests(by_role.get("before", {}), BEFORE), set_up, training, sources, logged, cleared)
 
 
 def _first_resilient(nb) -> int | None:
@@ -316,13 +318,16 @@ def _untimed(lines: list[str]) -> list[str]:
             for line in lines if not _TIME_MAGIC_SOMETIMES.match(line)]
 
 
-def _output_difference(reference: list[str], faulted: list[str], logged: frozenset[str] | set[str] = frozenset()
-                       ) -> str | None:
+def _output_difference(reference: list[str], faulted: list[str], logged: frozenset[str] | set[str] = frozenset(),
+                       cleared: bool = False) -> str | None:
     """How a cell's printed lines differ from what it printed uninterrupted (the first line that
     does not fit, quoted), or None where they are the same: exactly, or, where it was recovered
     (its own lines of this package split it into parts), every part a run of the uninterrupted
     lines and the last part their end. A part's last line may be cut short: the fault came while
-    the line was printed (``0`` of ``0 2.31``, then ``colab_resilience: OOM ...`` on that line)."""
+    the line was printed (``0`` of ``0 2.31``, then ``colab_resilience: OOM ...`` on that line).
+    In a cell that ``cleared`` its output as it ran (a live plot's ``clear_output(wait=True)``),
+    what an attempt showed when it died or was rolled back is a view it was about to clear:
+    only the last part that shows anything is compared, and must be the uninterrupted end."""
     reference = [line for line in reference if not line.startswith("colab_resilience:")]
     parts, part, cut = [], [], []
     for line in faulted:
@@ -337,6 +342,10 @@ def _output_difference(reference: list[str], faulted: list[str], logged: frozens
         part = []
     parts.append(part)
     cut.append(False)
+    recovered = len(parts) > 1
+    if cleared and recovered:  # shown after a recovery: what it logged may differ (see below)
+        parts, cut = [_quiet(next((p for p in reversed(parts) if p), []), logged)], [False]
+        reference = _quiet(reference, logged)
 
     def within(p: list[str], short: bool = False) -> bool:
         n = len(p)
@@ -344,7 +353,7 @@ def _output_difference(reference: list[str], faulted: list[str], logged: frozens
             reference[i + n - 1] == p[-1] or short and reference[i + n - 1].startswith(p[-1]))
             for i in range(len(reference) - n + 1))
 
-    if len(parts) == 1:  # nothing of ours: no recovery in this cell
+    if not recovered:  # nothing of ours: no recovery in this cell
         if faulted == reference or _same_but_interleaved(reference, faulted, logged):
             return None
         at = next((i for i, (a, b) in enumerate(zip(reference, faulted)) if a != b), min(len(reference), len(faulted)))
@@ -431,7 +440,8 @@ def compare(reference: Outcome, faulted: Outcome) -> list[str]:
     for index, lines in reference.outputs.items():
         logged = set(_untimed(list(reference.logged.get(index, ())))) | \
             set(_untimed(list(faulted.logged.get(index, ()))))
-        how = (_output_difference(_untimed(lines), _untimed(faulted.outputs.get(index, [])), logged)
+        cleared = index in reference.cleared or index in faulted.cleared
+        how = (_output_difference(_untimed(lines), _untimed(faulted.outputs.get(index, [])), logged, cleared)
                if index >= reference.training else None)
         if how is not None:
             source = reference.sources.get(index, "")

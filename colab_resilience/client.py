@@ -19,7 +19,7 @@ from typing import Any
 from jupyter_core.utils import ensure_async, run_sync
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, DeadKernelError
-from traitlets import Float, List, Unicode
+from traitlets import Float, List, Set, Unicode
 
 from .kernels import CellFailed, KernelDied, api_call, discard, expression_value, process_exit_code
 
@@ -31,6 +31,7 @@ class SupervisedClient(NotebookClient):
         0.1, help="Seconds between checks that the kernel is alive while a cell runs (nbclient: 1)."
     ).tag(config=True)
     identities = List(Unicode(), help="Every kernel connected, in order, by journal.kernel_identity.")
+    cleared = Set(help="The cells that cleared their output (IPython's clear_output) while they ran, by index.")
     unusable = Unicode(None, allow_none=True,
                        help="Why the last kernel connected cannot run colab_resilience (its Python lacks it, or "
                             "has another version), as 'ename: evalue'; None when it can.")
@@ -48,6 +49,11 @@ class SupervisedClient(NotebookClient):
                 if self.task_poll_for_reply is not None:
                     self.task_poll_for_reply.cancel()
                 return
+
+    def clear_output(self, outs, msg, cell_index):
+        """nbclient's, which takes what the cell showed from the notebook; the cell is noted."""
+        self.cleared.add(cell_index)
+        return super().clear_output(outs, msg, cell_index)
 
     def execute_cell(self, cell, cell_index: int, execution_count: int | None = None, store_history: bool = True):
         """nbclient's, with a death raised as :class:`~colab_resilience.kernels.KernelDied` and

@@ -67,6 +67,7 @@ class RunResult:
     message: str = ""
     seconds: float = 0.0
     written: Path | None = None  # where the executed notebook was written (not the output asked for, if that failed)
+    cleared: frozenset[int] = frozenset()  # the cells (by index) that cleared their output as they ran
 
 
 def resolve_parameter(value: str) -> Any:
@@ -325,6 +326,7 @@ def run_notebook(
         sockets_folder.remove()
         result = supervisor.result
         result.seconds = time.perf_counter() - started
+        result.cleared = frozenset(client.cleared)
         if stopped is not None:  # not "done": the notebook did not run to its end
             result.failed_cell = supervisor.cell
         nb.metadata["colab_resilience"] = {

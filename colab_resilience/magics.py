@@ -208,7 +208,8 @@ class ResilienceMagics(Magics):
             every=args.every or (1, None),
         )
         try:
-            resilient.execute(self.session, line, cell, options)
+            with self.session.kept_in_view():
+                resilient.execute(self.session, line, cell, options)
         except (OptionError, RunLockedError, RunStoppedError, UnsafeCheckpointError, UnsafeDirectoryError,
                 UnsaveableValueError) as e:
             # refusals, each in one line that says what to do: no traceback through this package

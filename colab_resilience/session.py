@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from .checkpoints.staging import Budget, parse_budget
@@ -63,6 +64,7 @@ class Session:
         self.saves: dict = {}  # run id -> SaveStats of its last execution in this kernel
         self.putting_back = False  # commands.put_back_finished is at work (a cell it runs again must not)
         self.not_back: set[str] = set()  # saved names of finished runs that could not be put back
+        self.said: list[str] | None = None  # what the %%resilient cell running now has said (kept_in_view)
 
     def root(self) -> Path:
         run_dir = self.settings.run_dir
@@ -75,6 +77,40 @@ class Session:
     def say(self, line: str) -> None:
         if self.settings.verbose:
             print(line, flush=True)
+            if self.said is not None:
+                self.said.append(line)
+
+    @contextmanager
+    def kept_in_view(self):
+        """Say again, at the end of a ``%%resilient`` cell, what was said in it before the cell
+        cleared its output: a loop that draws its progress with ``clear_output(wait=True)`` (a
+        live loss plot) would take a retry's line, a halved batch, a resume, from view at its
+        next iteration, and the notebook would keep no trace of it. Its ``clear_output`` calls
+        are counted for the time of the cell (IPython's ``clear_output`` goes through the
+        shell's display publisher); nested, the outer cell does it."""
+        pub = getattr(self.shell, "display_pub", None)
+        if pub is None or self.said is not None:
+            yield
+            return
+        said: list[str] = []
+        cleared = 0
+        original = pub.clear_output
+
+        def clear_output(*args, **kwargs):
+            nonlocal cleared
+            cleared = len(said)
+            return original(*args, **kwargs)
+
+        self.said, pub.clear_output = said, clear_output
+        try:
+            yield
+        finally:
+            self.said = None
+            if vars(pub).get("clear_output") is clear_output:
+                del pub.clear_output
+            if cleared:
+                print("colab_resilience: said in this cell before it cleared its output:", *said[:cleared],
+                      sep="\n", flush=True)
 
 
 _sessions: dict[int, Session] = {}

@@ -522,6 +522,43 @@ def test_a_training_cell_under_time_magics_resumes_identical(tmp_path):
     assert r.stdout.splitlines()[-1].endswith("timed.ipynb: identical after each of 2 faults (seed 3)"), r.stdout
 
 
+def test_what_a_cell_that_clears_its_output_showed_when_it_died_is_not_a_difference_and_its_end_is():
+    """A loop that redraws its progress with ``clear_output(wait=True)``: the uninterrupted run
+    keeps its last view ('epoch 5 ...'); a run killed in epoch 1 kept the view it died with, then
+    the resumed attempt's last view (found by a probe: check called such a run different, first
+    at 'epoch 1 ...', every variable the same). Only the last view is compared, with the end."""
+    from colab_resilience.check import _output_difference
+
+    reference = ["epoch 5 [0, 1, 4, 9, 16, 25]"]
+    died = "colab_resilience: the kernel died (killed by SIGKILL); switched to the standby kernel"
+    said = ["colab_resilience: said in this cell before it cleared its output:",
+            "colab_resilience: resumed run 697fe419: restored hist in 0.0 s; continuing at 1"]
+    faulted = ["epoch 1 [0, 1]", died, "epoch 5 [0, 1, 4, 9, 16, 25]", *said]
+    assert _output_difference(reference, faulted, cleared=True) is None
+    assert _output_difference(reference, faulted) == "first at 'epoch 1 [0, 1]'"  # a cell that does not clear
+    assert _output_difference(reference, ["epoch 1 [0, 1]", died, "epoch 5 [0, 1, 4, 9, 16]", *said],
+                              cleared=True) == "first at 'epoch 5 [0, 1, 4, 9, 16]'"
+    assert _output_difference(reference, ["epoch 1 [0, 1]", died, "epoch 4 [0, 1, 4, 9, 16]"],
+                              cleared=True) is not None
+    assert _output_difference(reference, ["epoch 5 [0, 1, 4, 9, 16]"], cleared=True) is not None  # no recovery
+
+
+def test_a_training_cell_that_clears_its_output_resumes_identical(tmp_path):
+    """The same in real runs, a kill among the faults: identical."""
+    nb = harness.notebook("%load_ext colab_resilience",
+                          "%%replay\nimport time\nfrom IPython.display import clear_output\nhist = []",
+                          "%%resilient --save hist\nfor e in resume_range(6):\n    hist.append(e * e)\n"
+                          "    clear_output(wait=True)\n    print('epoch', e, hist)\n    time.sleep(0.1)",
+                          "print(hist)")
+    nb.metadata["kernelspec"] = {"name": harness.KERNEL_NAME, "language": "python", "display_name": "tests"}
+    path = tmp_path / "cleared.ipynb"
+    nbformat.write(nb, path)
+    r = check(str(path), "--faults", "3", "--seed", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SIGKILL" in r.stdout and "(1 kernel restart" in r.stdout, r.stdout
+    assert r.stdout.splitlines()[-1].endswith("cleared.ipynb: identical after each of 3 faults (seed 1)"), r.stdout
+
+
 def test_a_global_a_set_up_cells_function_changes_is_not_excused_as_recomputed():
     """``steps = 0`` in a set-up cell, changed by ``tick()`` (``global steps``) that the training
     calls: a difference in it after a restart is the training's, not the replayed cell's, and is

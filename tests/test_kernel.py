@@ -181,6 +181,32 @@ def test_keyboard_interrupt_is_never_caught(kernel):
         assert foreign not in r.traceback_text, r.traceback_text
 
 
+def test_what_was_said_in_a_cell_that_clears_its_output_is_said_again_at_its_end():
+    """A loop that redraws its progress with ``clear_output(wait=True)`` (a live loss plot) took
+    each recovery's line from view at its next iteration: the notebook kept 'step 2 2048' and no
+    trace of two out-of-memory errors and a batch size cut to a quarter. What the cell said before
+    its last clear is said again at its end, once (the test above: a cell that does not clear
+    says each line once)."""
+    nb = notebook(
+        PRELUDE + "from IPython.display import clear_output",
+        "batch_size = 8192\ntotals = []\ncap_memory(1 * GiB)  # 8192 and 4096 rows of 64 Ki floats do not fit",
+        "%%resilient --retries 3 --shrink batch_size --save totals\n"
+        "for i in resume_range(3):\n"
+        "    clear_output(wait=True)\n"
+        "    x = torch.ones(batch_size, 65536)\n"
+        "    totals.append(float(x.sum()))\n"
+        "    del x\n"
+        "    print('step', i, batch_size)",
+    )
+    run_notebook(nb)
+    lines = cell_text(nb.cells[2]).splitlines()
+    assert lines[:2] == ["step 2 2048", "colab_resilience: said in this cell before it cleared its output:"], lines
+    ooms = [line for line in lines if line.startswith("colab_resilience: OOM (")]
+    assert len(ooms) == 2 and ooms[0].endswith("batch_size 8192 → 4096; retry 1/3"), lines
+    assert ooms[1].endswith("batch_size 4096 → 2048; retry 2/3"), lines
+    assert all(line.startswith("colab_resilience: ") for line in lines[1:]), lines
+
+
 def test_notebook_stops_at_an_ordinary_error_in_a_resilient_cell():
     """Headless (nbclient), an ordinary error in a %%resilient cell stops the notebook there."""
     nb = notebook(
