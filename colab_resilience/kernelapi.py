@@ -136,14 +136,16 @@ def state_digest() -> dict[str, list]:
     """For ``colab-resilience check``: every variable of the notebook as ``[digest, preview]``:
     a BLAKE3 of the bytes a checkpoint would hold for it (the same bytes for the same value),
     and a short repr for plain scalars (else None). Modules, functions, classes and IPython's
-    own names are left out; a value that cannot be saved is digested by its type. A number that a
+    own names are left out; a value that cannot be saved is digested by its type, and so is a
+    progress bar, a display handle, a widget or a logger (what they hold, their times and display
+    ids, differs between any two runs, and is no result of the training). A number that a
     dict names as a time or a rate (``train_runtime``, ``eval_samples_per_second``: the metrics a
     Hugging Face ``Trainer`` returns) is digested as "a time": it differs between any two runs."""
     import types
 
     import blake3
 
-    from . import carried
+    from . import carried, lint
     from .checkpoints import values
     from .errors import UnsaveableValueError
     from .session import session_of
@@ -154,6 +156,9 @@ def state_digest() -> dict[str, list]:
     for name, value in list(shell.user_ns.items()):
         if name.startswith("_") or name in hidden or isinstance(value, (types.ModuleType, types.FunctionType,
                                                                         types.BuiltinFunctionType, type)):
+            continue
+        if lint.shows_only(value):
+            out[name] = [f"display:{values.type_name(value)}", None]
             continue
         if _keras_variables(value) is not None:  # what its variables hold (their names count the models made)
             h = blake3.blake3()

@@ -182,8 +182,12 @@ def check_options(shell, names: list[str], shrink, body: str, restorable: Collec
             )
 
 
-def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> list[str]:
-    """One line for each thing in ``body`` that would make a resumed run differ (see above)."""
+def warnings(shell, body: str, saved: list[str], replay_sources: list[str], later: list[str] | None = None
+             ) -> list[str]:
+    """One line for each thing in ``body`` that would make a resumed run differ (see above).
+    With ``later``, the names the loop carries that do not exist yet go there instead, for
+    :func:`at_loop_start`: the cell makes them above its loop, and only then can their values
+    tell a progress bar (``pbar.update(1)``) from a state (``seen.append(x)``)."""
     tree = _parse(shell, body)
     if tree is None:
         return []
@@ -214,6 +218,9 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
     iterators = [n for n in carried if n in drawn]
     classes = [n for n in carried if isinstance(shell.user_ns.get(n), type)]
     carried = [n for n in carried if n not in iterators and n not in classes]
+    if later is not None:
+        later += [n for n in carried if n not in shell.user_ns]
+        carried = [n for n in carried if n in shell.user_ns]
     if classes:
         lines.append(
             f"colab_resilience: the resume_range loop changes attributes of the class{_one(classes, '', 'es')} "
@@ -260,12 +267,7 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str]) -> l
             "(for batch in resume_range(loader)), or make the iterator inside the loop"
         )
     if carried:
-        lines.append(
-            f"colab_resilience: the resume_range loop carries {', '.join(carried)} from one iteration to the "
-            f"next without --save: after a rollback or a restart "
-            f"{_one(carried, 'it would not have its value', 'they would not have their values')} "
-            f"at the safe point, and the result would differ; add {_one(carried, 'it', 'them')} to --save"
-        )
+        lines.append(_carried_line(carried))
     above = read_above_inner(tree, saved, shell.user_ns)
     if above:
         lines.append(
@@ -404,6 +406,15 @@ def _one(names: list, one: str, many: str) -> str:
     return one if len(names) == 1 else many
 
 
+def _carried_line(carried: list[str]) -> str:
+    return (
+        f"colab_resilience: the resume_range loop carries {', '.join(carried)} from one iteration to the "
+        f"next without --save: after a rollback or a restart "
+        f"{_one(carried, 'it would not have its value', 'they would not have their values')} "
+        f"at the safe point, and the result would differ; add {_one(carried, 'it', 'them')} to --save"
+    )
+
+
 def _state_objects_line(stateful: list[str]) -> str:
     return (
         f"colab_resilience: the resume_range loop uses {', '.join(stateful)} without --save: a state it "
@@ -413,15 +424,21 @@ def _state_objects_line(stateful: list[str]) -> str:
     )
 
 
-def at_loop_start(shell, body: str, saved: list[str], known: set[str]) -> list[str]:
+def at_loop_start(shell, body: str, saved: list[str], known: set[str], later: list[str] = ()) -> list[str]:
     """What :func:`warnings` can tell only once the cell's code above its first loop has run: the
     objects with a state that the cell made there (``sched = OneCycleLR(...)``; not one of
     ``known``, the names there were when the cell began) and the loop uses without ``--save``.
     The cell makes them afresh after a restart, at their first step, while the model and the
-    optimizer come back at the safe point's."""
+    optimizer come back at the safe point's. And of the names the loop carries that did not exist
+    when the cell began (``later``), those that are training state: not a progress bar, a
+    display handle, a logger (what :func:`_is_state` says) made above the loop."""
     tree = _parse(shell, body)
     if tree is None:
         return []
+    ns = shell.user_ns
+    carried = [n for n in later if n not in ns or _is_state(ns[n])]
+    if carried:
+        return [_carried_line(carried)] + at_loop_start(shell, body, saved, known)
     stateful = [f for f in unsaved_state_objects(tree, saved, shell.user_ns) if f.split(" ", 1)[0] not in known]
     reshuffled = [n for n in reshuffled_datasets(tree, shell.user_ns) if n not in known]
     persistent = [n for n in persistent_loaders(tree, shell.user_ns) if n not in known]
@@ -436,7 +453,13 @@ def _is_state(value) -> bool:
         return False
     if isinstance(value, tuple) and value and all(callable(v) for v in value):
         return False
-    return not type(value).__module__.split(".")[0] in _NOT_STATE
+    return not shows_only(value)
+
+
+def shows_only(value) -> bool:
+    """Whether a value is a progress bar, a display handle, a widget, a logger or an experiment
+    tracker's: something that shows or records the training, and no part of its result."""
+    return type(value).__module__.split(".")[0] in _NOT_STATE
 
 
 def _carried(tree: ast.AST):

@@ -102,10 +102,11 @@ def execute(session, line: str, body: str, options: Options) -> None:
     if key not in session.linted:  # once per cell and kernel: after a restart, said again
         session.linted.add(key)
         saved = options.names + shrink_names
-        for line in lint.warnings(shell, body, saved, [c.source for c in session.replay_log.cells]):
+        later: list[str] = []  # carried names the cell makes: told at the loop's start, by their values
+        for line in lint.warnings(shell, body, saved, [c.source for c in session.replay_log.cells], later):
             session.say(line)
         known = set(shell.user_ns)
-        run.at_loop_start = lambda: lint.at_loop_start(shell, body, saved, known)
+        run.at_loop_start = lambda: lint.at_loop_start(shell, body, saved, known, later)
     if options.shrink:  # a new kernel gets them back from the journal, even after a SIGKILL
         run.record_shrink({n: shrink_value(shell.user_ns, n) for n in shrink_names})
 

@@ -312,6 +312,29 @@ def test_two_dicts_that_are_equal_are_one_value_whatever_the_order_of_their_keys
     assert state_digest()["b"] != digests["b"]
 
 
+def test_a_progress_bar_and_a_display_handle_are_compared_by_their_type(ip):
+    """``shown = display(..., display_id=True)`` in the training cell: its display id is drawn
+    afresh in every run, and check called every faulted run different ("shown differs"; found by
+    a probe); a progress bar holds its start time. What they hold is no result: two of a type are
+    one value, and what else the notebook holds is compared as before."""
+    import logging
+
+    from IPython.display import DisplayHandle
+    from tqdm.auto import tqdm
+
+    from colab_resilience.kernelapi import state_digest
+
+    first, second = tqdm(total=3, disable=True), tqdm(total=5, disable=True)
+    second.update(2)
+    ip.user_ns.update(a=DisplayHandle(), b=DisplayHandle(), c=first, d=second, e=logging.getLogger("x"),
+                      f=logging.getLogger("y"), g=[1, 2], h=[1, 3])
+    digests = state_digest()
+    assert ip.user_ns["a"].display_id != ip.user_ns["b"].display_id
+    assert digests["a"] == digests["b"] and digests["a"][0].endswith(".DisplayHandle")
+    assert digests["c"] == digests["d"] and digests["e"] == digests["f"]
+    assert digests["g"] != digests["h"]
+
+
 def test_a_python_random_generator_is_compared_by_its_state(ip):
     """A random.Random in the notebook is digested by its state: one that drew more is another
     value (it was digested by its __dict__, which holds none of its state: check called a run

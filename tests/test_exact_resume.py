@@ -1706,6 +1706,31 @@ def says_nothing(ip, capsys, cell: str) -> None:
     assert "colab_resilience: " not in out, out
 
 
+def test_a_progress_bar_and_a_display_handle_the_cell_makes_above_its_loop_are_not_named_as_carried(
+        ip, tmp_path, capsys):
+    """``pbar = tqdm(total=n)`` above the loop, ``pbar.update(1)`` in it (a display handle's
+    ``update`` too): the first run named them as carried ('add them to --save'; a progress bar
+    cannot be saved). Made by the cell, they did not exist when it began: they are judged by their
+    values when the loop starts, as those made before the cell are. A list made there and appended
+    to in the loop is still named, and only once."""
+    out = said_at_first_run(
+        ip, tmp_path, capsys, "from tqdm.auto import tqdm\nfrom IPython.display import display\nhist = []",
+        "%%resilient --save hist\n"
+        "pbar = tqdm(total=3, disable=True)\n"
+        "shown = display('starting', display_id=True)\n"
+        "seen = []\n"
+        "for e in resume_range(3):\n"
+        "    hist.append(e)\n"
+        "    seen.append(e)\n"
+        "    pbar.update(1)\n"
+        "    shown.update(f'epoch {e}')\n")
+    said = [line for line in out.splitlines() if line.startswith("colab_resilience: ")]
+    assert said == [line for line in said if "carries" not in line] + [
+        "colab_resilience: the resume_range loop carries seen from one iteration to the next without --save: after a "
+        "rollback or a restart it would not have its value at the safe point, and the result would differ; add it "
+        "to --save"], out
+
+
 def test_the_first_run_names_a_list_shuffled_in_place_and_a_functions_carried_locals(ip, tmp_path, capsys):
     """``random.shuffle(data)`` and ``rng.shuffle(idx)`` change the list and the array each epoch,
     ``stats['train']['steps'] += 1`` and ``stats['seen']['ids'].append(epoch)`` a nested dict:
