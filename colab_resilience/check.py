@@ -17,7 +17,8 @@ variable, a plain cell's variable after a restart between cells) is no silent di
 it fails. A name that already differed between the two kernels before the first ``%%resilient``
 cell (a memory size, a time) and that the training did not change is not compared, and said so;
 so is a plain value that only set-up cells assign, read again in the kernel that took over.
-Every cell's printed output from the first ``%%resilient`` cell on must be the same (the cells
+Every cell's printed output from the first ``%%resilient`` cell on, as a notebook shows it
+(:func:`_rendered`: a progress bar by its last drawing), must be the same (the cells
 before it run before any fault; what differs there, a library's log line with its time and
 process number, is not compared, and said so)
 (where a cell was interrupted, every part it printed between two recoveries must be a part of
@@ -236,7 +237,8 @@ _KERNEL_FOLDER = re.compile(r"ipykernel_\d+")
 
 
 def _lines(cell) -> list[str]:
-    """What a cell printed, line by line (the kernel's own folder in a path as ``ipykernel_PID``)."""
+    """What a cell printed, line by line, as a notebook shows it (:func:`_rendered`; the kernel's
+    own folder in a path as ``ipykernel_PID``)."""
     text = []
     for out in cell.get("outputs", []):
         kind = out.get("output_type")
@@ -246,14 +248,51 @@ def _lines(cell) -> list[str]:
             text.append(str(out.get("data", {}).get("text/plain", "")) + "\n")
         elif kind == "error":
             text.append(f"{out.get('ename')}: {out.get('evalue')}\n")
-    return _KERNEL_FOLDER.sub("ipykernel_PID", "".join(text)).splitlines()
+    return _rendered(_KERNEL_FOLDER.sub("ipykernel_PID", "".join(text)))
+
+
+# a terminal's colours and styles (Keras's progress bar: "\x1b[1m8/8\x1b[0m \x1b[32m━━━━\x1b[0m")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_OURS = "colab_resilience: "
+
+
+def _rendered(text: str) -> list[str]:
+    """``text`` as a notebook (or a terminal) shows it, line by line: colours left out, a carriage
+    return going back to the line's start and a backspace one character, what follows written
+    over what was there (a progress bar drawn again in place: Keras's ``fit``, a ``\\r`` in a
+    print), trailing blanks and blank lines left out. A line drawn again in place that this package's line
+    follows, with no line break (the fault came while the bar was drawn), is a view that the next
+    drawing would have replaced, not a line printed: it is left out, and this package's line kept."""
+    lines = []
+    for raw in _ANSI.sub("", text).split("\n"):
+        at = raw.find(_OURS)
+        if at > 0 and "\r" in raw[:at]:
+            raw = raw[at:]
+        if "\r" in raw or "\b" in raw:
+            screen: list[str] = []
+            column = 0
+            for ch in raw:
+                if ch == "\r":
+                    column = 0
+                elif ch == "\b":
+                    column = max(column - 1, 0)
+                else:
+                    if column < len(screen):
+                        screen[column] = ch
+                    else:
+                        screen.append(ch)
+                    column += 1
+            raw = "".join(screen)
+        if raw.strip():  # a blank line: stdout's and stderr's line breaks come apart (tqdm's last one)
+            lines.append(raw.rstrip())
+    return lines
 
 
 def _logged(cell) -> set[str]:
     """The lines a cell wrote to stderr: warnings, a library's logging, progress."""
     text = "".join(out.get("text", "") for out in cell.get("outputs", [])
                    if out.get("output_type") == "stream" and out.get("name") == "stderr")
-    return set(_KERNEL_FOLDER.sub("ipykernel_PID", text).splitlines())
+    return set(_rendered(_KERNEL_FOLDER.sub("ipykernel_PID", text)))
 
 
 def _digests(cell, mark: str) -> dict[str, list]:
@@ -309,12 +348,21 @@ _TIME_MAGIC = re.compile(r"^(CPU times: |Wall time: )\d.*$|^CPU times: (?:user .
 _TIME_MAGIC_SOMETIMES = re.compile(r"^(?:Compiler|Parser  ) : \d.*$")
 
 
+# a progress bar's line (Keras's, as drawn: "8/8 ━━━━ 0s 3ms/step - loss: 7.8491", "1/8 [==>....] -
+# ETA: 1s - loss: 8.4384", "8/8 - 0s - 3ms/step - loss: 7.8491"), and the times in it: per step
+# (or epoch, or sample), the time elapsed and the time left
+_PROGRESS_LINE = re.compile(r"^\s*\d+/(?:\d+|Unknown)\b")
+_PROGRESS_TIME = re.compile(r"\b\d+(?:s|ms|us|μs)/(\w+)|(?<= )(?:ETA: )?(?:\d+:\d\d(?::\d\d)?|\d+s)(?= |$)")
+
+
 def _untimed(lines: list[str]) -> list[str]:
     """Printed lines with the numbers they name as times or rates left out: they differ between
     any two runs (the metrics a Hugging Face ``Trainer`` prints at its end, what ``%%time``
     prints after its cell; its compile and parse times, printed only where they were long, are
     left out whole)."""
     return [_PRINTED_TIME.sub(r"\1\2\1\3<time>", _TIME_MAGIC.sub(lambda m: (m.group(1) or "CPU times: ") + "<time>", line))
+            if not _PROGRESS_LINE.match(line) else
+            _PROGRESS_TIME.sub(lambda m: f"<time>/{m.group(1)}" if m.group(1) else "<time>", line)
             for line in lines if not _TIME_MAGIC_SOMETIMES.match(line)]
 
 

@@ -582,6 +582,40 @@ def test_a_training_cell_that_clears_its_output_resumes_identical(tmp_path):
     assert r.stdout.splitlines()[-1].endswith("cleared.ipynb: identical after each of 3 faults (seed 1)"), r.stdout
 
 
+def test_a_progress_bar_drawn_in_place_is_compared_as_the_notebook_shows_it():
+    """Keras's ``fit`` draws its bar again in place (carriage returns, backspaces, colours), how
+    often depends on the time, and its times per step differ in every run; a fault strikes while
+    it is drawn (found by a probe: check called every faulted run of a ``verbose=1`` fit different,
+    at the first bar). Lines are compared as a notebook shows them, the bar's times left out; the
+    bar the fault cut is no line; a loss that differs still differs."""
+    from colab_resilience.check import _output_difference, _rendered, _untimed
+
+    def bar(step: int, seconds: str, per_step: str, loss: str) -> str:
+        done = "━" * (20 * step // 8)
+        return (f"\r\x1b[1m{step}/8\x1b[0m \x1b[32m{done}\x1b[0m\x1b[37m{'━' * (20 - len(done))}\x1b[0m "
+                f"\x1b[1m{seconds}\x1b[0m {per_step}/step - loss: {loss}")
+
+    def epoch(n: int, *draws: str) -> str:
+        return f"Epoch {n}/3\n" + ("\b" * 50).join(draws) + "  \n"
+
+    ran = epoch(1, bar(1, "1s", "243ms", "8.4384"), bar(8, "0s", "3ms", "7.8491")) + \
+        epoch(2, bar(8, "0s", "3ms", "7.4004")) + epoch(3, bar(3, "0s", "9ms", "7.1"), bar(8, "0s", "3ms", "6.9703"))
+    reference = _untimed(_rendered(ran))
+    assert reference[:2] == ["Epoch 1/3", "8/8 ━━━━━━━━━━━━━━━━━━━━ <time> <time>/step - loss: 7.8491"], reference
+    died = "colab_resilience: the kernel died (killed by SIGKILL); switched to the standby kernel\n"
+    faulted = (epoch(1, bar(1, "2s", "412ms", "8.4384"), bar(8, "1s", "5ms", "7.8491")) + "Epoch 2/3\n" +
+               bar(5, "0s", "4ms", "7.51") + died + epoch(2, bar(8, "0s", "2ms", "7.4004")) +
+               epoch(3, bar(8, "0s", "3ms", "6.9703")))
+    assert _output_difference(reference, _untimed(_rendered(faulted))) is None
+    other = faulted.replace("6.9703", "6.9704")
+    assert _output_difference(reference, _untimed(_rendered(other))) == \
+        "first at '8/8 ━━━━━━━━━━━━━━━━━━━━ <time> <time>/step - loss: 6.9704'"
+    assert _untimed(["1/8 [==>....] - ETA: 1s - loss: 8.4384", "8/8 - 0s - 3ms/step - loss: 7.8491",
+                     "12/100 ━━ 1:05 30ms/step - loss: 2", "see 3ms/step"]) == [
+        "1/8 [==>....] - <time> - loss: 8.4384", "8/8 - <time> - <time>/step - loss: 7.8491",
+        "12/100 ━━ <time> <time>/step - loss: 2", "see 3ms/step"]
+
+
 def test_a_global_a_set_up_cells_function_changes_is_not_excused_as_recomputed():
     """``steps = 0`` in a set-up cell, changed by ``tick()`` (``global steps``) that the training
     calls: a difference in it after a restart is the training's, not the replayed cell's, and is

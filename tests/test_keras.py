@@ -1049,9 +1049,13 @@ def test_outside_a_resilient_cell_the_callback_does_nothing_and_says_so(kernel, 
 
 @pytest.mark.kernel
 def test_colab_resilience_check_passes_the_keras_notebook(tmp_path):
+    """With the progress bar ``fit`` draws by default (``verbose=1``): drawn again in place with
+    carriage returns and backspaces, in colour, with its times per step; a fault strikes while it
+    is drawn. check compares what the notebook shows (it called every faulted run different, at
+    the first bar's times: found by a probe)."""
     r = subprocess.run(
         [sys.executable, "-m", "colab_resilience", "check", str(harness.FILES / "train_keras.ipynb"), "--faults", "3",
-         "--seed", "1", "--kernel", harness.KERNEL_NAME, "-p", "mark", str(tmp_path / "mark")],
+         "--seed", "1", "--kernel", harness.KERNEL_NAME, "-p", "mark", str(tmp_path / "mark"), "-p", "verbose", "1"],
         capture_output=True, text=True, timeout=300, check=False, env=harness.child_env())
     assert r.returncode == 0, r.stdout + r.stderr
     assert "identical after each of 3 faults" in r.stdout, r.stdout
