@@ -437,13 +437,11 @@ def at_loop_start(shell, body: str, saved: list[str], known: set[str], later: li
         return []
     ns = shell.user_ns
     carried = [n for n in later if n not in ns or _is_state(ns[n])]
-    if carried:
-        return [_carried_line(carried)] + at_loop_start(shell, body, saved, known)
-    stateful = [f for f in unsaved_state_objects(tree, saved, shell.user_ns) if f.split(" ", 1)[0] not in known]
-    reshuffled = [n for n in reshuffled_datasets(tree, shell.user_ns) if n not in known]
-    persistent = [n for n in persistent_loaders(tree, shell.user_ns) if n not in known]
-    return (([_state_objects_line(stateful)] if stateful else []) + ([_reshuffled_line(reshuffled)] if reshuffled else [])
-            + ([_persistent_line(persistent)] if persistent else []))
+    stateful = [f for f in unsaved_state_objects(tree, saved, ns) if f.split(" ", 1)[0] not in known]
+    reshuffled = [n for n in reshuffled_datasets(tree, ns) if n not in known]
+    persistent = [n for n in persistent_loaders(tree, ns) if n not in known]
+    return (([_carried_line(carried)] if carried else []) + ([_state_objects_line(stateful)] if stateful else [])
+            + ([_reshuffled_line(reshuffled)] if reshuffled else []) + ([_persistent_line(persistent)] if persistent else []))
 
 
 def _is_state(value) -> bool:
