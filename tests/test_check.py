@@ -56,6 +56,14 @@ def test_a_loop_that_mutates_an_unsaved_global_fails_naming_it():
     assert r.stdout.splitlines()[-1].endswith("faulted runs differ (seed 0)")
 
 
+def check_cells(path: Path, cells: list[str], *args: str) -> subprocess.CompletedProcess:
+    """``check`` of a notebook of ``cells`` written to ``path``, in the tests' kernel."""
+    nb = harness.notebook(*cells)
+    nb.metadata["kernelspec"] = {"name": harness.KERNEL_NAME, "language": "python", "display_name": "tests"}
+    nbformat.write(nb, path)
+    return check(str(path), *args)
+
+
 def _printed(notebook: Path) -> str:
     """What the cells of an executed notebook printed, all together."""
     return "\n".join(harness.cell_text(c) for c in nbformat.read(notebook, 4).cells if c.cell_type == "code")
@@ -532,14 +540,10 @@ def test_what_time_magics_print_after_a_cell_is_not_a_difference_and_what_the_ce
 def test_a_training_cell_under_time_magics_resumes_identical(tmp_path):
     """The same in real runs: the training cell under ``%%time`` (its line, then ``%%resilient``),
     a later cell under ``%time``; a SIGKILL and an out-of-memory error: identical."""
-    nb = harness.notebook("%load_ext colab_resilience", "%%replay\nimport time\ntotal = 0",
-                          "%%time\n%%resilient --save total\nfor i in resume_range(4):\n    total += i\n"
-                          "    print(i, total)\n    time.sleep(0.05)",
-                          "%time print('total', total)")
-    nb.metadata["kernelspec"] = {"name": harness.KERNEL_NAME, "language": "python", "display_name": "tests"}
-    path = tmp_path / "timed.ipynb"
-    nbformat.write(nb, path)
-    r = check(str(path), "--faults", "2", "--seed", "3")
+    r = check_cells(tmp_path / "timed.ipynb", ["%load_ext colab_resilience", "%%replay\nimport time\ntotal = 0",
+                                               "%%time\n%%resilient --save total\nfor i in resume_range(4):\n"
+                                               "    total += i\n    print(i, total)\n    time.sleep(0.05)",
+                                               "%time print('total', total)"], "--faults", "2", "--seed", "3")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SIGKILL" in r.stdout and "an out-of-memory error" in r.stdout, r.stdout
     assert r.stdout.splitlines()[-1].endswith("timed.ipynb: identical after each of 2 faults (seed 3)"), r.stdout
@@ -568,15 +572,11 @@ def test_what_a_cell_that_clears_its_output_showed_when_it_died_is_not_a_differe
 
 def test_a_training_cell_that_clears_its_output_resumes_identical(tmp_path):
     """The same in real runs, a kill among the faults: identical."""
-    nb = harness.notebook("%load_ext colab_resilience",
-                          "%%replay\nimport time\nfrom IPython.display import clear_output\nhist = []",
-                          "%%resilient --save hist\nfor e in resume_range(6):\n    hist.append(e * e)\n"
-                          "    clear_output(wait=True)\n    print('epoch', e, hist)\n    time.sleep(0.1)",
-                          "print(hist)")
-    nb.metadata["kernelspec"] = {"name": harness.KERNEL_NAME, "language": "python", "display_name": "tests"}
-    path = tmp_path / "cleared.ipynb"
-    nbformat.write(nb, path)
-    r = check(str(path), "--faults", "3", "--seed", "1")
+    r = check_cells(tmp_path / "cleared.ipynb", [
+        "%load_ext colab_resilience", "%%replay\nimport time\nfrom IPython.display import clear_output\nhist = []",
+        "%%resilient --save hist\nfor e in resume_range(6):\n    hist.append(e * e)\n"
+        "    clear_output(wait=True)\n    print('epoch', e, hist)\n    time.sleep(0.1)",
+        "print(hist)"], "--faults", "3", "--seed", "1")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SIGKILL" in r.stdout and "(1 kernel restart" in r.stdout, r.stdout
     assert r.stdout.splitlines()[-1].endswith("cleared.ipynb: identical after each of 3 faults (seed 1)"), r.stdout
