@@ -248,7 +248,7 @@ def _lines(cell) -> list[str]:
             text.append(str(out.get("data", {}).get("text/plain", "")) + "\n")
         elif kind == "error":
             text.append(f"{out.get('ename')}: {out.get('evalue')}\n")
-    return _rendered(_KERNEL_FOLDER.sub("ipykernel_PID", "".join(text)))
+    return _rendered("".join(text))
 
 
 # a terminal's colours and styles (Keras's progress bar: "\x1b[1m8/8\x1b[0m \x1b[32m━━━━\x1b[0m")
@@ -262,9 +262,10 @@ def _rendered(text: str) -> list[str]:
     over what was there (a progress bar drawn again in place: Keras's ``fit``, a ``\\r`` in a
     print), trailing blanks and blank lines left out. A line drawn again in place that this package's line
     follows, with no line break (the fault came while the bar was drawn), is a view that the next
-    drawing would have replaced, not a line printed: it is left out, and this package's line kept."""
+    drawing would have replaced, not a line printed: it is left out, and this package's line kept.
+    The kernel's own folder in a path is written ``ipykernel_PID``."""
     lines = []
-    for raw in _ANSI.sub("", text).split("\n"):
+    for raw in _ANSI.sub("", _KERNEL_FOLDER.sub("ipykernel_PID", text)).split("\n"):
         at = raw.find(_OURS)
         if at > 0 and "\r" in raw[:at]:
             raw = raw[at:]
@@ -292,7 +293,7 @@ def _logged(cell) -> set[str]:
     """The lines a cell wrote to stderr: warnings, a library's logging, progress."""
     text = "".join(out.get("text", "") for out in cell.get("outputs", [])
                    if out.get("output_type") == "stream" and out.get("name") == "stderr")
-    return set(_rendered(_KERNEL_FOLDER.sub("ipykernel_PID", text)))
+    return set(_rendered(text))
 
 
 def _digests(cell, mark: str) -> dict[str, list]:
@@ -310,7 +311,8 @@ def _outcome(result: RunResult, set_up: frozenset[str] = frozenset()) -> Outcome
     mine = [c for c in cells if not c.get("metadata", {}).get(MARK)]
     by_role = {c["metadata"][MARK]: c for c in ours}
     outputs = {i: _lines(c) for i, c in enumerate(mine) if c.get("cell_type") == "code"}
-    cleared = frozenset(i for i, c in enumerate(mine) if any(c is cells[j] for j in result.cleared))
+    cleared_ids = {id(cells[j]) for j in result.cleared}
+    cleared = frozenset(i for i, c in enumerate(mine) if id(c) in cleared_ids)
     logged = {i: _logged(c) for i, c in enumerate(mine) if c.get("cell_type") == "code"}
     training = next((i for i, c in enumerate(mine) if c.get("cell_type") == "code"
                      and "".join(c.get("source", "")).lstrip().startswith("%%resilient")), 0)
@@ -360,10 +362,14 @@ def _untimed(lines: list[str]) -> list[str]:
     any two runs (the metrics a Hugging Face ``Trainer`` prints at its end, what ``%%time``
     prints after its cell; its compile and parse times, printed only where they were long, are
     left out whole)."""
-    return [_PRINTED_TIME.sub(r"\1\2\1\3<time>", _TIME_MAGIC.sub(lambda m: (m.group(1) or "CPU times: ") + "<time>", line))
-            if not _PROGRESS_LINE.match(line) else
-            _PROGRESS_TIME.sub(lambda m: f"<time>/{m.group(1)}" if m.group(1) else "<time>", line)
-            for line in lines if not _TIME_MAGIC_SOMETIMES.match(line)]
+    return [_untimed_line(line) for line in lines if not _TIME_MAGIC_SOMETIMES.match(line)]
+
+
+def _untimed_line(line: str) -> str:
+    if _PROGRESS_LINE.match(line):
+        return _PROGRESS_TIME.sub(lambda m: f"<time>/{m.group(1)}" if m.group(1) else "<time>", line)
+    line = _TIME_MAGIC.sub(lambda m: (m.group(1) or "CPU times: ") + "<time>", line)
+    return _PRINTED_TIME.sub(r"\1\2\1\3<time>", line)
 
 
 def _output_difference(reference: list[str], faulted: list[str], logged: frozenset[str] | set[str] = frozenset(),
@@ -379,7 +385,7 @@ def _output_difference(reference: list[str], faulted: list[str], logged: frozens
     reference = [line for line in reference if not line.startswith("colab_resilience:")]
     parts, part, cut = [], [], []
     for line in faulted:
-        at = line.find("colab_resilience: ")
+        at = line.find(_OURS)
         if at == -1:
             part.append(line)
             continue
