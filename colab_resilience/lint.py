@@ -32,6 +32,11 @@ from an uninterrupted one, said when the cell first runs in a kernel:
   again, while ``resume_range`` goes on at its saved step. (A loop wrapped in a progress bar,
   ``tqdm(resume_range(n))``, is a ``resume_range`` loop for the checks above.)
 
+And one line where the cell trains in a loop with no safe point inside it (:func:`no_safe_point`:
+``for epoch in range(n)``, a Keras ``fit`` without ``ResilienceCallback``): nothing differs, but
+a restart trains every iteration again, which is not what wrapping the loop in ``%%resilient``
+was for; the line says how to write it.
+
 The analysis reads the code (the AST), not the values: it can miss what a helper function does.
 ``colab-resilience check`` runs the notebook with faults and compares, for what reading cannot see.
 """
@@ -182,12 +187,14 @@ def check_options(shell, names: list[str], shrink, body: str, restorable: Collec
             )
 
 
-def warnings(shell, body: str, saved: list[str], replay_sources: list[str], later: list[str] | None = None
-             ) -> list[str]:
-    """One line for each thing in ``body`` that would make a resumed run differ (see above).
-    With ``later``, the names the loop carries that do not exist yet go there instead, for
-    :func:`at_loop_start`: the cell makes them above its loop, and only then can their values
-    tell a progress bar (``pbar.update(1)``) from a state (``seen.append(x)``)."""
+def warnings(shell, body: str, saved: list[str], replay_sources: list[str], later: list[str] | None = None,
+             shrink: Collection[str] = ()) -> list[str]:
+    """One line for each thing in ``body`` that would make a resumed run differ (see above), and
+    one where its training has no safe point to resume at (:func:`no_safe_point`; not with
+    ``shrink``, the cell's ``--shrink`` names). With ``later``, the names the loop carries that do
+    not exist yet go there instead, for :func:`at_loop_start`: the cell makes them above its loop,
+    and only then can their values tell a progress bar (``pbar.update(1)``) from a state
+    (``seen.append(x)``)."""
     tree = _parse(shell, body)
     if tree is None:
         return []
@@ -198,6 +205,9 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str], late
             f"colab_resilience: this cell reads {', '.join(lost)}, which neither --save nor a "
             "%%replay cell would bring back after a restart; add them to --save or define them in a %%replay cell"
         )
+    no_safe = None if shrink else no_safe_point(shell, tree, saved)
+    if no_safe:
+        lines.append(no_safe)
     unbuilt = built_by_no_replay_cell(shell, tree, saved, replay_sources)
     if unbuilt:
         them = _one(unbuilt, "it", "them")
@@ -347,6 +357,203 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str], late
             "plain loop)"
         )
     return lines
+
+
+_PROGRESS_BARS = frozenset({"tqdm", "tqdm_notebook", "track"})  # a loop wrapped in one is drawn as it goes
+# a framework's fit that resumes at its own safe points with this package's callback, by the module
+# its trainer's class comes from: what the line calls it, the call, how to add the callback, where it is
+_KERAS = ("Keras", "fit", "add ResilienceCallback() to the fit's callbacks=[...]", "keras")
+_LIGHTNING = ("Lightning", "fit", "make the Trainer with callbacks=[ResilienceCallback()]", "lightning")
+_FRAMEWORK_FITS = {
+    "keras": _KERAS, "tf_keras": _KERAS, "lightning": _LIGHTNING, "pytorch_lightning": _LIGHTNING,
+    "transformers": ("Hugging Face", "train", "call {name}.add_callback(ResilienceCallback()) before it",
+                     "transformers"),
+}
+
+
+def no_safe_point(shell, tree: ast.AST, saved: list[str]) -> str | None:
+    """One line where a ``%%resilient`` cell trains in a loop that has no safe point inside it: a
+    plain ``for epoch in range(n)`` of its own or of a notebook function it calls (``fit(10)``), or
+    a framework's fit without this package's ``ResilienceCallback``. A restart, and a retry after an
+    out-of-memory error, then run the whole cell again from its start: nothing is lost that the
+    result needs, but every iteration trains again, which the person who wrapped the loop in
+    ``%%resilient`` would not expect. (Not said of a cell with ``--shrink``, by :func:`warnings`: run
+    whole again with the smaller batch, its result is that of a run that had it from its start,
+    which a plain loop may be there for: the quickstart's.)"""
+    if _uses_a_trainer(tree) or _reaches_resume_range(tree, shell.user_ns):
+        return None
+    loop = _outer_loop(tree)
+    where = ""
+    if loop is None:
+        for name, definition in _called_definitions(shell, tree):
+            loop = _outer_loop(definition)
+            if loop is not None:
+                where = f" in {name}()"
+                break
+    if loop is not None:
+        if isinstance(loop, ast.While):
+            header = f"while {ast.unparse(loop.test)}"
+            advice = f"write it as a for loop over resume_range{where} (for epoch in resume_range(n))"
+        else:
+            target = ", ".join(map(ast.unparse, loop.target.elts)) if isinstance(loop.target, ast.Tuple) else (
+                ast.unparse(loop.target))  # for x, y in ...: as it is written
+            header = f"for {target} in {ast.unparse(loop.iter)}"
+            advice = f"loop over resume_range{where}: for {target} in {_resumed(loop.iter)}"
+        if not saved:  # resume_range alone keeps no progress: nothing is saved at its safe points
+            advice += ", and --save what it trains (the model, the optimizer)"
+        return (f"colab_resilience: the loop{where} ({header}) has no safe point inside it: after a restart or an "
+                "out-of-memory error the cell runs again from its start, and every iteration trains again; to go on "
+                f"after the last finished one, {advice}")
+    for name, (framework, call, advice, module) in _fits_without_callback(shell, tree):
+        return (f"colab_resilience: {name}.{call}() ({framework}) has no safe point inside it: after a restart or an "
+                f"out-of-memory error it trains again from its first epoch; to go on after the last finished one, "
+                f"{advice.format(name=name)} (from colab_resilience.integrations.{module} import ResilienceCallback)")
+    return None
+
+
+def _outer_loop(code: ast.AST) -> ast.For | ast.While | None:
+    """The largest loop of the code's own (not inside another loop, nor a function or a class it
+    defines): the cell's training loop, where another loop sets something up."""
+    loops, todo = [], list(ast.iter_child_nodes(code))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+            loops.append(node)
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+    return max(loops, key=lambda loop: sum(1 for _ in ast.walk(loop)), default=None)
+
+
+def _resumed(iterable: ast.expr) -> str:
+    """``iterable`` written with ``resume_range``: ``range(a, b)`` as ``resume_range(a, b)``, a
+    progress bar around it inside it (``tqdm(resume_range(n))``), anything else as its argument."""
+    if isinstance(iterable, ast.Call):
+        name = iterable.func.attr if isinstance(iterable.func, ast.Attribute) else getattr(iterable.func, "id", "")
+        if name == "range":
+            return f"resume_range({', '.join(ast.unparse(a) for a in iterable.args)})"
+        if name == "trange":
+            return f"tqdm(resume_range({', '.join(ast.unparse(a) for a in iterable.args)}))"
+        if name in _PROGRESS_BARS and iterable.args:
+            rest = [ast.unparse(a) for a in iterable.args[1:]] + [ast.unparse(k) for k in iterable.keywords]
+            return f"{ast.unparse(iterable.func)}({', '.join([_resumed(iterable.args[0]), *rest])})"
+    return f"resume_range({ast.unparse(iterable)})"
+
+
+def _called_definitions(shell, tree: ast.AST):
+    """``(name, code)`` of the notebook's functions the cell calls by name, and of the methods of
+    the notebook's classes it calls on an object it holds (``trainer.fit(6)``)."""
+    mine = bound_names(tree)
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        if isinstance(node.func, ast.Name) and node.func.id not in mine:
+            name, function = node.func.id, shell.user_ns.get(node.func.id)
+        elif isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name):
+            obj = shell.user_ns.get(node.func.value.id)
+            if not notebook_object(obj):
+                continue
+            name, function = f"{node.func.value.id}.{node.func.attr}", getattr(type(obj), node.func.attr, None)
+        else:
+            continue
+        if isinstance(function, types.FunctionType) and function.__module__ == "__main__":
+            definition = _definition(function)
+            if definition is not None:
+                yield name, definition
+
+
+def _reaches_resume_range(tree: ast.AST, namespace, depth: int = 4) -> bool:
+    """Whether the cell runs a ``resume_range`` loop: in its own code, or in a function of the
+    notebook it calls, or one such a function calls (a few calls deep), or a method of the
+    notebook's classes it calls."""
+    if any(isinstance(n, ast.Name) and n.id == "resume_range" for n in ast.walk(tree)):
+        return True
+    seen: set = set()
+
+    def reaches(code: types.CodeType, level: int) -> bool:
+        if "resume_range" in code.co_names:
+            return True
+        inner = [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        called = [namespace.get(n) for n in code.co_names]
+        called += [getattr(type(v), m, None) for v in called if notebook_object(v) for m in code.co_names]
+        if level <= 0:
+            return any(reaches(c, 0) for c in inner)
+        return any(reaches(c, level) for c in inner) or any(
+            reaches(f.__code__, level - 1) for f in called
+            if isinstance(f, types.FunctionType) and f not in seen and not seen.add(f))
+
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    values = [namespace.get(n) for n in names]
+    functions = [v for v in values if isinstance(v, types.FunctionType)]
+    functions += [f for v in values if notebook_object(v) for f in vars(type(v)).values()
+                  if isinstance(f, types.FunctionType)]
+    return any(f not in seen and not seen.add(f) and reaches(f.__code__, depth) for f in functions)
+
+
+def _fits_without_callback(shell, tree: ast.AST):
+    """``(name, (framework, call, advice, module))`` for each ``name.fit(...)`` / ``name.train()``
+    the cell makes on a Keras model, a Hugging Face ``Trainer`` or a Lightning ``Trainer`` (one the
+    namespace holds, or one the cell makes: ``trainer = L.Trainer(...)``) that gets no
+    ``ResilienceCallback``: in the fit's ``callbacks=``, the trainer's, its ``add_callback(...)``.
+    A callback the code names by an expression this cannot read (a name the cell binds) is taken
+    to be one: no line rather than a wrong one."""
+    ns = shell.user_ns
+    made, added = {}, {}  # what the cell makes each name with; what it adds to a trainer's callbacks
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            made.update((t.id, node.value) for t in node.targets if isinstance(t, ast.Name))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_callback"
+              and isinstance(node.func.value, ast.Name)):
+            added.setdefault(node.func.value.id, []).extend(node.args)
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)):
+            continue
+        name = node.func.value.id
+        if name in made:  # made by the cell: its class, and the callbacks it is made with
+            cls, callbacks, given = _dotted(made[name].func, ns), [], _keyword(made[name], "callbacks")
+        else:
+            obj = ns.get(name, _NONE)
+            cls, given = type(obj), []
+            handler = getattr(obj, "callback_handler", None)  # a Hugging Face Trainer's; a Lightning one's list
+            callbacks = list(getattr(handler, "callbacks", None) or getattr(obj, "callbacks", None) or ())
+        known = next((_FRAMEWORK_FITS[k.__module__.split(".", 1)[0]] for k in getattr(cls, "__mro__", ())
+                      if k.__module__.split(".", 1)[0] in _FRAMEWORK_FITS), None)
+        if known is None or known[1] != node.func.attr:
+            continue
+        given = given + _keyword(node, "callbacks") + added.get(name, [])
+        named = [_value_of(element, ns) for element in given]
+        if _NONE in named:
+            continue
+        callbacks += [c for value in named for c in (value if isinstance(value, (list, tuple)) else [value])]
+        if not any(type(c).__name__ == "ResilienceCallback" for c in callbacks):
+            yield name, known
+
+
+def _keyword(call: ast.Call, name: str) -> list[ast.expr]:
+    """The elements of a call's keyword argument (``callbacks=[a, b]``: a and b; ``callbacks=cbs``: cbs)."""
+    value = next((k.value for k in call.keywords if k.arg == name), None)
+    if value is None:
+        return []
+    return list(value.elts) if isinstance(value, (ast.List, ast.Tuple)) else [value]
+
+
+def _dotted(node: ast.expr, namespace, default=None):
+    """What a name or a dotted name (``L.Trainer``) is in the namespace, or ``default``."""
+    if isinstance(node, ast.Name):
+        return namespace.get(node.id, default)
+    if isinstance(node, ast.Attribute):
+        outer = _dotted(node.value, namespace, _NONE)
+        return default if outer is _NONE else getattr(outer, node.attr, default)
+    return default
+
+
+def _value_of(node: ast.expr, namespace):
+    """The value a callback expression stands for: a name the namespace holds; a call the cell makes
+    (``EarlyStopping(...)``, not a ``ResilienceCallback``, which the cell would then name) as None;
+    ``_NONE`` for what cannot be known before the cell runs."""
+    if isinstance(node, ast.Call):
+        return None
+    return _dotted(node, namespace, _NONE)
 
 
 def _is_resume_range(node: ast.AST) -> bool:

@@ -103,7 +103,8 @@ def execute(session, line: str, body: str, options: Options) -> None:
         session.linted.add(key)
         saved = options.names + shrink_names
         later: list[str] = []  # carried names the cell makes: told at the loop's start, by their values
-        for line in lint.warnings(shell, body, saved, [c.source for c in session.replay_log.cells], later):
+        for line in lint.warnings(shell, body, saved, [c.source for c in session.replay_log.cells], later,
+                                  shrink=shrink_names):
             session.say(line)
         known = set(shell.user_ns)
         run.at_loop_start = lambda: lint.at_loop_start(shell, body, saved, known, later)

@@ -2042,6 +2042,84 @@ def test_a_model_and_optimizer_saved_in_a_dict_are_not_named_as_unsaved(ip, tmp_
                                                    "without --save"), out
 
 
+def test_the_first_run_names_a_training_loop_with_no_safe_point_inside_it(ip, tmp_path, capsys):
+    """The first %%resilient cell people write wraps the loop they had: ``for epoch in range(n)``.
+    It has no safe point inside, so a restart (or an OOM retry) runs the whole cell again and every
+    epoch trains again, and nothing said so (found by a probe: killed in epoch 5 of 6, it trained
+    all 6 again, identical, without a word). One line at the first run names the loop and writes it
+    with resume_range: the cell's own (its largest, not one that sets something up), one in a
+    progress bar, a while loop, one in a notebook function the cell calls; without --save it says
+    to save the model too. Nothing where the cell's loop, or one a function it calls runs two calls
+    deep, is a resume_range, nor with --shrink (run whole again with a smaller batch: the
+    quickstart's shape), nor for a cell without a loop."""
+    from colab_resilience import lint
+
+    out = said_at_first_run(
+        ip, tmp_path, capsys,
+        "import torch\nmodel = torch.nn.Linear(2, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "def fit(epochs):\n    for epoch in range(epochs):\n        opt.step()\n"
+        "def epoch_loop(n):\n    for e in resume_range(n):\n        opt.step()\n"
+        "def main():\n    epoch_loop(2)\n"
+        "def tqdm(iterable, **kw):\n    return iterable",
+        "%%resilient --save model,opt\n"
+        "for p in model.parameters():\n    p.requires_grad_(True)\n"
+        "for epoch in range(2):\n    for i in range(3):\n        opt.step()\n")
+    assert ("colab_resilience: the loop (for epoch in range(2)) has no safe point inside it: after a restart or an "
+            "out-of-memory error the cell runs again from its start, and every iteration trains again; to go on after "
+            "the last finished one, loop over resume_range: for epoch in resume_range(2)\n") in out, out
+
+    def said(body, saved=("model", "opt"), shrink=()):
+        return [line for line in lint.warnings(ip, body, list(saved), [], shrink=shrink) if "no safe point" in line]
+
+    assert said("for epoch in tqdm(range(1, 9, 2), leave=False):\n    opt.step()") == [
+        "colab_resilience: the loop (for epoch in tqdm(range(1, 9, 2), leave=False)) has no safe point inside it: "
+        "after a restart or an out-of-memory error the cell runs again from its start, and every iteration trains "
+        "again; to go on after the last finished one, loop over resume_range: "
+        "for epoch in tqdm(resume_range(1, 9, 2), leave=False)"]
+    [line] = said("for x, y in enumerate(batches):\n    opt.step()", saved=())
+    assert line.endswith("loop over resume_range: for x, y in resume_range(enumerate(batches)), and --save what it "
+                         "trains (the model, the optimizer)"), line
+    [line] = said("epoch = 0\nwhile epoch < 3:\n    opt.step()\n    epoch += 1")
+    assert line.startswith("colab_resilience: the loop (while epoch < 3) has no safe point inside it") and line.endswith(
+        "write it as a for loop over resume_range (for epoch in resume_range(n))"), line
+    assert said("fit(3)") == [
+        "colab_resilience: the loop in fit() (for epoch in range(epochs)) has no safe point inside it: after a restart "
+        "or an out-of-memory error the cell runs again from its start, and every iteration trains again; to go on "
+        "after the last finished one, loop over resume_range in fit(): for epoch in resume_range(epochs)"]
+    assert said("main()") == said("for epoch in resume_range(2):\n    opt.step()") == []
+    assert said("for epoch in range(2):\n    opt.step()", shrink=["batch_size"]) == []
+    assert said("opt.step()") == said("loss = model(torch.ones(1, 2)).sum()") == []
+
+
+def test_a_plain_loop_killed_in_its_third_epoch_trains_every_epoch_again_as_its_first_line_said(tmp_path):
+    """What the line of a loop with no safe point says, in a real kernel: killed in epoch 2 of 4, the
+    new kernel runs the cell from its start (the first checkpoint's model and random state) and
+    trains epochs 0 to 3 again; the result is bit for bit the uninterrupted one's. (What the dead
+    kernel printed last may not have left it: its epochs are not counted.)"""
+    def notebook(mark):
+        return harness.notebook(
+            "%load_ext colab_resilience",
+            f"%%replay\nimport os, signal, torch\nMARK = {str(mark)!r}\ntorch.manual_seed(0)\n"
+            "X, Y = torch.randn(64, 4), torch.randn(64, 1)\nmodel = torch.nn.Linear(4, 1)\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.05)",
+            "%%resilient --save model,opt,losses\nlosses = []\nfor epoch in range(4):\n"
+            "    for i in range(0, 64, 16):\n        noise = 0.01 * torch.randn(16, 1)\n"
+            "        loss = ((model(X[i:i + 16]) - Y[i:i + 16] - noise) ** 2).mean()\n"
+            "        opt.zero_grad(); loss.backward(); opt.step()\n"
+            "    print('epoch', epoch)\n    losses.append(loss.item())\n"
+            "    if epoch == 2 and not os.path.exists(MARK):\n"
+            "        open(MARK, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)",
+            "print('RESULT', losses, model.weight.detach().numpy().tobytes().hex())")
+
+    run, nb, twin = harness.faulted_and_twin(tmp_path, notebook)
+    assert len(run.restarts) == 1
+    text = harness.cell_text(nb.cells[2])
+    assert "colab_resilience: the loop (for epoch in range(4)) has no safe point inside it" in text, text
+    after = text.split("; running the cell again\n", 1)[1]  # the kernel that took over (the mark: it died in epoch 2)
+    assert [line for line in after.splitlines() if line.startswith("epoch")] == [f"epoch {e}" for e in range(4)], text
+    assert harness.result(nb) == harness.result(twin)
+
+
 def test_the_first_run_names_a_resume_range_loop_that_something_around_it_would_start_over(ip, tmp_path, capsys):
     """A resume_range loop inside a plain for loop (after a restart the epoch starts over at 0, the
     inner loop goes on at its saved step: the run went on in the wrong epoch and said done), or

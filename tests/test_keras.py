@@ -529,6 +529,33 @@ def test_the_first_run_names_an_unsaved_keras_optimizer_and_a_dataset_that_reshu
     assert "fixed" not in reshuffled[0] and "ds.shuffle(n, seed=epoch)" in reshuffled[0], lines
 
 
+def test_the_first_run_names_a_fit_without_the_callback(ip):
+    """``model.fit(...)`` in a %%resilient cell without a ResilienceCallback has no safe point
+    inside it: a restart runs it again from its first epoch, and nothing said so. One line at the
+    first run names the fit and says how to add the callback; not where the cell makes one, and not
+    where its callbacks are a name the cell binds (what they hold is not known before it runs)."""
+    from colab_resilience import lint
+
+    model, _, _ = loop_build()
+    model.compile(optimizer="adam", loss="mse")
+    ip.user_ns.update(model=model, early=[keras.callbacks.EarlyStopping(monitor="loss")])
+    line = ("colab_resilience: model.fit() (Keras) has no safe point inside it: after a restart or an out-of-memory "
+            "error it trains again from its first epoch; to go on after the last finished one, add "
+            "ResilienceCallback() to the fit's callbacks=[...] (from colab_resilience.integrations.keras import "
+            "ResilienceCallback)")
+
+    def said(body):
+        return [w for w in lint.warnings(ip, body, [], []) if "no safe point" in w]
+
+    assert said("h = model.fit(x, y, epochs=4)") == [line]
+    assert said("h = model.fit(x, y, epochs=4, callbacks=[keras.callbacks.EarlyStopping()])") == [line]
+    assert said("h = model.fit(x, y, epochs=4, callbacks=early)") == [line]
+    assert said("from colab_resilience.integrations.keras import ResilienceCallback\n"
+                "h = model.fit(x, y, epochs=4, callbacks=[ResilienceCallback()])") == []
+    assert said("cbs = make_callbacks()\nh = model.fit(x, y, epochs=4, callbacks=cbs)") == []
+    assert said("h = model.predict(x)") == []
+
+
 def csv_logger_notebook(fault: str, mark, epoch: int, cut: bool = False) -> "nbformat.NotebookNode":
     """A fit of 4 epochs with a ``CSVLogger('fit.csv', append=True)``, then a callback that strikes
     as ``epoch`` ends, once: after the logger wrote the epoch's row, before the next epoch's safe

@@ -210,8 +210,8 @@ def test_a_fit_killed_in_a_kernel_goes_on_when_its_cell_runs_again(kernel, tmp_p
 
 
 def test_what_the_callback_refuses_where_it_warns_and_where_it_does_nothing(kernel, tmp_path):
-    """Outside a %%resilient cell it says so once and the fit trains as usual; inside one,
-    fit(ckpt_path=...) is refused in one line (the run resumes from its own checkpoints), and so
+    """Without it, the first run of a %%resilient fit says how to add it. Outside a %%resilient
+    cell it says so once and the fit trains as usual; inside one, fit(ckpt_path=...) is refused in one line (the run resumes from its own checkpoints), and so
     is a callback made outside the cell (the cell would not be run as a loop of epochs). Data
     whose order the callback cannot put back is named in one line before training starts, and so
     is an attribute of a callback without a state_dict, or of the module, that is not a plain value."""
@@ -221,6 +221,15 @@ def test_what_the_callback_refuses_where_it_warns_and_where_it_does_nothing(kern
               "def make(**kw):\n"
               "    return L.Trainer(max_epochs=1, accelerator='cpu', logger=False, enable_progress_bar=False,\n"
               "                     enable_checkpointing=False, enable_model_summary=False, **kw)\n")
+    # without it, the fit has no safe point inside: a restart would train from epoch 0; said once
+    reply = kernel.ok("%%resilient\ntrainer = L.Trainer(max_epochs=1, accelerator='cpu', logger=False, "
+                      "enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)\n"
+                      "trainer.fit(model, train_data)")
+    assert reply.stdout.count(
+        "colab_resilience: trainer.fit() (Lightning) has no safe point inside it: after a restart or an out-of-memory "
+        "error it trains again from its first epoch; to go on after the last finished one, make the Trainer with "
+        "callbacks=[ResilienceCallback()] (from colab_resilience.integrations.lightning import "
+        "ResilienceCallback)") == 1, reply.stdout
     reply = kernel.ok("make(callbacks=[ResilienceCallback()]).fit(model, train_data)")
     assert reply.stderr.count("colab_resilience: ResilienceCallback outside a %%resilient cell: nothing is "
                               "checkpointed") == 1, reply.stderr

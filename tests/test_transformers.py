@@ -360,12 +360,20 @@ def test_a_stopped_trainers_cell_run_again_on_the_model_it_trained_is_refused(ke
 
 
 def test_what_the_callback_refuses_and_where_it_does_nothing(kernel, tmp_path):
-    """Outside a %%resilient cell it says so once and the Trainer trains as usual; inside one,
+    """Without it, the first run of a %%resilient train() says how to add it. Outside a
+    %%resilient cell it says so once and the Trainer trains as usual; inside one,
     train(resume_from_checkpoint=...) is refused in one line (the run resumes from its own
     checkpoints), and so is a callback added outside the cell (the cell would not be run as a
     loop of steps, and a resume would train from step 0)."""
     nb = load(tmp_path, epochs=1)
     harness.run_interactive(kernel, nb, stop="train")
+    # without it, train() has no safe point inside: a restart would train from step 0; said once
+    reply = kernel.ok("%%resilient\ntrainer.train()")
+    assert reply.stdout.count(
+        "colab_resilience: trainer.train() (Hugging Face) has no safe point inside it: after a restart or an "
+        "out-of-memory error it trains again from its first epoch; to go on after the last finished one, call "
+        "trainer.add_callback(ResilienceCallback()) before it (from colab_resilience.integrations.transformers "
+        "import ResilienceCallback)") == 1, reply.stdout
     body = harness.user_cell(nb, "train").split("\n", 1)[1]  # without %%resilient
     reply = kernel.ok(body)
     assert reply.stderr.count("colab_resilience: ResilienceCallback outside a %%resilient cell: nothing is "
