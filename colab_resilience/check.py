@@ -183,12 +183,17 @@ class CheckReport:
     def summary(self, seed: int) -> str:
         n = len(self.results)
         differ = sum(1 for r in self.results if r.differences and r.proves)
-        unfired = sum(1 for r in self.results if not r.fired and not r.differences)
+        unfired = sum(1 for r in self.results if not r.fired)
+        # a run its fault never struck that still ended otherwise: the notebook differs from run to run
+        unfired_apart = sum(1 for r in self.results if not r.fired and r.differences)
         caught = sum(1 for r in self.results if r.fired and r.caught)  # what followed proves nothing
         if not differ and not unfired and not caught:
             return f"identical after each of {n} faults (seed {seed})" if n > 1 else f"identical after its fault (seed {seed})"
         parts = [f"{differ} of {n} faulted runs differ"] if differ else []
-        if unfired:
+        if unfired_apart:
+            parts.append(f"{unfired} of {n} faults never fired, even aimed again, and {unfired_apart} of those runs "
+                         "ended otherwise without one: the notebook does not run the same twice (see above)")
+        elif unfired:
             parts.append(f"{unfired} of {n} faults never fired, even aimed again (try another --seed)")
         if caught:
             parts.append(f"{caught} of {n} out-of-memory errors were caught where they were raised (by the notebook's "

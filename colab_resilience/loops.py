@@ -65,6 +65,27 @@ class Plan:
     # saved names the cell makes below its first loop (opt2 = Adam(...) between two loops): restored
     # where the plan arrives, or at the cell's end when every loop had finished
     later: list[str] = field(default_factory=list)
+    # each loop's range where it was one, [start, stop, step] (:func:`spans`), as the position's
+    spans: list | None = None
+
+
+def spans(frames: list[Frame]) -> list | None:
+    """The ranges of the loops of a position, ``[start, stop, step]`` (None for a loop over an
+    iterable), or None where none is a range: a resumed loop goes on by its numbers
+    (:meth:`Loops._resumed_index`)."""
+    found = [[f.items.start, f.items.stop, f.items.step] if isinstance(f.items, range) else None for f in frames]
+    return found if any(x is not None for x in found) else None
+
+
+def _range_text(r: range) -> str:
+    return f"resume_range({', '.join(map(str, (r.start, r.stop) if r.step == 1 else (r.start, r.stop, r.step)))})"
+
+
+def _numbers(r: range) -> str:
+    """A range's numbers, for people: "0 to 3", "0, 16, ..., 48", "5, 6"."""
+    if len(r) <= 3:
+        return ", ".join(map(str, r)) or "none"
+    return f"{r[0]} to {r[-1]}" if r.step == 1 else f"{r[0]}, {r[1]}, ..., {r[-1]}"
 
 
 def position_of(meta: Any) -> list[tuple[int, int]]:
@@ -189,12 +210,58 @@ class Loops:
                 f"level, but this attempt of the cell started loop {ordinal + 1} first; the cell no longer "
                 "runs as it did. Run `%resilience reset` to start the run afresh"
             )
+        at = self._resumed_index(plan, depth, items, at, innermost=depth == len(plan.position) - 1)
         if depth == len(plan.position) - 1:
             self.plan = None
             return at, plan
         run.restore_rng(plan.rngs[depth])
         plan.depth += 1
         return at, None
+
+    def _resumed_index(self, plan: Plan, depth: int, items: Any, at: int, *, innermost: bool) -> int:
+        """Where a resumed ``range`` loop goes on: a position counts iterations, so over other
+        numbers than its checkpoint was taken in it goes on by the numbers. ``resume_range(start_epoch,
+        8)`` whose start the set-up cells read from a checkpoint file of the notebook's own (its own
+        resume, besides this one) starts after what that file holds: at iteration 0 of
+        ``range(4, 8)`` where the run had gone over 0 to 3, the next it would have run. Where no
+        iteration is the next one the run went on with (the file is ahead of the run's checkpoint:
+        ``range(5, 8)``), or one that ran would run again, going on would skip iterations that never
+        ran or run some twice, and end "done" with another result: the run stops, pending, in one
+        line. (A loop that goes on over the same numbers, longer or shorter, as a pending cell edited
+        to train longer does, goes on at its iteration; where the cell shrinks a value on
+        out-of-memory errors, ``--shrink``, a loop over ``range(0, n, batch_size)`` changes with it:
+        it goes on at its iteration, and the line says what ran before ran with the old value.)"""
+        saved = plan.spans[depth] if plan.spans and depth < len(plan.spans) else None
+        if saved is None or not isinstance(items, range) or self.run.shrink:
+            return at
+        before = range(*saved)
+        if before[:at + (0 if innermost else 1)] == items[:at + (0 if innermost else 1)]:
+            return at
+        done = before[:at]  # (innermost: the iterations that ran; else those before the one in progress)
+        going = before[at] if at < len(before) else None  # what the run went on with
+        j = 0
+        while j < len(items) and items[j] in done:
+            j += 1
+        rest = items[j:]
+        again = next((v for v in done if v in rest), None)  # (ranges: each `in` is arithmetic)
+        if again is None:
+            if going is not None and j < len(items) and items[j] == going:
+                return j  # the next number the run went on with: the uninterrupted run's, from here
+            if going is None and innermost:
+                return j  # the run's loop had finished: what the loop has beyond its numbers is new
+        state = f"after {_numbers(done)} had run" if done else "before any iteration had run"
+        if going is not None:
+            state += f" ({going} {'next' if innermost else 'in progress'})"
+        why = (f"which would run {again} again" if again is not None else
+               f"which has no {going}" if going is not None and going not in items else
+               f"which would go on with {items[j]}, not {going}" if j < len(items) else "which has no iteration left")
+        raise RunStoppedError(
+            f"colab_resilience: run {self.run.run_id}: its checkpoint was taken in {_range_text(before)} {state}, "
+            f"but the loop is now {_range_text(items)}, {why}: going on would skip iterations that never ran, or "
+            "run some twice. Its bounds come from something else now (a start the set-up cells read from a "
+            "checkpoint file of the notebook's own, written after the run's last checkpoint: resume_range resumes "
+            "by itself); make it the loop the run began with, or run `%resilience reset` to start the run afresh"
+        )
 
     def _where(self, items: Any, at: int) -> str:
         """Where a resumed loop goes on, for people: the outer loops' iterations, then its own."""
@@ -264,7 +331,7 @@ class Loops:
         if any(r is None for r in rngs):
             return  # an outer iteration began without its random state: not resumable here
         where = ", ".join([_describe(f.items, f.index) for f in outer] + [_describe(frame.items, next_index)])
-        self.run.safe_point(position, rngs, force=force, last=last, where=where)
+        self.run.safe_point(position, rngs, force=force, last=last, where=where, spans=spans([*outer, frame]))
 
     def request_save(self) -> None:
         if not self.frames:

@@ -632,7 +632,11 @@ class Run:
         ns = self.shell.user_ns
         if _meta(ckpt).get("end"):  # saved at the cell's end: every loop is skipped, and what they left is back
             put_back_left(ckpt, ns)
-        return Plan(position, rngs, ckpt, {n: ns[n] for n in restored if n in ns}, later=self._later)
+        ranges = _meta(ckpt).get("ranges")
+        ranges = ranges if isinstance(ranges, list) and len(ranges) == len(position) and all(
+            r is None or (isinstance(r, list) and len(r) == 3 and all(type(x) is int for x in r)) for r in ranges
+        ) else None  # a checkpoint of an older release has none
+        return Plan(position, rngs, ckpt, {n: ns[n] for n in restored if n in ns}, later=self._later, spans=ranges)
 
     def _made_by_cell(self) -> set[str]:
         """The names the cell's own code sets (:func:`.lint.cell_sets`), read once."""
@@ -769,12 +773,13 @@ class Run:
                 set_generator_state(ns[n], g)
 
     def safe_point(self, position: list[tuple[int, int]], rngs: list, *, force: bool = False,
-                   last: bool = False, where: str | None = None) -> None:
+                   last: bool = False, where: str | None = None, spans: list | None = None) -> None:
         """The end of an iteration (:mod:`colab_resilience.loops`): save if due; restart if
-        planned (not after the last iteration). ``where``: the iteration a resume goes on with."""
+        planned (not after the last iteration). ``where``: the iteration a resume goes on with;
+        ``spans``: the position's loops' ranges (:func:`.loops.spans`)."""
         self.safe_points += 1
         faults.safe_point("before")
-        self.save_position(position, rngs, force=force, where=where)
+        self.save_position(position, rngs, force=force, where=where, spans=spans)
         faults.safe_point("after")
         if last:
             return
@@ -782,7 +787,7 @@ class Run:
         if reason is None:
             return
         if self._saved_point != self.safe_points:  # not saved yet at this safe point (--every)
-            self.save_position(position, rngs, force=True, where=where)  # resume from this one
+            self.save_position(position, rngs, force=True, where=where, spans=spans)  # resume from this one
         raise RunStoppedError(self.leave(reason, planned=True))
 
     def loop_found(self) -> None:
@@ -817,7 +822,7 @@ class Run:
         faults.safe_point("after", end=True)
 
     def save_position(self, position: list[tuple[int, int]], rngs: list, *, force: bool = False,
-                      where: str | None = None, end: bool = False) -> None:
+                      where: str | None = None, end: bool = False, spans: list | None = None) -> None:
         due = force or (
             (self.every_n is not None and self.safe_points % self.every_n == 0)
             or (self.every_seconds is not None and time.monotonic() - self._last_save >= self.every_seconds)
@@ -842,6 +847,8 @@ class Run:
         loaders = carried.loader_epochs(ns)
         if loaders:
             meta["loaders"] = loaders
+        if spans:
+            meta["ranges"] = spans
         if end:
             meta["left"] = left_values(self.shell, self.body, self.names)
         namespace: Mapping = ChainMap({LOOP_RNG: rngs, **self.extras}, ns) if rngs or self.extras else ns

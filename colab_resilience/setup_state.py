@@ -175,14 +175,21 @@ def _called(call: ast.Call) -> str | None:
     return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
 
 
-def read_names(shell, body: str) -> set[str]:
+def read_names(shell, body: str, *, loop_starts: bool = True) -> set[str]:
     """The names the cell's code reads, and those the functions of the notebook it reaches read
-    (the functions it calls, those they call, the methods of the notebook's objects it uses)."""
+    (the functions it calls, those they call, the methods of the notebook's objects it uses).
+    Without ``loop_starts``, not a name read only as the start of a ``resume_range(start, stop)``:
+    a resumed loop over other numbers goes on by them, exactly, or stops the run
+    (:meth:`.loops.Loops._resumed_index`)."""
     tree = lint._parse(shell, body)
     if tree is None:
         return set()
     ns = shell.user_ns
-    read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    starts = set() if loop_starts else {
+        id(n.args[0]) for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+        and n.func.id == "resume_range" and len(n.args) >= 2 and isinstance(n.args[0], ast.Name)}
+    read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+            and id(n) not in starts}
     todo, seen = list(read), set()
     while todo:
         name = todo.pop()
@@ -225,9 +232,10 @@ def _codes(code: types.CodeType) -> list[types.CodeType]:
 
 
 def watched(shell, body: str, sources: Iterable[str], saved: Iterable[str]) -> list[str]:
-    """The names to fingerprint: bound by the set-up cells, read by the cell, not saved."""
+    """The names to fingerprint: bound by the set-up cells, read by the cell (not only as a
+    ``resume_range`` loop's start, which a checkpoint's position holds), not saved."""
     ns, hidden = shell.user_ns, getattr(shell, "user_ns_hidden", {})
-    names = setup_names(shell, sources) & read_names(shell, body)
+    names = setup_names(shell, sources) & read_names(shell, body, loop_starts=False)
     return sorted(n for n in names - set(saved)
                   if n in ns and not n.startswith("_") and n not in hidden and _kind(ns[n]) is not None)
 

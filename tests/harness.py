@@ -255,6 +255,17 @@ class Kernel:
             shutil.rmtree(self._sockets, ignore_errors=True)
 
 
+# a set-up cell that resumes by itself: from own.pt, which its training loop writes each epoch
+OWN_CHECKPOINT_SETUP = (
+    "import os, signal, torch\n%config ResilienceMagics.staging_memory = 'off'\ntorch.manual_seed(0)\n"
+    "X, Y = torch.randn(64, 4), torch.randn(64, 1)\nmodel = torch.nn.Linear(4, 1)\n"
+    "opt = torch.optim.SGD(model.parameters(), lr=0.05)\nstart_epoch, history = 0, []\n"
+    "if os.path.exists('own.pt'):  # the notebook's own resume, from the file its loop writes\n"
+    "    state = torch.load('own.pt')\n"
+    "    model.load_state_dict(state['model']); opt.load_state_dict(state['opt'])\n"
+    "    start_epoch, history = state['epoch'] + 1, state['history']")
+
+
 def notebook(*sources: str, tags: dict[int, list[str]] | None = None):
     nb = nbformat.v4.new_notebook()
     for i, src in enumerate(sources):

@@ -239,6 +239,28 @@ def test_a_fault_that_never_fires_is_aimed_again_not_called_a_difference():
     assert r.stdout.splitlines()[-1].endswith("identical after each of 2 faults (seed 9)")
 
 
+def test_runs_no_fault_struck_that_still_ended_otherwise_are_not_summed_up_as_identical(tmp_path):
+    """A notebook with its own resume (it loads the file its loop wrote, and starts after that
+    file's epoch): every run after the first finds the file and trains nothing, so no fault ever
+    fires, and those runs end otherwise. Each was said ("the fault never fired ... DIFFERS"), the
+    exit status was 1, and the last line said "identical after its fault" (found by a probe). It
+    now says what happened: the fault never fired, and the runs differ without one."""
+    train = ("%%resilient --save model,opt,history\nfor epoch in resume_range(start_epoch, 6):\n"
+             "    loss = ((model(X) - Y) ** 2).mean()\n    opt.zero_grad(); loss.backward(); opt.step()\n"
+             "    history.append(loss.item())\n"
+             "    torch.save({'model': model.state_dict(), 'opt': opt.state_dict(), 'epoch': epoch, "
+             "'history': history}, 'own.pt')\n    time.sleep(0.1)")
+    r = check_cells(tmp_path / "own.ipynb", ["%load_ext colab_resilience",
+                                             "%%replay\nimport time\n" + harness.OWN_CHECKPOINT_SETUP, train,
+                                             "print(history)"], "--faults", "1", "--seed", "2")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "the fault never fired (the run went another way), so this run proves nothing: DIFFERS" in r.stdout, r.stdout
+    assert r.stdout.splitlines()[-1].endswith(
+        ": 1 of 1 faults never fired, even aimed again, and 1 of those runs ended otherwise without one: the "
+        "notebook does not run the same twice (see above) (seed 2)"), r.stdout
+    assert "the runs wrote own.pt in " in r.stdout, r.stdout
+
+
 def test_an_oom_the_notebook_catches_itself_proves_nothing_and_is_said_so(tmp_path):
     """The loop's work runs inside `try: ... except Exception`, as library code often does: an
     injected out-of-memory error lands there, is swallowed, and the run goes on one step short. That

@@ -2042,6 +2042,91 @@ def test_a_model_and_optimizer_saved_in_a_dict_are_not_named_as_unsaved(ip, tmp_
                                                    "without --save"), out
 
 
+def own_checkpoint_notebook(mark, after_own_save: bool):
+    """A notebook with its own resume: the loop writes ``own.pt`` each epoch, the set-up cell
+    loads it where it exists and starts the loop after its epoch. Killed in epoch 4, before it
+    wrote the file (which says 3, as the run's checkpoint does) or after (the file says 4, the
+    run's checkpoint 3: its safe point is the iteration's end)."""
+    kill = ("    if epoch == 4 and not os.path.exists(MARK):\n"
+            "        open(MARK, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n")
+    save = ("    torch.save({'model': model.state_dict(), 'opt': opt.state_dict(), 'epoch': epoch, "
+            "'history': history}, 'own.pt')\n")
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        f"%%replay\nMARK = {str(mark)!r}\n" + harness.OWN_CHECKPOINT_SETUP,
+        "%%resilient --save model,opt,history\nfor epoch in resume_range(start_epoch, 6):\n"
+        "    for i in range(0, 64, 16):\n        loss = ((model(X[i:i + 16]) - Y[i:i + 16]) ** 2).mean()\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()\n"
+        "    history.append(loss.item())\n" + (save + kill if after_own_save else kill + save),
+        "print('RESULT', history, model.weight.detach().numpy().tobytes().hex())")
+
+
+@pytest.mark.parametrize("after_own_save", [False, True], ids=["before-its-own-save", "after-its-own-save"])
+def test_a_loop_whose_start_the_set_up_reads_from_the_notebooks_own_checkpoint_goes_on_by_its_numbers(
+        tmp_path, after_own_save):
+    """The notebook resumes by itself too: its set-up cell loads the file its loop wrote and starts
+    ``resume_range(start_epoch, 6)`` after that file's epoch. Killed in epoch 4, the new kernel's
+    loop was resume_range(4, 6) or (5, 6) and the position counted 4 iterations: past its end,
+    "the loop had finished", and the run ended "done" with 4 epochs of 6 trained, or 5 with one
+    skipped (found by a probe). The range a checkpoint was taken in goes with it, and a resumed
+    loop goes on by its numbers: at 4, the one the run went on with, bit for bit the twin's, and
+    with no line that the start the replay read differs (a position holds it). Where the file is
+    ahead of the run's checkpoint (no 4 in resume_range(5, 6)), the run stops, pending, in one
+    line that says why and what to do."""
+    (tmp_path / "twin").mkdir()
+    (tmp_path / "twin" / "m").touch()
+    twin = own_checkpoint_notebook(tmp_path / "twin" / "m", after_own_save)
+    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    assert len(json.loads(harness.result(twin).split(" ", 1)[1].rsplit(" ", 1)[0])) == 6
+    nb = own_checkpoint_notebook(tmp_path / "m", after_own_save)
+    run = harness.run(nb, tmp_path, standby=False)
+    text = harness.cell_text(nb.cells[2])
+    if not after_own_save:
+        assert run.status == 0, run.message
+        assert "continuing at 4" in text and "start_epoch" not in text, text
+        assert harness.result(nb) == harness.result(twin)
+        return
+    assert run.status != 0, harness.result(nb)
+    line = ("its checkpoint was taken in resume_range(0, 6) after 0 to 3 had run (4 next), but the loop is now "
+            "resume_range(5, 6), which has no 4: going on would skip iterations that never ran, or run some twice. "
+            "Its bounds come from something else now (a start the set-up cells read from a checkpoint file of the "
+            "notebook's own, written after the run's last checkpoint: resume_range resumes by itself); make it the "
+            "loop the run began with, or run `%resilience reset` to start the run afresh")
+    assert line in run.message, run.message
+    assert "stays pending" in text, text
+
+
+def test_a_retry_whose_loop_goes_over_other_numbers_goes_on_by_them_or_stops(ip, tmp_path, capsys):
+    """In the kernel too: the failed attempt changed the start its loop reads (not saved). Over
+    1 to 3 where the checkpoint was taken after 0, 1 (2 next), the retry goes on at 2 and ends as
+    uninterrupted; over 3 alone it would skip 2: it stops, pending, its saved history as at the
+    safe point. A loop over ``range(0, n, batch_size)`` with --shrink changes with the batch on
+    purpose: it goes on at its iteration, and says what ran before ran with the old one."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell("%%replay\nimport torch\nfired = [False]\noffset = 0\nhist = []\nbs = 4\nrows = []")
+    cell = ("%%resilient --save hist\nfor epoch in resume_range(offset, 4):\n    hist.append(epoch)\n"
+            "    if epoch == 2 and not fired[0]:\n        fired[0] = True\n        offset = {offset}\n"
+            "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')\n")
+    r = ip.run_cell(cell.format(offset=1))
+    assert r.success, r.error_in_exec
+    assert ip.user_ns["hist"] == [0, 1, 2, 3]
+    ip.user_ns.update(fired=[False], offset=0, hist=[])
+    r = ip.run_cell(cell.format(offset=3))
+    assert not r.success and ("its checkpoint was taken in resume_range(0, 4) after 0, 1 had run (2 next), but the "
+                              "loop is now resume_range(3, 4), which has no 2: going on would skip iterations that "
+                              "never ran, or run some twice") in str(r.error_in_exec), r.error_in_exec
+    assert ip.user_ns["hist"] == [0, 1]
+    ip.run_line_magic("resilience", "reset")
+    ip.user_ns["fired"][0] = False
+    capsys.readouterr()
+    r = ip.run_cell("%%resilient --save rows --shrink bs\nfor i in resume_range(0, 16, bs):\n    rows.append((i, bs))\n"
+                    "    if i == 8 and not fired[0]:\n        fired[0] = True\n"
+                    "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')\n")
+    assert r.success, r.error_in_exec
+    assert "continuing at 4 with bs 2 (what ran before it ran with bs 4)" in capsys.readouterr().out
+    assert ip.user_ns["rows"][:2] == [(0, 4), (4, 4)]
+
+
 def test_the_first_run_names_a_training_loop_with_no_safe_point_inside_it(ip, tmp_path, capsys):
     """The first %%resilient cell people write wraps the loop they had: ``for epoch in range(n)``.
     It has no safe point inside, so a restart (or an OOM retry) runs the whole cell again and every
