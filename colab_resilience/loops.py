@@ -229,14 +229,17 @@ class Loops:
         ran or run some twice, and end "done" with another result: the run stops, pending, in one
         line. (A loop that goes on over the same numbers, longer or shorter, as a pending cell edited
         to train longer does, goes on at its iteration; where the cell shrinks a value on
-        out-of-memory errors, ``--shrink``, a loop over ``range(0, n, batch_size)`` changes with it:
-        it goes on at its iteration, and the line says what ran before ran with the old value.)"""
+        out-of-memory errors, ``--shrink``, a loop over ``range(0, n, batch_size)`` changes its step
+        with it: it goes on at its iteration, and the line says what ran before ran with the old
+        value.)"""
         saved = plan.spans[depth] if plan.spans and depth < len(plan.spans) else None
-        if saved is None or not isinstance(items, range) or self.run.shrink:
+        if saved is None or not isinstance(items, range):
             return at
         before = range(*saved)
         if before[:at + (0 if innermost else 1)] == items[:at + (0 if innermost else 1)]:
             return at
+        if self.run.shrink and before.start == items.start and before.step != items.step:
+            return at  # range(0, n, batch_size), the batch shrunk: by its iteration, as the line says
         done = before[:at]  # (innermost: the iterations that ran; else those before the one in progress)
         going = before[at] if at < len(before) else None  # what the run went on with
         j = 0

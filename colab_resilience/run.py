@@ -263,6 +263,8 @@ class Run:
         self.iteration: str | None = None  # the iteration in progress, for people ("2, item 3")
         self.loops = Loops(self)
         self._rng_at_start: dict | None = None  # the random state the cell's first attempt in this kernel began with
+        # the small --save values that attempt began with (:meth:`_small_values_at_start`)
+        self._small_at_start: dict[str, object] | None = None
         self._saved_at_start: dict[str, str] = {}  # the fingerprints of what it trains, as that attempt began
         # what the first loop start has to say of the code above it (lint.at_loop_start), once
         self.at_loop_start: Callable[[], list[str]] | None = None
@@ -733,6 +735,7 @@ class Run:
                 # the failed attempt made Keras's seed generator (the rest is back): the checkpoint
                 # the retry goes back to holds its state, or says it was not made (a restart then)
                 pass
+        self._small_values_at_start()
         if self.uses_loop:
             return True
         if self.resuming:
@@ -751,6 +754,34 @@ class Run:
         elif self.safe_points == 0:
             self.first_safe_point()  # the cell start
         return True
+
+    def _small_values_at_start(self) -> None:
+        """The first attempt in this kernel keeps a copy of the small ``--save`` values it begins
+        with (numbers, strings, plain data, tensors and arrays of at most 1 MiB: a loss history, a
+        step count); a retry puts them back, into the objects the names hold, before the cell runs
+        again. The code above the first loop reads what the first attempt read there, as after a
+        restart (what the set-up cells make), not what the failed attempt left: a scale taken from
+        ``len(history)``, the start of ``resume_range(len(history), n)``. (The loop's start then
+        restores the safe point's, as it always did. A larger value, a model, is not copied: code
+        above the first loop that reads one reads it as the failed attempt left it.)"""
+        import copy
+
+        from .checkpoints.restore import into
+        from .oom import is_oom
+
+        ns = self.shell.user_ns
+        if self._small_at_start is None:
+            self._small_at_start = {}
+            for n in self.names:
+                if n in ns and after_loop_refusal(ns[n]) is None:
+                    try:
+                        self._small_at_start[n] = copy.deepcopy(ns[n])
+                    except Exception as e:  # what cannot be copied (a tensor that is not a leaf) is left as it is
+                        if is_oom(e):
+                            raise
+            return
+        for n, value in self._small_at_start.items():
+            ns[n] = into(ns[n], copy.deepcopy(value)) if n in ns else copy.deepcopy(value)
 
     def capture_rng(self) -> dict:
         """The random states (:func:`capture_rng`), with those of the generators in ``--save``:

@@ -2100,8 +2100,9 @@ def test_a_retry_whose_loop_goes_over_other_numbers_goes_on_by_them_or_stops(ip,
     """In the kernel too: the failed attempt changed the start its loop reads (not saved). Over
     1 to 3 where the checkpoint was taken after 0, 1 (2 next), the retry goes on at 2 and ends as
     uninterrupted; over 3 alone it would skip 2: it stops, pending, its saved history as at the
-    safe point. A loop over ``range(0, n, batch_size)`` with --shrink changes with the batch on
-    purpose: it goes on at its iteration, and says what ran before ran with the old one."""
+    safe point, also in a cell with --shrink. A loop over ``range(0, n, batch_size)`` with
+    --shrink changes its step with the batch on purpose: it goes on at its iteration, and says
+    what ran before ran with the old one."""
     ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
     ip.run_cell("%%replay\nimport torch\nfired = [False]\noffset = 0\nhist = []\nbs = 4\nrows = []")
     cell = ("%%resilient --save hist\nfor epoch in resume_range(offset, 4):\n    hist.append(epoch)\n"
@@ -2117,7 +2118,11 @@ def test_a_retry_whose_loop_goes_over_other_numbers_goes_on_by_them_or_stops(ip,
                               "never ran, or run some twice") in str(r.error_in_exec), r.error_in_exec
     assert ip.user_ns["hist"] == [0, 1]
     ip.run_line_magic("resilience", "reset")
-    ip.user_ns["fired"][0] = False
+    ip.user_ns.update(fired=[False], offset=0, hist=[])  # with --shrink too: its start is not its batch
+    r = ip.run_cell(cell.replace("--save hist", "--save hist --shrink bs").format(offset=3))
+    assert not r.success and "but the loop is now resume_range(3, 4), which has no 2" in str(r.error_in_exec)
+    ip.run_line_magic("resilience", "reset")
+    ip.user_ns.update(fired=[False], bs=4)
     capsys.readouterr()
     r = ip.run_cell("%%resilient --save rows --shrink bs\nfor i in resume_range(0, 16, bs):\n    rows.append((i, bs))\n"
                     "    if i == 8 and not fired[0]:\n        fired[0] = True\n"
@@ -2125,6 +2130,31 @@ def test_a_retry_whose_loop_goes_over_other_numbers_goes_on_by_them_or_stops(ip,
     assert r.success, r.error_in_exec
     assert "continuing at 4 with bs 2 (what ran before it ran with bs 4)" in capsys.readouterr().out
     assert ip.user_ns["rows"][:2] == [(0, 4), (4, 4)]
+
+
+def test_a_retry_runs_the_code_above_the_first_loop_on_the_saved_values_the_cell_began_with(ip, tmp_path, capsys):
+    """The code above the first loop reads a saved history: a scale derived from its length, the
+    loop's start (``resume_range(len(history), 5)``). A retry in the kernel ran that code on the
+    history the failed attempt had grown (a scale of 1/8, the loop over 3 to 4), then restored the
+    safe point's at the loop: the run said "continuing at 2" and ended "done" with
+    [0, 1, 0.25, 0.375, 0.5] for [0, 1, 2, 3, 4] (found by a probe). The small saved values (plain
+    data, numbers, small tensors) are put back as the first attempt began with them, in the same
+    objects, as the random state is: the uninterrupted result; a shrunk --shrink value stays shrunk."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell("%%replay\nimport torch\nfired = [False]\nhistory = []\nlog = {'seen': []}\nbs = 8")
+    logger = ip.user_ns["log"]
+    r = ip.run_cell("%%resilient --save history,log --shrink bs\n"
+                    "scale = 0.5 ** len(history)\n"
+                    "for epoch in resume_range(len(log['seen']), 5):\n"
+                    "    history.append(epoch * scale)\n"
+                    "    log['seen'].append((epoch, bs))\n"
+                    "    if epoch == 2 and not fired[0]:\n"
+                    "        fired[0] = True\n"
+                    "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')\n")
+    assert r.success, r.error_in_exec
+    assert "continuing at 2 with bs 4" in capsys.readouterr().out
+    assert ip.user_ns["history"] == [0, 1, 2, 3, 4]
+    assert ip.user_ns["log"] is logger and logger["seen"] == [(0, 8), (1, 8), (2, 4), (3, 4), (4, 4)]
 
 
 def test_the_first_run_names_a_training_loop_with_no_safe_point_inside_it(ip, tmp_path, capsys):
