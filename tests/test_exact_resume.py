@@ -2132,6 +2132,27 @@ def test_a_retry_whose_loop_goes_over_other_numbers_goes_on_by_them_or_stops(ip,
     assert ip.user_ns["rows"][:2] == [(0, 4), (4, 4)]
 
 
+def test_an_outer_loop_over_other_numbers_goes_on_with_its_iteration_in_progress(ip, tmp_path):
+    """Nested resume_range loops, the outer one's start changed by the failed attempt (not saved):
+    the checkpoint was taken in epoch 1 (0 done), at step 2; over 1 to 3 the retry goes on in
+    epoch 1 at step 2, as uninterrupted; over 2 to 3 it would skip what is left of epoch 1, and
+    the run stops."""
+    ip.run_line_magic("resilience", f"dir {tmp_path / 'runs'}")
+    ip.run_cell("%%replay\nimport torch\nfired = [False]\nfirst = 0\nseen = []")
+    cell = ("%%resilient --save seen\nfor epoch in resume_range(first, 3):\n    for step in resume_range(4):\n"
+            "        seen.append((epoch, step))\n"
+            "        if (epoch, step) == (1, 2) and not fired[0]:\n            fired[0] = True\n            first = {first}\n"
+            "            raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 1 GiB')\n")
+    r = ip.run_cell(cell.format(first=1))
+    assert r.success, r.error_in_exec
+    assert ip.user_ns["seen"] == [(e, s) for e in range(3) for s in range(4)]
+    ip.run_line_magic("resilience", "reset")
+    ip.user_ns.update(fired=[False], first=0, seen=[])
+    r = ip.run_cell(cell.format(first=2))
+    assert not r.success and ("its checkpoint was taken in resume_range(0, 3) after 0 had run (1 in progress), but "
+                              "the loop is now resume_range(2, 3), which has no 1") in str(r.error_in_exec), r.error_in_exec
+
+
 def test_a_retry_runs_the_code_above_the_first_loop_on_the_saved_values_the_cell_began_with(ip, tmp_path, capsys):
     """The code above the first loop reads a saved history: a scale derived from its length, the
     loop's start (``resume_range(len(history), 5)``). A retry in the kernel ran that code on the
