@@ -390,7 +390,7 @@ def no_safe_point(shell, tree: ast.AST, saved: list[str]) -> str | None:
             if loop is not None:
                 where = f" in {name}()"
                 break
-    if loop is not None:
+    if loop is not None and not any(_is_resume_range(n) for n in ast.walk(loop)):
         if isinstance(loop, ast.While):
             header = f"while {ast.unparse(loop.test)}"
             advice = f"write it as a for loop over resume_range{where} (for epoch in resume_range(n))"
@@ -484,7 +484,7 @@ def _reaches_resume_range(tree: ast.AST, namespace, depth: int = 4) -> bool:
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     values = [namespace.get(n) for n in names]
     functions = [v for v in values if isinstance(v, types.FunctionType)]
-    functions += [f for v in values if notebook_object(v) for f in vars(type(v)).values()
+    functions += [f for v in values if notebook_object(v) for k in type(v).__mro__ for f in vars(k).values()
                   if isinstance(f, types.FunctionType)]
     return any(f not in seen and not seen.add(f) and reaches(f.__code__, depth) for f in functions)
 

@@ -2186,8 +2186,8 @@ def test_the_first_run_names_a_training_loop_with_no_safe_point_inside_it(ip, tm
     with resume_range: the cell's own (its largest, not one that sets something up), one in a
     progress bar, a while loop, one in a notebook function the cell calls; without --save it says
     to save the model too. Nothing where the cell's loop, or one a function it calls runs two calls
-    deep, is a resume_range, nor with --shrink (run whole again with a smaller batch: the
-    quickstart's shape), nor for a cell without a loop."""
+    deep, or a method a notebook class inherits, is a resume_range, nor with --shrink (run whole
+    again with a smaller batch: the quickstart's shape), nor for a cell without a loop."""
     from colab_resilience import lint
 
     out = said_at_first_run(
@@ -2196,6 +2196,8 @@ def test_the_first_run_names_a_training_loop_with_no_safe_point_inside_it(ip, tm
         "def fit(epochs):\n    for epoch in range(epochs):\n        opt.step()\n"
         "def epoch_loop(n):\n    for e in resume_range(n):\n        opt.step()\n"
         "def main():\n    epoch_loop(2)\n"
+        "class Base:\n    def fit(self, n):\n        for e in resume_range(n):\n            opt.step()\n"
+        "class Trainer(Base):\n    pass\ntrainer = Trainer()\n"
         "def tqdm(iterable, **kw):\n    return iterable",
         "%%resilient --save model,opt\n"
         "for p in model.parameters():\n    p.requires_grad_(True)\n"
@@ -2222,7 +2224,7 @@ def test_the_first_run_names_a_training_loop_with_no_safe_point_inside_it(ip, tm
         "colab_resilience: the loop in fit() (for epoch in range(epochs)) has no safe point inside it: after a restart "
         "or an out-of-memory error the cell runs again from its start, and every iteration trains again; to go on "
         "after the last finished one, loop over resume_range in fit(): for epoch in resume_range(epochs)"]
-    assert said("main()") == said("for epoch in resume_range(2):\n    opt.step()") == []
+    assert said("main()") == said("for epoch in resume_range(2):\n    opt.step()") == said("trainer.fit(2)") == []
     assert said("for epoch in range(2):\n    opt.step()", shrink=["batch_size"]) == []
     assert said("opt.step()") == said("loss = model(torch.ones(1, 2)).sum()") == []
 
