@@ -440,7 +440,8 @@ class Run:
         elif self.after_restart and j.setup:
             recorded, older = setup_state.older(j.setup)
             self._older += older
-            differ = setup_state.differing(recorded, self.shell.user_ns)
+            starts = setup_state.loop_starts_only(self.shell, self.body)
+            differ = [n for n in setup_state.differing(recorded, self.shell.user_ns) if n not in starts]
             if differ:
                 self.say(setup_state.message(differ))
 

@@ -231,11 +231,19 @@ def _codes(code: types.CodeType) -> list[types.CodeType]:
     return found
 
 
+def loop_starts_only(shell, body: str) -> set[str]:
+    """The names the cell reads only as the start of a ``resume_range(start, stop)`` loop: after a
+    restart that loop goes on by its numbers, exactly, or stops the run in one line
+    (:meth:`.loops.Loops._resumed_index`), so the replay making one otherwise (a start read from a
+    checkpoint file of the notebook's own) is no difference to name. (Changed by a plain cell
+    before the run began, it is named then, as any value.)"""
+    return read_names(shell, body) - read_names(shell, body, loop_starts=False)
+
+
 def watched(shell, body: str, sources: Iterable[str], saved: Iterable[str]) -> list[str]:
-    """The names to fingerprint: bound by the set-up cells, read by the cell (not only as a
-    ``resume_range`` loop's start, which a checkpoint's position holds), not saved."""
+    """The names to fingerprint: bound by the set-up cells, read by the cell, not saved."""
     ns, hidden = shell.user_ns, getattr(shell, "user_ns_hidden", {})
-    names = setup_names(shell, sources) & read_names(shell, body, loop_starts=False)
+    names = setup_names(shell, sources) & read_names(shell, body)
     return sorted(n for n in names - set(saved)
                   if n in ns and not n.startswith("_") and n not in hidden and _kind(ns[n]) is not None)
 

@@ -2096,6 +2096,21 @@ def test_a_loop_whose_start_the_set_up_reads_from_the_notebooks_own_checkpoint_g
     assert "stays pending" in text, text
 
 
+def test_a_loops_start_a_plain_cell_changed_is_named_when_the_run_begins(ip, tmp_path, capsys):
+    """A start read only as a loop's start is not compared after a restart (the loop goes on by its
+    numbers, or stops the run); changed by a plain cell after the %%replay cells ran, it is still
+    named when the run begins: a resume after a restart would have the replay's."""
+    cell = "%%resilient --save done\nfor e in resume_range(first, 4):\n    done.append(e)\n"
+    out = said_at_first_run(ip, tmp_path, capsys, "first = 0\ndone = []", cell)
+    assert "changed since the %%replay cells ran" not in out, out
+    ip.run_cell("first = 1")  # a plain cell
+    capsys.readouterr()
+    r = ip.run_cell(cell)
+    assert r.success, r.error_in_exec
+    assert ("colab_resilience: first changed since the %%replay cells ran (in a cell that is not replayed, or in an "
+            "earlier run), and the training reads them") in capsys.readouterr().out
+
+
 def test_a_retry_whose_loop_goes_over_other_numbers_goes_on_by_them_or_stops(ip, tmp_path, capsys):
     """In the kernel too: the failed attempt changed the start its loop reads (not saved). Over
     1 to 3 where the checkpoint was taken after 0, 1 (2 next), the retry goes on at 2 and ends as
