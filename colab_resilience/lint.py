@@ -380,7 +380,9 @@ def no_safe_point(shell, tree: ast.AST, saved: list[str]) -> str | None:
     ``%%resilient`` would not expect. (Not said of a cell with ``--shrink``, by :func:`warnings`: run
     whole again with the smaller batch, its result is that of a run that had it from its start,
     which a plain loop may be there for: the quickstart's.)"""
-    if _uses_a_trainer(tree) or _reaches_resume_range(tree, shell.user_ns):
+    from .setup_state import reached_names
+
+    if _uses_a_trainer(tree) or "resume_range" in reached_names(shell, tree):
         return None
     loop = _outer_loop(tree)
     where = ""
@@ -442,51 +444,10 @@ def _resumed(iterable: ast.expr) -> str:
 def _called_definitions(shell, tree: ast.AST):
     """``(name, code)`` of the notebook's functions the cell calls by name, and of the methods of
     the notebook's classes it calls on an object it holds (``trainer.fit(6)``)."""
-    mine = bound_names(tree)
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
-            continue
-        if isinstance(node.func, ast.Name) and node.func.id not in mine:
-            name, function = node.func.id, shell.user_ns.get(node.func.id)
-        elif isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name):
-            obj = shell.user_ns.get(node.func.value.id)
-            if not notebook_object(obj):
-                continue
-            name, function = f"{node.func.value.id}.{node.func.attr}", getattr(type(obj), node.func.attr, None)
-        else:
-            continue
-        if isinstance(function, types.FunctionType) and function.__module__ == "__main__":
-            definition = _definition(function)
-            if definition is not None:
-                yield name, definition
-
-
-def _reaches_resume_range(tree: ast.AST, namespace, depth: int = 4) -> bool:
-    """Whether the cell runs a ``resume_range`` loop: in its own code, or in a function of the
-    notebook it calls, or one such a function calls (a few calls deep), or a method of the
-    notebook's classes it calls."""
-    if any(isinstance(n, ast.Name) and n.id == "resume_range" for n in ast.walk(tree)):
-        return True
-    seen: set = set()
-
-    def reaches(code: types.CodeType, level: int) -> bool:
-        if "resume_range" in code.co_names:
-            return True
-        inner = [c for c in code.co_consts if isinstance(c, types.CodeType)]
-        called = [namespace.get(n) for n in code.co_names]
-        called += [getattr(type(v), m, None) for v in called if notebook_object(v) for m in code.co_names]
-        if level <= 0:
-            return any(reaches(c, 0) for c in inner)
-        return any(reaches(c, level) for c in inner) or any(
-            reaches(f.__code__, level - 1) for f in called
-            if isinstance(f, types.FunctionType) and f not in seen and not seen.add(f))
-
-    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    values = [namespace.get(n) for n in names]
-    functions = [v for v in values if isinstance(v, types.FunctionType)]
-    functions += [f for v in values if notebook_object(v) for k in type(v).__mro__ for f in vars(k).values()
-                  if isinstance(f, types.FunctionType)]
-    return any(f not in seen and not seen.add(f) and reaches(f.__code__, depth) for f in functions)
+    for receiver, name, function in _cell_calls(shell, tree):
+        definition = _definition(function) if function.__module__ == "__main__" else None
+        if definition is not None:
+            yield (f"{receiver}.{name}" if receiver else name), definition
 
 
 def _fits_without_callback(shell, tree: ast.AST):
@@ -857,44 +818,40 @@ def carried_locals(tree: ast.AST) -> list[tuple[str, list[str]]]:
     return found
 
 
+def _cell_calls(shell, tree: ast.AST):
+    """``(receiver, name, function)`` for each call the cell makes, once each: of a function by its
+    name (not one the cell binds; ``receiver`` None), and of a method of a class the notebook
+    defines on an object it holds (``trainer.fit(6)``: ``receiver`` "trainer", ``name`` "fit")."""
+    mine, seen = bound_names(tree), set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        if isinstance(node.func, ast.Name) and node.func.id not in mine:
+            key = (None, node.func.id)
+            function = shell.user_ns.get(node.func.id)
+        elif isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name):
+            key = (node.func.value.id, node.func.attr)
+            obj = shell.user_ns.get(node.func.value.id)
+            function = getattr(type(obj), node.func.attr, None) if notebook_object(obj) else None
+        else:
+            continue
+        if key not in seen and isinstance(function, types.FunctionType):
+            seen.add(key)
+            yield (*key, function)
+
+
 def called_functions(shell, tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
     """The code of the functions the cell calls by name that earlier cells defined and that run a
     ``resume_range`` loop: their loops' safe points are the cell's (``train(model, epochs)``)."""
-    mine = bound_names(tree)
-    found, seen = [], set()
-    for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.func.id in mine | seen:
-            continue
-        seen.add(node.func.id)
-        function = shell.user_ns.get(node.func.id)
-        if not isinstance(function, types.FunctionType) or "resume_range" not in function.__code__.co_names:
-            continue
-        definition = _definition(function)
-        if definition is not None:
-            found.append(definition)
-    return found
+    return [d for receiver, _, f in _cell_calls(shell, tree) if receiver is None
+            and "resume_range" in f.__code__.co_names and (d := _definition(f)) is not None]
 
 
 def called_methods(shell, tree: ast.AST) -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
     """``(name, code)`` for each method of a class the notebook defines that the cell calls on an
     object it holds (``trainer.fit(6)``) and that runs a ``resume_range`` loop."""
-    found, seen = [], set()
-    for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and isinstance(node.func.value, ast.Name)):
-            continue
-        receiver, method = node.func.value.id, node.func.attr
-        obj = shell.user_ns.get(receiver)
-        if (receiver, method) in seen or not notebook_object(obj):
-            continue
-        seen.add((receiver, method))
-        function = getattr(type(obj), method, None)
-        if not isinstance(function, types.FunctionType) or "resume_range" not in function.__code__.co_names:
-            continue
-        definition = _definition(function)
-        if definition is not None:
-            found.append((receiver, definition))
-    return found
+    return [(receiver, d) for receiver, _, f in _cell_calls(shell, tree) if receiver is not None
+            and "resume_range" in f.__code__.co_names and (d := _definition(f)) is not None]
 
 
 def callback_appends(shell, tree: ast.AST) -> list[tuple[str, list[str]]]:

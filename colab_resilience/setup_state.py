@@ -182,8 +182,11 @@ def read_names(shell, body: str, *, loop_starts: bool = True) -> set[str]:
     a resumed loop over other numbers goes on by them, exactly, or stops the run
     (:meth:`.loops.Loops._resumed_index`)."""
     tree = lint._parse(shell, body)
-    if tree is None:
-        return set()
+    return set() if tree is None else reached_names(shell, tree, loop_starts=loop_starts)
+
+
+def reached_names(shell, tree: ast.AST, *, loop_starts: bool = True) -> set[str]:
+    """:func:`read_names` of a parsed cell."""
     ns = shell.user_ns
     starts = set() if loop_starts else {
         id(n.args[0]) for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
