@@ -861,6 +861,7 @@ class Run:
         )
         if not due:
             return
+        _flush_output()
         ns = self.shell.user_ns
         # A name the cell has not assigned yet (checked when the cell started: it assigns it) is
         # left out of this checkpoint and saved at the next safe point that finds it.
@@ -1215,3 +1216,14 @@ def _refuse_undoing(shell, journal: Journal, log: ReplayLog) -> None:
 
 def _integers(values: Mapping[str, object]) -> dict[str, int]:
     return {n: v for n, v in values.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _flush_output() -> None:
+    """Send what the cell printed so far to the notebook before a checkpoint marks it done: the
+    kernel's streams hold it up to 0.2 s (ipykernel's flush interval), and a kernel killed in that
+    time took it with it, while a resume goes on after it and never prints it again (the log of
+    the epoch that finished just before the kill was missing from the cell's output)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a stream a cell replaced, closed or without flush
+            stream.flush()
+

@@ -51,6 +51,28 @@ def test_sigkill_from_inside_resumes_exactly(tmp_path, reference):
     assert epochs(tmp_path / "events.log") == [0, 1, 2, 3]
 
 
+def test_what_a_cell_printed_before_the_checkpoint_a_kill_came_after_is_in_its_output(tmp_path):
+    """An epoch prints its line and its safe point saves; the kernel is killed 0.05 s later. The
+    kernel held the line in its stream buffer (ipykernel sends it every 0.2 s), so the kill took
+    it, and the resume went on after the epoch: the line was nowhere in the notebook. The safe
+    point sends what was printed before its checkpoint: the cell's output is the uninterrupted one
+    with the recovery's lines among it."""
+    from colab_resilience import faults
+
+    body = ("import time\nhistory = []\nfor epoch in resume_range(3):\n    time.sleep(0.3)\n"
+            "    history.append(epoch)\n    print('epoch', epoch, 'done')")
+    nb = notebook("%load_ext colab_resilience\nfrom colab_resilience import resume_range",
+                  "%%resilient --save history\n" + body)
+    fault = json.dumps({"kind": "kill", "safe_point": 2, "phase": "after", "delay": 0.05, "mark": str(tmp_path / "m")})
+    outcome = run(nb, tmp_path, standby=False, env={faults.FAULT_ENV: fault})
+    assert outcome.status == 0, outcome.message
+    assert faults.fired(tmp_path / "m") and len(outcome.restarts) == 1
+    lines = cell_text(nb.cells[1]).splitlines()
+    assert [ln for ln in lines if not ln.startswith("colab_resilience:")] == [
+        "epoch 0 done", "epoch 1 done", "epoch 2 done"], lines
+    assert lines[0] == "epoch 0 done" and "continuing at 1" in lines[2], lines
+
+
 def test_sigkill_from_outside_by_pid_resumes_exactly(tmp_path, reference):
     """A kill from outside the kernel, by PID, in epoch 1, without a standby: jupyter_client
     restarts the kernel, the loop goes on in the new one and ends bit-identical."""
