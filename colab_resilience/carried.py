@@ -432,6 +432,49 @@ def joins(namespace: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
     return found
 
 
+def regroup(recorded: Any, namespace: Mapping[str, Any], names: list[str]) -> list[str]:
+    """Give each optimizer among ``names`` the parameter groups it had at the safe point
+    (``recorded``, :func:`joins`) where the two differ only by groups at the end: the loop's
+    ``opt.add_param_group(...)`` (a backbone unfrozen at epoch 2) made one after the set-up cells
+    built the optimizer. A group the optimizer lacks (the set-up cells, run again in a new kernel,
+    build it without) is added with the tensors the record names, its settings and state then
+    coming from the checkpoint; one added after the safe point (by the failed attempt that a retry
+    rolls back) is taken out, with its state, and the loop adds it again. Anything else is left
+    for :func:`joins_changed` to say. Returns the optimizers changed."""
+    torch = _torch()
+    if torch is None or not isinstance(recorded, Mapping):
+        return []
+    members = [m for n in names if n in namespace for m in _members(n, namespace[n])]
+    modules = {label: v for label, v in members if isinstance(v, torch.nn.Module)}
+    changed: list[str] = []
+    done: set[int] = set()
+    for label, opt in members:
+        if not isinstance(opt, torch.optim.Optimizer) or id(opt) in done:
+            continue
+        done.add(id(opt))
+        then, now = recorded.get(label), joins(namespace, names).get(label)
+        if not isinstance(then, list) or not isinstance(now, list) or then == now:
+            continue
+        common = min(len(then), len(now))
+        if then[:common] != now[:common]:
+            continue
+        if len(now) > len(then):
+            for group in opt.param_groups[len(then):]:
+                for p in group["params"]:
+                    opt.state.pop(p, None)
+            del opt.param_groups[len(then):]
+        else:
+            try:
+                for group in then[len(now):]:
+                    opt.add_param_group({"params": [modules[entry[0]].get_parameter(entry[1]) for entry in group]})
+            except (TypeError, KeyError, IndexError, AttributeError, ValueError):
+                # a tensor no saved model holds, or one another group steps: not the same optimizer
+                del opt.param_groups[len(now):]
+                continue
+        changed.append(label)
+    return changed
+
+
 def _scheduler_types(torch) -> tuple[type, ...]:
     module = getattr(torch.optim, "lr_scheduler", None)
     return tuple(c for c in (getattr(module, "LRScheduler", None), getattr(module, "_LRScheduler", None),
@@ -446,6 +489,10 @@ def _stepped(groups: list) -> str:
     if None in found:
         parts.append("tensors no saved model holds")
     return " and ".join(parts) or "no tensors"
+
+
+def _groups(n: int) -> str:
+    return f"{n} parameter group{'' if n == 1 else 's'}"
 
 
 def _driven(optimizer: Any) -> str:
@@ -470,8 +517,11 @@ def joins_changed(recorded: Any, now: Mapping[str, Any]) -> str | None:
         if not isinstance(then, list) or then == entry:
             continue
         before, after = _stepped(then), _stepped(entry)
-        if before == after:
+        cause = "a cell that makes the model run again after the one that makes the optimizer?"
+        if before == after and len(then) != len(entry):  # not groups added at the end: regroup() puts those right
+            before, after = f"{before} in {_groups(len(then))}", f"{after} in {_groups(len(entry))}"
+            cause = "the optimizer built with other parameter groups than the run's?"
+        elif before == after:
             after += " in another order"
-        return (f"{label} steps {after} now, where at the safe point it stepped {before} (a cell that makes the "
-                "model run again after the one that makes the optimizer?)")
+        return f"{label} steps {after} now, where at the safe point it stepped {before} ({cause})"
     return None

@@ -536,6 +536,8 @@ class Run:
                     ns[n] = obj
         try:
             ckpt = self.store.load(oldest=from_start)
+            # an optimizer's groups added in the loop (opt.add_param_group) since, or not yet
+            carried.regroup(_meta(ckpt).get("joins"), ns, [n for n in self.names if n in ns])
             self._same_joins(ckpt)
             # an object the cell makes below its first loop, not there yet (opt2 = Adam(...) between
             # two loops), that the saved state goes into, waits for the plan to arrive; a plain

@@ -361,6 +361,66 @@ def test_models_and_optimizers_saved_in_lists_and_dicts_stay_joined(tmp_path, fa
 
 
 
+def _unfreezing_notebook(fault: str, epoch: int, mark):
+    """Transfer learning's gradual unfreezing: the head trains alone for two epochs, then the loop
+    unfreezes the backbone and gives it to the optimizer in a group of its own
+    (``opt.add_param_group``, with its own rate). One fault in epoch ``epoch``, once."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        _setup(mark) +  # saves in the foreground: the kill in epoch 3 finds epoch 2's checkpoint on disk
+        "%config ResilienceMagics.staging_memory = 'off'\nX, Y = torch.randn(64, 8), torch.randn(64, 1)\n"
+        "backbone = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU())\nhead = torch.nn.Linear(16, 1)\n"
+        "model = torch.nn.Sequential(backbone, head)\n"
+        "for p in backbone.parameters():\n    p.requires_grad = False\n"
+        "opt = torch.optim.Adam(head.parameters(), lr=0.05)\nhistory = []",
+        "%%resilient --save model,opt,history\n"
+        "for epoch in resume_range(5):\n"
+        "    if epoch == 2:\n"
+        "        for p in backbone.parameters():\n            p.requires_grad = True\n"
+        "        opt.add_param_group({'params': list(backbone.parameters()), 'lr': 0.01})\n"
+        "    for i in range(0, 64, 16):\n"
+        "        loss = ((model(X[i:i+16]) - Y[i:i+16]) ** 2).mean()\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()\n"
+        "    history.append(loss.item())\n"
+        f"    if epoch == {epoch} and not os.path.exists(MARK):\n"
+        f"        open(MARK, 'w').close(); {_FAULTS[fault]}\n",
+        "print('RESULT', [h.hex() for h in history], model[0][0].weight.detach().numpy().tobytes().hex(),"
+        " head.weight.detach().numpy().tobytes().hex(), [g['lr'] for g in opt.param_groups],"
+        " [p.requires_grad for p in backbone.parameters()])",
+    )
+
+
+@pytest.mark.parametrize("fault, epoch", [("kill", 3), ("oom", 2)])
+def test_a_parameter_group_the_loop_added_is_added_again_or_taken_out(tmp_path, fault, epoch):
+    """The loop adds the unfrozen backbone to the optimizer in epoch 2. Killed in epoch 3, the new
+    kernel's set-up cells build the optimizer with the head's group only; rolled back from an OOM
+    in epoch 2 to the safe point before, the optimizer holds the group that epoch added. Either
+    way the run stopped: "opt steps the parameters of model in another order now ... (a cell that
+    makes the model run again ...?)", wrong, and a transfer-learning run could not go on. The
+    optimizer is given the groups it had at the safe point (the backbone's added with the tensors
+    the checkpoint names, or the failed attempt's taken out, and added again by the loop), and the
+    run ends bit for bit as its twin."""
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _unfreezing_notebook(fault, epoch, mark),
+                                     shared="unfreezing")
+    train = harness.cell_text(nb.cells[2])
+    assert len(run.restarts) == (fault == "kill") and f"continuing at {epoch}" in train, train
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).endswith(" [0.05, 0.01] [True, True]"), harness.result(nb)
+
+
+def test_an_optimizer_built_with_other_groups_is_said_by_its_groups_not_as_another_order():
+    from colab_resilience import carried
+
+    then = {"opt": [[["model", "0.weight"]], [["model", "1.weight"]]]}
+    now = {"opt": [[["model", "0.weight"], ["model", "1.weight"]]]}
+    said = carried.joins_changed(then, now)
+    assert said == ("opt steps the parameters of model in 1 parameter group now, where at the safe point it stepped "
+                    "the parameters of model in 2 parameter groups (the optimizer built with other parameter groups "
+                    "than the run's?)"), said
+    swapped = {"opt": [[["model", "1.weight"]], [["model", "0.weight"]]]}
+    assert "of model in another order now" in carried.joins_changed(then, swapped)
+
+
 def _counting_module_notebook(fault: str, mark):
     """A module of the notebook's own that counts its calls in ``forward`` (a plain attribute and
     a buffer) and keeps each batch's size in a list; one fault in epoch 3."""
