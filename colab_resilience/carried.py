@@ -434,13 +434,16 @@ def joins(namespace: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
 
 def regroup(recorded: Any, namespace: Mapping[str, Any], names: list[str]) -> list[str]:
     """Give each optimizer among ``names`` the parameter groups it had at the safe point
-    (``recorded``, :func:`joins`) where the two differ only by groups at the end: the loop's
-    ``opt.add_param_group(...)`` (a backbone unfrozen at epoch 2) made one after the set-up cells
-    built the optimizer. A group the optimizer lacks (the set-up cells, run again in a new kernel,
-    build it without) is added with the tensors the record names, its settings and state then
-    coming from the checkpoint; one added after the safe point (by the failed attempt that a retry
-    rolls back) is taken out, with its state, and the loop adds it again. Anything else is left
-    for :func:`joins_changed` to say. Returns the optimizers changed."""
+    (``recorded``, :func:`joins`) where the loop changed them after the set-up cells built it:
+    ``opt.add_param_group(...)`` (a backbone unfrozen at epoch 2), or an optimizer of the same kind
+    made anew over other tensors (``opt = Adam(model.parameters(), lr=1e-4)`` at epoch 2). A group
+    the optimizer lacks (the set-up cells, run again in a new kernel, build it without) is added
+    with the tensors the record names, and a group that steps other tensors of the saved models is
+    given the recorded ones, the groups' settings and state then coming from the checkpoint; a
+    group added after the safe point (by the failed attempt that a retry rolls back) is taken out,
+    with its state, and the loop adds it again. Where the optimizer steps a tensor no saved model
+    holds (the model's cell run again after the optimizer's), or the record names one, nothing is
+    changed, for :func:`joins_changed` to say. Returns the optimizers changed."""
     torch = _torch()
     if torch is None or not isinstance(recorded, Mapping):
         return []
@@ -455,22 +458,29 @@ def regroup(recorded: Any, namespace: Mapping[str, Any], names: list[str]) -> li
         then, now = recorded.get(label), joins(namespace, names).get(label)
         if not isinstance(then, list) or not isinstance(now, list) or then == now:
             continue
-        common = min(len(then), len(now))
-        if then[:common] != now[:common]:
-            continue
-        if len(now) > len(then):
+        if len(now) > len(then) and now[:len(then)] == then:  # a group added since the safe point
             for group in opt.param_groups[len(then):]:
                 for p in group["params"]:
                     opt.state.pop(p, None)
             del opt.param_groups[len(then):]
-        else:
-            try:
-                for group in then[len(now):]:
-                    opt.add_param_group({"params": [modules[entry[0]].get_parameter(entry[1]) for entry in group]})
-            except (TypeError, KeyError, IndexError, AttributeError, ValueError):
-                # a tensor no saved model holds, or one another group steps: not the same optimizer
-                del opt.param_groups[len(now):]
-                continue
+            changed.append(label)
+            continue
+        if any(entry is None for group in now for entry in group):
+            continue
+        try:
+            wanted = [[modules[entry[0]].get_parameter(entry[1]) for entry in group] for group in then]
+        except (TypeError, KeyError, IndexError, AttributeError):  # a tensor no saved model holds
+            continue
+        if len({id(t) for group in wanted for t in group}) != sum(map(len, wanted)):
+            continue
+        for p in [p for group in opt.param_groups for p in group["params"]]:
+            opt.state.pop(p, None)
+        kept = min(len(wanted), len(opt.param_groups))
+        for group, tensors in zip(opt.param_groups[:kept], wanted):
+            group["params"][:] = tensors  # in place: an L-BFGS keeps the list of its one group
+        del opt.param_groups[len(wanted):]
+        for tensors in wanted[kept:]:
+            opt.add_param_group({"params": tensors})
         changed.append(label)
     return changed
 
@@ -481,9 +491,13 @@ def _scheduler_types(torch) -> tuple[type, ...]:
                              getattr(module, "ReduceLROnPlateau", None)) if isinstance(c, type))
 
 
+def _entries(groups: list) -> list:
+    return [entry for group in groups for entry in group]
+
+
 def _stepped(groups: list) -> str:
     """What a :func:`joins` entry steps, in words."""
-    found = [entry for group in groups for entry in group]
+    found = _entries(groups)
     owners = sorted({str(entry[0]) for entry in found if entry})
     parts = [f"the parameters of {' and '.join(owners)}"] if owners else []
     if None in found:
@@ -521,6 +535,8 @@ def joins_changed(recorded: Any, now: Mapping[str, Any]) -> str | None:
         if before == after and len(then) != len(entry):  # not groups added at the end: regroup() puts those right
             before, after = f"{before} in {_groups(len(then))}", f"{after} in {_groups(len(entry))}"
             cause = "the optimizer built with other parameter groups than the run's?"
+        elif before == after and sorted(map(repr, _entries(then))) != sorted(map(repr, _entries(entry))):
+            after = "other " + after.removeprefix("the ")  # of the same models: some of theirs, or others
         elif before == after:
             after += " in another order"
         return f"{label} steps {after} now, where at the safe point it stepped {before} ({cause})"

@@ -361,10 +361,13 @@ def test_models_and_optimizers_saved_in_lists_and_dicts_stay_joined(tmp_path, fa
 
 
 
-def _unfreezing_notebook(fault: str, epoch: int, mark):
+def _unfreezing_notebook(fault: str, epoch: int, mark, anew: bool = False):
     """Transfer learning's gradual unfreezing: the head trains alone for two epochs, then the loop
     unfreezes the backbone and gives it to the optimizer in a group of its own
-    (``opt.add_param_group``, with its own rate). One fault in epoch ``epoch``, once."""
+    (``opt.add_param_group``, with its own rate), or (``anew``) makes the optimizer anew over the
+    whole model with a lower rate. One fault in epoch ``epoch``, once."""
+    unfreeze = ("        opt = torch.optim.Adam(model.parameters(), lr=0.01)\n" if anew else
+                "        opt.add_param_group({'params': list(backbone.parameters()), 'lr': 0.01})\n")
     return harness.notebook(
         "%load_ext colab_resilience",
         _setup(mark) +  # saves in the foreground: the kill in epoch 3 finds epoch 2's checkpoint on disk
@@ -377,7 +380,7 @@ def _unfreezing_notebook(fault: str, epoch: int, mark):
         "for epoch in resume_range(5):\n"
         "    if epoch == 2:\n"
         "        for p in backbone.parameters():\n            p.requires_grad = True\n"
-        "        opt.add_param_group({'params': list(backbone.parameters()), 'lr': 0.01})\n"
+        + unfreeze +
         "    for i in range(0, 64, 16):\n"
         "        loss = ((model(X[i:i+16]) - Y[i:i+16]) ** 2).mean()\n"
         "        opt.zero_grad(); loss.backward(); opt.step()\n"
@@ -408,6 +411,19 @@ def test_a_parameter_group_the_loop_added_is_added_again_or_taken_out(tmp_path, 
     assert harness.result(nb).endswith(" [0.05, 0.01] [True, True]"), harness.result(nb)
 
 
+def test_an_optimizer_the_loop_made_anew_over_other_tensors_steps_them_after_a_restart(tmp_path):
+    """The loop makes the optimizer anew at epoch 2, over the whole model (the head's alone
+    before); killed in epoch 3, the new kernel's set-up cells build the head's. The run stopped,
+    "opt steps the parameters of model in another order now" (it was other tensors). The
+    optimizer, of the same kind, is given the tensors the checkpoint names, and the run ends bit
+    for bit as its twin."""
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _unfreezing_notebook("kill", 3, mark, anew=True))
+    train = harness.cell_text(nb.cells[2])
+    assert len(run.restarts) == 1 and "continuing at 3" in train, train
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).endswith(" [0.01] [True, True]"), harness.result(nb)
+
+
 def test_an_optimizer_built_with_other_groups_is_said_by_its_groups_not_as_another_order():
     from colab_resilience import carried
 
@@ -419,6 +435,11 @@ def test_an_optimizer_built_with_other_groups_is_said_by_its_groups_not_as_anoth
                     "than the run's?)"), said
     swapped = {"opt": [[["model", "1.weight"]], [["model", "0.weight"]]]}
     assert "of model in another order now" in carried.joins_changed(then, swapped)
+    # with a tensor no saved model holds, not put right (regroup): other tensors of the model
+    held, other = {"opt": [[["model", "0.weight"], None]]}, {"opt": [[["model", "1.weight"], None]]}
+    assert carried.joins_changed(held, other).startswith(
+        "opt steps other parameters of model and tensors no saved model holds now, where at the safe point it stepped "
+        "the parameters of model and tensors no saved model holds ("), carried.joins_changed(held, other)
 
 
 def _counting_module_notebook(fault: str, mark):
