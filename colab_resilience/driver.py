@@ -504,13 +504,18 @@ class Supervisor:
                 reply = client.call(api_call("rerun_finished", run_id), timeout=600)["content"]
                 if reply.get("status") != "ok":
                     why = _error_words(reply.get("ename"), reply.get("evalue"))
+                    # a name its cell reads that a plain cell made (an import in the first cell): the
+                    # cell's first run said so
+                    todo = ("its cell, run again to put it back, reads a name no set-up cell makes: import or define "
+                            "it in a %%replay cell" if reply.get("ename") == "NameError" else
+                            "make them build what the training had")
                     return self.not_recovered(
                         index, death.restart(index, time.perf_counter() - t0, replayed=replayed, recovered=False,
                                              standby=adopted is not None,
                                              then=f"putting back the finished run {run_id} failed ({why})"),
                         f"the finished run {run_id} could not put back {holds} ({why}), and the cells after its "
-                        "training would see what the set-up cells rebuilt, untrained; make them build what the "
-                        "training had, and run the notebook again")
+                        f"training would see what the set-up cells rebuilt, untrained; {todo}, and run the notebook "
+                        "again")
                 restored.append(holds)
             client.call(api_call("expect_reexecution"))
         except KernelDied:  # the caller's next execution finds the kernel dead and restarts again

@@ -201,9 +201,19 @@ def warnings(shell, body: str, saved: list[str], replay_sources: list[str], late
     lines = []
     lost = names_lost_on_restart(shell, body, saved, replay_sources)
     if lost:
+        # an import in the notebook's first cell (`from ... import ResilienceCallback`) is code: it
+        # cannot go in --save (a class there is refused)
+        code = [n for n in lost if _is_code(shell.user_ns.get(n))]
+        values = [n for n in lost if n not in code]
+        todo = []
+        if code:
+            todo.append(f"import or define {', '.join(code)} in a %%replay cell (--save holds values, not code)")
+        if values:
+            them = _one(values, "it", "them")
+            todo.append(f"add {', '.join(values) if code else them} to --save or define {them} in a %%replay cell")
         lines.append(
             f"colab_resilience: this cell reads {', '.join(lost)}, which neither --save nor a "
-            "%%replay cell would bring back after a restart; add them to --save or define them in a %%replay cell"
+            f"%%replay cell would bring back after a restart; {'; '.join(todo)}"
         )
     no_safe = None if shrink else no_safe_point(shell, tree, saved)
     if no_safe:
@@ -567,6 +577,11 @@ def in_plain_loops(tree: ast.AST) -> bool:
 def _walk_body(loop: ast.For):
     for stmt in loop.body:
         yield from ast.walk(stmt)
+
+
+def _is_code(value: object) -> bool:
+    """A module, class or function: what a cell imports or defines, not a value to save."""
+    return inspect.ismodule(value) or inspect.isclass(value) or inspect.isroutine(value)
 
 
 def _one(names: list, one: str, many: str) -> str:

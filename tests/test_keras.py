@@ -921,6 +921,29 @@ def test_a_kill_in_a_cell_after_the_fit_finds_the_trained_model(tmp_path, tmp_pa
 
 
 @pytest.mark.kernel
+def test_a_finished_fit_whose_cell_reads_what_a_plain_cell_made_says_to_make_it_in_a_replay_cell(tmp_path):
+    """The training cell makes its callback with a function a plain cell (not %%replay) defines,
+    as an import in a notebook's first cell would be. Its first run says so; killed in the result
+    cell, the new kernel cannot run the finished fit's cell again (NameError), and the run stops
+    in one line that says to import or define the name in a %%replay cell (it said "make them
+    build what the training had", the advice for a model built otherwise). Not "add it to
+    --save": a function or class there is refused."""
+    nb = harness.load("train_keras.ipynb", tmp_path, fault="sigkill", fault_step="result")
+    train = nb.cells[harness.index(nb, "train")]
+    train.source = train.source.replace("fault_callback = Fault()", "fault_callback = make_fault()")
+    harness.insert(nb, "train", "def make_fault():\n    return Fault()", "plain")
+    run = harness.run(nb, tmp_path)
+    first = harness.cell_text(train).split("colab_resilience: the kernel died")[0]
+    assert ("colab_resilience: this cell reads make_fault, which neither --save nor a %%replay cell would bring back "
+            "after a restart; import or define make_fault in a %%replay cell (--save holds values, not code)") in first
+    assert run.status == 1 and run.failed_cell == harness.index(nb, "result"), run.message
+    assert run.message.endswith(
+        "(NameError: name 'make_fault' is not defined), and the cells after its training would see what the set-up "
+        "cells rebuilt, untrained; its cell, run again to put it back, reads a name no set-up cell makes: import or "
+        "define it in a %%replay cell, and run the notebook again"), run.message
+
+
+@pytest.mark.kernel
 @pytest.mark.parametrize("fault_epoch,fault_step", [(3, 2), (3, "end")], ids=["in-epoch-3", "after-it-stopped"])
 def test_early_stoppings_count_and_best_weights_go_with_the_checkpoint(tmp_path, tmp_path_factory, fault_epoch,
                                                                        fault_step):

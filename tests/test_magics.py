@@ -107,6 +107,22 @@ def test_successful_cell_runs_once_and_displays_last_expression(ip, capsys):
     assert "colab_resilience: this cell reads calls, which neither --save nor a %%replay cell" in out
 
 
+def test_a_name_a_restart_would_lose_is_said_to_be_imported_where_it_is_code(ip, capsys):
+    """What a plain cell imported or defined (a module, a class, a function: an import in the
+    notebook's first cell) goes in a %%replay cell, not in --save, which refuses a class; a value
+    may go in either."""
+    import collections
+    import json as json_module
+
+    ip.user_ns.update(json_module=json_module, Counter=collections.Counter, lr=0.1)
+    ip.user_ns["scale"] = lambda x: x * 2
+    assert ip.run_cell("%%resilient\nout = json_module.dumps([Counter('ab'), scale(lr)])").success
+    out = capsys.readouterr().out
+    assert ("colab_resilience: this cell reads json_module, Counter, scale, lr, which neither --save nor a %%replay "
+            "cell would bring back after a restart; import or define json_module, Counter, scale in a %%replay cell "
+            "(--save holds values, not code); add lr to --save or define it in a %%replay cell") in out, out
+
+
 def test_shrink_list_and_repeat_forms(ip):
     """--shrink a=0.25,b: each variable shrinks by its own factor (default a half) at every retry."""
     ip.user_ns.update(a=16, b=10, n=[0])
