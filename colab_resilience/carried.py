@@ -248,14 +248,26 @@ def mismatch(module: Any, sd: Any, most: int = 4) -> str | None:
     shapes = [f"{k} {list(sd[k].shape)} saved, {list(t.shape)} now" for k, t in own.items()
               if k in sd and isinstance(t, torch.Tensor) and isinstance(sd[k], torch.Tensor)
               and not lazy(t) and sd[k].shape != t.shape]
+    # load_state_dict would convert them, and the run would go on in the other precision
+    dtypes = [f"{k} {_dtype(sd[k])} saved, {_dtype(t)} now" for k, t in own.items()
+              if k in sd and isinstance(t, torch.Tensor) and isinstance(sd[k], torch.Tensor)
+              and not lazy(t) and sd[k].dtype != t.dtype]
 
     def listed(keys: list[str]) -> str:
         return ", ".join(keys[:most]) + (f" and {len(keys) - most} more" if len(keys) > most else "")
 
     parts = ([f"saved, not in it: {listed(extra)}"] if extra else []) + \
         ([f"in it, not saved: {listed(lacking)}"] if lacking else []) + \
-        ([f"other shapes: {listed(shapes)}"] if shapes else [])
+        ([f"other shapes: {listed(shapes)}"] if shapes else []) + \
+        ([f"{OTHER_DTYPES}: {listed(dtypes)}"] if dtypes else [])
     return "; ".join(parts) or None
+
+
+OTHER_DTYPES = "other dtypes"
+
+
+def _dtype(t: Any) -> str:
+    return str(t.dtype).removeprefix("torch.")
 
 
 def put_module_states(module: Any, sd: Any) -> Any:

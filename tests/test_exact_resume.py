@@ -442,6 +442,33 @@ def test_an_optimizer_built_with_other_groups_is_said_by_its_groups_not_as_anoth
         "the parameters of model and tensors no saved model holds ("), carried.joins_changed(held, other)
 
 
+def test_a_model_a_plain_cell_changed_the_dtype_of_stops_the_resume_in_one_line(tmp_path):
+    """`model.double()` in a plain cell (not %%replay), the loop casting its batches: killed in
+    epoch 2, the new kernel's set-up cell builds the model in float32, and load_state_dict put the
+    float64 weights into it, converted: the run went on in float32 and said done, with other
+    losses than the uninterrupted run's (found by a probe). The resume stops in one line that
+    names the dtypes and says to make the change in a %%replay cell."""
+    nb = harness.notebook(
+        "%load_ext colab_resilience",
+        _setup(tmp_path / "m") + "%config ResilienceMagics.staging_memory = 'off'\n"
+        "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "X, Y = torch.randn(32, 4), torch.randn(32, 1)\nlosses = []",
+        "model.double()",
+        "%%resilient --save model,opt,losses\nfor epoch in resume_range(4):\n"
+        "    loss = ((model(X.double()) - Y.double()) ** 2).mean()\n"
+        "    opt.zero_grad(); loss.backward(); opt.step()\n    losses.append(loss.item())\n"
+        "    if epoch == 2 and not os.path.exists(MARK):\n"
+        f"        open(MARK, 'w').close(); {_FAULTS['kill']}\n",
+        "print('RESULT', losses)")
+    run = harness.run(nb, tmp_path, standby=False)
+    assert run.status != 0 and run.failed_cell == 3, run.message
+    assert ("cannot restore 'model' in place: the Linear it holds now is not the one saved (other dtypes: weight "
+            "float64 saved, float32 now, bias float64 saved, float32 now): the set-up cells build another "
+            "architecture, or a cell that is not %%replay changed its dtype after they built it (model.double(), "
+            ".half(), .to(torch.bfloat16)): make that change in a %%replay cell") in run.message, run.message
+    assert "RESULT" not in harness.cell_text(nb.cells[4])
+
+
 def _counting_module_notebook(fault: str, mark):
     """A module of the notebook's own that counts its calls in ``forward`` (a plain attribute and
     a buffer) and keeps each batch's size in a list; one fault in epoch 3."""

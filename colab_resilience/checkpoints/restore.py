@@ -248,10 +248,14 @@ class Checkpoint:
 
                 differs = carried.mismatch(target, value)
                 if differs:
+                    cause = ("a cell that is not %%replay changed its dtype after they built it (model.double(), "
+                             ".half(), .to(torch.bfloat16)): make that change in a %%replay cell"
+                             if carried.OTHER_DTYPES in differs else
+                             "the cell changed the model after they built it (pruning, a layer added in place)")
                     raise CheckpointError(
                         f"colab_resilience: cannot restore {e.name!r} in place: the {type(target).__name__} it holds "
                         f"now is not the one saved ({differs}): the set-up cells build another architecture, or "
-                        "the cell changed the model after they built it (pruning, a layer added in place)"
+                        f"{cause}"
                     )
             try:
                 if copies:  # its metrics' states (kept as given), the tensors its state dict leaves out
