@@ -78,7 +78,7 @@ def run(args) -> int:
         for r in result.restarts:
             print(f"[cell {r.cell}] {r.marker().rstrip()}", file=sys.stderr)
     if result.message:
-        print(result.message, file=sys.stderr)
+        print(result.message + (_going_on(args) if result.timed_out and result.pending else ""), file=sys.stderr)
     state = "done" if result.status == EXIT_OK else "stopped"
     print(
         f"colab-resilience: {state} in {result.seconds:.1f} s with {len(result.restarts)} kernel "
@@ -91,20 +91,24 @@ def run(args) -> int:
 def interrupted(args, out: Path, cell: int | None, started: float, how: KeyboardInterrupt) -> int:
     """Ctrl-C or SIGTERM during ``run``: one line (where, what was written, how to go on), exit
     status 130 or 143."""
-    from .journal import pending_runs
-
     quiet_the_interrupted_cell()
     where = f" in cell {cell}" if cell is not None else ""
     wrote = f"wrote {out}" if out.is_file() and out.stat().st_mtime >= started else "wrote no notebook"
-    if args.run_dir is None:
-        after = ("; its runs' checkpoints went with it: with --run-dir DIR they stay, and the same command "
-                 "goes on from them")
-    elif pending_runs(args.run_dir):
-        after = f"; the same command (--run-dir {args.run_dir}) goes on from the last checkpoint of its run"
-    else:
-        after = ""
-    print(f"colab-resilience: {_stopped(how)}{where}; {wrote}{after}", file=sys.stderr)
+    print(f"colab-resilience: {_stopped(how)}{where}; {wrote}{_going_on(args)}", file=sys.stderr)
     return _status(how)
+
+
+def _going_on(args) -> str:
+    """For a run the command stopped (Ctrl-C, a cell's timeout): "; " and how the same command goes
+    on from its checkpoints, or what they went with; "" where no run is pending."""
+    from .journal import pending_runs
+
+    if args.run_dir is None:
+        return ("; its runs' checkpoints went with it: with --run-dir DIR they stay, and the same command "
+                "goes on from them")
+    if pending_runs(args.run_dir):
+        return f"; the same command (--run-dir {args.run_dir}) goes on from the last checkpoint of its run"
+    return ""
 
 
 INTERRUPTED = 128 + 2  # the exit status of a command ended by Ctrl-C (SIGINT), as a shell reports it

@@ -18,10 +18,10 @@ from typing import Any
 
 from jupyter_core.utils import ensure_async, run_sync
 from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError, DeadKernelError
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 from traitlets import Float, List, Set, Unicode
 
-from .kernels import CellFailed, KernelDied, api_call, discard, expression_value, process_exit_code
+from .kernels import TIMED_OUT, CellFailed, KernelDied, api_call, discard, expression_value, process_exit_code
 
 
 class SupervisedClient(NotebookClient):
@@ -64,6 +64,14 @@ class SupervisedClient(NotebookClient):
             raise KernelDied(str(e)) from e
         except CellExecutionError as e:
             raise CellFailed(str(e), e.ename, e.evalue) from e
+        except CellTimeoutError as e:  # the run stops there, as at an error, and says why in the cell
+            import nbformat
+
+            evalue = (f"the cell ran longer than --cell-timeout allows ({self.timeout} s), and the run stopped "
+                      "there; give a larger --cell-timeout (0: no limit)")
+            cell.setdefault("outputs", []).append(nbformat.v4.new_output(
+                "error", ename=TIMED_OUT, evalue=evalue, traceback=[f"{TIMED_OUT}: {evalue}"]))
+            raise CellFailed(str(e), TIMED_OUT, evalue) from e
 
     def new_manager(self, ip: str):
         """A kernel manager for another kernel of this notebook (the standby), sockets under ``ip``."""

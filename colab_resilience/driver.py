@@ -39,7 +39,7 @@ from typing import Any, Callable
 from . import journal
 from .deaths import Budgets, Restart
 from .errors import NotebookInputError
-from .kernels import CellFailed, KernelDied, api_call, kernel_pid
+from .kernels import TIMED_OUT, CellFailed, KernelDied, api_call, kernel_pid
 from .standby_driver import Standby
 from .replay import MAGIC, is_replay_cell
 from .restart import SUPERVISED_ENV, mark_shut_down
@@ -68,6 +68,8 @@ class RunResult:
     seconds: float = 0.0
     written: Path | None = None  # where the executed notebook was written (not the output asked for, if that failed)
     cleared: frozenset[int] = frozenset()  # the cells (by index) that cleared their output as they ran
+    timed_out: bool = False  # the failed cell ran longer than the cell timeout
+    pending: bool = False  # a run was left pending, its checkpoints in the run folder (gone with it unless given)
 
 
 def resolve_parameter(value: str) -> Any:
@@ -337,6 +339,7 @@ def run_notebook(
         }
         if output is not None:
             result.written = write_output(nb, Path(output), result)
+        result.pending = bool(journal.pending_runs(run_root))
         if own_run_dir:
             own_run_dir.remove()
     return result
@@ -449,6 +452,7 @@ class Supervisor:
         result = self.result
         result.status = EXIT_BUDGET if journal.budget_refused(self.run_root) else EXIT_CELL_FAILED
         result.failed_cell = index
+        result.timed_out = getattr(error, "ename", None) == TIMED_OUT
         errors = [o for o in cell.outputs if o.get("output_type") == "error"]
         if errors:
             what = f"{errors[-1].get('ename')}: {errors[-1].get('evalue', '').strip()}"

@@ -29,6 +29,9 @@ class KernelDied(Exception):
     its cells."""
 
 
+TIMED_OUT = "CellTimeoutError"  # nbclient's name for a cell that ran past its timeout, as the cell's error
+
+
 class CellFailed(Exception):
     """A cell the kernel ran raised (nbclient's ``CellExecutionError`` for the supervisor's
     client): the error's name and value, and the text to show (the traceback)."""

@@ -595,6 +595,35 @@ def test_cli_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
     assert nbformat.read(tmp_path / "out.ipynb", 4).metadata["colab_resilience"]["status"] == "interrupted"
 
 
+def test_cli_a_cell_past_its_timeout_stops_the_run_in_one_line_and_the_same_command_goes_on(tmp_path):
+    """`--cell-timeout 3` on a training cell of 6 s: the run stops there, exit status 1, with one
+    line that says what to do and how to go on, an error in the cell of the notebook written (as
+    papermill finds failed cells); the same command without the timeout goes on from the run's
+    last checkpoint. It was nbclient's CellTimeoutError traceback, and no notebook."""
+    nb = notebook("%load_ext colab_resilience", "%%replay\nimport time\nh = []",
+                  "%%resilient --save h\nfor i in resume_range(30):\n    time.sleep(0.2); h.append(i)",
+                  "print('RESULT', h == list(range(30)))")
+    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
+    nbformat.write(nb, tmp_path / "in.ipynb")
+    command = [sys.executable, "-m", "colab_resilience", "run", "in.ipynb", "-o", "out.ipynb", "--run-dir", "runs",
+               "--no-progress", "--no-standby"]
+    r = subprocess.run(command + ["--cell-timeout", "3"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr.strip() == (
+        "colab-resilience: cell 2 failed: CellTimeoutError: the cell ran longer than --cell-timeout allows (3 s), and "
+        "the run stopped there; give a larger --cell-timeout (0: no limit); the same command (--run-dir runs) goes on "
+        "from the last checkpoint of its run"), r.stderr
+    out = nbformat.read(tmp_path / "out.ipynb", 4)
+    assert [o.ename for o in out.cells[2].outputs if o.output_type == "error"] == ["CellTimeoutError"]
+    assert out.metadata["colab_resilience"]["status"] == "failed"
+    again = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stdout + again.stderr
+    out = nbformat.read(tmp_path / "out.ipynb", 4)
+    assert re.search(r"not counted\): restored h in [\d.]+ s; continuing at [1-9]", cell_text(out.cells[2])), \
+        cell_text(out.cells[2])
+    assert "RESULT True" in cell_text(out.cells[3])
+
+
 def test_papermill_engine(tmp_path, reference):
     """`papermill --engine resilient` runs train.ipynb (its parameters injected by papermill) through
     a SIGKILL in epoch 1 and writes the reference's RESULT and the restart to the notebook."""
