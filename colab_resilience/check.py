@@ -327,6 +327,24 @@ def _outcome(result: RunResult, set_up: frozenset[str] = frozenset()) -> Outcome
                    _digests(by_role.get("before", {}), BEFORE), set_up, training, sources, logged, cleared)
 
 
+# the cells the supervisor's messages name: "colab-resilience: cell 4 failed: ...", "replaying set-up cell 1 failed"
+_MESSAGE_CELL = re.compile(r"(^colab-resilience: cell |set-up cell )(\d+)\b")
+
+
+def _numbered_as_yours(result: RunResult) -> str:
+    """The run's message with its cells numbered as in the user's notebook, not as in the one the
+    check ran (its digest cells added)."""
+    cells = result.notebook.cells
+
+    def yours(m: re.Match) -> str:
+        i = int(m.group(2))
+        if i >= len(cells) or cells[i].get("metadata", {}).get(MARK):
+            return m.group(0)
+        return m.group(1) + str(sum(1 for c in cells[:i] if not c.get("metadata", {}).get(MARK)))
+
+    return _MESSAGE_CELL.sub(yours, result.message or "")
+
+
 def _first_resilient(nb) -> int | None:
     """The index of the notebook's first ``%%resilient`` cell (None without one)."""
     return next((i for i, c in enumerate(nb.cells) if c.get("cell_type") == "code"
@@ -485,7 +503,7 @@ def _quote(line: str, most: int = 80) -> str:
 def compare(reference: Outcome, faulted: Outcome) -> list[str]:
     """What differs between two runs, one line each."""
     if faulted.result.status != EXIT_OK:
-        return [f"the run did not finish ({faulted.result.message or 'status ' + str(faulted.result.status)})"]
+        return [f"the run did not finish ({_numbered_as_yours(faulted.result) or 'status ' + str(faulted.result.status)})"]
     found = []
     for name in sorted(set(reference.digests) | set(faulted.digests)):
         a, b = reference.digests.get(name), faulted.digests.get(name)
@@ -624,7 +642,7 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
         timeline = _read_timeline(timeline_file)
         report = CheckReport(str(notebook), max((n for n, *_ in timeline), default=0), seconds)
         if reference.result.status != EXIT_OK:
-            report.broken = reference.result.message or "the notebook failed"
+            report.broken = _numbered_as_yours(reference.result) or "the notebook failed"
             return report
         if not timeline:
             report.broken = "the notebook has no %%resilient cell with a safe point: nothing to check"

@@ -163,6 +163,15 @@ def test_a_notebook_that_fails_without_faults_is_exit_3_and_usage_errors_exit_2(
     r = check(str(tmp_path / "broken.ipynb"), "--faults", "1")
     assert r.returncode == 3, r.stdout + r.stderr
     assert "cannot check: colab-resilience: cell 4 failed: ValueError: broken set-up" in r.stderr
+    # a cell after the training, numbered as in the notebook given, not as in the one run (the
+    # check's cell before the training added: it said the next number)
+    nb = harness.load("resume_nested.ipynb")
+    harness.insert(nb, "result", "raise ValueError('broken evaluation')", "broken")
+    nbformat.write(nb, tmp_path / "broken_after.ipynb")
+    r = check(str(tmp_path / "broken_after.ipynb"), "--faults", "1")
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert (f"cannot check: colab-resilience: cell {harness.index(nb, 'broken')} failed: ValueError: broken "
+            "evaluation") in r.stderr, r.stderr
     r = check(str(tmp_path / "missing.ipynb"))
     assert r.returncode == 2 and "no such notebook" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = check(str(tmp_path / "broken.ipynb"), "--faults", "x")
