@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cell-timeout", type=options.whole_number(), default=None, metavar="S", help="seconds a cell may run (default, or 0: no limit)")
     p.add_argument("--kernel", help="kernel name (default: the notebook's kernelspec, else python3)")
     p.add_argument("--run-dir", help="where runs keep journals and checkpoints (default: a temporary folder)")
-    p.add_argument("--log-output", action="store_true", help="echo each cell's output as it finishes")
+    p.add_argument("--log-output", action="store_true", help="echo what the cells print as they print it ([cell N] line), and each recovery as it happens")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-standby", action="store_true",
                    help="no standby kernel kept warm to take over from a dead one (saves its memory; "

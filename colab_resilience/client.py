@@ -19,7 +19,7 @@ from typing import Any
 from jupyter_core.utils import ensure_async, run_sync
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
-from traitlets import Float, List, Set, Unicode
+from traitlets import Float, Integer, List, Set, Unicode
 
 from .kernels import TIMED_OUT, CellFailed, KernelDied, api_call, discard, expression_value, process_exit_code
 
@@ -50,6 +50,40 @@ class SupervisedClient(NotebookClient):
                     self.task_poll_for_reply.cancel()
                 return
 
+    echo = Integer(None, allow_none=True,
+                   help="The cell whose printed output and errors are echoed as they come (--log-output), by "
+                        "index: to stdout and stderr, each line as '[cell N] line'; None: none.")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._echo_parts: dict[str, str] = {}  # the part of a line each stream of the echo cell printed so far
+
+    def output(self, outs, msg, display_id, cell_index):
+        """nbclient's; the ``echo`` cell's streams and errors are echoed too, line by line."""
+        if cell_index == self.echo:
+            content, kind = msg.get("content", {}), msg.get("msg_type")
+            if kind == "stream":
+                self._echoed(cell_index, content.get("name"), content.get("text", ""))
+            elif kind == "error":
+                self._echoed(cell_index, "stderr", f"{content.get('ename')}: {content.get('evalue')}\n")
+        return super().output(outs, msg, display_id, cell_index)
+
+    def _echoed(self, cell_index: int, name: str | None, text: str) -> None:
+        import sys
+
+        name = "stderr" if name == "stderr" else "stdout"
+        *lines, self._echo_parts[name] = (self._echo_parts.get(name, "") + text).split("\n")
+        for line in lines:  # as a terminal shows it: a progress bar drawn again in place, its last drawing
+            print(f"[cell {cell_index}] {line.rstrip(chr(13)).rsplit(chr(13), 1)[-1]}",
+                  file=sys.stderr if name == "stderr" else sys.stdout, flush=True)
+
+    def end_echo(self) -> None:
+        """Echo what the ``echo`` cell printed last without a newline (its kernel died, or it ended)."""
+        for name, rest in list(self._echo_parts.items()):
+            if rest.strip() and self.echo is not None:
+                self._echoed(self.echo, name, "\n")
+        self._echo_parts.clear()
+
     def clear_output(self, outs, msg, cell_index):
         """nbclient's, which takes what the cell showed from the notebook; the cell is noted."""
         self.cleared.add(cell_index)
@@ -71,6 +105,8 @@ class SupervisedClient(NotebookClient):
                       "there; give a larger --cell-timeout (0: no limit)")
             cell.setdefault("outputs", []).append(nbformat.v4.new_output(
                 "error", ename=TIMED_OUT, evalue=evalue, traceback=[f"{TIMED_OUT}: {evalue}"]))
+            if self.echo == cell_index:
+                self._echoed(cell_index, "stderr", f"{TIMED_OUT}: {evalue}\n")
             raise CellFailed(str(e), TIMED_OUT, evalue) from e
 
     def new_manager(self, ip: str):

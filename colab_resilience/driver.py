@@ -403,6 +403,7 @@ class Supervisor:
         died = False
         if self.on_cell_start is not None:
             self.on_cell_start(index, cell)
+        self.client.echo = index if self.log_output else None  # its output, as it comes (the replays' not)
         while True:
             try:
                 self.client.execute_cell(cell, index)
@@ -412,7 +413,14 @@ class Supervisor:
             except KernelDied:
                 died = True
                 earlier += cell.get("outputs", [])
-                if not self.recover(index):
+                restarts = len(self.result.restarts)
+                recovered = self.recover(index)
+                if self.log_output:  # what happened, as it happened (the notebook's marker says it when the cell ends)
+                    self.client.end_echo()
+                    for r in self.result.restarts[restarts:]:
+                        for line in r.marker(live=True).splitlines():
+                            print(f"[cell {index}] {line}", file=sys.stderr, flush=True)
+                if not recovered:
                     cell.outputs = earlier + self.markers(index)
                     self.finished(index, cell, failed=True)
                     return False
@@ -440,7 +448,8 @@ class Supervisor:
         if failed and self.on_cell_error is not None:
             self.on_cell_error(index, cell)
         if self.log_output:
-            log_cell(index, cell)
+            self.client.end_echo()
+            self.client.echo = None
 
     def markers(self, index: int) -> list:
         import nbformat
@@ -564,18 +573,6 @@ class Supervisor:
 def _error_words(ename, evalue) -> str:
     """``Name: value`` of an error, on one line."""
     return " ".join(f"{ename}: {evalue or ''}".split()).removesuffix(":")
-
-
-def log_cell(index: int, cell) -> None:
-    import sys
-
-    for out in cell.get("outputs", []):
-        if out.get("output_type") == "stream":
-            stream = sys.stdout if out.get("name") == "stdout" else sys.stderr
-            for line in out.get("text", "").splitlines():
-                print(f"[cell {index}] {line}", file=stream)
-        elif out.get("output_type") == "error":
-            print(f"[cell {index}] {out.get('ename')}: {out.get('evalue')}", file=sys.stderr)
 
 
 def _strings(answer: Any, key: str) -> list[str]:

@@ -363,6 +363,45 @@ def test_cli_runs_a_notebook_with_parameters(tmp_path):
     assert r.stderr == "", r.stderr  # n is the parameters cell's
 
 
+def test_cli_log_output_echoes_each_line_as_it_comes_and_the_recovery_when_it_happens(tmp_path):
+    """`--log-output` on a training cell of 30 steps of 0.2 s, killed after its sixth checkpoint:
+    each printed line is echoed as the cell prints it (the first long before the command ends),
+    a line drawn again in place (`\\r`) by its last drawing, the recovery when it happens (the
+    replayed set-up cell's output not echoed again), the resumed lines after it. It echoed each
+    cell's output when the cell ended, markers last: nothing for the length of a training."""
+    from colab_resilience import faults
+
+    nb = notebook("%load_ext colab_resilience", "%%replay\nimport time\nh = []\nprint('SET UP')",
+                  "%%resilient --save h\nfor i in resume_range(30):\n    time.sleep(0.2); h.append(i)\n"
+                  "    print(f'step {i}', end='\\r'); print(f'step {i} done')",
+                  "print('RESULT', h == list(range(30)))")
+    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
+    nbformat.write(nb, tmp_path / "in.ipynb")
+    fault = json.dumps({"kind": "kill", "safe_point": 7, "phase": "after", "delay": 0.1, "mark": str(tmp_path / "m")})
+    p = subprocess.Popen([sys.executable, "-m", "colab_resilience", "run", "in.ipynb", "-o", "out.ipynb",
+                          "--no-progress", "--no-standby", "--log-output"], cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=dict(os.environ, **{faults.FAULT_ENV: fault}))
+    lines = []
+    try:
+        for line in p.stdout:
+            lines.append((time.monotonic(), line.rstrip("\n")))
+        assert p.wait(timeout=240) == 0, lines
+    finally:
+        p.kill()
+    ended = lines[-1][0]
+    text = [line for _, line in lines if "Kernel is running over TCP" not in line]
+    first = next(t for t, line in lines if line == "[cell 2] step 0 done")
+    assert ended - first > 3, text  # echoed as it came, not when the cell ended
+    assert text.count("[cell 1] SET UP") == 1, text
+    died = next(i for i, line in enumerate(text) if line.startswith("[cell 2] colab_resilience: the kernel died"))
+    assert text[died] == ("[cell 2] colab_resilience: the kernel died (killed by SIGKILL); restarted it and replayed 1 "
+                          "cell in " + text[died].split(" cell in ")[1].split(" s;")[0] + " s; the cell runs again to "
+                          "go on at iteration 6"), text
+    assert text[died - 1] == "[cell 2] step 5 done" and "[cell 2] step 6 done" in text[died:], text
+    assert [line for line in text if line.startswith("[cell 2] step")] == [f"[cell 2] step {i} done" for i in range(30)]
+    assert "[cell 3] RESULT True" in text
+
+
 def test_a_parameter_the_notebook_does_not_set_is_said_as_papermill_warns():
     """A -p name the parameters cell does not set (a typo: the run went on with the notebook's
     value, and nothing said so), or a notebook without a parameters cell: one line, as papermill
