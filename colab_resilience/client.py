@@ -21,7 +21,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 from traitlets import Float, Integer, List, Set, Unicode
 
-from .kernels import TIMED_OUT, CellFailed, KernelDied, api_call, discard, expression_value, process_exit_code
+from .kernels import TIMED_OUT, CellFailed, KernelDied, api_call, echo_line, discard, expression_value, process_exit_code
 
 
 class SupervisedClient(NotebookClient):
@@ -69,13 +69,10 @@ class SupervisedClient(NotebookClient):
         return super().output(outs, msg, display_id, cell_index)
 
     def _echoed(self, cell_index: int, name: str | None, text: str) -> None:
-        import sys
-
         name = "stderr" if name == "stderr" else "stdout"
         *lines, self._echo_parts[name] = (self._echo_parts.get(name, "") + text).split("\n")
         for line in lines:  # as a terminal shows it: a progress bar drawn again in place, its last drawing
-            print(f"[cell {cell_index}] {line.rstrip(chr(13)).rsplit(chr(13), 1)[-1]}",
-                  file=sys.stderr if name == "stderr" else sys.stdout, flush=True)
+            echo_line(f"[cell {cell_index}] {line.rstrip(chr(13)).rsplit(chr(13), 1)[-1]}", stderr=name == "stderr")
 
     def end_echo(self) -> None:
         """Echo what the ``echo`` cell printed last without a newline (its kernel died, or it ended)."""

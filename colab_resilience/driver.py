@@ -39,7 +39,7 @@ from typing import Any, Callable
 from . import journal
 from .deaths import Budgets, Restart
 from .errors import NotebookInputError
-from .kernels import TIMED_OUT, CellFailed, KernelDied, api_call, kernel_pid
+from .kernels import TIMED_OUT, CellFailed, KernelDied, api_call, echo_line, kernel_pid
 from .standby_driver import Standby
 from .replay import MAGIC, is_replay_cell
 from .restart import SUPERVISED_ENV, mark_shut_down
@@ -419,7 +419,7 @@ class Supervisor:
                     self.client.end_echo()
                     for r in self.result.restarts[restarts:]:
                         for line in r.marker(live=True).splitlines():
-                            print(f"[cell {index}] {line}", file=sys.stderr, flush=True)
+                            echo_line(f"[cell {index}] {line}", stderr=True)
                 if not recovered:
                     cell.outputs = earlier + self.markers(index)
                     self.finished(index, cell, failed=True)

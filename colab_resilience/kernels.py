@@ -41,6 +41,20 @@ class CellFailed(Exception):
         self.ename, self.evalue = ename, evalue
 
 
+def echo_line(line: str, *, stderr: bool = False) -> None:
+    """Print ``line`` for ``--log-output``, above the command's progress bar where one is drawn
+    (tqdm's write clears it and draws it again below), not into it."""
+    import sys
+
+    stream = sys.stderr if stderr else sys.stdout
+    bars = sys.modules.get("tqdm.std")
+    if bars is not None and getattr(bars.tqdm, "_instances", None):
+        bars.tqdm.write(line, file=stream)
+        stream.flush()
+    else:
+        print(line, file=stream, flush=True)
+
+
 def api_call(function: str, *args) -> str:
     """The code that runs ``colab_resilience.kernelapi.<function>(*args)`` in a kernel (args:
     literals)."""
