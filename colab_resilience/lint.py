@@ -414,7 +414,7 @@ def no_safe_point(shell, tree: ast.AST, saved: list[str]) -> str | None:
         if not saved:  # resume_range alone keeps no progress: nothing is saved at its safe points
             advice += ", and --save what it trains (the model, the optimizer)"
         return (f"colab_resilience: the loop{where} ({header}) has no safe point inside it: after a restart or an "
-                "out-of-memory error the cell runs again from its start, and every iteration trains again; to go on "
+                "out-of-memory error the cell runs again from its start, and every iteration runs again; to go on "
                 f"after the last finished one, {advice}")
     for name, (framework, call, advice, module) in _fits_without_callback(shell, tree):
         return (f"colab_resilience: {name}.{call}() ({framework}) has no safe point inside it: after a restart or an "

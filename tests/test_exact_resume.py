@@ -2326,7 +2326,7 @@ def test_the_first_run_names_a_training_loop_with_no_safe_point_inside_it(ip, tm
         "for p in model.parameters():\n    p.requires_grad_(True)\n"
         "for epoch in range(2):\n    for i in range(3):\n        opt.step()\n")
     assert ("colab_resilience: the loop (for epoch in range(2)) has no safe point inside it: after a restart or an "
-            "out-of-memory error the cell runs again from its start, and every iteration trains again; to go on after "
+            "out-of-memory error the cell runs again from its start, and every iteration runs again; to go on after "
             "the last finished one, loop over resume_range: for epoch in resume_range(2)\n") in out, out
 
     def said(body, saved=("model", "opt"), shrink=()):
@@ -2334,7 +2334,7 @@ def test_the_first_run_names_a_training_loop_with_no_safe_point_inside_it(ip, tm
 
     assert said("for epoch in tqdm(range(1, 9, 2), leave=False):\n    opt.step()") == [
         "colab_resilience: the loop (for epoch in tqdm(range(1, 9, 2), leave=False)) has no safe point inside it: "
-        "after a restart or an out-of-memory error the cell runs again from its start, and every iteration trains "
+        "after a restart or an out-of-memory error the cell runs again from its start, and every iteration runs "
         "again; to go on after the last finished one, loop over resume_range: "
         "for epoch in tqdm(resume_range(1, 9, 2), leave=False)"]
     [line] = said("for x, y in enumerate(batches):\n    opt.step()", saved=())
@@ -2345,7 +2345,7 @@ def test_the_first_run_names_a_training_loop_with_no_safe_point_inside_it(ip, tm
         "write it as a for loop over resume_range (for epoch in resume_range(n))"), line
     assert said("fit(3)") == [
         "colab_resilience: the loop in fit() (for epoch in range(epochs)) has no safe point inside it: after a restart "
-        "or an out-of-memory error the cell runs again from its start, and every iteration trains again; to go on "
+        "or an out-of-memory error the cell runs again from its start, and every iteration runs again; to go on "
         "after the last finished one, loop over resume_range in fit(): for epoch in resume_range(epochs)"]
     assert said("main()") == said("for epoch in resume_range(2):\n    opt.step()") == said("trainer.fit(2)") == []
     assert said("for epoch in range(2):\n    opt.step()", shrink=["batch_size"]) == []
