@@ -720,7 +720,24 @@ def test_rng_states_are_saved_and_restored(store):
     first = draws()
     restore_rng(state)
     assert draws() == first
-    assert set(state) == {"python", "numpy", "torch"}  # CUDA not initialised here
+    assert set(state) == {"python", "numpy", "torch", "torch_settings"}  # CUDA not initialised here
+
+
+def test_torchs_settings_are_saved_and_restored_with_the_random_states(store):
+    """torch's process-wide settings go with a checkpoint's random states and come back with them
+    (tests/test_exact_resume.py: in a new kernel)."""
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.set_default_dtype(torch.float64)
+        store.save({"n": 1}, ["n"])
+        torch.use_deterministic_algorithms(False)
+        torch.set_default_dtype(torch.float32)
+        store.load().restore({})
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.get_default_dtype() == torch.float64
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.set_default_dtype(torch.float32)
 
 
 def test_rng_restore_can_be_skipped(store):

@@ -469,6 +469,43 @@ def test_a_model_a_plain_cell_changed_the_dtype_of_stops_the_resume_in_one_line(
     assert "RESULT" not in harness.cell_text(nb.cells[4])
 
 
+def _settings_notebook(fault: str, mark):
+    """torch's process-wide settings changed in a plain cell after the set-up cell (as Lightning's
+    hint has people call ``torch.set_float32_matmul_precision``): the default dtype, the threads,
+    deterministic algorithms, the matmul precision, cuDNN's benchmark. The loop draws noise in
+    the default dtype. One fault in epoch 2, once."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        _setup(mark) + "%config ResilienceMagics.staging_memory = 'off'\n"
+        "model = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "X, Y = torch.randn(32, 4), torch.randn(32, 1)\nlosses = []",
+        "torch.set_default_dtype(torch.float64)\ntorch.set_num_threads(1)\n"
+        "torch.use_deterministic_algorithms(True, warn_only=True)\ntorch.set_float32_matmul_precision('medium')\n"
+        "torch.backends.cudnn.benchmark = True",
+        "%%resilient --save model,opt,losses\nfor epoch in resume_range(4):\n"
+        "    noise = torch.randn(32, 4)\n"
+        "    loss = ((model((X + noise.float() * 1e-3)) - Y) ** 2).mean()\n"
+        "    opt.zero_grad(); loss.backward(); opt.step()\n    losses.append((loss.item(), noise.dtype))\n"
+        "    if epoch == 2 and not os.path.exists(MARK):\n"
+        f"        open(MARK, 'w').close(); {_FAULTS[fault]}\n",
+        "print('RESULT', losses, model.weight.detach().numpy().tobytes().hex(), torch.get_default_dtype(),"
+        " torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision(),"
+        " torch.backends.cudnn.benchmark)")
+
+
+def test_torchs_settings_a_plain_cell_changed_go_with_the_run(tmp_path):
+    """Killed in epoch 2, the new kernel had torch's defaults: the loop drew float32 noise where
+    the uninterrupted run drew float64 (found by a probe), and the run said done with other
+    losses. Each checkpoint holds torch's settings with the random states, and a resume puts
+    them back: bit for bit its twin."""
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _settings_notebook("kill", mark))
+    train = harness.cell_text(nb.cells[3])
+    assert len(run.restarts) == 1 and "continuing at 2" in train, train
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).endswith(" torch.float64 1 True medium True"), harness.result(nb)
+    assert "torch.float64), (" in harness.result(nb)
+
+
 def _counting_module_notebook(fault: str, mark):
     """A module of the notebook's own that counts its calls in ``forward`` (a plain attribute and
     a buffer) and keeps each batch's size in a list; one fault in epoch 3."""

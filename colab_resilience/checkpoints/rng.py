@@ -18,6 +18,7 @@ seed of its own keeps its numbers in TensorFlow's kernel, where no checkpoint re
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 from typing import Any, Mapping
@@ -87,7 +88,55 @@ def capture_rng() -> dict[str, Any]:
         # attempt that made it: BuiltSinceError, see restore_rng)
         seeds = keras_seed_generator()
         state["keras"] = None if seeds is None else np.array(seeds.state.numpy(), copy=True)
+    if torch is not None:
+        state["torch_settings"] = torch_settings(torch)
     return state
+
+
+def torch_settings(torch) -> dict[str, Any]:
+    """torch's process-wide settings that change what a computation gives: the default dtype (of
+    ``torch.randn(n)``), the CPU threads (the order of a sum's partial sums), deterministic
+    algorithms, the float32 matmul precision (TF32 on a GPU: what ``allow_tf32`` sets too), cuDNN's
+    benchmark and deterministic modes. A cell that is not ``%%replay`` may set them
+    (``torch.set_float32_matmul_precision("high")``, as Lightning advises; ``torch.set_default_dtype``),
+    and a new kernel has torch's defaults: the resumed run would compute otherwise, saying nothing.
+    A setting that cannot be read is left out (the matmul precision, where a notebook set it through
+    both of torch's APIs: reading it raises then)."""
+    found: dict[str, Any] = {}
+    for key, read in (
+            ("default_dtype", lambda: str(torch.get_default_dtype()).removeprefix("torch.")),
+            ("threads", torch.get_num_threads),
+            ("deterministic", lambda: [torch.are_deterministic_algorithms_enabled(),
+                                       torch.is_deterministic_algorithms_warn_only_enabled()]),
+            ("matmul_precision", torch.get_float32_matmul_precision),
+            ("cudnn", lambda: [bool(torch.backends.cudnn.benchmark), bool(torch.backends.cudnn.deterministic)])):
+        with contextlib.suppress(Exception):
+            found[key] = read()
+    return found
+
+
+def _set_torch_settings(torch, saved: Any) -> None:
+    """Put back each setting :func:`torch_settings` returned that differs now (one that cannot be
+    read now, or is malformed, is left as it is: setting it would mix torch's two APIs for it)."""
+    if not isinstance(saved, Mapping):
+        return
+    now = torch_settings(torch)
+    differs = [k for k, v in saved.items() if k in now and now[k] != v]
+    for key in differs:
+        with contextlib.suppress(Exception):
+            value = saved[key]
+            if key == "default_dtype":
+                dtype = getattr(torch, str(value), None)
+                if isinstance(dtype, torch.dtype):
+                    torch.set_default_dtype(dtype)
+            elif key == "threads":
+                torch.set_num_threads(int(value))
+            elif key == "deterministic":
+                torch.use_deterministic_algorithms(bool(value[0]), warn_only=bool(value[1]))
+            elif key == "matmul_precision":
+                torch.set_float32_matmul_precision(str(value))
+            elif key == "cudnn":
+                torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = bool(value[0]), bool(value[1])
 
 
 def _keras_3() -> bool:
@@ -141,6 +190,8 @@ def restore_rng(state: Mapping[str, Any]) -> None:
     if "torch" in state or "cuda" in state:
         import torch
 
+        if "torch_settings" in state:  # a checkpoint of an earlier version has none
+            _set_torch_settings(torch, state["torch_settings"])
         if "torch" in state:
             torch.set_rng_state(state["torch"].contiguous())
         cuda = state.get("cuda") or []
