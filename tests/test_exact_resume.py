@@ -465,7 +465,8 @@ def test_a_model_a_plain_cell_changed_the_dtype_of_stops_the_resume_in_one_line(
     assert ("cannot restore 'model' in place: the Linear it holds now is not the one saved (other dtypes: weight "
             "float64 saved, float32 now, bias float64 saved, float32 now): the set-up cells build another "
             "architecture, or a cell that is not %%replay changed its dtype after they built it (model.double(), "
-            ".half(), .to(torch.bfloat16)): make that change in a %%replay cell") in run.message, run.message
+            ".half(), .to(torch.bfloat16)) or the default dtype they built it in (torch.set_default_dtype): make "
+            "that change in a %%replay cell") in run.message, run.message
     assert "RESULT" not in harness.cell_text(nb.cells[4])
 
 

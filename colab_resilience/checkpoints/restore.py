@@ -249,7 +249,8 @@ class Checkpoint:
                 differs = carried.mismatch(target, value)
                 if differs:
                     cause = ("a cell that is not %%replay changed its dtype after they built it (model.double(), "
-                             ".half(), .to(torch.bfloat16)): make that change in a %%replay cell"
+                             ".half(), .to(torch.bfloat16)) or the default dtype they built it in "
+                             "(torch.set_default_dtype): make that change in a %%replay cell"
                              if carried.OTHER_DTYPES in differs else
                              "the cell changed the model after they built it (pruning, a layer added in place)")
                     raise CheckpointError(
