@@ -444,6 +444,38 @@ def joins(namespace: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
     return found
 
 
+def holds_a_graph(value: Any) -> bool:
+    """Whether ``value`` (a ``--save`` value that is not a model) holds a tensor that keeps the
+    autograd graph that made it: ``history.append(loss)`` where ``loss.item()`` was meant. Each
+    keeps its step's activations alive (memory that grows every step, a classic way to run out of
+    it), and no checkpoint holds a graph: it comes back a leaf that requires a gradient. Looked
+    for in the value, and in the last few items of a list or tuple and the values of a dict, one
+    level down too: the checks of every safe point stay cheap."""
+    torch = _torch()
+    if torch is None:
+        return False
+
+    def graph(v: Any) -> bool:
+        return isinstance(v, torch.Tensor) and v.grad_fn is not None
+
+    def items(v: Any) -> list:
+        if type(v) in (list, tuple):
+            return list(v[-4:])
+        if type(v) is dict:
+            return list(v.values())[:32]
+        return []
+
+    return graph(value) or any(graph(v) or any(graph(w) for w in items(v)) for v in items(value))
+
+
+def graph_line(names: list[str]) -> str:
+    them = "it" if len(names) == 1 else "them"
+    return (f"colab_resilience: {', '.join(names)} {'holds' if len(names) == 1 else 'hold'} tensors that keep the "
+            "autograd graph of their step (history.append(loss) where loss.item() was meant): each keeps that step's "
+            "activations in memory, which grows every step until it runs out, and no checkpoint holds a graph (a "
+            f"resumed run has {them} back without it); keep loss.item() or loss.detach() instead")
+
+
 def regroup(recorded: Any, namespace: Mapping[str, Any], names: list[str]) -> list[str]:
     """Give each optimizer among ``names`` the parameter groups it had at the safe point
     (``recorded``, :func:`joins`) where the loop changed them after the set-up cells built it:

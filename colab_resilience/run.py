@@ -275,6 +275,7 @@ class Run:
         # the safe point's object back under its name, to load its saved state into
         self._objects_at_checkpoint: dict[str, object] = {}
         self._said: set = set()  # names already reported as missing
+        self._said_graph: set = set()  # names said to hold tensors with their autograd graphs
         self._said_lines: set[str] = set()  # what say_once said
         self._said_retry_unsaved = False  # said that a retry without --save may not be exact
         self._shrunk: dict[str, int] = {}  # --shrink values before the retry that shrank them
@@ -876,6 +877,10 @@ class Run:
                 f"colab_resilience: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not defined at "
                 "this safe point; the checkpoint holds the other names"
             )
+        graphs = [n for n in present if n not in self._said_graph and carried.holds_a_graph(ns[n])]
+        if graphs:
+            self._said_graph.update(graphs)
+            self.say(carried.graph_line(graphs))
         after_loop = self._kept_after_loop(ns)
         meta = {"loops": [list(p) for p in position], "carried": carried.snapshot(ns, present), "end": end,
                 "where": where, "joins": carried.joins(ns, present)}

@@ -1852,6 +1852,32 @@ def says_nothing(ip, capsys, cell: str) -> None:
     assert "colab_resilience: " not in out, out
 
 
+def test_saved_tensors_that_keep_their_steps_graph_are_named_once(ip, tmp_path, capsys):
+    """``history.append(loss)`` where ``loss.item()`` was meant: each loss keeps its step's
+    activations alive (memory that grows every epoch: a common way for a notebook to run out of
+    it), and a checkpoint cannot keep the graph (the tensors came back as leaves that require a
+    gradient, and printed otherwise; found by a probe, nothing said so). The first safe point that
+    finds one says so in one line; ``loss.item()`` is not named, nor a model's parameters."""
+    out = said_at_first_run(
+        ip, tmp_path, capsys,
+        "import torch\nmodel = torch.nn.Linear(2, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "history, best = [], {'loss': None}",
+        "%%resilient --save model,opt,history,best\nfor epoch in resume_range(3):\n"
+        "    loss = model(torch.ones(1, 2)).sum()\n    opt.zero_grad(); loss.backward(); opt.step()\n"
+        "    history.append(loss)\n    best['loss'] = loss.item()\n")
+    line = ("colab_resilience: history holds tensors that keep the autograd graph of their step (history.append(loss) "
+            "where loss.item() was meant): each keeps that step's activations in memory, which grows every step until "
+            "it runs out, and no checkpoint holds a graph (a resumed run has it back without it); keep loss.item() or "
+            "loss.detach() instead\n")
+    assert out.count(line) == 1 and out.count("autograd graph") == 1, out
+    ip.run_line_magic("resilience", "reset")
+    ip.run_cell("%%replay\nhistory = []")
+    capsys.readouterr()
+    says_nothing(ip, capsys, "%%resilient --save model,opt,history\nfor epoch in resume_range(3):\n"
+                 "    loss = model(torch.ones(1, 2)).sum()\n    opt.zero_grad(); loss.backward(); opt.step()\n"
+                 "    history.append(loss.item())\n")
+
+
 def test_a_progress_bar_and_a_display_handle_the_cell_makes_above_its_loop_are_not_named_as_carried(
         ip, tmp_path, capsys):
     """``pbar = tqdm(total=n)`` above the loop, ``pbar.update(1)`` in it (a display handle's
