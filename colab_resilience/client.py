@@ -35,6 +35,13 @@ class SupervisedClient(NotebookClient):
     unusable = Unicode(None, allow_none=True,
                        help="Why the last kernel connected cannot run colab_resilience (its Python lacks it, or "
                             "has another version), as 'ename: evalue'; None when it can.")
+    echo = Integer(None, allow_none=True,
+                   help="The cell whose printed output and errors are echoed as they come (--log-output), by "
+                        "index: to stdout and stderr, each line as '[cell N] line'; None: none.")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._echo_parts: dict[str, str] = {}  # the part of a line each stream of the echo cell printed so far
 
     async def _async_poll_kernel_alive(self) -> None:
         # nbclient has no setting for how often it checks, and this coroutine is the one place
@@ -49,14 +56,6 @@ class SupervisedClient(NotebookClient):
                 if self.task_poll_for_reply is not None:
                     self.task_poll_for_reply.cancel()
                 return
-
-    echo = Integer(None, allow_none=True,
-                   help="The cell whose printed output and errors are echoed as they come (--log-output), by "
-                        "index: to stdout and stderr, each line as '[cell N] line'; None: none.")
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._echo_parts: dict[str, str] = {}  # the part of a line each stream of the echo cell printed so far
 
     def output(self, outs, msg, display_id, cell_index):
         """nbclient's; the ``echo`` cell's streams and errors are echoed too, line by line."""
