@@ -649,6 +649,39 @@ def test_a_model_built_otherwise_is_refused_in_one_line_and_left_as_it_was(tmp_p
     assert values(other.variables) == before
 
 
+def test_a_model_built_under_another_dtype_policy_is_refused_in_one_line_and_left_as_it_was(tmp_path):
+    """keras.mixed_precision.set_global_policy("mixed_bfloat16") in a plain cell: the layers compute
+    in bfloat16 on float32 variables. A new kernel's replay built the model under float32, its
+    variables like the saved ones, and the fit went on computing in float32, with other losses,
+    "done" (found by a probe; check said DIFFERS). Both ways a model is saved (a fit's state, a
+    model in --save) now stop in one line that names the policy, and assign nothing; a model built
+    under the saved policy takes the state."""
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        mixed, mixed_again = build(), build()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    store = CheckpointStore(tmp_path / "fit", run_id="keras", key=b"k" * 32)
+    store.save({STATE: FitState(mixed), "model": mixed}, [STATE, "model"], strict=True)
+    fit_into, model_into = build(), build()
+    before = values(fit_into.variables)
+    with pytest.raises(CheckpointError) as e:
+        store.load().restore({STATE: FitState(fit_into)}, [STATE])
+    message = str(e.value)
+    assert "\n" not in message and message.endswith(
+        "(ValueError: the model computes with Keras's dtype policy float32 now and was saved computing with "
+        "mixed_bfloat16, on variables alike: a policy set in a plain cell (keras.mixed_precision.set_global_policy) "
+        "is not set again in a new kernel; set it in a %%replay cell before the model is built)"), message
+    assert values(fit_into.variables) == before
+    with pytest.raises(CheckpointError) as e:
+        store.load().restore({"model": model_into}, ["model"])
+    assert str(e.value).startswith("colab_resilience: cannot restore 'model': the Keras layer computes with Keras's "
+                                   "dtype policy float32 now and was saved computing with mixed_bfloat16"), str(e.value)
+    assert values(model_into.variables) == before
+    store.load().restore({STATE: FitState(mixed_again), "model": mixed_again}, [STATE, "model"])
+    assert values(mixed_again.variables) == values(mixed.variables)
+
+
 def test_tensorflows_global_seed_state_goes_with_the_random_states():
     """An eager random op without a seed of its own draws its op seed from the state
     tf.random.set_seed made: captured, it comes back, and the op draws the same numbers again."""
@@ -1180,6 +1213,38 @@ def test_a_standby_that_imported_tensorflow_ahead_takes_over_only_where_the_impo
                 "random state, which a replay in a kernel that imported it ahead cannot draw again)") in text[5], text[5]
     else:
         assert re.search(r"switched to the standby kernel, replayed \d+ cells", text[5]), text[5]
+
+
+def _policy_notebook(where: str, mark):
+    """keras.mixed_precision.set_global_policy("mixed_bfloat16") in a plain cell, or in the %%replay
+    cell that builds the model; the fit killed once after its epoch 1."""
+    policy = "keras.mixed_precision.set_global_policy('mixed_bfloat16')\n"
+    kill = (f"kill = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: epoch == 1 and not "
+            f"os.path.exists({str(mark)!r}) and (open({str(mark)!r}, 'w').close(), os.kill(os.getpid(), signal.SIGKILL)))\n")
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        "%%replay\nimport os, signal\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\nimport numpy as np, keras\n",
+        policy if where == "plain-cell" else "pass",
+        "%%replay\n" + (policy if where == "replay-cell" else "")
+        + "keras.utils.set_random_seed(0)\nX = np.random.rand(64, 4).astype('float32'); Y = X[:, :1] * 2\n"
+        "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation='relu'), keras.layers.Dense(1)])\n"
+        "model.compile(optimizer=keras.optimizers.Adam(0.01), loss='mse')",
+        "%%resilient\nfrom colab_resilience.integrations.keras import ResilienceCallback\n" + kill
+        + "history = model.fit(X, Y, epochs=3, batch_size=16, verbose=0, callbacks=[ResilienceCallback(), kill])",
+        "print('RESULT', history.history['loss'], model.layers[0].compute_dtype)")
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("where", ["plain-cell", "replay-cell"])
+def test_a_dtype_policy_a_plain_cell_set_is_not_lost_silently_by_a_kill(tmp_path, where):
+    """The mixed-precision policy set in a plain cell: killed in the fit, the new kernel built the
+    model under float32 and the fit went on computing otherwise, "done" (found by a probe): the run
+    stops with the line that names the policy. Set in the %%replay cell, as the line says, the run
+    resumes bit for bit as its twin, in bfloat16."""
+    refused = ("the model computes with Keras's dtype policy float32 now and was saved computing with mixed_bfloat16"
+               if where == "plain-cell" else None)
+    _, nb, twin = harness.refused_or_twin(tmp_path, lambda mark: _policy_notebook(where, mark), refused)
+    assert harness.result(twin).endswith(" bfloat16")
 
 
 def _rate_changed_notebook(where: str, mark):

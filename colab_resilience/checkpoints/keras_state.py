@@ -86,6 +86,7 @@ def state_dict(value: Any) -> dict[str, Any]:
     }
     if what == "layer":
         state["build"] = value.get_build_config() if value.built else None
+        state["policies"] = dtype_policies(value)
         optimizer = compiled_optimizer(value)
         if optimizer is not None:  # model.compile(optimizer=...): fit steps it, and only the model holds it
             state["optimizer"] = state_dict(optimizer)
@@ -128,6 +129,9 @@ def load(name: str, target: Any, state: Mapping[str, Any], namespace: Mapping[st
                               f"saved failed ({first_line(e)}); build it in a %%replay cell as it was built") from None
     variables = list(target.variables)
     problem = _mismatch(name, what, state["paths"], state["values"], variables)
+    if not problem and what == "layer":
+        changed = policy_changed(f"the Keras {what}", state.get("policies"), target)
+        problem = f"colab_resilience: cannot restore {name!r}: {changed}" if changed else None
     if problem:
         raise CheckpointError(problem)
     optimizer = state.get("optimizer")
@@ -228,6 +232,42 @@ def layers_of(namespace: Mapping[str, Any]) -> list:
         items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)
         layers.extend(item for item in list(items) if kind(item) == "layer")
     return layers
+
+
+def dtype_policies(layer: Any) -> list[list[str]]:
+    """``[name, dtype policy]`` of ``layer`` and of each layer in it, in order. A mixed policy
+    (``mixed_bfloat16``) computes in another dtype on the same float32 variables: a model built
+    under another one has variables like the saved ones and computes otherwise."""
+    flatten = getattr(layer, "_flatten_layers", None)
+    try:
+        layers = list(flatten(include_self=True, recursive=True)) if callable(flatten) else [layer]
+    except Exception:
+        layers = [layer]
+    found = []
+    for each in layers:
+        policy = getattr(getattr(each, "dtype_policy", None), "name", None)
+        if policy is not None:
+            found.append([str(getattr(each, "name", "?")), str(policy)])
+    return found
+
+
+def policy_changed(what: str, saved: Any, layer: Any) -> str | None:
+    """Where a layer of ``layer`` computes with another dtype policy than ``saved`` (its
+    :func:`dtype_policies` at the safe point; a checkpoint of an earlier version has none), what
+    differs and why, in words that go after "cannot restore ...: "; else None."""
+    if not saved:
+        return None
+    now = dtype_policies(layer)
+    if len(now) != len(saved):  # another architecture: its variables say so
+        return None
+    for i, ((_, was), (name, policy)) in enumerate(zip(saved, now)):
+        if was != policy:
+            which = what if i == 0 else f"layer {name} of {what}"
+            return (f"{which} computes with Keras's dtype policy {policy} now and was saved "
+                    f"computing with {was}, on variables alike: a policy set in a plain cell "
+                    "(keras.mixed_precision.set_global_policy) is not set again in a new kernel; set it in a "
+                    "%%replay cell before the model is built")
+    return None
 
 
 def _mismatch(name: str, what: str, paths: list[str], values: list, now: list) -> str | None:

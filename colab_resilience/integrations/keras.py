@@ -62,6 +62,7 @@ import keras
 import numpy as np
 
 from ..checkpoints.keras_state import array as keras_array
+from ..checkpoints.keras_state import dtype_policies, policy_changed
 from ..checkpoints.rng import keras_seed_generator
 from .. import words
 from ..errors import RunStoppedError
@@ -144,6 +145,7 @@ class FitState:
         return {
             "variables": {k: [keras_array(v) for v in vs] for k, vs in groups.items()},
             "paths": {k: [v.path for v in vs] for k, vs in groups.items()},
+            "policies": dtype_policies(self.model),
             "epochs": list(self.epochs),
             "logs": {k: [_plain(x) for x in v] for k, v in self.logs.items()},
             "callbacks": {key: _attributes(cb) for key, cb in self.callbacks.items()},
@@ -171,6 +173,9 @@ class FitState:
             problem = _mismatch(group, saved_paths, values, now)
             if problem:
                 raise ValueError(problem)
+        problem = policy_changed("the model", state.get("policies"), self.model)
+        if problem:
+            raise ValueError(problem)
         self._assign(groups, state["variables"])
         self._variables = state["variables"]
         self.epochs = list(state["epochs"])
