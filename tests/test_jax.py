@@ -138,6 +138,64 @@ def test_a_rebuilt_state_of_another_structure_is_refused_in_one_line_and_left_as
         ckpt.restore({}, ["net"])
 
 
+def test_a_64_bit_array_that_jax_would_make_32_bit_now_is_refused_in_one_line(tmp_path):
+    """jax_enable_x64 set in a plain cell: a new kernel has it off, and the saved float64 arrays
+    came back float32 (jnp.array converts them, saying nothing); the run went on in the other
+    precision, "done" (found by a probe; check said DIFFERS). The restore now stops in one line
+    that names the setting; with it on again, the arrays come back as they were."""
+    jax.config.update("jax_enable_x64", True)
+    try:
+        params = {"w": jnp.arange(4.0) / 3, "b": jnp.zeros(())}
+        assert params["w"].dtype == jnp.float64
+        store = CheckpointStore(tmp_path, run_id="jax", key=b"k" * 32)
+        store.save({"params": params}, ["params"], strict=True)
+        jax.config.update("jax_enable_x64", False)
+        ns = {"params": {"w": jnp.zeros(4), "b": jnp.zeros(())}}
+        with pytest.raises(CheckpointError) as e:
+            store.load().restore(ns, ["params"])
+        message = str(e.value)
+        assert "\n" not in message and message.startswith(
+            "colab_resilience: cannot restore 'params': a JAX array of it was saved as float64 and JAX makes it "
+            "float32 now: 64-bit types (jax.config.update('jax_enable_x64', True)) set in a cell that is not "
+            "%%replay are off in a new kernel; set them in a %%replay cell before the arrays are made"), message
+        assert ns["params"]["w"].dtype == jnp.float32 and not ns["params"]["w"].any()
+        jax.config.update("jax_enable_x64", True)
+        store.load().restore(ns, ["params"])
+        assert ns["params"]["w"].dtype == jnp.float64 and np.array_equal(ns["params"]["w"], params["w"])
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+def _x64_notebook(where: str, mark):
+    """64-bit types on in a plain cell, or in the %%replay cell that makes the arrays; an optax
+    loop killed once after its epoch 1."""
+    x64 = "jax.config.update('jax_enable_x64', True)\n"
+    kill = (f"    if epoch == 1 and not os.path.exists({str(mark)!r}):\n"
+            f"        open({str(mark)!r}, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n")
+    return harness.set_in(
+        where, x64, "import os, signal\nimport jax, jax.numpy as jnp, optax",
+        "X = jax.random.normal(jax.random.key(0), (64, 8)); Y = X.sum(1)\n"
+        "params = {'w': jnp.zeros(8), 'b': jnp.zeros(())}\ntx = optax.adam(1e-2); opt_state = tx.init(params)\n"
+        "losses = []\n@jax.jit\ndef step(params, opt_state):\n"
+        "    loss, g = jax.value_and_grad(lambda p: ((X @ p['w'] + p['b'] - Y) ** 2).mean())(params)\n"
+        "    u, opt_state = tx.update(g, opt_state, params)\n    return optax.apply_updates(params, u), opt_state, loss",
+        "%%resilient --save params,opt_state,losses\nfor epoch in resume_range(3):\n"
+        "    for _ in range(5):\n        params, opt_state, loss = step(params, opt_state)\n"
+        "    losses.append(float(loss))\n" + kill,
+        "print('RESULT', losses, params['w'].dtype)")
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("where", ["plain-cell", "replay-cell"])
+def test_64_bit_types_a_plain_cell_turned_on_are_not_lost_silently_by_a_kill(tmp_path, where):
+    """Killed after an epoch, the new kernel (64-bit types off) made the saved float64 parameters
+    float32 and the loop went on in float32, "done": the run stops with the line that names the
+    setting. Set in the %%replay cell, as the line says, it resumes bit for bit as its twin."""
+    refused = "a JAX array of it was saved as float64 and JAX makes it float32 now" if where == "plain-cell" else None
+    _, _, twin = harness.refused_or_twin(tmp_path, lambda mark: _x64_notebook(where, mark), refused)
+    assert harness.result(twin).endswith(" float64")
+
+
 def twin(tmp_path_factory, api: str) -> str:
     """The RESULT of train_flax.ipynb run uninterrupted with ``api``, once in the session."""
     return harness.twin_result(tmp_path_factory, "train_flax.ipynb", api=api)

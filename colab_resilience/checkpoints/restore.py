@@ -619,11 +619,24 @@ def _jax_leaf(d: dict, a: Any) -> Any:
     return x
 
 
+def _jax_dtypes_kept(name: str, descs: list[dict], leaves: list[Any]) -> None:
+    """Stop the restore where JAX made a saved array in another dtype: saved with 64-bit types on
+    (``jax_enable_x64``, set in a cell that is not ``%%replay``), a new kernel has JAX's 32-bit
+    default and makes float64 float32, and the run would go on in the other precision."""
+    for d, x in zip(descs, leaves):
+        if d.get("lib") == "jax" and not d.get("key_impl") and str(x.dtype) != str(d.get("dtype")):
+            raise CheckpointError(
+                f"colab_resilience: cannot restore {name!r}: a JAX array of it was saved as {d.get('dtype')} and JAX "
+                f"makes it {x.dtype} now: 64-bit types (jax.config.update('jax_enable_x64', True)) set in a cell "
+                "that is not %%replay are off in a new kernel; set them in a %%replay cell before the arrays are made")
+
+
 def _place_leaves(name: str, descs: list[dict], leaves: list[Any]) -> list[Any]:
     """Tensors back onto their device (CPU with a warning where it is gone); grads and Parameters;
     JAX arrays made again (:func:`_jax_leaf`)."""
     if any(d.get("lib") == "jax" for d in descs):
         leaves = [_jax_leaf(d, t) if d.get("lib") == "jax" else t for d, t in zip(descs, leaves)]
+        _jax_dtypes_kept(name, descs, leaves)
     torch = sys.modules.get("torch")
     if torch is None:
         return leaves
