@@ -276,6 +276,15 @@ def notebook(*sources: str, tags: dict[int, list[str]] | None = None):
     return nb
 
 
+def set_in(where: str, setting: str, imports: str, build: str, *cells: str):
+    """A notebook that makes ``setting`` (a process-wide one: a dtype policy, 64-bit types) in a
+    plain cell after the %%replay cell of ``imports`` (``where`` "plain-cell"), or first in the
+    %%replay cell of ``build`` ("replay-cell"), then has ``cells``."""
+    return notebook("%load_ext colab_resilience", "%%replay\n" + imports,
+                    setting if where == "plain-cell" else "pass",
+                    "%%replay\n" + (setting if where == "replay-cell" else "") + build, *cells)
+
+
 def run_notebook(nb, *, allow_errors: bool = False, timeout: int = 180):
     """Execute ``nb`` headless with nbclient in a fresh kernel; return the executed notebook."""
     import os

@@ -1221,12 +1221,9 @@ def _policy_notebook(where: str, mark):
     policy = "keras.mixed_precision.set_global_policy('mixed_bfloat16')\n"
     kill = (f"kill = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: epoch == 1 and not "
             f"os.path.exists({str(mark)!r}) and (open({str(mark)!r}, 'w').close(), os.kill(os.getpid(), signal.SIGKILL)))\n")
-    return harness.notebook(
-        "%load_ext colab_resilience",
-        "%%replay\nimport os, signal\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\nimport numpy as np, keras\n",
-        policy if where == "plain-cell" else "pass",
-        "%%replay\n" + (policy if where == "replay-cell" else "")
-        + "keras.utils.set_random_seed(0)\nX = np.random.rand(64, 4).astype('float32'); Y = X[:, :1] * 2\n"
+    return harness.set_in(
+        where, policy, "import os, signal\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\nimport numpy as np, keras\n",
+        "keras.utils.set_random_seed(0)\nX = np.random.rand(64, 4).astype('float32'); Y = X[:, :1] * 2\n"
         "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation='relu'), keras.layers.Dense(1)])\n"
         "model.compile(optimizer=keras.optimizers.Adam(0.01), loss='mse')",
         "%%resilient\nfrom colab_resilience.integrations.keras import ResilienceCallback\n" + kill
