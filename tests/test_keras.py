@@ -682,6 +682,27 @@ def test_a_model_built_under_another_dtype_policy_is_refused_in_one_line_and_lef
     assert values(mixed_again.variables) == values(mixed.variables)
 
 
+def test_a_model_built_in_another_default_float_type_is_refused_naming_set_floatx(tmp_path):
+    """keras.config.set_floatx("float64") in a plain cell: a new kernel's replay built the model in
+    float32, and the restore was refused with "build it as it was", not saying why. Both ways a
+    model is saved now name the setting as the likely cause, and where to make it."""
+    keras.config.set_floatx("float64")
+    try:
+        wide = build()
+    finally:
+        keras.config.set_floatx("float32")
+    store = CheckpointStore(tmp_path, run_id="keras", key=b"k" * 32)
+    store.save({STATE: FitState(wide), "model": wide}, [STATE, "model"], strict=True)
+    cause = ("(Keras's default float type is float32 now: keras.config.set_floatx('float64') in a cell that is not "
+             "%%replay is not run again in a new kernel; call it in a %%replay cell before the model is built)")
+    for name, value in ((STATE, FitState(build())), ("model", build())):
+        with pytest.raises(CheckpointError) as e:
+            store.load().restore({name: value}, [name])
+        message = str(e.value)
+        assert "\n" not in message and re.search(r"was saved as float64\[[0-9, ]*\] and is float32\[", message), message
+        assert cause in message, message
+
+
 def test_tensorflows_global_seed_state_goes_with_the_random_states():
     """An eager random op without a seed of its own draws its op seed from the state
     tf.random.set_seed made: captured, it comes back, and the op draws the same numbers again."""

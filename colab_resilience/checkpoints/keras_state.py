@@ -282,5 +282,20 @@ def _mismatch(name: str, what: str, paths: list[str], values: list, now: list) -
         if tuple(variable.shape) != value.shape or str(variable.dtype) != str(value.dtype):
             return (f"colab_resilience: cannot restore {name!r}: variable {path} of the Keras {what} was saved as "
                     f"{value.dtype}{list(value.shape)} and is {variable.dtype}{list(variable.shape)} now; "
-                    "build it in a %%replay cell as it was built")
+                    f"build it in a %%replay cell as it was built{floatx_cause(value.dtype, variable.dtype)}")
     return None
+
+
+def floatx_cause(saved: Any, now: Any) -> str:
+    """Where a variable made in Keras's default float type now was saved in another float type:
+    the words that name ``keras.config.set_floatx`` in a plain cell as the likely cause (a new
+    kernel has float32); else ""."""
+    keras = _keras()
+    config = getattr(keras, "config", None)
+    if config is None or not hasattr(config, "floatx"):
+        return ""
+    saved, now, default = str(saved), str(now), str(config.floatx())
+    if saved == now or now != default or not saved.startswith(("float", "bfloat")):
+        return ""
+    return (f" (Keras's default float type is {default} now: keras.config.set_floatx({saved!r}) in a cell that is "
+            "not %%replay is not run again in a new kernel; call it in a %%replay cell before the model is built)")

@@ -62,7 +62,7 @@ import keras
 import numpy as np
 
 from ..checkpoints.keras_state import array as keras_array
-from ..checkpoints.keras_state import dtype_policies, policy_changed
+from ..checkpoints.keras_state import dtype_policies, floatx_cause, policy_changed
 from ..checkpoints.rng import keras_seed_generator
 from .. import words
 from ..errors import RunStoppedError
@@ -483,7 +483,8 @@ def _mismatch(group: str, paths: list[str], values: list, now: list) -> str | No
         shape, dtype = tuple(now[i].shape), keras.backend.standardize_dtype(now[i].dtype)
         if tuple(values[i].shape) != shape or str(values[i].dtype) != dtype:
             return (f"variable {paths[i]} of {what} was saved as {values[i].dtype}{list(values[i].shape)} and is "
-                    f"{dtype}{list(shape)} now; build and compile it as it was, or `%resilience reset`")
+                    f"{dtype}{list(shape)} now; build and compile it as it was, or `%resilience reset`"
+                    + floatx_cause(values[i].dtype, dtype))
     return None
 
 
