@@ -266,6 +266,22 @@ def mismatch(module: Any, sd: Any, most: int = 4) -> str | None:
 OTHER_DTYPES = "other dtypes"
 
 
+def refusal(what: str, module: Any, sd: Any) -> str | None:
+    """The one line that stops a resume where ``sd`` (a module's saved state dict) cannot go
+    into ``module`` as :func:`mismatch` finds; ``what`` names it (``'model'``, "the Trainer's
+    model"). None where it fits."""
+    differs = mismatch(module, sd)
+    if not differs:
+        return None
+    cause = ("a cell that is not %%replay changed its dtype after they built it (model.double(), "
+             ".half(), .to(torch.bfloat16)) or the default dtype they built it in "
+             "(torch.set_default_dtype): make that change in a %%replay cell"
+             if OTHER_DTYPES in differs else
+             "the cell changed the model after they built it (pruning, a layer added in place)")
+    return (f"colab_resilience: cannot restore {what} in place: the {type(module).__name__} it holds now is not the "
+            f"one saved ({differs}): the set-up cells build another architecture, or {cause}")
+
+
 def _dtype(t: Any) -> str:
     return str(t.dtype).removeprefix("torch.")
 

@@ -231,6 +231,47 @@ def test_a_callback_that_acts_as_an_epoch_begins_acts_as_in_the_uninterrupted_ru
     assert re.findall(r"epoch \d begins", after) == ["epoch 4 begins"], after
 
 
+def _double_notebook(where: str, mark):
+    """A GPT-2 made float64 (``model.double()``) in a plain cell after the %%replay cell that builds
+    it and its Trainer, or at that cell's end; killed once after step 5."""
+    double = "_ = model.double()\n"
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        _replay_start(mark, "KILL_STEP", 5, "GPT2Config, GPT2LMHeadModel", staging_off=True) +
+        "g = torch.Generator().manual_seed(1)\n"
+        "data = [{'input_ids': t, 'labels': t} for t in torch.randint(0, 64, (16, 8), generator=g)]\n"
+        "model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=1, n_head=2))\n"
+        "class Kill(TrainerCallback):\n"
+        "    def on_step_end(self, args, state, control, **kwargs):\n"
+        "        if state.global_step == KILL_STEP and not os.path.exists(MARK):\n"
+        "            open(MARK, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"args = TrainingArguments(output_dir={str(mark) + '-out'!r}, per_device_train_batch_size=4, num_train_epochs=2,\n"
+        "    learning_rate=3e-3, save_strategy='no', report_to=[], disable_tqdm=True, use_cpu=True, seed=0)\n"
+        "trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Kill()])\n"
+        + (double if where == "replay-cell" else ""),
+        double if where == "plain-cell" else "pass",
+        "%%resilient\nfrom colab_resilience.integrations.transformers import ResilienceCallback\n"
+        "trainer.add_callback(ResilienceCallback())\nout = trainer.train()",
+        "import hashlib\n"
+        "print('RESULT', trainer.state.global_step, out.training_loss, next(model.parameters()).dtype,\n"
+        "      hashlib.sha256(b''.join(t.detach().numpy().tobytes() for t in model.state_dict().values())).hexdigest()[:16])",
+    )
+
+
+@pytest.mark.parametrize("where", ["plain-cell", "replay-cell"])
+def test_a_model_a_plain_cell_made_float64_is_not_trained_on_in_float32_after_a_kill(tmp_path, where):
+    """``model.double()`` in a plain cell: killed in train(), the new kernel's replay built the model
+    in float32, the Trainer's state went in converted (load_state_dict converts), and training went
+    on in float32, "done" with other weights (found by a probe; check said DIFFERS). The run stops
+    with the line that names the dtypes and where to change them; made in the %%replay cell, the
+    run resumes bit for bit as its twin, in float64."""
+    refused = ("cannot restore the Trainer's model in place: the GPT2LMHeadModel it holds now is "
+               "not the one saved (other dtypes: transformer.wte.weight float64 saved, float32 now"
+               if where == "plain-cell" else None)
+    _, nb, twin = harness.refused_or_twin(tmp_path, lambda mark: _double_notebook(where, mark), refused)
+    assert harness.result(twin).startswith("RESULT 8 ") and " torch.float64 " in harness.result(twin)
+
+
 def _neftune_notebook(mark, fault: str):
     """A GPT-2 trained with NEFTune (noise added to its embeddings' output by a forward hook the
     Trainer adds as train() begins and removes as it ends); 3 epochs of 10 steps, a safe point

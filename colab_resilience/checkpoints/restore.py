@@ -246,24 +246,17 @@ class Checkpoint:
             if copies and not _loads_its_own_way(torch, target):
                 from .. import carried
 
-                differs = carried.mismatch(target, value)
-                if differs:
-                    cause = ("a cell that is not %%replay changed its dtype after they built it (model.double(), "
-                             ".half(), .to(torch.bfloat16)) or the default dtype they built it in "
-                             "(torch.set_default_dtype): make that change in a %%replay cell"
-                             if carried.OTHER_DTYPES in differs else
-                             "the cell changed the model after they built it (pruning, a layer added in place)")
-                    raise CheckpointError(
-                        f"colab_resilience: cannot restore {e.name!r} in place: the {type(target).__name__} it holds "
-                        f"now is not the one saved ({differs}): the set-up cells build another architecture, or "
-                        f"{cause}"
-                    )
+                refused = carried.refusal(repr(e.name), target, value)
+                if refused:
+                    raise CheckpointError(refused)
             try:
                 if copies:  # its metrics' states (kept as given), the tensors its state dict leaves out
                     from .. import carried
 
                     value = carried.put_module_states(target, value)
                 result = target.load_state_dict(value)
+            except CheckpointError:  # an object of this package's (a trainer's state) that says why itself
+                raise
             except Exception as err:
                 raise CheckpointError(
                     f"colab_resilience: cannot restore {e.name!r} in place: load_state_dict failed "

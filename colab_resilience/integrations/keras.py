@@ -65,7 +65,7 @@ from ..checkpoints.keras_state import array as keras_array
 from ..checkpoints.keras_state import dtype_policies, floatx_cause, policy_changed
 from ..checkpoints.rng import keras_seed_generator
 from .. import words
-from ..errors import RunStoppedError
+from ..errors import CheckpointError, RunStoppedError
 from ..lint import reshuffles
 from ..loops import active_run
 from ..oom import is_oom
@@ -172,10 +172,10 @@ class FitState:
             saved_paths = state["paths"][group]
             problem = _mismatch(group, saved_paths, values, now)
             if problem:
-                raise ValueError(problem)
+                raise CheckpointError(f"colab_resilience: cannot restore model.fit's state: {problem}")
         problem = policy_changed("the model", state.get("policies"), self.model)
         if problem:
-            raise ValueError(problem)
+            raise CheckpointError(f"colab_resilience: cannot restore model.fit's state: {problem}")
         self._assign(groups, state["variables"])
         self._variables = state["variables"]
         self.epochs = list(state["epochs"])

@@ -54,7 +54,7 @@ from transformers.trainer_utils import TrainOutput
 
 from .. import carried
 from ..checkpoints import capture_rng, restore_rng
-from ..errors import RunStoppedError
+from ..errors import CheckpointError, RunStoppedError
 from ..loops import active_run
 from . import (accumulation_for, caller_locals, is_plain, plain_attributes, put_attributes, require_loop, say_outside,
                unsaved_attributes)
@@ -120,6 +120,9 @@ class TrainerCheckpoint:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         model = self.trainer.model
+        refused = carried.refusal("the Trainer's model", model, state["model"])
+        if refused:  # (load_state_dict would convert another dtype's weights, and train on in this one)
+            raise CheckpointError(refused)
         model.load_state_dict(carried.put_module_states(model, state["model"]))
         carried.apply({"model": model}, ["model"], state.get("carried") or {})
         if state.get("config") and _config(self.trainer.model) is not None:
