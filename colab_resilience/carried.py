@@ -266,6 +266,36 @@ def mismatch(module: Any, sd: Any, most: int = 4) -> str | None:
 OTHER_DTYPES = "other dtypes"
 
 
+def dtypes(module: Any) -> dict[str, str]:
+    """The dtype of each tensor of ``module``'s state dict, by its key."""
+    torch = _torch()
+    return {k: _dtype(t) for k, t in module.state_dict().items() if isinstance(t, torch.Tensor)}
+
+
+def as_built(sd: Mapping[str, Any], built: Mapping[str, str], now: Mapping[str, str]) -> Mapping[str, Any]:
+    """``sd`` (saved as a trainer's precision had converted its module: ``"bf16-true"``) for
+    :func:`mismatch` against the module as a fit begins (before the trainer converts it): each
+    tensor whose dtype ``now`` (:func:`dtypes` of the module) has not is one without storage in its
+    dtype as ``built`` (:func:`dtypes` as the saved fit began). A new kernel's module is as built;
+    a retry's in the kernel, as the failed attempt converted it."""
+    torch = _torch()
+    return {k: torch.empty(t.shape, dtype=getattr(torch, built[k]), device="meta")
+            if isinstance(t, torch.Tensor) and k in built and now.get(k) != _dtype(t) else t for k, t in sd.items()}
+
+
+def in_saved_dtypes(module: Any, sd: Mapping[str, Any]) -> None:
+    """Make each parameter and buffer of ``module`` whose dtype its saved tensor in ``sd`` has not
+    one of that dtype, its values converted: what a trainer's precision does after it has loaded a
+    checkpoint into the module as built (Lightning's ``"64-true"``), done before, so that the load
+    is exact (float64 weights loaded into float32 ones lose their low bits)."""
+    torch = _torch()
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        saved = sd.get(name)
+        if isinstance(saved, torch.Tensor) and saved.dtype != t.dtype and saved.is_floating_point() \
+                and t.is_floating_point():
+            t.data = t.data.to(saved.dtype)
+
+
 def refusal(what: str, module: Any, sd: Any) -> str | None:
     """The one line that stops a resume where ``sd`` (a module's saved state dict) cannot go
     into ``module`` as :func:`mismatch` finds; ``what`` names it (``'model'``, "the Trainer's

@@ -66,7 +66,7 @@ import torch
 
 from .. import carried
 from ..checkpoints import capture_rng, restore_rng
-from ..errors import RunStoppedError
+from ..errors import CheckpointError, RunStoppedError
 from ..loops import active_run
 from . import (accumulation_for, caller_locals, plain_attributes, put_attributes, require_loop, say_outside,
                unsaved_attributes)
@@ -98,6 +98,9 @@ class FitCheckpoint:
         self.module_pending: dict[str, Any] = {}  # loaded: the module's plain attributes, put back with them
         self.callbacks_mid_epoch = False
         self.muted: list = []  # loaded: the CSV loggers' writers, which log nothing until the fit is back
+        # the module's tensors' dtypes as the fit began, before the Trainer's precision converts it
+        # ("bf16-true", "64-true"): what a resumed fit's set-up must have built again
+        self.dtypes = carried.dtypes(trainer.lightning_module)
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
@@ -128,6 +131,7 @@ class FitCheckpoint:
             # a fit that a callback stopped (EarlyStopping): no checkpoint of Lightning's holds the
             # flag, and a fit restored from one goes on where it had ended
             "should_stop": t.should_stop,
+            "dtypes": self.dtypes,
             "effective_batch": self.effective_batch,
             # each CSVLogger's version and the rows it logged so far: its file is written from what
             # its writer holds, which a new writer (a resumed kernel's, a retried fit's) has not
@@ -135,6 +139,14 @@ class FitCheckpoint:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        module = self.trainer.lightning_module
+        # Lightning's load_state_dict would convert another dtype's weights (model.double() in a
+        # plain cell), and the fit go on in this one (a checkpoint of an earlier version: unchecked)
+        saved = state["checkpoint"]["state_dict"]
+        refused = state.get("dtypes") is not None and carried.refusal(
+            f"the {type(module).__name__} module", module, carried.as_built(saved, state["dtypes"], self.dtypes))
+        if refused:
+            raise CheckpointError(refused)
         self.loaded = state
         self.finished = bool(state["finished"])
         self.effective_batch = state.get("effective_batch") or self.effective_batch
@@ -492,6 +504,9 @@ def _resume(trainer: pl.Trainer, state: FitCheckpoint) -> None:
     def resume_start(checkpoint_path=None, weights_only=None):
         connector._ckpt_path = None  # no file: nothing to name when it is done
         connector._loaded_checkpoint = loaded["checkpoint"]
+        # Lightning loads the module before its precision converts it: saved as "64-true" made it,
+        # into the float32 module the set-up cells built, the weights would lose their low bits
+        carried.in_saved_dtypes(trainer.lightning_module, loaded["checkpoint"]["state_dict"])
 
     epoch_loop = fit_loop.epoch_loop
     mid_epoch = loaded["position"]["mid_epoch"]
