@@ -231,13 +231,13 @@ def test_a_callback_that_acts_as_an_epoch_begins_acts_as_in_the_uninterrupted_ru
     assert re.findall(r"epoch \d begins", after) == ["epoch 4 begins"], after
 
 
-def _double_notebook(where: str, mark):
-    """A GPT-2 made float64 (``model.double()``) in a plain cell after the %%replay cell that builds
-    it and its Trainer, or at that cell's end; killed once after step 5."""
-    double = "_ = model.double()\n"
+def _changed_notebook(change: str, where: str, mark):
+    """A GPT-2 and its Trainer (2 epochs of 4 steps) built in a %%replay cell, ``change`` made in a
+    plain cell after it ("plain-cell") or at that cell's end ("replay-cell"); killed once after
+    step 3."""
     return harness.notebook(
         "%load_ext colab_resilience",
-        _replay_start(mark, "KILL_STEP", 5, "GPT2Config, GPT2LMHeadModel", staging_off=True) +
+        _replay_start(mark, "KILL_STEP", 3, "GPT2Config, GPT2LMHeadModel", staging_off=True) +
         "g = torch.Generator().manual_seed(1)\n"
         "data = [{'input_ids': t, 'labels': t} for t in torch.randint(0, 64, (16, 8), generator=g)]\n"
         "model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=1, n_head=2))\n"
@@ -248,8 +248,8 @@ def _double_notebook(where: str, mark):
         f"args = TrainingArguments(output_dir={str(mark) + '-out'!r}, per_device_train_batch_size=4, num_train_epochs=2,\n"
         "    learning_rate=3e-3, save_strategy='no', report_to=[], disable_tqdm=True, use_cpu=True, seed=0)\n"
         "trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Kill()])\n"
-        + (double if where == "replay-cell" else ""),
-        double if where == "plain-cell" else "pass",
+        + (change + "\n" if where == "replay-cell" else ""),
+        change if where == "plain-cell" else "pass",
         "%%resilient\nfrom colab_resilience.integrations.transformers import ResilienceCallback\n"
         "trainer.add_callback(ResilienceCallback())\nout = trainer.train()",
         "import hashlib\n"
@@ -268,8 +268,27 @@ def test_a_model_a_plain_cell_made_float64_is_not_trained_on_in_float32_after_a_
     refused = ("cannot restore the Trainer's model in place: the GPT2LMHeadModel it holds now is "
                "not the one saved (other dtypes: transformer.wte.weight float64 saved, float32 now"
                if where == "plain-cell" else None)
-    _, nb, twin = harness.refused_or_twin(tmp_path, lambda mark: _double_notebook(where, mark), refused)
+    _, nb, twin = harness.refused_or_twin(tmp_path, lambda mark: _changed_notebook("_ = model.double()", where, mark),
+                                          refused)
     assert harness.result(twin).startswith("RESULT 8 ") and " torch.float64 " in harness.result(twin)
+
+
+@pytest.mark.parametrize("change,where,refused,steps", [
+    ("trainer.args.num_train_epochs = 3", "plain-cell", "(num_train_epochs 2 now, 3 saved)", 12),
+    ("trainer.args.per_device_train_batch_size = 8", "plain-cell", "(per_device_train_batch_size 4 now, 8 saved)", 4),
+    ("trainer.args.num_train_epochs = 3", "replay-cell", None, 12),
+], ids=["epochs-in-a-plain-cell", "batch-in-a-plain-cell", "epochs-in-the-replay-cell"])
+def test_trainer_arguments_a_plain_cell_changed_are_not_lost_silently_by_a_kill(tmp_path, change, where, refused,
+                                                                                steps):
+    """``trainer.args.num_train_epochs = 3`` in a plain cell: killed in train(), the new kernel's
+    Trainer had the %%replay cell's 2 epochs, and train() stopped there, "done" with 8 steps of 12
+    (found by a probe); a per-device batch set so was taken for a --shrink, its accumulation
+    raised. The arguments go with the Trainer's state, and a resume with others stops in one line
+    that names them; set in the %%replay cell, the run resumes bit for bit as its twin."""
+    if refused is not None:
+        refused = "cannot resume the Trainer's run: its TrainingArguments are not those it began with " + refused
+    _, nb, twin = harness.refused_or_twin(tmp_path, lambda mark: _changed_notebook(change, where, mark), refused)
+    assert harness.result(twin).startswith(f"RESULT {steps} "), harness.result(twin)
 
 
 def _neftune_notebook(mark, fault: str):

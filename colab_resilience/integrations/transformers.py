@@ -39,7 +39,9 @@ batches made ahead of it; a resume makes them again from the same states.
 
 After an out-of-memory retry with ``--shrink trainer.args.per_device_train_batch_size``, the
 gradient accumulation is raised so that an optimizer step takes the samples it took when the run
-began.
+began. A resume stops in one line where the replayed set-up cells made the Trainer otherwise than
+the run began with it: its model in another dtype or architecture, other ``TrainingArguments``
+(a change a plain cell made is not made again in a new kernel).
 """
 
 from __future__ import annotations
@@ -71,11 +73,13 @@ class TrainerCheckpoint:
 
     label = "the Trainer's model, optimizer, scheduler and state"  # what a resume says it restored
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Trainer, shrinks: bool = False):
         self.trainer = trainer
         # the batch of an optimizer step as the run began: a --shrink of the per-device batch
         # raises the gradient accumulation to keep it
         self.effective_batch = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
+        # as train() begins: a resume compares the new kernel's (the batch too, but in a run with a --shrink)
+        self.arguments = _arguments(trainer.args, shrinks)
         self.epoch_rng: dict | None = None  # the random state when the epoch in progress began
         self.finished = False  # train() ended: a resume returns its output without training
         self.metrics: dict | None = None  # the metrics the ended train() returned (as its callbacks left them)
@@ -114,11 +118,19 @@ class TrainerCheckpoint:
             # that trains nothing more (the end) would leave the rebuilt model's as the set-up made it
             "config": plain_attributes(t.model.config)[0] if _config(t.model) is not None else None,
             "effective_batch": self.effective_batch,
+            "arguments": self.arguments,
             # the random states the batches made ahead of this safe point were made from
             "batches": self.batches.ahead(self.place) if self.batches is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        changed = _arguments_changed(state.get("arguments"), self.arguments)
+        if changed:
+            raise CheckpointError(
+                f"colab_resilience: cannot resume the Trainer's run: its TrainingArguments are not those it began with "
+                f"({changed}): a change made in a cell that is not %%replay (trainer.args.num_train_epochs = ...) is not "
+                "made again in a new kernel, and train() would go on with these; make the change in the %%replay cell "
+                "that builds the Trainer, or %resilience reset to start the run over")
         model = self.trainer.model
         refused = carried.refusal("the Trainer's model", model, state["model"])
         if refused:  # (load_state_dict would convert another dtype's weights, and train on in this one)
@@ -163,6 +175,37 @@ class TrainerCheckpoint:
         return put_attributes(pending, _stateful(self.trainer))
 
 
+# TrainingArguments that do not change what train() computes (where it writes, what it shows)
+_ARGUMENTS_KEPT_OUT = {"output_dir", "logging_dir", "run_name", "report_to", "disable_tqdm", "overwrite_output_dir",
+                       "push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo",
+                       "hub_always_push", "hub_revision"}
+# those a --shrink of the per-device batch changes (the effective batch is kept: _keep_effective_batch)
+_SHRUNK = {"per_device_train_batch_size", "gradient_accumulation_steps"}
+
+
+def _arguments(args: Any, shrinks: bool) -> dict[str, str]:
+    """A Trainer's TrainingArguments, each as JSON (its own ``to_dict``, tokens masked), but those
+    in :data:`_ARGUMENTS_KEPT_OUT` (and in :data:`_SHRUNK` in a run with a ``--shrink``)."""
+    try:
+        values = args.to_dict()
+    except Exception:  # not a TrainingArguments of transformers': nothing to compare
+        return {}
+    out = _ARGUMENTS_KEPT_OUT | (_SHRUNK if shrinks else set())
+    shown = {k: json.dumps(v, sort_keys=True, default=repr) for k, v in values.items() if k not in out}
+    # (an object without a JSON form shown by its address differs in every process: not compared)
+    return {k: v for k, v in shown.items() if " at 0x" not in v}
+
+
+def _arguments_changed(saved: dict[str, str] | None, now: dict[str, str], most: int = 3) -> str | None:
+    """What of ``now`` differs from ``saved`` (a checkpoint of an earlier version has none), in
+    words: "num_train_epochs 3 now, 4 saved"."""
+    if not saved or not now:
+        return None
+    differ = [k for k in sorted(saved.keys() & now.keys()) if saved[k] != now[k]]
+    shown = [f"{k} {now[k]} now, {saved[k]} saved" for k in differ[:most]]
+    return "; ".join(shown) + (f" and {len(differ) - most} more" if len(differ) > most else "") if differ else None
+
+
 class Steps:
     """The stretches of optimizer steps between two safe points of a ``train`` call, as the
     cell's loop iterates them, until training has ended; named by the step that comes next."""
@@ -204,7 +247,7 @@ class ResilienceCallback(TrainerCallback):
 
     def train(self, trainer: Trainer, run, call) -> TrainOutput:
         require_loop(run, "steps", "trainer.add_callback(ResilienceCallback())")
-        self._state = state = TrainerCheckpoint(trainer)
+        self._state = state = TrainerCheckpoint(trainer, shrinks=bool(run.shrink))
         run.extras[STATE] = state
         self._pending, self._logging, self._epoch_start, self._put_back = False, None, False, False
         self._steps = run.loops.iterate(Steps(state))
