@@ -705,6 +705,74 @@ def test_a_model_built_in_another_default_float_type_is_refused_naming_set_float
         assert cause in message, message
 
 
+def test_a_model_compiled_otherwise_is_refused_in_one_line_and_left_as_it_was(tmp_path):
+    """model.compile(loss="mae") in a plain cell after the %%replay cell compiled it with "mse": a
+    new kernel's replay compiled it with "mse" again, the variables alike, and the fit went on
+    with the other loss, "done" (found by a probe). Both ways a model is saved (a fit's state, a
+    model in --save) now keep what it was compiled with and stop in one line that names what
+    differs; its rate (a variable that goes with the optimizer, which a callback may lower) is not
+    compared, a schedule is."""
+    mae = build()
+    mae.compile(optimizer=mae.optimizer, loss="mae", metrics=["mse"])
+    store = CheckpointStore(tmp_path, run_id="keras", key=b"k" * 32)
+    store.save({STATE: FitState(mae), "model": mae}, [STATE, "model"], strict=True)
+    differs = ('compiled otherwise than it was saved (loss "mse" now, "mae" saved; metrics null now, ["mse"] saved): '
+               "a model.compile(...) in a cell that is not %%replay is not run again in a new kernel; compile it in a "
+               "%%replay cell as the run began with it")
+    for name, value in ((STATE, FitState(build())), ("model", build())):
+        target = value.model if name == STATE else value
+        before = values(target.variables)
+        with pytest.raises(CheckpointError) as e:
+            store.load().restore({name: value}, [name])
+        assert str(e.value) == ("colab_resilience: cannot restore model.fit's state: the model is " + differs
+                                if name == STATE else
+                                "colab_resilience: cannot restore 'model': the Keras layer is " + differs), str(e.value)
+        assert values(target.variables) == before
+    again = build()
+    again.compile(optimizer=keras.optimizers.Adam(0.5), loss="mae", metrics=["mse"])  # another rate: restored
+    store.load().restore({STATE: FitState(again), "model": again}, [STATE, "model"])
+    assert values(again.variables) == values(mae.variables)
+    assert float(again.optimizer.learning_rate.numpy()) == float(mae.optimizer.learning_rate.numpy())
+    scheduled = build()
+    scheduled.compile(optimizer=keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(1e-2, 10, 0.9)),
+                      loss="mse")
+    store = CheckpointStore(tmp_path / "scheduled", run_id="keras", key=b"k" * 32)
+    store.save({"model": scheduled}, ["model"], strict=True)
+    with pytest.raises(CheckpointError, match=r'compiled otherwise than it was saved \(optimizer.learning_rate a rate '
+                                              r'now, \{"class_name": "ExponentialDecay"'):
+        store.load().restore({"model": build()}, ["model"])
+
+
+def _compiled_notebook(where: str, mark):
+    """A model compiled with "mse" in the %%replay cell, compiled again with "mae" in a plain cell
+    after it ("plain-cell") or at that cell's end ("replay-cell"); the fit killed once after its
+    epoch 1."""
+    kill = (f"kill = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: epoch == 1 and not "
+            f"os.path.exists({str(mark)!r}) and (open({str(mark)!r}, 'w').close(), os.kill(os.getpid(), signal.SIGKILL)))\n")
+    again = "model.compile(optimizer=model.optimizer, loss='mae')\n"
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        "%%replay\nimport os, signal\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\nimport numpy as np, keras\n"
+        "keras.utils.set_random_seed(0)\nX = np.random.rand(64, 4).astype('float32'); Y = X[:, :1] * 2\n"
+        "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation='relu'), keras.layers.Dense(1)])\n"
+        "model.compile(optimizer=keras.optimizers.Adam(0.01), loss='mse')\n" + (again if where == "replay-cell" else ""),
+        again if where == "plain-cell" else "pass",
+        "%%resilient\nfrom colab_resilience.integrations.keras import ResilienceCallback\n" + kill
+        + "history = model.fit(X, Y, epochs=3, batch_size=16, verbose=0, callbacks=[ResilienceCallback(), kill])",
+        "print('RESULT', history.history['loss'], model.loss)")
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("where", ["plain-cell", "replay-cell"])
+def test_a_model_a_plain_cell_compiled_again_is_not_trained_on_with_the_old_loss_after_a_kill(tmp_path, where):
+    """Compiled again with another loss in a plain cell, killed in the fit: the run stops with the
+    line that names the loss. Compiled so in the %%replay cell, it resumes bit for bit as its twin."""
+    refused = ('the model is compiled otherwise than it was saved (loss "mse" now, "mae" saved)'
+               if where == "plain-cell" else None)
+    _, nb, twin = harness.refused_or_twin(tmp_path, lambda mark: _compiled_notebook(where, mark), refused)
+    assert harness.result(twin).endswith(" mae"), harness.result(twin)
+
+
 def test_tensorflows_global_seed_state_goes_with_the_random_states():
     """An eager random op without a seed of its own draws its op seed from the state
     tf.random.set_seed made: captured, it comes back, and the op draws the same numbers again."""

@@ -87,6 +87,7 @@ def state_dict(value: Any) -> dict[str, Any]:
     if what == "layer":
         state["build"] = value.get_build_config() if value.built else None
         state["policies"] = dtype_policies(value)
+        state["compiled"] = compiled(value)
         optimizer = compiled_optimizer(value)
         if optimizer is not None:  # model.compile(optimizer=...): fit steps it, and only the model holds it
             state["optimizer"] = state_dict(optimizer)
@@ -130,7 +131,8 @@ def load(name: str, target: Any, state: Mapping[str, Any], namespace: Mapping[st
     variables = list(target.variables)
     problem = _mismatch(name, what, state["paths"], state["values"], variables)
     if not problem and what == "layer":
-        changed = policy_changed(f"the Keras {what}", state.get("policies"), target)
+        changed = policy_changed(f"the Keras {what}", state.get("policies"), target) or \
+            compile_changed(f"the Keras {what}", state.get("compiled"), target)
         problem = f"colab_resilience: cannot restore {name!r}: {changed}" if changed else None
     if problem:
         raise CheckpointError(problem)
@@ -249,6 +251,58 @@ def dtype_policies(layer: Any) -> list[list[str]]:
         if policy is not None:
             found.append([str(getattr(each, "name", "?")), str(policy)])
     return found
+
+
+def compiled(model: Any) -> dict[str, str] | None:
+    """What ``model.compile`` was given that ``fit`` computes with, each as JSON: the loss, its
+    weights, the metrics, the optimizer's class (``"optimizer"``) and hyperparameters
+    (``"optimizer.beta_1"``) but its name (numbered in each process), its rate's value (a variable
+    of it, which goes with its state, and which a callback may lower; a schedule is compared) and
+    its gradient accumulation (which a ``--shrink`` raises). None where it is not compiled (or not a
+    model)."""
+    import json
+
+    get = getattr(model, "get_compile_config", None)
+    try:
+        config = get() if callable(get) else None
+    except Exception:
+        config = None
+    if not config:
+        return None
+    config = dict(config)
+    optimizer = config.pop("optimizer", None)
+    if isinstance(optimizer, Mapping) and isinstance(optimizer.get("config"), Mapping):
+        config["optimizer"] = optimizer.get("class_name")
+        config.update({f"optimizer.{k}": v for k, v in optimizer["config"].items()
+                       if k not in ("name", "gradient_accumulation_steps")})
+    elif optimizer is not None:
+        config["optimizer"] = optimizer
+    shown = {k: json.dumps(v, sort_keys=True, default=repr) for k, v in config.items()}
+    if isinstance(config.get("optimizer.learning_rate"), (int, float)):
+        shown["optimizer.learning_rate"] = "a rate"  # (its value goes with the optimizer's variables)
+    # (an object without a JSON form shown by its address differs in every process: not compared)
+    return {k: v for k, v in shown.items() if " at 0x" not in v}
+
+
+def compile_changed(what: str, saved: Any, model: Any, most: int = 3) -> str | None:
+    """Where ``model`` is compiled otherwise than ``saved`` (its :func:`compiled` at the safe point;
+    a checkpoint of an earlier version has none), what differs and why, in words that go after
+    "cannot restore ...: "; else None (also where it is not compiled now, which is said apart)."""
+    now = compiled(model)
+    if not saved or now is None:
+        return None
+    differ = [k for k in sorted({*saved, *now}) if now.get(k) != saved.get(k)]
+    if not differ:
+        return None
+
+    def short(value: str | None) -> str:
+        value = "none" if value is None else value
+        return value if len(value) <= 60 else value[:57] + "..."
+
+    shown = "; ".join(f"{k} {short(now.get(k))} now, {short(saved.get(k))} saved" for k in differ[:most])
+    more = f" and {len(differ) - most} more" if len(differ) > most else ""
+    return (f"{what} is compiled otherwise than it was saved ({shown}{more}): a model.compile(...) in a cell that is "
+            "not %%replay is not run again in a new kernel; compile it in a %%replay cell as the run began with it")
 
 
 def policy_changed(what: str, saved: Any, layer: Any) -> str | None:

@@ -62,7 +62,7 @@ import keras
 import numpy as np
 
 from ..checkpoints.keras_state import array as keras_array
-from ..checkpoints.keras_state import dtype_policies, floatx_cause, policy_changed
+from ..checkpoints.keras_state import compile_changed, compiled, dtype_policies, floatx_cause, policy_changed
 from ..checkpoints.rng import keras_seed_generator
 from .. import words
 from ..errors import CheckpointError, RunStoppedError
@@ -146,6 +146,7 @@ class FitState:
             "variables": {k: [keras_array(v) for v in vs] for k, vs in groups.items()},
             "paths": {k: [v.path for v in vs] for k, vs in groups.items()},
             "policies": dtype_policies(self.model),
+            "compiled": compiled(self.model),
             "epochs": list(self.epochs),
             "logs": {k: [_plain(x) for x in v] for k, v in self.logs.items()},
             "callbacks": {key: _attributes(cb) for key, cb in self.callbacks.items()},
@@ -173,7 +174,8 @@ class FitState:
             problem = _mismatch(group, saved_paths, values, now)
             if problem:
                 raise CheckpointError(f"colab_resilience: cannot restore model.fit's state: {problem}")
-        problem = policy_changed("the model", state.get("policies"), self.model)
+        problem = policy_changed("the model", state.get("policies"), self.model) or \
+            compile_changed("the model", state.get("compiled"), self.model)
         if problem:
             raise CheckpointError(f"colab_resilience: cannot restore model.fit's state: {problem}")
         self._assign(groups, state["variables"])
