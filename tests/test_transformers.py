@@ -274,19 +274,22 @@ def test_a_model_a_plain_cell_made_float64_is_not_trained_on_in_float32_after_a_
 
 
 @pytest.mark.parametrize("change,where,refused,steps", [
-    ("trainer.args.num_train_epochs = 3", "plain-cell", "(num_train_epochs 2 now, 3 saved)", 12),
-    ("trainer.args.per_device_train_batch_size = 8", "plain-cell", "(per_device_train_batch_size 4 now, 8 saved)", 4),
+    ("trainer.args.num_train_epochs = 3", "plain-cell", "(args.num_train_epochs 2 now, 3 saved)", 12),
+    ("trainer.args.per_device_train_batch_size = 8", "plain-cell", "(args.per_device_train_batch_size 4 now, 8 saved)",
+     4),
+    ("trainer.train_dataset = data[:12]", "plain-cell", "(len(train_dataset) 16 now, 12 saved)", 6),
     ("trainer.args.num_train_epochs = 3", "replay-cell", None, 12),
-], ids=["epochs-in-a-plain-cell", "batch-in-a-plain-cell", "epochs-in-the-replay-cell"])
-def test_trainer_arguments_a_plain_cell_changed_are_not_lost_silently_by_a_kill(tmp_path, change, where, refused,
-                                                                                steps):
+], ids=["epochs-in-a-plain-cell", "batch-in-a-plain-cell", "data-in-a-plain-cell", "epochs-in-the-replay-cell"])
+def test_a_trainer_a_plain_cell_set_up_otherwise_is_not_lost_silently_by_a_kill(tmp_path, change, where, refused,
+                                                                               steps):
     """``trainer.args.num_train_epochs = 3`` in a plain cell: killed in train(), the new kernel's
     Trainer had the %%replay cell's 2 epochs, and train() stopped there, "done" with 8 steps of 12
     (found by a probe); a per-device batch set so was taken for a --shrink, its accumulation
-    raised. The arguments go with the Trainer's state, and a resume with others stops in one line
-    that names them; set in the %%replay cell, the run resumes bit for bit as its twin."""
+    raised; a subset of the data set so was trained on whole. The arguments and the data's length
+    go with the Trainer's state, and a resume with others stops in one line that names them; set
+    in the %%replay cell, the run resumes bit for bit as its twin."""
     if refused is not None:
-        refused = "cannot resume the Trainer's run: its TrainingArguments are not those it began with " + refused
+        refused = "cannot resume the Trainer's run: the Trainer is not set up as the run began with it " + refused
     _, nb, twin = harness.refused_or_twin(tmp_path, lambda mark: _changed_notebook(change, where, mark), refused)
     assert harness.result(twin).startswith(f"RESULT {steps} "), harness.result(twin)
 

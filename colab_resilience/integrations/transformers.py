@@ -40,8 +40,8 @@ batches made ahead of it; a resume makes them again from the same states.
 After an out-of-memory retry with ``--shrink trainer.args.per_device_train_batch_size``, the
 gradient accumulation is raised so that an optimizer step takes the samples it took when the run
 began. A resume stops in one line where the replayed set-up cells made the Trainer otherwise than
-the run began with it: its model in another dtype or architecture, other ``TrainingArguments``
-(a change a plain cell made is not made again in a new kernel).
+the run began with it: its model in another dtype or architecture, other ``TrainingArguments``,
+training data of another length (a change a plain cell made is not made again in a new kernel).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class TrainerCheckpoint:
         # raises the gradient accumulation to keep it
         self.effective_batch = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
         # as train() begins: a resume compares the new kernel's (the batch too, but in a run with a --shrink)
-        self.arguments = _arguments(trainer.args, shrinks)
+        self.arguments = _arguments(trainer, shrinks)
         self.epoch_rng: dict | None = None  # the random state when the epoch in progress began
         self.finished = False  # train() ended: a resume returns its output without training
         self.metrics: dict | None = None  # the metrics the ended train() returned (as its callbacks left them)
@@ -127,10 +127,11 @@ class TrainerCheckpoint:
         changed = _arguments_changed(state.get("arguments"), self.arguments)
         if changed:
             raise CheckpointError(
-                f"colab_resilience: cannot resume the Trainer's run: its TrainingArguments are not those it began with "
-                f"({changed}): a change made in a cell that is not %%replay (trainer.args.num_train_epochs = ...) is not "
-                "made again in a new kernel, and train() would go on with these; make the change in the %%replay cell "
-                "that builds the Trainer, or %resilience reset to start the run over")
+                f"colab_resilience: cannot resume the Trainer's run: the Trainer is not set up as the run began with it "
+                f"({changed}): a change made in a cell that is not %%replay (trainer.args.num_train_epochs = ..., "
+                "trainer.train_dataset = ...) is not made again in a new kernel, and train() would go on with the "
+                "%%replay cells' Trainer; make the change in the %%replay cell that builds the Trainer, or "
+                "%resilience reset to start the run over")
         model = self.trainer.model
         refused = carried.refusal("the Trainer's model", model, state["model"])
         if refused:  # (load_state_dict would convert another dtype's weights, and train on in this one)
@@ -183,22 +184,29 @@ _ARGUMENTS_KEPT_OUT = {"output_dir", "logging_dir", "run_name", "report_to", "di
 _SHRUNK = {"per_device_train_batch_size", "gradient_accumulation_steps"}
 
 
-def _arguments(args: Any, shrinks: bool) -> dict[str, str]:
-    """A Trainer's TrainingArguments, each as JSON (its own ``to_dict``, tokens masked), but those
-    in :data:`_ARGUMENTS_KEPT_OUT` (and in :data:`_SHRUNK` in a run with a ``--shrink``)."""
+def _arguments(trainer: Trainer, shrinks: bool) -> dict[str, str]:
+    """What a Trainer's ``train()`` is set up with, each as JSON: its TrainingArguments (their own
+    ``to_dict``, tokens masked; ``"args.num_train_epochs"``) but those in
+    :data:`_ARGUMENTS_KEPT_OUT` (and in :data:`_SHRUNK` in a run with a ``--shrink``), and the
+    length of its training data (``"len(train_dataset)"``: a subset set in a plain cell), where it
+    has one."""
     try:
-        values = args.to_dict()
-    except Exception:  # not a TrainingArguments of transformers': nothing to compare
-        return {}
+        values = trainer.args.to_dict()
+    except Exception:  # not a TrainingArguments of transformers': none to compare
+        values = {}
     out = _ARGUMENTS_KEPT_OUT | (_SHRUNK if shrinks else set())
-    shown = {k: json.dumps(v, sort_keys=True, default=repr) for k, v in values.items() if k not in out}
+    shown = {f"args.{k}": json.dumps(v, sort_keys=True, default=repr) for k, v in values.items() if k not in out}
+    try:
+        shown["len(train_dataset)"] = str(len(trainer.train_dataset))
+    except Exception:  # none, or one without a length (an IterableDataset)
+        pass
     # (an object without a JSON form shown by its address differs in every process: not compared)
     return {k: v for k, v in shown.items() if " at 0x" not in v}
 
 
 def _arguments_changed(saved: dict[str, str] | None, now: dict[str, str], most: int = 3) -> str | None:
     """What of ``now`` differs from ``saved`` (a checkpoint of an earlier version has none), in
-    words: "num_train_epochs 3 now, 4 saved"."""
+    words: "args.num_train_epochs 3 now, 4 saved"."""
     if not saved or not now:
         return None
     differ = [k for k in sorted(saved.keys() & now.keys()) if saved[k] != now[k]]
