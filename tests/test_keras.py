@@ -743,6 +743,34 @@ def test_a_model_compiled_otherwise_is_refused_in_one_line_and_left_as_it_was(tm
         store.load().restore({"model": build()}, ["model"])
 
 
+def test_a_model_frozen_otherwise_is_refused_in_one_line_naming_the_variables(tmp_path):
+    """model.layers[0].trainable = False (and compiled again) in a plain cell: a new kernel's replay
+    built it all trainable, and the restore was refused for its optimizer's variables ("variable
+    adam/..._momentum ... was saved as float32[16, 1] and is float32[8, 16] now"), not saying why.
+    Which variables fit trains goes with its state, and the line names them and the cause."""
+    frozen = build()
+    frozen.layers[0].trainable = False
+    frozen.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    store = CheckpointStore(tmp_path, run_id="keras", key=b"k" * 32)
+    store.save({STATE: FitState(frozen)}, [STATE], strict=True)
+    other = build()
+    before = values(other.variables)
+    with pytest.raises(CheckpointError) as e:
+        store.load().restore({STATE: FitState(other)}, [STATE])
+    assert "\n" not in str(e.value) and re.fullmatch(
+        r"colab_resilience: cannot restore model.fit's state: the model's variables are not trainable as they were "
+        r"saved \(sequential(_\d+)?/dense(_\d+)?/kernel frozen when saved, trainable now; "
+        r"sequential(_\d+)?/dense(_\d+)?/bias frozen when saved, trainable now\): layer.trainable set in a cell that "
+        r"is not %%replay is not set again in a new kernel, and fit would train other variables; set it in a "
+        r"%%replay cell, before model.compile", str(e.value)), str(e.value)
+    assert values(other.variables) == before
+    again = build()
+    again.layers[0].trainable = False
+    again.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    store.load().restore({STATE: FitState(again)}, [STATE])
+    assert values(again.variables) == values(frozen.variables)
+
+
 def _compiled_notebook(where: str, mark):
     """A model compiled with "mse" in the %%replay cell, compiled again with "mae" in a plain cell
     after it ("plain-cell") or at that cell's end ("replay-cell"); the fit killed once after its

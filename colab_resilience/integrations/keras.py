@@ -147,6 +147,9 @@ class FitState:
             "paths": {k: [v.path for v in vs] for k, vs in groups.items()},
             "policies": dtype_policies(self.model),
             "compiled": compiled(self.model),
+            # which of its variables fit trains (layer.trainable = False freezes a backbone): no
+            # variable holds it, and an optimizer is built for those of them
+            "trainable": [bool(v.trainable) for v in self.model.variables],
             "epochs": list(self.epochs),
             "logs": {k: [_plain(x) for x in v] for k, v in self.logs.items()},
             "callbacks": {key: _attributes(cb) for key, cb in self.callbacks.items()},
@@ -167,6 +170,10 @@ class FitState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "seed_generator" in state["variables"]:
             keras_seed_generator(create=True)
+        # (said before the optimizer's variables, built for other trainable ones, would be)
+        problem = _trainable_changed(state["paths"]["model"], state.get("trainable"), list(self.model.variables))
+        if problem:
+            raise CheckpointError(f"colab_resilience: cannot restore model.fit's state: {problem}")
         groups = self._groups()
         for group, values in state["variables"].items():
             now = groups.get(group, [])
@@ -488,6 +495,27 @@ def _mismatch(group: str, paths: list[str], values: list, now: list) -> str | No
                     f"{dtype}{list(shape)} now; build and compile it as it was, or `%resilience reset`"
                     + floatx_cause(values[i].dtype, dtype))
     return None
+
+
+def _trainable_changed(paths: list[str], saved: list[bool] | None, now: list, most: int = 3) -> str | None:
+    """Where the model's variables (``now``, as many as saved: else its other variables say so) are
+    trainable otherwise than ``saved`` (a checkpoint of an earlier version has none), which and why,
+    in words that go after "cannot restore ...: "; else None. (Within one fit they do not change:
+    Keras's optimizer is built for the trainable variables as fit begins.)"""
+    if saved is None or len(saved) != len(now):
+        return None
+
+    def said(trainable: bool) -> str:
+        return "trainable" if trainable else "frozen"
+
+    differ = [f"{path} {said(was)} when saved, {said(bool(v.trainable))} now"
+              for path, was, v in zip(paths, saved, now) if bool(v.trainable) != was]
+    if not differ:
+        return None
+    more = f" and {len(differ) - most} more" if len(differ) > most else ""
+    return (f"the model's variables are not trainable as they were saved ({'; '.join(differ[:most])}{more}): "
+            "layer.trainable set in a cell that is not %%replay is not set again in a new kernel, and fit would "
+            "train other variables; set it in a %%replay cell, before model.compile")
 
 
 class Stretches:
