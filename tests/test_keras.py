@@ -775,19 +775,11 @@ def _compiled_notebook(where: str, mark):
     """A model compiled with "mse" in the %%replay cell, compiled again with "mae" in a plain cell
     after it ("plain-cell") or at that cell's end ("replay-cell"); the fit killed once after its
     epoch 1."""
-    kill = (f"kill = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: epoch == 1 and not "
-            f"os.path.exists({str(mark)!r}) and (open({str(mark)!r}, 'w').close(), os.kill(os.getpid(), signal.SIGKILL)))\n")
-    again = "model.compile(optimizer=model.optimizer, loss='mae')\n"
-    return harness.notebook(
-        "%load_ext colab_resilience",
-        "%%replay\nimport os, signal\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\nimport numpy as np, keras\n"
-        "keras.utils.set_random_seed(0)\nX = np.random.rand(64, 4).astype('float32'); Y = X[:, :1] * 2\n"
-        "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation='relu'), keras.layers.Dense(1)])\n"
-        "model.compile(optimizer=keras.optimizers.Adam(0.01), loss='mse')\n" + (again if where == "replay-cell" else ""),
-        again if where == "plain-cell" else "pass",
-        "%%resilient\nfrom colab_resilience.integrations.keras import ResilienceCallback\n" + kill
-        + "history = model.fit(X, Y, epochs=3, batch_size=16, verbose=0, callbacks=[ResilienceCallback(), kill])",
-        "print('RESULT', history.history['loss'], model.loss)")
+    again = "model.compile(optimizer=model.optimizer, loss='mae')"
+    return harness.notebook("%load_ext colab_resilience",
+                            "%%replay\n" + _FIT_IMPORTS + _FIT_BUILD + ("\n" + again if where == "replay-cell" else ""),
+                            again if where == "plain-cell" else "pass", _killed_fit(mark),
+                            "print('RESULT', history.history['loss'], model.loss)")
 
 
 @pytest.mark.kernel
@@ -1334,20 +1326,26 @@ def test_a_standby_that_imported_tensorflow_ahead_takes_over_only_where_the_impo
         assert re.search(r"switched to the standby kernel, replayed \d+ cells", text[5]), text[5]
 
 
+_FIT_IMPORTS = "import os, signal\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\nimport numpy as np, keras\n"
+_FIT_BUILD = ("keras.utils.set_random_seed(0)\nX = np.random.rand(64, 4).astype('float32'); Y = X[:, :1] * 2\n"
+              "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation='relu'), "
+              "keras.layers.Dense(1)])\nmodel.compile(optimizer=keras.optimizers.Adam(0.01), loss='mse')")
+
+
+def _killed_fit(mark) -> str:
+    """The training cell of :data:`_FIT_BUILD`'s model: 3 epochs, killed once after its epoch 1."""
+    kill = (f"kill = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: epoch == 1 and not "
+            f"os.path.exists({str(mark)!r}) and (open({str(mark)!r}, 'w').close(), os.kill(os.getpid(), signal.SIGKILL)))\n")
+    return ("%%resilient\nfrom colab_resilience.integrations.keras import ResilienceCallback\n" + kill
+            + "history = model.fit(X, Y, epochs=3, batch_size=16, verbose=0, callbacks=[ResilienceCallback(), kill])")
+
+
 def _policy_notebook(where: str, mark):
     """keras.mixed_precision.set_global_policy("mixed_bfloat16") in a plain cell, or in the %%replay
     cell that builds the model; the fit killed once after its epoch 1."""
     policy = "keras.mixed_precision.set_global_policy('mixed_bfloat16')\n"
-    kill = (f"kill = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: epoch == 1 and not "
-            f"os.path.exists({str(mark)!r}) and (open({str(mark)!r}, 'w').close(), os.kill(os.getpid(), signal.SIGKILL)))\n")
-    return harness.set_in(
-        where, policy, "import os, signal\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\nimport numpy as np, keras\n",
-        "keras.utils.set_random_seed(0)\nX = np.random.rand(64, 4).astype('float32'); Y = X[:, :1] * 2\n"
-        "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation='relu'), keras.layers.Dense(1)])\n"
-        "model.compile(optimizer=keras.optimizers.Adam(0.01), loss='mse')",
-        "%%resilient\nfrom colab_resilience.integrations.keras import ResilienceCallback\n" + kill
-        + "history = model.fit(X, Y, epochs=3, batch_size=16, verbose=0, callbacks=[ResilienceCallback(), kill])",
-        "print('RESULT', history.history['loss'], model.layers[0].compute_dtype)")
+    return harness.set_in(where, policy, _FIT_IMPORTS, _FIT_BUILD, _killed_fit(mark),
+                          "print('RESULT', history.history['loss'], model.layers[0].compute_dtype)")
 
 
 @pytest.mark.kernel
