@@ -284,24 +284,19 @@ def compiled(model: Any) -> dict[str, str] | None:
     return {k: v for k, v in shown.items() if " at 0x" not in v}
 
 
-def compile_changed(what: str, saved: Any, model: Any, most: int = 3) -> str | None:
+def compile_changed(what: str, saved: Any, model: Any) -> str | None:
     """Where ``model`` is compiled otherwise than ``saved`` (its :func:`compiled` at the safe point;
     a checkpoint of an earlier version has none), what differs and why, in words that go after
     "cannot restore ...: "; else None (also where it is not compiled now, which is said apart)."""
     now = compiled(model)
     if not saved or now is None:
         return None
-    differ = [k for k in sorted({*saved, *now}) if now.get(k) != saved.get(k)]
-    if not differ:
+    from .. import words
+
+    shown = words.differences(saved, now)
+    if shown is None:
         return None
-
-    def short(value: str | None) -> str:
-        value = "none" if value is None else value
-        return value if len(value) <= 60 else value[:57] + "..."
-
-    shown = "; ".join(f"{k} {short(now.get(k))} now, {short(saved.get(k))} saved" for k in differ[:most])
-    more = f" and {len(differ) - most} more" if len(differ) > most else ""
-    return (f"{what} is compiled otherwise than it was saved ({shown}{more}): a model.compile(...) in a cell that is "
+    return (f"{what} is compiled otherwise than it was saved ({shown}): a model.compile(...) in a cell that is "
             "not %%replay is not run again in a new kernel; compile it in a %%replay cell as the run began with it")
 
 

@@ -54,7 +54,7 @@ from typing import Any
 from transformers import Trainer, TrainerCallback, TrainerState
 from transformers.trainer_utils import TrainOutput
 
-from .. import carried
+from .. import carried, words
 from ..checkpoints import capture_rng, restore_rng
 from ..errors import CheckpointError, RunStoppedError
 from ..loops import active_run
@@ -124,7 +124,8 @@ class TrainerCheckpoint:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        changed = _arguments_changed(state.get("arguments"), self.arguments)
+        # (a checkpoint of an earlier version has none)
+        changed = words.differences(state["arguments"], self.arguments) if state.get("arguments") else None
         if changed:
             raise CheckpointError(
                 f"colab_resilience: cannot resume the Trainer's run: the Trainer is not set up as the run began with it "
@@ -202,16 +203,6 @@ def _arguments(trainer: Trainer, shrinks: bool) -> dict[str, str]:
         pass
     # (an object without a JSON form shown by its address differs in every process: not compared)
     return {k: v for k, v in shown.items() if " at 0x" not in v}
-
-
-def _arguments_changed(saved: dict[str, str] | None, now: dict[str, str], most: int = 3) -> str | None:
-    """What of ``now`` differs from ``saved`` (a checkpoint of an earlier version has none), in
-    words: "args.num_train_epochs 3 now, 4 saved"."""
-    if not saved or not now:
-        return None
-    differ = [k for k in sorted(saved.keys() & now.keys()) if saved[k] != now[k]]
-    shown = [f"{k} {now[k]} now, {saved[k]} saved" for k in differ[:most]]
-    return "; ".join(shown) + (f" and {len(differ) - most} more" if len(differ) > most else "") if differ else None
 
 
 class Steps:
