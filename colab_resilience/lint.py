@@ -61,7 +61,10 @@ from .errors import OptionError
 from .recovery import set_shrink_value, shrink_value
 
 _NONE = object()  # what a --shrink path that leads nowhere reads as
-_NOT_STATE = frozenset({"tqdm", "logging", "wandb", "tensorboard", "tensorboardX", "IPython", "ipywidgets"})
+_NOT_STATE = frozenset({"tqdm", "logging", "wandb", "tensorboard", "tensorboardX", "IPython", "ipywidgets",
+                        # a plot: a figure, its axes, the lines drawn (the numbers they draw are the result, kept
+                        # where the training put them; a figure is numbered and sized by the process)
+                        "matplotlib", "seaborn", "plotly", "bokeh", "altair"})
 _MUTATORS = frozenset({
     "append", "extend", "insert", "update", "add", "pop", "popitem", "remove", "discard", "clear",
     "setdefault", "sort", "reverse", "appendleft", "extendleft", "rotate",
@@ -639,8 +642,16 @@ def _is_state(value) -> bool:
 
 def shows_only(value) -> bool:
     """Whether a value is a progress bar, a display handle, a widget, a logger or an experiment
-    tracker's: something that shows or records the training, and no part of its result."""
-    return type(value).__module__.split(".")[0] in _NOT_STATE
+    tracker's, a plot: something that shows or records the training, and no part of its result. So
+    is a list, a tuple or a NumPy array of such (``fig, axes = plt.subplots(1, 2)``; the lines
+    ``ax.plot`` returns)."""
+    if type(value).__module__.split(".")[0] in _NOT_STATE:
+        return True
+    np = sys.modules.get("numpy")
+    if isinstance(value, (list, tuple)) or (np is not None and isinstance(value, np.ndarray) and value.dtype == object):
+        items = list(value.flat) if not isinstance(value, (list, tuple)) else value
+        return 0 < len(items) <= 1000 and all(type(v).__module__.split(".")[0] in _NOT_STATE for v in items)
+    return False
 
 
 def _carried(tree: ast.AST):

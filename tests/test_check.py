@@ -374,6 +374,37 @@ def test_a_progress_bar_and_a_display_handle_are_compared_by_their_type(ip):
     assert digests["g"] != digests["h"]
 
 
+def test_a_plot_drawn_as_the_training_goes_is_compared_by_its_type(ip):
+    """A training cell that draws its loss each epoch (``fig, axes = plt.subplots(1, 2)``, ``lines =
+    axes[0].plot(history)``): check called every faulted run different ("ax differs; fig differs";
+    found by a probe of a live plot): pyplot numbers each figure the process makes, and a resumed
+    run makes fewer. A figure, its axes (an array of them) and the lines drawn are digested by
+    their type, as a progress bar is; the numbers they draw are compared where the training keeps
+    them, and a list of numbers is compared as before."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from colab_resilience.kernelapi import state_digest
+
+    history = [1.0, 0.5, 0.25]
+    made = [plt.subplots(1, 2) for _ in range(2)]
+    try:
+        made[1][0].set_size_inches(3, 2)
+        for fig, axes in made:
+            axes[0].plot(history)
+        ip.user_ns.update(a=made[0][0], b=made[1][0], c=made[0][1], d=made[1][1], e=made[0][1][0].lines[:],
+                          f=made[1][1][0].plot(history[:2]), g=history, h=history[:2])
+        digests = state_digest()
+    finally:
+        plt.close("all")
+    assert made[0][0].number != made[1][0].number
+    assert digests["a"] == digests["b"] and digests["a"][0].endswith(".Figure"), digests["a"]
+    assert digests["c"] == digests["d"] and digests["e"] == digests["f"]
+    assert digests["g"] != digests["h"]
+
+
 def test_a_python_random_generator_is_compared_by_its_state(ip):
     """A random.Random in the notebook is digested by its state: one that drew more is another
     value (it was digested by its __dict__, which holds none of its state: check called a run
