@@ -33,11 +33,15 @@ def did_you_mean(name: str, candidates: list[str], *, quoted: bool = True) -> st
     return f" (did you mean {close[0]!r}?)" if quoted else f" (did you mean {close[0]}?)"
 
 
+DIGEST = "digest:"  # a record's value that stands for what something holds, not shown
+
+
 def differences(saved: dict[str, str], now: dict[str, str], most: int = 3, longest: int = 60) -> str | None:
     """The entries of two settings' records (name -> value as shown) that both have and that
     differ, in words: ``"loss "mse" now, "mae" saved; ..."``, the first ``most``, each value cut
-    to ``longest`` characters; None where none differ. An entry only one has (a library of another
-    version) is not a difference."""
+    to ``longest`` characters (a :data:`DIGEST` is not shown: ``"what train_dataset holds
+    differs"``); None where none differ. An entry only one has (a library of another version) is
+    not a difference."""
     differ = [k for k in sorted(saved.keys() & now.keys()) if saved[k] != now[k]]
     if not differ:
         return None
@@ -45,5 +49,10 @@ def differences(saved: dict[str, str], now: dict[str, str], most: int = 3, longe
     def short(value: str) -> str:
         return value if len(value) <= longest else value[:longest - 3] + "..."
 
-    shown = "; ".join(f"{k} {short(now[k])} now, {short(saved[k])} saved" for k in differ[:most])
+    def one(k: str) -> str:
+        if now[k].startswith(DIGEST) or saved[k].startswith(DIGEST):
+            return f"{k} differs"
+        return f"{k} {short(now[k])} now, {short(saved[k])} saved"
+
+    shown = "; ".join(one(k) for k in differ[:most])
     return shown + (f" and {len(differ) - most} more" if len(differ) > most else "")

@@ -277,7 +277,8 @@ def test_a_model_a_plain_cell_made_float64_is_not_trained_on_in_float32_after_a_
     ("trainer.args.num_train_epochs = 3", "plain-cell", "(args.num_train_epochs 2 now, 3 saved)", 12),
     ("trainer.args.per_device_train_batch_size = 8", "plain-cell", "(args.per_device_train_batch_size 4 now, 8 saved)",
      4),
-    ("trainer.train_dataset = data[:12]", "plain-cell", "(len(train_dataset) 16 now, 12 saved)", 6),
+    ("trainer.train_dataset = data[:12]", "plain-cell",
+     "(len(train_dataset) 16 now, 12 saved; what train_dataset holds differs)", 6),
     ("trainer.args.num_train_epochs = 3", "replay-cell", None, 12),
 ], ids=["epochs-in-a-plain-cell", "batch-in-a-plain-cell", "data-in-a-plain-cell", "epochs-in-the-replay-cell"])
 def test_a_trainer_a_plain_cell_set_up_otherwise_is_not_lost_silently_by_a_kill(tmp_path, change, where, refused,
@@ -285,9 +286,10 @@ def test_a_trainer_a_plain_cell_set_up_otherwise_is_not_lost_silently_by_a_kill(
     """``trainer.args.num_train_epochs = 3`` in a plain cell: killed in train(), the new kernel's
     Trainer had the %%replay cell's 2 epochs, and train() stopped there, "done" with 8 steps of 12
     (found by a probe); a per-device batch set so was taken for a --shrink, its accumulation
-    raised; a subset of the data set so was trained on whole. The arguments and the data's length
-    go with the Trainer's state, and a resume with others stops in one line that names them; set
-    in the %%replay cell, the run resumes bit for bit as its twin."""
+    raised; a subset of the data set so was trained on whole. The arguments, the data's length and
+    a digest of what it holds (data in another order, of the same length, was trained on as the
+    %%replay cell made it) go with the Trainer's state, and a resume with others stops in one line
+    that names them; set in the %%replay cell, the run resumes bit for bit as its twin."""
     if refused is not None:
         refused = "cannot resume the Trainer's run: the Trainer is not set up as the run began with it " + refused
     _, nb, twin = harness.refused_or_twin(tmp_path, lambda mark: _changed_notebook(change, where, mark), refused)

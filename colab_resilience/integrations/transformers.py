@@ -130,9 +130,9 @@ class TrainerCheckpoint:
             raise CheckpointError(
                 f"colab_resilience: cannot resume the Trainer's run: the Trainer is not set up as the run began with it "
                 f"({changed}): a change made in a cell that is not %%replay (trainer.args.num_train_epochs = ..., "
-                "trainer.train_dataset = ...) is not made again in a new kernel, and train() would go on with the "
-                "%%replay cells' Trainer; make the change in the %%replay cell that builds the Trainer, or "
-                "%resilience reset to start the run over")
+                "trainer.train_dataset = ...) is not made again in a new kernel, nor is data drawn without a seed "
+                "drawn the same, and train() would go on with the %%replay cells' Trainer; make the change in the "
+                "%%replay cell that builds the Trainer (seed its draws), or %resilience reset to start the run over")
         model = self.trainer.model
         refused = carried.refusal("the Trainer's model", model, state["model"])
         if refused:  # (load_state_dict would convert another dtype's weights, and train on in this one)
@@ -201,8 +201,26 @@ def _arguments(trainer: Trainer, shrinks: bool) -> dict[str, str]:
         shown["len(train_dataset)"] = str(len(trainer.train_dataset))
     except Exception:  # none, or one without a length (an IterableDataset)
         pass
+    for name in ("train_dataset", "eval_dataset"):
+        held = _data_digest(getattr(trainer, name, None))
+        if held is not None:
+            shown[f"what {name} holds"] = held
     # (an object without a JSON form shown by its address differs in every process: not compared)
     return {k: v for k, v in shown.items() if " at 0x" not in v}
+
+
+def _data_digest(data: Any) -> str | None:
+    """What a Trainer's data set holds, as a digest (:data:`words.DIGEST`), where it is plain data:
+    a list or dict of tensors and numbers (tokenized examples), a ``TensorDataset``, a ``Subset`` or
+    a concatenation of those; the same for the same values. None for any other (a data set of a
+    class that reads its files, or fills a cache as it is read, would differ between two moments of
+    one run)."""
+    from .. import setup_state
+
+    if setup_state._kind(data) not in ("container", "dataset"):
+        return None
+    digest = setup_state.fingerprint({"data": data}, ["data"]).get("data")
+    return None if digest is None else words.DIGEST + digest
 
 
 class Steps:
