@@ -125,6 +125,9 @@ class Journal:
     # what the names the set-up cells bind and the cell reads (not in --save) held when the run
     # began, as fingerprints: a kernel that resumes it after a replay compares (setup_state)
     setup: dict[str, str] = field(default_factory=dict)
+    # of those, the ones a cell that is not replayed had changed since the set-up cells ran (said as
+    # the run began): a replay does not make them so, and a resume into what it makes is refused
+    setup_changed: list[str] = field(default_factory=list)
     # as the run began: its random states (checkpoints.rng.to_json), which a kernel that resumes it
     # sets before the cell runs again (its code above the first loop draws what it drew then), and
     # the fingerprints of its --save values, which one that resumes it before its first checkpoint
@@ -224,6 +227,7 @@ class Journal:
             names=list(data["names"]),
             shrink=dict(data["shrink"]),
             setup=dict(data.get("setup") or {}),
+            setup_changed=list(data.get("setup_changed") or []),
             start_rng=data.get("start_rng"),
             start_saved=dict(data.get("start_saved") or {}),
             start_from_setup=list(data.get("start_from_setup") or []),

@@ -126,6 +126,9 @@ def validate(data: Any, path: Path) -> None:
         same = data.get("start_from_setup", [])
         if not isinstance(same, list) or not all(is_type(n, (str,)) for n in same):
             bad(path, "the names as the set-up cells made them are not strings")
+        changed = data.get("setup_changed", [])
+        if not isinstance(changed, list) or not all(is_type(n, (str,)) for n in changed):
+            bad(path, "the names changed since the set-up cells ran are not strings")
         kernels = data.get("kernels", [])
         if not isinstance(kernels, list) or not all(is_type(k, (str,)) for k in kernels):
             bad(path, "the kernels that held the run are not strings")

@@ -436,6 +436,7 @@ class Run:
             j.setup = setup_state.fingerprint(self.shell.user_ns, setup_state.watched(
                 self.shell, self.body, sources, self.names + self.shrink))
             changed = [n for n, p in j.setup.items() if n in after_setup and after_setup[n] != p]
+            j.setup_changed = changed
             if changed:
                 self.say(setup_state.changed_message(changed))
         elif self.after_restart and j.setup:
@@ -443,6 +444,11 @@ class Run:
             self._older += older
             starts = setup_state.loop_starts_only(self.shell, self.body)
             differ = [n for n in setup_state.differing(recorded, self.shell.user_ns) if n not in starts]
+            # a change a plain cell made (said as the run began) that the replay did not make again:
+            # the resumed run would train on what the %%replay cells make, and end done, otherwise
+            lost = [n for n in differ if n in j.setup_changed]
+            if lost:
+                raise RunStoppedError(setup_state.lost_message(self.run_id, lost))
             if differ:
                 self.say(setup_state.message(differ))
 

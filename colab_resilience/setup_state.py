@@ -458,8 +458,21 @@ def _shown(names: list[str]) -> str:
 def changed_message(names: list[str]) -> str:
     """The line a run that begins says of what changed since the set-up cells ran."""
     return (f"colab_resilience: {_shown(names)} changed since the %%replay cells ran (in a cell that is not "
-            "replayed, or in an earlier run), and the training reads them: a resume after a restart would have "
-            "what the %%replay cells make instead; make the change in a %%replay cell and run it, or --save them")
+            "replayed, or in an earlier run), and the training reads them: a new kernel's replay does not make that "
+            "change, and a resume after a restart stops until the cell that made it runs again; make the change in a "
+            "%%replay cell and run it, or --save them")
+
+
+def lost_message(run_id: str, names: list[str]) -> str:
+    """The line that stops a resume whose replay did not make what a cell that is not replayed
+    had changed as the run began (said then, :func:`changed_message`)."""
+    one = len(names) == 1
+    it = "it" if one else "them"
+    return (f"colab_resilience: run {run_id}: {_shown(names)} {'is' if one else 'are'} not what the run began with: a "
+            f"cell that is not replayed had changed {it} since the %%replay cells ran (said as the run began), and the "
+            f"replay made {it} as the %%replay cells do, so the resumed run would train on other values; run that "
+            f"cell again, then this one (Run All does), or make the change in a %%replay cell or --save {it}; "
+            "`%resilience reset` starts the run with what the %%replay cells make")
 
 
 def message(names: list[str]) -> str:

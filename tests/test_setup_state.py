@@ -262,5 +262,6 @@ def test_a_run_that_begins_names_what_changed_since_the_set_up_cells_ran(ip, tmp
     assert ip.run_cell(train).success
     lines = [line for line in capsys.readouterr().out.splitlines() if "changed since" in line]
     assert lines == ["colab_resilience: lr changed since the %%replay cells ran (in a cell that is not replayed, or "
-                     "in an earlier run), and the training reads them: a resume after a restart would have what the "
-                     "%%replay cells make instead; make the change in a %%replay cell and run it, or --save them"]
+                     "in an earlier run), and the training reads them: a new kernel's replay does not make that "
+                     "change, and a resume after a restart stops until the cell that made it runs again; make the "
+                     "change in a %%replay cell and run it, or --save them"]
