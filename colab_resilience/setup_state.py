@@ -488,6 +488,14 @@ def message(names: list[str]) -> str:
 # ------------------------------------------------------------------------------------ the walk
 
 
+def plain_data(value: Any) -> bool:
+    """Whether ``value`` is data that fingerprints the same for the same values, whenever it is
+    taken: a list, tuple, dict or set (of tensors, arrays, numbers and strings), or a
+    ``TensorDataset``, a ``Subset`` or a ``ConcatDataset`` of those; not an object of a class that
+    may fill a cache as it is read."""
+    return _kind(value) in ("container", "dataset")
+
+
 def _kind(value: Any) -> str | None:
     """What the fingerprint takes ``value`` for, or None where it leaves it out."""
     if isinstance(value, (bool, int, float, complex, str, bytes, type(None))):

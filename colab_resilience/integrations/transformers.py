@@ -217,7 +217,7 @@ def _data_digest(data: Any) -> str | None:
     one run)."""
     from .. import setup_state
 
-    if setup_state._kind(data) not in ("container", "dataset"):
+    if not setup_state.plain_data(data):
         return None
     digest = setup_state.fingerprint({"data": data}, ["data"]).get("data")
     return None if digest is None else words.DIGEST + digest
