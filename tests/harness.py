@@ -143,7 +143,13 @@ class Kernel:
         self.km = KernelManager(kernel_name=KERNEL_NAME, transport="ipc", ip=ip, connection_file=ip + ".json")
         env = dict(os.environ)
         env.update(extra_env or {})
-        self.km.start_kernel(env=env)
+        try:
+            self.km.start_kernel(env=env)
+        except BaseException:  # (no such kernel: run outside this suite, which installs it) nothing is left
+            import shutil
+
+            shutil.rmtree(self._sockets, ignore_errors=True)
+            raise
         self.kc = self.km.blocking_client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
