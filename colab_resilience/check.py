@@ -656,7 +656,9 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
                     fault = choose_faults(timeline, i, seed + 7919 * attempt)[i - 1]
                 mark = work / f"fault-{i}-{attempt}.fired"
                 started = time.perf_counter()
-                outcome = _outcome(run(f"fault-{i}", {fault_env.FAULT_ENV: fault.env(mark)}))
+                # no standby kernel for an out-of-memory error either: it is retried in the kernel
+                outcome = _outcome(run(f"fault-{i}", {fault_env.FAULT_ENV: fault.env(mark)},
+                                       standby=standby and fault.kind != "oom"))
                 fired = fault_env.fired(mark)
                 result = FaultResult(fault, fired, compare(reference, outcome), len(outcome.result.restarts),
                                      time.perf_counter() - started,

@@ -611,6 +611,24 @@ def test_a_training_cell_under_time_magics_resumes_identical(tmp_path):
     assert r.stdout.splitlines()[-1].endswith("timed.ipynb: identical after each of 2 faults (seed 3)"), r.stdout
 
 
+def test_a_kill_is_taken_over_by_a_standby_kernel_and_an_out_of_memory_error_by_none(tmp_path):
+    """A kill fault's run keeps a standby kernel, as `colab-resilience run` does; an out-of-memory
+    error's run keeps none: it is retried in the kernel, and a standby would import the notebook's
+    modules beside it for nothing (5 s of CPU with torch's). With --retries 0 the error restarts
+    the kernel all the same: a cold restart, and the run is identical."""
+    r = check_cells(tmp_path / "r0.ipynb", ["%load_ext colab_resilience", "%%replay\nimport time\ntotal = 0",
+                                            "%%resilient --retries 0 --save total\nfor i in resume_range(4):\n"
+                                            "    total += i\n    print(i, total)\n    time.sleep(0.05)",
+                                            "print('total', total)"],
+                    "--faults", "2", "--seed", "3", "--keep", str(tmp_path / "kept"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    killed, oom = (_printed(tmp_path / "kept" / f"fault-{i}.ipynb") for i in (1, 2))
+    assert "the kernel died (killed by SIGKILL); switched to the standby kernel" in killed, killed
+    assert ("the kernel restarted itself (OOM (out of memory, injected by colab-resilience check) after 1 attempt); "
+            "restarted it, replayed 1 cell") in oom, oom
+    assert "(1 kernel restart, " in r.stdout.splitlines()[2], r.stdout
+
+
 def test_what_a_cell_that_clears_its_output_showed_when_it_died_is_not_a_difference_and_its_end_is():
     """A loop that redraws its progress with ``clear_output(wait=True)``: the uninterrupted run
     keeps its last view ('epoch 5 ...'); a run killed in epoch 1 kept the view it died with, then
