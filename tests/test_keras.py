@@ -834,7 +834,9 @@ def test_a_keras_fit_killed_or_out_of_memory_mid_epoch_goes_on_at_that_epoch_bit
     Epoch 0 is trained once; History holds all four epochs."""
     reference = twin(tmp_path_factory)
     nb = harness.load("train_keras.ipynb", tmp_path, fault=fault, retries=retries)
-    run, out = harness.run_ok(nb, tmp_path)
+    # a standby only where the kernel is restarted: beside a retry in the kernel it would import
+    # TensorFlow for nothing (here and below)
+    run, out = harness.run_ok(nb, tmp_path, standby=fault == "sigkill" or retries == 0)
     if fault == "sigkill" or retries == 0:
         assert len(run.restarts) == 1, out
         assert "restored epochs_seen, the Keras model, its optimizer, the epochs' logs and the state of Fault in " in out, out
@@ -874,7 +876,7 @@ def test_shrinking_fits_batch_keeps_its_effective_batch(tmp_path, tmp_path_facto
     reference = plain_twin(tmp_path_factory)
     nb = harness.load("train_keras.ipynb", tmp_path, fault="oom-error", shrink="--shrink batch_size", dropout=0.0,
                       batch_norm=False, kill_epoch=kill_epoch, every_steps=every_steps)
-    run, out = harness.run_ok(nb, tmp_path)
+    run, out = harness.run_ok(nb, tmp_path, standby=kill_epoch is not None)
     where = "epoch 2/4, batch 5/20" if every_steps else "epoch 2/4"
     assert "batch_size 16 → 8; retry 1/2" in out and f"continuing at {where} with batch_size 8" in out, out
     if every_steps:  # epoch 0 in 10 batches; epoch 1: 3 batches, the fault, then its batches 4..19 of 8 rows
@@ -897,7 +899,7 @@ def test_a_shrunk_batch_with_a_learning_rate_schedule_is_said_not_to_keep_the_ef
     once it accumulates gradients, the callback does not raise the accumulation: it says so in
     one line, and the epochs after the shrink take steps of 8 rows (20 an epoch: 70 in all)."""
     nb = harness.load("train_keras.ipynb", tmp_path, fault="oom-error", shrink="--shrink batch_size", schedule=True)
-    run, out = harness.run_ok(nb, tmp_path)
+    run, out = harness.run_ok(nb, tmp_path, standby=False)
     assert "batch_size 16 → 8; retry 1/2" in out and "continuing at epoch 2/4 with batch_size 8" in out, out
     assert out.count("colab_resilience: fit's batch is 8 now, 16 when the run began; the optimizer's learning rate is "
                      "a schedule, which Keras advances at every batch, not every step, when it accumulates gradients, "
@@ -937,7 +939,7 @@ def test_every_steps_resumes_a_fit_within_its_epoch_bit_identical(tmp_path, tmp_
     (saves change nothing), History's epoch-1 loss included."""
     reference = twin(tmp_path_factory)
     nb = harness.load("train_keras.ipynb", tmp_path, fault=fault, retries=retries, every_steps=2)
-    run, out = harness.run_ok(nb, tmp_path)
+    run, out = harness.run_ok(nb, tmp_path, standby=fault == "sigkill")
     assert "continuing at epoch 2/4, batch 3/10" in out, out
     assert len(run.restarts) == (1 if fault == "sigkill" else 0), out
     epoch_0, epoch_1 = [(0, b) for b in range(10)], [(0, 100), (0, 101), (0, 102)]
@@ -971,7 +973,7 @@ def test_a_resumed_fit_begins_its_epoch_once_with_its_compiled_metrics(tmp_path,
     reference = plain_twin(tmp_path_factory, dropout=0.25, batch_norm=True, every_steps=every_steps, **twin_parameters)
     nb = harness.load("train_keras.ipynb", tmp_path, fault=fault, retries=retries, every_steps=every_steps,
                       fault_epoch=fault_epoch, **twin_parameters)
-    run, out = harness.run_ok(nb, tmp_path)
+    run, out = harness.run_ok(nb, tmp_path, standby=fault == "sigkill")
     where = f"epoch {fault_epoch + 1}/4, batch 3/10" if every_steps else f"epoch {fault_epoch + 1}/4"
     assert fault_epoch == 0 or f"continuing at {where}" in out, out
     assert len(run.restarts) == (1 if fault == "sigkill" else 0), out
@@ -1009,7 +1011,7 @@ def test_a_fit_with_steps_per_epoch_resumes_where_its_data_had_got_to(tmp_path, 
     the twin."""
     reference = plain_twin(tmp_path_factory, dropout=0.25, batch_norm=True, data="repeated")
     nb = harness.load("train_keras.ipynb", tmp_path, fault=fault, retries=retries, data="repeated", fault_epoch=2)
-    run, out = harness.run_ok(nb, tmp_path)
+    run, out = harness.run_ok(nb, tmp_path, standby=fault == "sigkill")
     assert len(run.restarts) == (1 if fault == "sigkill" else 0), out
     assert "continuing at epoch 3/4" in out, out
     assert "the 14 batches of epochs 1 to 2 were drawn again, not trained" in out, out
