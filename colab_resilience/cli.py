@@ -56,7 +56,8 @@ def _say_unknown_parameters(command: str, notebook, parameters: dict) -> None:
 
 def run(args) -> int:
     path = Path(args.notebook)
-    out = Path(args.output) if args.output else path.with_name(path.stem + ".out.ipynb")
+    # parent / name, not with_name: `.` or `/` has no name to change, and is refused as a folder
+    out = Path(args.output) if args.output else path.parent / (path.stem + ".out.ipynb")
     parameters = _parameters(args)
     if isinstance(parameters, str):
         return _fail(parameters)

@@ -138,8 +138,15 @@ def read_notebook(notebook) -> tuple[Any, Path | None]:
     if not isinstance(notebook, (str, os.PathLike)):
         return notebook, None
     path = Path(notebook)
+    if path.is_dir():  # `colab-resilience check .`, or a notebook's folder given for it
+        found = sorted(p.name for p in path.glob("*.ipynb") if p.is_file())
+        held = (f"it holds {', '.join(found[:4])}{', ...' if len(found) > 4 else ''}" if found
+                else "it holds no .ipynb file")
+        raise NotebookInputError(f"{path} is a folder ({held}); give the path of a notebook")
     if not path.is_file():
-        raise NotebookInputError(f"{path}: no such notebook; give the path of an .ipynb file")
+        named = path.with_name(path.name + ".ipynb")  # `colab-resilience run train`
+        hint = f" (did you mean {named}?)" if path.suffix != ".ipynb" and named.is_file() else ""
+        raise NotebookInputError(f"{path}: no such notebook{hint}; give the path of an .ipynb file")
     try:
         return nbformat.read(path, as_version=4), path.parent.resolve()
     except Exception as e:  # invalid JSON, not a notebook

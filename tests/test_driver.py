@@ -461,6 +461,11 @@ def test_cli_run_ids_do_not_depend_on_the_notebook_the_command_was_given_from(tm
     "make,args,expected",
     [
         (None, ["run", "missing.ipynb"], "colab-resilience: missing.ipynb: no such notebook; give the path of an .ipynb file"),
+        ("nb", ["run", "good"], "colab-resilience: good: no such notebook (did you mean good.ipynb?); give the path of "
+         "an .ipynb file"),
+        # a folder: it was "no such notebook", which it is not
+        ("nb", ["check", "."], "colab-resilience: . is a folder (it holds good.ipynb); give the path of a notebook"),
+        (None, ["run", "."], "colab-resilience: . is a folder (it holds no .ipynb file); give the path of a notebook"),
         ("{not json", ["run", "bad.ipynb"], "colab-resilience: bad.ipynb: not a readable notebook (Notebook does not appear to be JSON"),
         ('{"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [{"cell_type": "code", "source": "1"}]}',
          ["run", "bad.ipynb"], "colab-resilience: bad.ipynb: not a readable notebook (The notebook is invalid and is "
