@@ -154,6 +154,7 @@ class FaultResult:
     fault: Fault
     fired: bool
     differences: list[str] = field(default_factory=list)
+    stopped: str = ""  # the line the faulted run stopped with, where it did not finish (a refusal, a failure)
     restarts: int = 0
     seconds: float = 0.0
     caught: bool = False  # an injected out-of-memory error caught where it was raised: it never reached this package
@@ -178,18 +179,21 @@ class CheckReport:
         fired tested nothing (exit 1, said as such, not as a difference)."""
         if self.broken:
             return EXIT_BROKEN
-        return EXIT_DIFFERS if any(r.differences or not r.proves for r in self.results) else EXIT_IDENTICAL
+        return EXIT_DIFFERS if any(r.differences or r.stopped or not r.proves for r in self.results) else EXIT_IDENTICAL
 
     def summary(self, seed: int) -> str:
         n = len(self.results)
         differ = sum(1 for r in self.results if r.differences and r.proves)
+        stopped = sum(1 for r in self.results if r.stopped and r.proves)
         unfired = sum(1 for r in self.results if not r.fired)
         # a run its fault never struck that still ended otherwise: the notebook differs from run to run
-        unfired_apart = sum(1 for r in self.results if not r.fired and r.differences)
+        unfired_apart = sum(1 for r in self.results if not r.fired and (r.differences or r.stopped))
         caught = sum(1 for r in self.results if r.fired and r.caught)  # what followed proves nothing
-        if not differ and not unfired and not caught:
+        if not differ and not stopped and not unfired and not caught:
             return f"identical after each of {n} faults (seed {seed})" if n > 1 else f"identical after its fault (seed {seed})"
         parts = [f"{differ} of {n} faulted runs differ"] if differ else []
+        if stopped:  # loudly: no silent difference, but the notebook as it is does not get through the fault
+            parts.append(f"{stopped} of {n} faulted runs stopped instead of going on (see above why)")
         if unfired_apart:
             parts.append(f"{unfired} of {n} faults never fired, even aimed again, and {unfired_apart} of those runs "
                          "ended otherwise without one: the notebook does not run the same twice (see above)")
@@ -500,10 +504,17 @@ def _quote(line: str, most: int = 80) -> str:
     return repr(line if len(line) <= most else line[:most - 3] + "...")
 
 
+def stopped(outcome: Outcome) -> str:
+    """The line a run that did not finish stopped with ("" where it finished)."""
+    if outcome.result.status == EXIT_OK:
+        return ""
+    return _numbered_as_yours(outcome.result) or f"exit status {outcome.result.status}"
+
+
 def compare(reference: Outcome, faulted: Outcome) -> list[str]:
     """What differs between two runs, one line each."""
-    if faulted.result.status != EXIT_OK:
-        return [f"the run did not finish ({_numbered_as_yours(faulted.result) or 'status ' + str(faulted.result.status)})"]
+    if faulted.result.status != EXIT_OK:  # said as the run's stop (:func:`stopped`), not compared
+        return []
     found = []
     for name in sorted(set(reference.digests) | set(faulted.digests)):
         a, b = reference.digests.get(name), faulted.digests.get(name)
@@ -660,7 +671,7 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
                 outcome = _outcome(run(f"fault-{i}", {fault_env.FAULT_ENV: fault.env(mark)},
                                        standby=standby and fault.kind != "oom"))
                 fired = fault_env.fired(mark)
-                result = FaultResult(fault, fired, compare(reference, outcome), len(outcome.result.restarts),
+                result = FaultResult(fault, fired, compare(reference, outcome), stopped(outcome), len(outcome.result.restarts),
                                      time.perf_counter() - started,
                                      caught=fired and fault.kind == "oom" and not fault_env.reached_handling(mark))
                 if result.proves or attempt == REAIM:
@@ -676,6 +687,8 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
             where = fault_env.fired_at(mark)
             landed = f" (the error was raised at {where})" if where else ""
             verdict = ("identical" if not result.differences else f"DIFFERS{landed}: " + "; ".join(result.differences))
+            if result.stopped:  # a refusal is the loud half of "the same result, or a loud refusal"
+                verdict = f"STOPPED{landed} instead of going on: {result.stopped}"
             if not result.fired:
                 verdict = "the fault never fired (the run went another way), so this run proves nothing: " + verdict
             elif result.caught:
@@ -683,7 +696,7 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
                            "never reaching colab_resilience, so this run proves nothing: " + verdict)
             log(f"  fault {i}/{faults}: {fault.describe(report.safe_points)}: {verdict} "
                 f"({result.restarts} kernel restart{'s' if result.restarts != 1 else ''}, {result.seconds:.1f} s)")
-            if result.differences:  # what the package said in that run, and not uninterrupted
+            if result.differences or result.stopped:  # what the package said in that run, and not uninterrupted
                 for line in warned(outcome, since=0):
                     if line not in warned(reference, since=0):
                         log(f"    it said: {line}")

@@ -629,6 +629,30 @@ def test_a_kill_is_taken_over_by_a_standby_kernel_and_an_out_of_memory_error_by_
     assert "(1 kernel restart, " in r.stdout.splitlines()[2], r.stdout
 
 
+def test_a_faulted_run_refused_in_one_line_is_said_as_stopped_not_as_a_difference(tmp_path):
+    """A set-up value a plain cell changed (``data`` made in a %%replay cell, scaled in the next,
+    plain one): after the kill the new kernel's replay makes it as the %%replay cell does, and the
+    resume stops in one line, as it must; after the OOM (retried in the kernel) the run is
+    identical. The refusal is the loud half of "the same result, or a loud refusal": said as the
+    run's stop, with its line, not as "DIFFERS: the run did not finish", and counted apart in the
+    last line; exit status 1 all the same (the notebook as it is does not get through the kill)."""
+    r = check_cells(tmp_path / "plain.ipynb", ["%load_ext colab_resilience",
+                                               "%%replay\nimport time\ndata = list(range(8))\ntotal = 0",
+                                               "data = [x * 10 for x in data]",
+                                               "%%resilient --save total\nfor i in resume_range(4):\n"
+                                               "    total += data[i]\n    print(i, total)\n    time.sleep(0.05)",
+                                               "print('total', total)"], "--faults", "2", "--seed", "3")
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    killed = next(line for line in lines if line.startswith("  fault 1/2: SIGKILL"))
+    assert ": STOPPED instead of going on: colab-resilience: cell 3 failed: UsageError: colab_resilience: run " in killed
+    assert "data is not what the run began with: a cell that is not replayed had changed it" in killed, killed
+    assert "DIFFERS" not in r.stdout, r.stdout
+    assert "\n    it said: colab_resilience: the kernel died (killed by SIGKILL); " in r.stdout, r.stdout
+    assert re.search(r"fault 2/2: an out-of-memory error .*: identical \(0 kernel restarts", r.stdout), r.stdout
+    assert lines[-1].endswith("plain.ipynb: 1 of 2 faulted runs stopped instead of going on (see above why) (seed 3)")
+
+
 def test_what_a_cell_that_clears_its_output_showed_when_it_died_is_not_a_difference_and_its_end_is():
     """A loop that redraws its progress with ``clear_output(wait=True)``: the uninterrupted run
     keeps its last view ('epoch 5 ...'); a run killed in epoch 1 kept the view it died with, then
