@@ -448,7 +448,7 @@ class Run:
             # the resumed run would train on what the %%replay cells make, and end done, otherwise
             lost = [n for n in differ if n in j.setup_changed]
             if lost:
-                raise RunStoppedError(setup_state.lost_message(self.run_id, lost))
+                raise RunStoppedError(setup_state.lost_message(self.run_id, lost, restart.supervised()))
             if differ:
                 self.say(setup_state.message(differ))
 

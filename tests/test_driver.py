@@ -259,6 +259,31 @@ def test_a_run_a_stopped_notebook_leaves_pending_costs_no_restart_when_the_same_
                      r"pending \(not a crash\); not counted\): restored model, history in [\d.]+ s; continuing at [12]\n",
                      cell_text(nb.cells[3])), cell_text(nb.cells[3])
     assert "RESULT [0, 1, 2, 3] True" in cell_text(nb.cells[4]), cell_text(nb.cells[4])
+
+
+def test_a_set_up_value_a_plain_cell_changed_stops_a_supervised_resume_and_the_same_command_goes_on(tmp_path):
+    """``data`` made in a %%replay cell and scaled in the next, plain one; killed in training: the
+    driver's new kernel replays the %%replay cell only, the resume stops in one line, and that line
+    says what a supervised user does (the same command runs every cell again), not "run that cell
+    again, then this one (Run All does)", which no one can do in a headless run. The same command
+    then goes on from the checkpoint to the uninterrupted sum (0 + 10 + 20 + 30)."""
+    mark = str(tmp_path / "m")
+    cells = ("%load_ext colab_resilience", "%%replay\nimport os\ndata = list(range(8))\ntotal = 0",
+             "data = [x * 10 for x in data]",
+             "%%resilient --save total\nfor i in resume_range(4):\n    total += data[i]\n"
+             f"    if i == 2 and not os.path.exists({mark!r}):\n        open({mark!r}, 'w').close(); os.kill(os.getpid(), 9)",
+             "print('total', total)")
+    first = run(notebook(*cells), tmp_path, standby=False)
+    assert first.status == driver.EXIT_CELL_FAILED and first.failed_cell == 3, first.message
+    assert first.message.endswith(
+        "data is not what the run began with: a cell that is not replayed had changed it since the %%replay cells ran "
+        "(said as the run began), and the replay made it as the %%replay cells do, so the resumed run would train on "
+        "other values; the same `colab-resilience run` command runs every cell again and goes on from the "
+        "checkpoint; or make the change in a %%replay cell or --save it"), first.message
+    again = run(nb := notebook(*cells), tmp_path, standby=False)
+    assert again.status == 0, again.message
+    assert re.search(r"continuing at [12]\n", cell_text(nb.cells[3])) and cell_text(nb.cells[4]).strip() == "total 60", \
+        cell_text(nb.cells[3]) + cell_text(nb.cells[4])
     journal = json.loads(next((tmp_path / "runs").glob("run-*/journal.json")).read_text())
     assert journal["restarts_used"] == 1, journal["restarts"]
     assert [(r["reason"], r["planned"]) for r in journal["restarts"][1:]] == [
