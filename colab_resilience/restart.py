@@ -38,6 +38,16 @@ def supervised() -> bool:
     return os.environ.get(SUPERVISED_ENV) == "1"
 
 
+def run_again(cells: str, or_else: str) -> str:
+    """How to go on after a resume refused until ``cells`` (a phrase: "that cell again, then this
+    one") run again: Run All in a notebook; under `colab-resilience run`, which runs no cell twice by
+    itself, the same command (it runs every cell again). ``or_else``: the other way, a clause."""
+    if supervised():
+        return f"the same `colab-resilience run` command runs every cell again and goes on with the run; or {or_else}"
+    return (f"run {cells} (Run All does), or {or_else}; `%resilience reset` starts the run with what the "
+            "%%replay cells make")
+
+
 def planned_reason(policy: RestartPolicy, safe_points: int) -> str | None:
     """Why ``policy`` asks for a restart at this safe point, or None."""
     if policy.every and safe_points % policy.every == 0:

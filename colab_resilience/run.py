@@ -448,7 +448,7 @@ class Run:
             # the resumed run would train on what the %%replay cells make, and end done, otherwise
             lost = [n for n in differ if n in j.setup_changed]
             if lost:
-                raise RunStoppedError(setup_state.lost_message(self.run_id, lost, restart.supervised()))
+                raise RunStoppedError(setup_state.lost_message(self.run_id, lost))
             if differ:
                 self.say(setup_state.message(differ))
 
@@ -520,8 +520,7 @@ class Run:
             raise RunStoppedError(
                 f"colab_resilience: run {self.run_id}: {names} {'is' if one else 'are'} not what the run began "
                 f"with, and {unheld.format(it=it)}: a cell that is not replayed changed {it} (a plain cell, an "
-                f"earlier training cell); run the cells above this one again (Run All), or {advice.format(it=it)}; "
-                "`%resilience reset` starts the run with what the %%replay cells make")
+                f"earlier training cell); " + restart.run_again("the cells above this one again", advice.format(it=it)))
         if differ:
             them = "it" if len(differ) == 1 else "them"
             self.say(f"colab_resilience: run {self.run_id}: the replayed set-up cells made {', '.join(differ)} "

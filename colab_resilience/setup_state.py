@@ -47,7 +47,7 @@ import sys
 import types
 from typing import Any, Iterable, Mapping
 
-from . import lint
+from . import lint, restart
 
 CHUNK = 1 << 26  # bytes copied at a time to hash what is not hashed where it lies (GPU memory, a view)
 KEPT = 1 << 20  # bytes of a tensor or array whose digest one_moment keeps
@@ -463,19 +463,15 @@ def changed_message(names: list[str]) -> str:
             "%%replay cell and run it, or --save them")
 
 
-def lost_message(run_id: str, names: list[str], supervised: bool = False) -> str:
+def lost_message(run_id: str, names: list[str]) -> str:
     """The line that stops a resume whose replay did not make what a cell that is not replayed
-    had changed as the run began (said then, :func:`changed_message`). ``supervised``: under
-    `colab-resilience run`, whose same command runs every cell again and goes on."""
+    had changed as the run began (said then, :func:`changed_message`)."""
     one = len(names) == 1
     it = "it" if one else "them"
-    again = ("the same `colab-resilience run` command runs every cell again and goes on from the checkpoint; "
-             f"or make the change in a %%replay cell or --save {it}" if supervised else
-             f"run that cell again, then this one (Run All does), or make the change in a %%replay cell or --save {it}; "
-             "`%resilience reset` starts the run with what the %%replay cells make")
     return (f"colab_resilience: run {run_id}: {_shown(names)} {'is' if one else 'are'} not what the run began with: a "
             f"cell that is not replayed had changed {it} since the %%replay cells ran (said as the run began), and the "
-            f"replay made {it} as the %%replay cells do, so the resumed run would train on other values; {again}")
+            f"replay made {it} as the %%replay cells do, so the resumed run would train on other values; "
+            + restart.run_again("that cell again, then this one", f"make the change in a %%replay cell or --save {it}"))
 
 
 def message(names: list[str]) -> str:

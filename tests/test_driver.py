@@ -278,8 +278,8 @@ def test_a_set_up_value_a_plain_cell_changed_stops_a_supervised_resume_and_the_s
     assert first.message.endswith(
         "data is not what the run began with: a cell that is not replayed had changed it since the %%replay cells ran "
         "(said as the run began), and the replay made it as the %%replay cells do, so the resumed run would train on "
-        "other values; the same `colab-resilience run` command runs every cell again and goes on from the "
-        "checkpoint; or make the change in a %%replay cell or --save it"), first.message
+        "other values; the same `colab-resilience run` command runs every cell again and goes on with the run; or "
+        "make the change in a %%replay cell or --save it"), first.message
     again = run(nb := notebook(*cells), tmp_path, standby=False)
     assert again.status == 0, again.message
     assert re.search(r"continuing at [12]\n", cell_text(nb.cells[3])) and cell_text(nb.cells[4]).strip() == "total 60", \

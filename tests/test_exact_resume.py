@@ -1412,7 +1412,7 @@ def test_a_refused_run_goes_on_as_it_began_after_run_all(kernel, tmp_path):
     refused = kernel.execute(cells[4])
     assert refused.status == "error"
     assert f"opt {REFUSED}" in refused.evalue, refused.evalue
-    assert "run the cells above this one again (Run All)" in refused.evalue
+    assert "run the cells above this one again (Run All does)" in refused.evalue
     for source in cells[1:4]:
         kernel.ok(source)
     out = kernel.ok(cells[4]).stdout
