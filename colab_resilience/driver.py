@@ -477,7 +477,11 @@ class Supervisor:
             lines = [line for line in streams.splitlines() if line.strip()] or [
                 line for line in str(error).splitlines() if line.strip() and not set(line) <= {"-"}]
             what = lines[-1] if lines else type(error).__name__
-        result.message = f"colab-resilience: cell {index} failed: {what}"
+        # this package's own stop in one line (a refusal; IPython shows it as a UsageError): its line
+        verb = "failed"
+        if what.startswith("UsageError: colab_resilience: "):
+            verb, what = "stopped", what.removeprefix("UsageError: ")
+        result.message = f"colab-resilience: cell {index} {verb}: {what}"
 
     def recover(self, index: int, *, starting: bool = False) -> bool:
         """After a death: count it against its budget, bring in the standby or restart the

@@ -645,7 +645,7 @@ def test_a_faulted_run_refused_in_one_line_is_said_as_stopped_not_as_a_differenc
     assert r.returncode == 1, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     killed = next(line for line in lines if line.startswith("  fault 1/2: SIGKILL"))
-    assert ": STOPPED instead of going on: colab-resilience: cell 3 failed: UsageError: colab_resilience: run " in killed
+    assert ": STOPPED instead of going on: colab-resilience: cell 3 stopped: colab_resilience: run " in killed
     assert "data is not what the run began with: a cell that is not replayed had changed it" in killed, killed
     assert "the same `colab-resilience run` command runs every cell again and goes on with the run" in killed, killed
     assert "DIFFERS" not in r.stdout, r.stdout

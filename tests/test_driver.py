@@ -275,6 +275,8 @@ def test_a_set_up_value_a_plain_cell_changed_stops_a_supervised_resume_and_the_s
              "print('total', total)")
     first = run(notebook(*cells), tmp_path, standby=False)
     assert first.status == driver.EXIT_CELL_FAILED and first.failed_cell == 3, first.message
+    # the package's own stop, its line (it was "cell 3 failed: UsageError: colab_resilience: ...")
+    assert first.message.startswith("colab-resilience: cell 3 stopped: colab_resilience: run "), first.message
     assert first.message.endswith(
         "data is not what the run began with: a cell that is not replayed had changed it since the %%replay cells ran "
         "(said as the run began), and the replay made it as the %%replay cells do, so the resumed run would train on "

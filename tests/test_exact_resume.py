@@ -624,7 +624,8 @@ def test_a_saved_generator_the_code_above_an_inner_loop_draws_from_draws_what_it
     was named at the first run. The saved generators' states when the outer iteration began go
     with the checkpoint, as the global random states do; the run ends bit for bit as its twin, and
     the first run names nothing."""
-    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _generator_above_inner_notebook(fault, mark))
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _generator_above_inner_notebook(fault, mark),
+                                     shared="generator_above_inner")
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert "colab_resilience:" not in harness.cell_text(twin.cells[2]), harness.cell_text(twin.cells[2])
     assert harness.result(nb) == harness.result(twin)
@@ -660,7 +661,8 @@ def test_a_value_the_inner_loop_sets_and_the_code_below_it_reads_is_kept(tmp_pat
     there resumed at the inner loop's end in a new kernel, where ``loss`` did not exist
     (NameError), after a line at the first run. A small value (a loss tensor, a count) set in a
     loop and read after it goes with each checkpoint unasked, and the run ends as its twin."""
-    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _read_after_inner_loop_notebook(fault, mark))
+    run, nb, twin = faulted_and_twin(tmp_path, lambda mark: _read_after_inner_loop_notebook(fault, mark),
+                                     shared="read_after_inner_loop")
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     said = harness.cell_text(nb.cells[2])
     if fault == "kill":
