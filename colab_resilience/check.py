@@ -504,7 +504,7 @@ def _quote(line: str, most: int = 80) -> str:
     return repr(line if len(line) <= most else line[:most - 3] + "...")
 
 
-def stopped(outcome: Outcome) -> str:
+def stop_line(outcome: Outcome) -> str:
     """The line a run that did not finish stopped with ("" where it finished)."""
     if outcome.result.status == EXIT_OK:
         return ""
@@ -513,7 +513,7 @@ def stopped(outcome: Outcome) -> str:
 
 def compare(reference: Outcome, faulted: Outcome) -> list[str]:
     """What differs between two runs, one line each."""
-    if faulted.result.status != EXIT_OK:  # said as the run's stop (:func:`stopped`), not compared
+    if faulted.result.status != EXIT_OK:  # said as the run's stop (:func:`stop_line`), not compared
         return []
     found = []
     for name in sorted(set(reference.digests) | set(faulted.digests)):
@@ -671,7 +671,7 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
                 outcome = _outcome(run(f"fault-{i}", {fault_env.FAULT_ENV: fault.env(mark)},
                                        standby=standby and fault.kind != "oom"))
                 fired = fault_env.fired(mark)
-                result = FaultResult(fault, fired, compare(reference, outcome), stopped(outcome), len(outcome.result.restarts),
+                result = FaultResult(fault, fired, compare(reference, outcome), stop_line(outcome), len(outcome.result.restarts),
                                      time.perf_counter() - started,
                                      caught=fired and fault.kind == "oom" and not fault_env.reached_handling(mark))
                 if result.proves or attempt == REAIM:
