@@ -166,8 +166,10 @@ def exit_kernel(code: int) -> None:
         except Exception:
             pass
     # flush() returns once ipykernel's IO thread handed the output to ZMQ, whose own thread sends
-    # it a moment later; os._exit would drop what is still queued
-    time.sleep(0.1)
+    # it a moment later; os._exit would drop what is still queued. Half a second: on a machine
+    # loaded to three runnable processes a core (CI), 0.1 s once lost the line saying why the
+    # kernel left; a restart takes seconds, so the wait costs nothing a user would notice
+    time.sleep(0.5)
     os._exit(code)
 
 

@@ -230,6 +230,15 @@ class Kernel:
             except Exception:  # queue.Empty
                 pass
             if not self.km.is_alive():
+                # what the kernel sent before it left may still be on its way (a loaded machine):
+                # read until a second passes without a message
+                while True:
+                    try:
+                        msg = self.kc.get_iopub_msg(timeout=1)
+                    except Exception:  # queue.Empty
+                        break
+                    if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                        stdout += msg["content"]["text"]
                 break
             try:
                 reply = self.kc.get_shell_msg(timeout=0)
