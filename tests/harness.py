@@ -221,25 +221,22 @@ class Kernel:
         msg_id = self.submit(code, metadata)
         deadline = time.monotonic() + timeout
         stdout = ""
+        gone = False
         while time.monotonic() < deadline:
             try:
-                msg = self.kc.get_iopub_msg(timeout=0.2)
+                msg = self.kc.get_iopub_msg(timeout=1 if gone else 0.2)
                 if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
                     stdout += msg["content"]["text"]
                 continue
             except Exception:  # queue.Empty
                 pass
+            if gone:
+                break
             if not self.km.is_alive():
                 # what the kernel sent before it left may still be on its way (a loaded machine):
-                # read until a second passes without a message
-                while True:
-                    try:
-                        msg = self.kc.get_iopub_msg(timeout=1)
-                    except Exception:  # queue.Empty
-                        break
-                    if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-                        stdout += msg["content"]["text"]
-                break
+                # read on until a second passes without a message
+                gone = True
+                continue
             try:
                 reply = self.kc.get_shell_msg(timeout=0)
                 if reply["parent_header"].get("msg_id") == msg_id:
