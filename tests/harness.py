@@ -412,11 +412,16 @@ def user_cell(nb, cell_id: str) -> str:
 
 def run(nb, workdir: str | os.PathLike, **kw):
     """Supervised: ``colab_resilience.driver.run_notebook`` in the test kernel, in ``workdir``, with
-    its run folder ``workdir/runs`` and the executed notebook written to ``workdir/out.ipynb``."""
+    its run folder ``workdir/runs`` and the executed notebook written to ``workdir/out.ipynb``.
+    One standby kernel at most (``standbys=1``, as `colab-resilience check` gives a run with one
+    fault): it takes over from the run's first death as the default does; another started after
+    it would import the notebook's modules (torch, TensorFlow, transformers: seconds of CPU) for
+    a death that most tests never bring. A test of later deaths' standbys gives ``standbys``."""
     from colab_resilience import driver
 
     workdir = Path(workdir)
     kw.setdefault("kernel_name", KERNEL_NAME)
+    kw.setdefault("standbys", 1)
     return driver.run_notebook(nb, workdir / "out.ipynb", cwd=workdir, run_dir=workdir / "runs", **kw)
 
 
