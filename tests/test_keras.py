@@ -310,7 +310,8 @@ def test_a_custom_training_loop_killed_or_out_of_memory_resumes_bit_identical(tm
     epoch's numbers from the failed attempt's generator, and the run said done).
     Each ends bit for bit as the uninterrupted run (weights, moments, step counts, the metric's
     means, keras.random's draws), and the first run says nothing of them (they were refused before)."""
-    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: custom_loop_notebook(fault, mark, epoch, built))
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: custom_loop_notebook(fault, mark, epoch, built),
+                                              shared=f"keras custom loop built={built}")
     train = harness.cell_text(nb.cells[2])
     restarted = fault == "kill" or epoch == 0
     assert len(run.restarts) == restarted, train
@@ -477,7 +478,8 @@ def test_a_subclassed_model_built_by_its_first_step_resumes_with_its_own_metrics
     count, the CSV file, the weights and the optimizer's variables. The first run says one thing:
     that the notebook's callback appends to a file of its own (where a fault strikes after it wrote
     and before the next safe point is on disk, the lines are written again); not CSVLogger's."""
-    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: subclassed_fit_notebook(fault, mark, epoch))
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: subclassed_fit_notebook(fault, mark, epoch),
+                                              shared="keras subclassed fit")
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     said = [line for line in harness.cell_text(twin.cells[2]).splitlines() if "colab_resilience:" in line]
     assert said == ["colab_resilience: Strike, which the training calls, appends to 'epochs.txt': a checkpoint does "

@@ -412,7 +412,8 @@ def test_a_modules_torchmetrics_metrics_come_back_with_the_fit(tmp_path, fault):
     states out: a sum over the fit came back reset after a kill (or kept the failed attempt's steps
     after an OOM), and the fit said done. They go with each safe point, and the fit ends bit for bit
     as its twin: the sum and its count of updates, the epoch's MSE, the weights."""
-    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: metrics_fit_notebook(fault, mark))
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: metrics_fit_notebook(fault, mark),
+                                              shared="lightning metrics fit")
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(nb).startswith("RESULT ") and " 36 " in harness.result(nb), harness.result(nb)
@@ -456,7 +457,8 @@ def test_a_callbacks_tensors_and_a_modules_tensor_attribute_come_back_with_the_f
     them (None, then the next step's weights) while its count came back, and the fit said done. Its
     tensors go with each safe point now, as does the module's tensor attribute; the fit ends bit
     for bit as its twin."""
-    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: ema_fit_notebook(fault, mark))
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: ema_fit_notebook(fault, mark),
+                                              shared="lightning ema fit")
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(nb).startswith("RESULT 36 "), harness.result(nb)
@@ -515,7 +517,8 @@ def test_the_hooks_a_resumed_fit_runs_again_leave_it_as_at_its_safe_point(tmp_pa
     the momentum once more: the fit said done with other weights (found by a probe). Once the fit
     is back where its safe point was taken, the module's flags, the optimizers, the schedulers and
     the callbacks' state are put back: bit for bit as its twin, the counts included."""
-    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: epoch_start_fit_notebook(fault, mark, step))
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: epoch_start_fit_notebook(fault, mark, step),
+                                              shared="lightning epoch start fit")
     out = harness.cell_text(nb.cells[2])
     assert len(run.restarts) == (fault == "kill"), out
     assert ("continuing at epoch 1" if step == 13 else "continuing at step 16 of epoch 1") in out, out
@@ -556,7 +559,8 @@ def test_a_plateau_scheduler_steps_at_the_end_of_an_epoch_resumed_within(tmp_pat
     the scheduler missed that epoch's step (its count one behind, its learning rate halved later),
     and the fit said done. The epoch's metrics are in our checkpoint, complete: it steps, and the fit
     ends bit for bit as its twin."""
-    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: plateau_fit_notebook(fault, mark))
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: plateau_fit_notebook(fault, mark),
+                                              shared="lightning plateau fit")
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(nb).startswith("RESULT 5 "), harness.result(nb)
@@ -618,7 +622,8 @@ def test_a_csv_loggers_file_holds_every_row_after_a_resume(tmp_path, fault, vers
     logs nothing until the fit is back where the safe point was taken (what the hooks before it log
     again, the learning rate as the epoch begins, is among them). The file is the twin's, line for
     line, in the twin's folder, and no other folder is made."""
-    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: csv_fit_notebook(fault, mark, version, every_steps))
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: csv_fit_notebook(fault, mark, version, every_steps),
+                                              shared=f"lightning csv fit {version} {every_steps}")
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert "colab_resilience:" not in harness.cell_text(twin.cells[2]), harness.cell_text(twin.cells[2])
     assert harness.result(nb) == harness.result(twin)
@@ -651,7 +656,7 @@ def test_safe_points_within_an_epoch_fall_between_accumulation_windows(tmp_path,
     result = ("print('RESULT', trainer.global_step, "
               "[t.detach().numpy().tobytes().hex() for t in model.state_dict().values()])")
     run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: _fit_notebook(
-        fault, mark, model, result, trainer=", accumulate_grad_batches=3"))
+        fault, mark, model, result, trainer=", accumulate_grad_batches=3"), shared="lightning accumulating fit")
     assert len(run.restarts) == (fault == "kill"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(nb).startswith("RESULT 12 "), harness.result(nb)

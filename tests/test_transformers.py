@@ -336,7 +336,7 @@ def test_neftunes_noise_is_added_once_and_gone_when_training_ends(tmp_path, faul
     added it; bit for bit as the twin, without hook or setting at the end. Killed after the
     training, the finished train() brought back (which removes the hook its set-up added, and
     puts the model's plain attributes back) ends so too."""
-    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: _neftune_notebook(mark, fault))
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: _neftune_notebook(mark, fault), shared="hf neftune")
     assert len(run.restarts) == (fault == "kill-after"), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(twin).startswith("RESULT 0 False 30 "), harness.result(twin)
@@ -388,7 +388,7 @@ def test_an_epochs_order_drawn_from_the_global_random_state_is_drawn_again_withi
     a probe). The state the epoch began with goes back before its order is drawn; and the
     checkpoints the resumed epoch takes keep that state as its beginning (a second kill in it
     drew the order from the resumed kernel's). Bit for bit as the twin."""
-    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: _grouped_notebook(mark, fault))
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: _grouped_notebook(mark, fault), shared="hf grouped")
     assert len(run.restarts) == {"kill": 1, "oom": 0, "kill-twice": 2}[fault], harness.cell_text(nb.cells[2])
     assert "continuing at step 13" in harness.cell_text(nb.cells[2]), harness.cell_text(nb.cells[2])
     assert harness.result(nb) == harness.result(twin)
@@ -561,7 +561,8 @@ def test_a_masking_collators_batches_are_made_again_from_the_same_random_states(
     resume otherwise, at an epoch's start too, with nothing said (found by a probe). The random
     states each batch was made from go with the checkpoint, and a resume makes them again from
     them: bit for bit as the twin, and nothing said."""
-    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: _masking_notebook(mark, fault, seed, every))
+    run, nb, twin = harness.faulted_and_twin(tmp_path, lambda mark: _masking_notebook(mark, fault, seed, every),
+                                              shared=f"hf masking {seed!r} {every!r}")
     out = harness.cell_text(nb.cells[2])
     assert len(run.restarts) == (fault == "kill"), out
     assert ("continuing at step 9" if every else "continuing at step 7") in out, out
