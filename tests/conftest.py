@@ -6,11 +6,50 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import IPython
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import harness  # noqa: E402
+
+
+# The Jupyter stack this suite runs on: "colab" (IPython 7, the stack Google Colab ships) or
+# "newest". CI runs the suite on both (README: Tests).
+STACK = "colab" if IPython.version_info[0] < 8 else "newest"
+STACKS = ("newest", "colab")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--every-stack", action="store_true",
+                     help="also run the tests marked one_stack(...) for the other Jupyter stack")
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test marked ``one_stack("colab")`` or ``one_stack("newest")`` proves what no Jupyter stack
+    changes (which values a checkpoint holds and puts back, what `check` concludes about a
+    notebook): the package's own code, the same on both stacks, carried there by kernels and a
+    driver that the other tests prove on each stack. It runs on the stack it names only (CI runs
+    the suite on both, each under 15 minutes on 2 CPUs); ``--every-stack`` runs it here too."""
+    if config.getoption("--every-stack"):
+        return
+    kept, elsewhere = [], []
+    for item in items:
+        marker = item.get_closest_marker("one_stack")
+        if marker is not None and marker.args[0] not in STACKS:
+            raise pytest.UsageError(f"{item.nodeid}: one_stack({marker.args[0]!r}): the stacks are {STACKS}")
+        (elsewhere if marker is not None and marker.args[0] != STACK else kept).append(item)
+    if elsewhere:
+        config.hook.pytest_deselected(items=elsewhere)
+        items[:] = kept
+
+
+def pytest_report_header(config):
+    other = next(s for s in STACKS if s != STACK)
+    also = "run here too (--every-stack)" if config.getoption("--every-stack") else \
+        "left to that stack's run (--every-stack runs them here)"
+    return (f"Jupyter stack: {STACK} (IPython {IPython.__version__}); the tests marked one_stack({other!r}) "
+            f"are {also}")
 
 
 def pytest_configure(config):

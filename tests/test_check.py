@@ -24,6 +24,7 @@ def check(*args: str, cwd=None, timeout: int = 600) -> subprocess.CompletedProce
                           text=True, cwd=cwd, env=harness.child_env(), timeout=timeout)
 
 
+@pytest.mark.one_stack("colab")
 def test_a_notebook_that_resumes_exactly_passes_every_kind_of_fault():
     """The nested-loop notebook, a DataLoader in it: each of four faults (a kill between safe
     points, an OOM, a kill during a save, aimed into its background write by the timeline of the
@@ -40,6 +41,7 @@ def test_a_notebook_that_resumes_exactly_passes_every_kind_of_fault():
     assert lines[-1].endswith("identical after each of 4 faults (seed 1)")
 
 
+@pytest.mark.one_stack("colab")
 def test_a_loop_that_mutates_an_unsaved_global_fails_naming_it():
     """steps_done is counted by the loop and not saved: after a restart or a rollback it is wrong,
     and check names it with both values, and the cell that printed it otherwise by its first line
@@ -81,6 +83,7 @@ def test_the_shipped_tutorial_passes(tmp_path):
     assert "final accuracy" in text and ": done; restarts 0/3" in text, text
 
 
+@pytest.mark.one_stack("colab")
 def test_the_shipped_quickstart_passes_and_says_what_it_did_not_compare(tmp_path):
     """The quickstart reads its kernel's memory size (`vm`) in a plain cell before the training.
     That size is often, not always, the same in two kernels; a clock read there (`started`, added
@@ -115,6 +118,7 @@ def test_the_shipped_quickstart_passes_and_says_what_it_did_not_compare(tmp_path
     assert printed == ["5", "5"], r.stdout
 
 
+@pytest.mark.one_stack("colab")
 def test_the_demo_passes_though_it_really_runs_out_of_memory_and_writes_in_its_folder(tmp_path):
     """The demo notebook caps its kernel's memory (a real OOM: --shrink halves the batch until it
     fits), kills itself once in epoch 2 (a marker file in its folder says it did) and logs epochs
@@ -230,6 +234,7 @@ def test_an_injected_oom_never_lands_where_only_clean_up_runs(ip, tmp_path):
     assert faults.cleanup_lines(fired_at.rsplit(":", 1)[0]) == {3}
 
 
+@pytest.mark.one_stack("colab")
 def test_a_fault_that_never_fires_is_aimed_again_not_called_a_difference():
     """resume_planned.ipynb with a planned restart every 2 epochs (%restart_after 2): the kernel
     leaves at safe point 3 of 6 (the end of epoch 2) and a second kernel takes the run over,
@@ -248,6 +253,7 @@ def test_a_fault_that_never_fires_is_aimed_again_not_called_a_difference():
     assert r.stdout.splitlines()[-1].endswith("identical after each of 2 faults (seed 9)")
 
 
+@pytest.mark.one_stack("colab")
 def test_runs_no_fault_struck_that_still_ended_otherwise_are_not_summed_up_as_identical(tmp_path):
     """A notebook with its own resume (it loads the file its loop wrote, and starts after that
     file's epoch): every run after the first finds the file and trains nothing, so no fault ever
@@ -270,6 +276,7 @@ def test_runs_no_fault_struck_that_still_ended_otherwise_are_not_summed_up_as_id
     assert "the runs wrote own.pt in " in r.stdout, r.stdout
 
 
+@pytest.mark.one_stack("colab")
 def test_an_oom_the_notebook_catches_itself_proves_nothing_and_is_said_so(tmp_path):
     """The loop's work runs inside `try: ... except Exception`, as library code often does: an
     injected out-of-memory error lands there, is swallowed, and the run goes on one step short. That
@@ -733,6 +740,7 @@ def test_a_global_a_set_up_cells_function_changes_is_not_excused_as_recomputed()
     assert set_up_names(nb) == {"size", "tick"}
 
 
+@pytest.mark.one_stack("colab")
 def test_a_set_up_drawn_without_a_seed_is_named_as_why_no_two_runs_agree(tmp_path):
     """A split drawn without a seed in the %%replay cell: every kernel draws another, the
     uninterrupted run's included, so every faulted run differs, the kill's and the OOM's alike

@@ -3,6 +3,10 @@
 Each interrupted run is compared bit for bit with its uninterrupted twin (the RESULT line: loss
 history and fingerprints of the weights and the optimizer state), supervised and interactively
 where both apply. Each case once ended "done" with another result and no warning.
+
+The supervised cases prove what a checkpoint holds and puts back, which no Jupyter stack changes:
+each runs on one of the two stacks CI runs (``one_stack``, tests/conftest.py), the interactive
+ones and those of restarts and budgets on both.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ def interactive_result(kernel, nb) -> str:
 
 
 @pytest.mark.parametrize("use_loader", [False, True], ids=["permutation", "dataloader"])
+@pytest.mark.one_stack("newest")
 def test_a_kill_inside_an_epoch_resumes_at_the_next_minibatch(tmp_path, tmp_path_factory, use_loader):
     """Killed after minibatch 3 of epoch 1, supervised: the new kernel starts epoch 1 again with the
     random state it began with (the same shuffle, the same DataLoader order), skips minibatches
@@ -92,6 +97,7 @@ def test_a_kill_inside_an_epoch_resumes_exactly_interactively(kernel, tmp_path, 
 # -- a rollback leaves nothing behind: gradients, modes -----------------------------------------------
 
 
+@pytest.mark.one_stack("newest")
 def test_an_oom_inside_backward_while_accumulating_gradients_retries_exactly(tmp_path, tmp_path_factory):
     """An OOM raised inside backward(), half-way through an accumulation window (some gradients
     already added): the retry starts the epoch with no gradient left over, as the uninterrupted
@@ -243,6 +249,7 @@ def _generator_notebook(where: str, mark):
 
 
 @pytest.mark.parametrize("where", ["generator", "loop"])
+@pytest.mark.one_stack("newest")
 def test_an_oom_with_a_generator_from_a_set_up_cell_goes_on_in_a_restarted_kernel(tmp_path, where):
     """A generator made by a %%replay cell, drawn by the loop: an OOM in it (which ends it) or in
     the loop's body. A retry in the same kernel would go on over the generator the failed attempt
@@ -296,6 +303,7 @@ def _handed_on_notebook(fault: str, mark):
 
 
 @pytest.mark.parametrize("fault", ["kill", "oom"])
+@pytest.mark.one_stack("newest")
 def test_objects_the_set_up_cells_handed_on_see_the_restored_values(tmp_path, fault):
     """A weight tensor made by hand that the optimizer steps, a history list a logger appends to:
     after a kill (replayed set-up cells) or an OOM (a rollback in the kernel), the restore puts the
@@ -343,6 +351,7 @@ def _ensemble_notebook(fault: str, mark):
 
 
 @pytest.mark.parametrize("fault", ["kill", "oom"])
+@pytest.mark.one_stack("newest")
 def test_models_and_optimizers_saved_in_lists_and_dicts_stay_joined(tmp_path, fault):
     """Models and their optimizers saved in lists and dicts (an ensemble, a GAN): each was pickled
     on its own, so a restore made copies of the models' tensors for the models and others for the
@@ -394,6 +403,7 @@ def _unfreezing_notebook(fault: str, epoch: int, mark, anew: bool = False):
 
 
 @pytest.mark.parametrize("fault, epoch", [("kill", 3), ("oom", 2)])
+@pytest.mark.one_stack("newest")
 def test_a_parameter_group_the_loop_added_is_added_again_or_taken_out(tmp_path, fault, epoch):
     """The loop adds the unfrozen backbone to the optimizer in epoch 2. Killed in epoch 3, the new
     kernel's set-up cells build the optimizer with the head's group only; rolled back from an OOM
@@ -411,6 +421,7 @@ def test_a_parameter_group_the_loop_added_is_added_again_or_taken_out(tmp_path, 
     assert harness.result(nb).endswith(" [0.05, 0.01] [True, True]"), harness.result(nb)
 
 
+@pytest.mark.one_stack("newest")
 def test_an_optimizer_the_loop_made_anew_over_other_tensors_steps_them_after_a_restart(tmp_path):
     """The loop makes the optimizer anew at epoch 2, over the whole model (the head's alone
     before); killed in epoch 3, the new kernel's set-up cells build the head's. The run stopped,
@@ -442,6 +453,7 @@ def test_an_optimizer_built_with_other_groups_is_said_by_its_groups_not_as_anoth
         "the parameters of model and tensors no saved model holds ("), carried.joins_changed(held, other)
 
 
+@pytest.mark.one_stack("newest")
 def test_a_model_a_plain_cell_changed_the_dtype_of_stops_the_resume_in_one_line(tmp_path):
     """`model.double()` in a plain cell (not %%replay), the loop casting its batches: killed in
     epoch 2, the new kernel's set-up cell builds the model in float32, and load_state_dict put the
@@ -494,6 +506,7 @@ def _settings_notebook(fault: str, mark):
         " torch.backends.cudnn.benchmark)")
 
 
+@pytest.mark.one_stack("newest")
 def test_torchs_settings_a_plain_cell_changed_go_with_the_run(tmp_path):
     """Killed in epoch 2, the new kernel had torch's defaults: the loop drew float32 noise where
     the uninterrupted run drew float64 (found by a probe), and the run said done with other
@@ -538,6 +551,7 @@ def _counting_module_notebook(fault: str, mark):
 
 
 @pytest.mark.parametrize("fault", ["kill", "oom"])
+@pytest.mark.one_stack("newest")
 def test_a_modules_own_plain_attributes_come_back_with_it(tmp_path, fault):
     """A module's state_dict holds its parameters and buffers, not the counter its forward keeps
     (``self.calls += 1``), the list it appends to or a temperature the loop anneals: after a kill
@@ -577,6 +591,7 @@ def _decay_above_inner_notebook(fault: str, mark):
 
 
 @pytest.mark.parametrize("fault", ["kill", "oom"])
+@pytest.mark.one_stack("newest")
 def test_an_object_the_code_above_an_inner_loop_changes_is_back_at_the_inner_safe_point(tmp_path, fault):
     """A resume inside an epoch runs the code above the inner loop again on the restored objects:
     the learning rate was halved a second time in the optimizer (0.025 for 0.05 from there on) and
@@ -617,6 +632,7 @@ def _generator_above_inner_notebook(fault: str, mark):
 
 
 @pytest.mark.parametrize("fault", ["kill", "oom"])
+@pytest.mark.one_stack("newest")
 def test_a_saved_generator_the_code_above_an_inner_loop_draws_from_draws_what_it_drew(tmp_path, fault):
     """A resume inside an epoch runs the code above the inner loop again: the permutation and the
     DataLoader's order were drawn from the inner safe point's generator (after the epoch's draws),
@@ -656,6 +672,7 @@ def _read_after_inner_loop_notebook(fault: str, mark):
 
 
 @pytest.mark.parametrize("fault", ["kill", "oom"])
+@pytest.mark.one_stack("newest")
 def test_a_value_the_inner_loop_sets_and_the_code_below_it_reads_is_kept(tmp_path, fault):
     """``history.append(loss.item())`` below the inner loop, ``loss`` not in --save: a run killed
     there resumed at the inner loop's end in a new kernel, where ``loss`` did not exist
@@ -714,6 +731,7 @@ def _best_copy_notebook(fault: str, mark):
 
 
 @pytest.mark.parametrize("fault", ["kill", "oom"])
+@pytest.mark.one_stack("newest")
 def test_a_model_copy_the_loop_makes_comes_back_whole(tmp_path, fault):
     """``best_model = copy.deepcopy(model)`` in the loop, in --save as the first run asks: saved by
     its state dict, it could not be restored after a restart (no set-up cell makes an object of that
@@ -762,6 +780,7 @@ def _non_persistent_buffer_notebook(fault: str, mark):
 
 
 @pytest.mark.parametrize("fault", ["kill", "oom"])
+@pytest.mark.one_stack("newest")
 def test_a_modules_tensors_no_state_dict_holds_come_back_with_it(tmp_path, fault):
     """A buffer registered with ``persistent=False`` and a tensor attribute are left out of
     ``state_dict()``: after a kill they came back as the set-up cell made them, after an
@@ -806,6 +825,7 @@ def _channels_last_notebook(fault: str, mark, device: str = "cpu"):
 
 
 @pytest.mark.parametrize("fault", ["kill", "oom"])
+@pytest.mark.one_stack("newest")
 def test_tensors_come_back_laid_out_in_memory_as_they_were(tmp_path, fault):
     """Saved tensors came back row-major: a bank of channels_last batches fed to a BatchNorm, which
     reduces in memory order, gave other bits after a kill or an out-of-memory error, and the
@@ -840,6 +860,7 @@ def _lbfgs_notebook(fault: str, mark):
 
 
 @pytest.mark.parametrize("fault", ["kill", "oom"])
+@pytest.mark.one_stack("newest")
 def test_an_optimizer_state_that_is_summed_comes_back_summed_in_the_same_order(tmp_path, fault):
     """Tensors came back as views into the checkpoint's memory, at offsets aligned only to their
     items, and BLAS peels an unaligned start off a dot product: L-BFGS, which takes dot products of
@@ -880,6 +901,7 @@ def _compiled_notebook(fault: str, mark):
 @pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")),
                     reason="torch.compile's default backend builds C++ for the CPU: no C++ compiler here")
 @pytest.mark.parametrize("fault", ["kill", "oom"])
+@pytest.mark.one_stack("newest")
 def test_a_model_bound_again_to_torch_compile_of_itself_resumes_bit_for_bit(tmp_path, fault):
     """``model = torch.compile(model)``, the way notebooks compile: the name holds the compiled
     wrapper, whose state dict names every tensor under ``_orig_mod.``, and the replay compiles a
@@ -919,6 +941,7 @@ def _setup_draws_notebook(mark, *, seeded: bool):
     )
 
 
+@pytest.mark.one_stack("newest")
 def test_what_the_replayed_set_up_cells_made_otherwise_is_named_when_the_run_resumes(tmp_path):
     """A train split drawn before the seed is drawn otherwise by the new kernel's replay: the
     resumed run trained on other data, and said nothing. The kernel that began the run fingerprints
@@ -1114,6 +1137,7 @@ def test_a_vocabulary_in_a_sets_order_is_named_when_jupyter_restarts_the_kernel(
     assert "colab_resilience: the replayed set-up cells made data otherwise than the kernel that began this run" \
         in out, out
 
+@pytest.mark.one_stack("newest")
 def test_set_up_cells_that_make_the_same_again_resume_bit_identical_and_say_nothing(tmp_path):
     """The same notebook with the split drawn after the seed: the replay makes what the first kernel
     had (the vocabulary in its set's order too: the supervisor's kernels hash strings alike), nothing
@@ -1163,6 +1187,7 @@ def _train_function_notebook(fault: str, mark):
 
 
 @pytest.mark.parametrize("fault", ["kill", "oom"])
+@pytest.mark.one_stack("newest")
 def test_a_loop_in_a_function_the_cell_calls_resumes_where_it_stopped(tmp_path, fault):
     """``stopped = train(40)``, the resume_range loop inside train(), defined by a %%replay cell:
     after a kill or an OOM the loop goes on from its safe point, restored when the loop starts,
@@ -1196,6 +1221,7 @@ _TRAINER_CLASS = (
 
 
 @pytest.mark.parametrize("fault", ["kill", "oom"])
+@pytest.mark.one_stack("newest")
 def test_a_trainer_object_whose_method_runs_the_loop_is_restored_into_itself(tmp_path, fault):
     """``hist = trainer.fit(6)``: the loop runs in a method of a class the notebook defines, and
     ``self`` is the object the cell called it on. Restored with ``--save trainer,model,opt``, the
@@ -1241,6 +1267,7 @@ def _two_phases_notebook():
 
 @pytest.mark.parametrize("where", [(6, "after"), (8, "before"), (8, "after")],
                          ids=["in-the-second-loop", "before-the-end-save", "after-the-end-save"])
+@pytest.mark.one_stack("newest")
 def test_an_optimizer_the_cell_makes_between_two_loops_is_restored_once_it_is_made(tmp_path, where):
     """``opt2 = Adam(...)`` between the pre-training loop and the fine-tuning one, saved: a kill in
     the second loop, or just before or after the save at the cell's end (every loop had finished),
@@ -1306,6 +1333,7 @@ def drawn_above_the_loop_notebook(where: str, mark, device: str = "cpu"):
 
 
 @pytest.mark.parametrize("where", ["above-the-loop", "in-the-loop"])
+@pytest.mark.one_stack("newest")
 def test_the_code_above_the_first_loop_draws_again_what_the_run_began_with(tmp_path, where):
     """A plain cell (not replayed) drew random numbers after the %%replay cell; the training cell
     draws a permutation above its loop, not saved. Killed above the loop (no checkpoint yet), or in
@@ -1335,6 +1363,7 @@ def _changed_before_the_first_checkpoint(mark):
 REFUSED = "is not what the run began with, and the kernel died before the run's first checkpoint held it"
 
 
+@pytest.mark.one_stack("colab")
 def test_a_saved_value_a_plain_cell_changed_is_not_lost_silently_before_the_first_checkpoint(tmp_path):
     """Killed above its loop, the second run found no checkpoint and trained from what the set-up
     cell and the first run make: without the rate the plain cell set, and said done with other
@@ -1345,6 +1374,7 @@ def test_a_saved_value_a_plain_cell_changed_is_not_lost_silently_before_the_firs
     assert "RESULT" not in "".join(harness.cell_text(c) for c in nb.cells)
 
 
+@pytest.mark.one_stack("colab")
 def test_a_model_the_replay_initialised_otherwise_is_said_and_the_run_goes_on(tmp_path):
     """A model the %%replay cell initialises without a seed, nothing changed since: killed above
     the loop, the replay makes it otherwise. Nothing a re-run would give back was lost, so the run
@@ -1366,6 +1396,7 @@ def test_a_model_the_replay_initialised_otherwise_is_said_and_the_run_goes_on(tm
     assert "opt" not in out.split("made model")[1].split("otherwise")[0]
 
 
+@pytest.mark.one_stack("colab")
 def test_an_oom_above_the_loop_after_an_otherwise_initialised_model_is_retried_in_the_kernel(tmp_path):
     """Killed above the loop, the run goes on with the model the replay initialised otherwise (no
     seed); out of memory there next, before the run's first checkpoint, the failed attempt changed
@@ -1481,6 +1512,7 @@ def test_a_cell_run_again_after_a_death_gets_back_what_the_training_before_it_fi
     assert harness.result(kernel.ok(cells[4]).stdout) == harness.result(twin)
 
 
+@pytest.mark.one_stack("colab")
 def test_a_run_directory_given_again_puts_back_none_of_an_earlier_runs_runs(tmp_path):
     """A notebook run twice in one run directory (`colab-resilience run --run-dir D`), the second
     time killed in its first training cell: the driver put back every run finished in D, the
@@ -1531,6 +1563,7 @@ def test_a_value_a_finished_run_saved_and_a_plain_cell_changed_is_not_put_back_a
     assert harness.result(kernel.ok(cells[5]).stdout) == harness.result(twin)
 
 
+@pytest.mark.one_stack("colab")
 def test_a_shrunk_value_a_plain_cell_set_is_not_refused_after_a_restart(tmp_path):
     """``batch_size = 32`` in a plain cell, ``--shrink batch_size``: an OOM halves it, then a kill.
     The journal gives the new kernel 16, not what the run began with, by design: not refused (the
@@ -1550,6 +1583,7 @@ def test_a_shrunk_value_a_plain_cell_set_is_not_refused_after_a_restart(tmp_path
 
 
 @pytest.mark.parametrize("saved", ["head,opt2,losses2", "head,opt2,losses2,model"], ids=["not-saved", "saved"])
+@pytest.mark.one_stack("colab")
 def test_a_model_a_plain_cell_changed_that_no_checkpoint_holds_is_not_lost_silently(tmp_path, saved):
     """A plain cell (not replayed) scales the weights of the model the training reads and does not
     save; killed in its third epoch, past its first checkpoint: the replay made the model without
@@ -1569,6 +1603,7 @@ def test_a_model_a_plain_cell_changed_that_no_checkpoint_holds_is_not_lost_silen
 
 
 @pytest.mark.parametrize("changed", [True, False], ids=["changed-in-place", "unchanged"])
+@pytest.mark.one_stack("colab")
 def test_an_oom_above_the_first_loop_after_an_in_place_change_resumes_in_a_new_kernel(tmp_path, changed):
     """The cell halves the optimizer's rate and scales the weights in place above its loop, then
     runs out of host memory (a real failure of torch's allocator) before the loop's first
@@ -1603,6 +1638,7 @@ def test_an_oom_above_the_first_loop_after_an_in_place_change_resumes_in_a_new_k
 # -- checkpoint() ------------------------------------------------------------------------------------
 
 
+@pytest.mark.one_stack("newest")
 def test_checkpoint_in_the_middle_of_an_iteration_saves_at_its_end(tmp_path, tmp_path_factory):
     """checkpoint() half-way through each epoch (with --every 3), killed after it: the run does
     not redo the epoch on top of its own half-done update; it ends bit-identical. (The checkpoint
@@ -1661,6 +1697,7 @@ def test_a_save_name_that_cannot_be_saved_stops_the_cell_at_its_first_safe_point
     assert not list((run_dir / "checkpoints").glob("ckpt-*"))
 
 
+@pytest.mark.one_stack("newest")
 def test_a_save_name_that_cannot_be_saved_fails_a_supervised_run(tmp_path):
     """Supervised, the same refusal fails the cell (exit status 1) instead of a run that ends
     "done" with a different result."""
@@ -1681,6 +1718,7 @@ def test_a_save_name_that_cannot_be_saved_fails_a_supervised_run(tmp_path):
 # -- --shrink, line magics, budgets ----------------------------------------------------------------------
 
 
+@pytest.mark.one_stack("newest")
 def test_a_shrink_is_kept_when_the_kernel_is_killed_before_the_next_safe_point(tmp_path, tmp_path_factory):
     """In a cell without resume_range: an OOM halves the batch, then the kernel is killed. The new
     kernel starts from the halved batch (the journal has it from the moment of the shrink), not
@@ -1695,6 +1733,7 @@ def test_a_shrink_is_kept_when_the_kernel_is_killed_before_the_next_safe_point(t
     assert harness.result(nb) == twin(tmp_path_factory, "resume_shrink.ipynb", batch_size=32)
 
 
+@pytest.mark.one_stack("newest")
 def test_a_kill_after_the_final_save_of_a_cell_without_resume_range_does_not_train_again(tmp_path,
                                                                                         tmp_path_factory):
     """A cell without resume_range, killed just after its end-of-cell checkpoint was written and
@@ -2258,6 +2297,7 @@ def own_checkpoint_notebook(mark, after_own_save: bool):
 
 
 @pytest.mark.parametrize("after_own_save", [False, True], ids=["before-its-own-save", "after-its-own-save"])
+@pytest.mark.one_stack("colab")
 def test_a_loop_whose_start_the_set_up_reads_from_the_notebooks_own_checkpoint_goes_on_by_its_numbers(
         tmp_path, after_own_save):
     """The notebook resumes by itself too: its set-up cell loads the file its loop wrote and starts
@@ -2440,6 +2480,7 @@ def test_the_first_run_names_a_training_loop_with_no_safe_point_inside_it(ip, tm
     assert said("opt.step()") == said("loss = model(torch.ones(1, 2)).sum()") == []
 
 
+@pytest.mark.one_stack("colab")
 def test_a_plain_loop_killed_in_its_third_epoch_trains_every_epoch_again_as_its_first_line_said(tmp_path):
     """What the line of a loop with no safe point says, in a real kernel: killed in epoch 2 of 4, the
     new kernel runs the cell from its start (the first checkpoint's model and random state) and
@@ -2674,6 +2715,7 @@ def after_training_notebook(mark):
     )
 
 
+@pytest.mark.one_stack("colab")
 def test_a_kill_in_a_cell_after_the_training_finds_the_model_as_the_training_left_it(tmp_path):
     """The model of a finished run came back with its weights but as the set-up cell built it
     otherwise: in train mode (its validation had left it in eval mode: the next cell's dropout
@@ -2716,6 +2758,7 @@ def switched_optimizer_notebook(fault: str, mark, after: bool = False, change: s
 
 
 @pytest.mark.parametrize("change", [SWITCH, GROW], ids=["optimizer-of-another-kind", "model-rebuilt-bigger"])
+@pytest.mark.one_stack("colab")
 def test_a_retry_after_the_loop_rebound_a_model_or_optimizer_goes_back_to_the_first(tmp_path, change):
     """The failed attempt rebound ``opt`` to an SGD (or ``model`` to a bigger Sequential, ``opt``
     to an Adam of its parameters); the safe point's were an Adam (and the smaller model). The
@@ -2730,6 +2773,7 @@ def test_a_retry_after_the_loop_rebound_a_model_or_optimizer_goes_back_to_the_fi
     assert harness.result(nb).startswith("RESULT SGD " if change == SWITCH else "RESULT Adam "), harness.result(nb)
 
 
+@pytest.mark.one_stack("colab")
 def test_a_finished_runs_name_that_cannot_be_put_back_is_said_in_the_marker(tmp_path):
     """After a kill in the cell after the training, the finished run's ``opt`` (an SGD the loop
     made) cannot go into the Adam the set-up cell builds: it was left out without a word, and the

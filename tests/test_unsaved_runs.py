@@ -68,6 +68,7 @@ def twin(tmp_path_factory, train: str) -> str:
     ("resume_range", 4, "after the third iteration"),
     ("resume_range", 6, "after the end-of-cell checkpoint"),
 ])
+@pytest.mark.one_stack("colab")
 def test_a_run_that_saves_nothing_starts_again_from_its_start_after_a_kill(tmp_path, tmp_path_factory, cell,
                                                                            safe_point, where):
     """Killed {where}: the new kernel replays the set-up (an untrained model) and runs the whole
@@ -82,6 +83,7 @@ def test_a_run_that_saves_nothing_starts_again_from_its_start_after_a_kill(tmp_p
     assert harness.result(nb) == twin(tmp_path_factory, CELLS[cell])
 
 
+@pytest.mark.one_stack("colab")
 def test_a_finished_cell_not_run_again_brings_back_its_plain_values_and_names_the_rest(tmp_path, tmp_path_factory):
     """--save model,opt, killed after the end-of-cell checkpoint: the cell is not run again; the
     loss history and the step counter it left (plain values) are back from that checkpoint, so
@@ -103,6 +105,7 @@ def test_a_finished_cell_not_run_again_brings_back_its_plain_values_and_names_th
     assert harness.cell_text(nb.cells[3]).splitlines()[-1] == "False False False"  # the line told the truth
 
 
+@pytest.mark.one_stack("colab")
 def test_a_done_run_that_saves_nothing_runs_again_when_a_driver_brings_its_cell_back(tmp_path, tmp_path_factory):
     """The kernel died after the run was journalled "done", before its cell returned; a driver
     starts a kernel, replays the set-up, puts back what finished runs saved and executes the cell
@@ -152,6 +155,7 @@ def test_an_in_process_retry_without_save_says_it_may_not_be_exact(ip, tmp_path,
     assert ip.user_ns["m"] == [1] and ip.user_ns["tries"] == [2]
 
 
+@pytest.mark.one_stack("colab")
 def test_a_kill_after_a_finished_run_that_saved_nothing_says_its_result_is_lost(tmp_path):
     """A run that saved nothing finished; the kernel dies in the next %%resilient cell. Nothing can
     bring back what the first run trained (the replay rebuilds an untrained model), so the result
