@@ -31,14 +31,14 @@ def pytest_collection_modifyitems(config, items):
     notebook): the package's own code, the same on both stacks, carried there by kernels and a
     driver that the other tests prove on each stack. It runs on the stack it names only (CI runs
     the suite on both, each under 15 minutes on 2 CPUs); ``--every-stack`` runs it here too."""
-    if config.getoption("--every-stack"):
-        return
     kept, elsewhere = [], []
     for item in items:
         marker = item.get_closest_marker("one_stack")
-        if marker is not None and marker.args[0] not in STACKS:
-            raise pytest.UsageError(f"{item.nodeid}: one_stack({marker.args[0]!r}): the stacks are {STACKS}")
-        (elsewhere if marker is not None and marker.args[0] != STACK else kept).append(item)
+        if marker is not None and (len(marker.args) != 1 or marker.args[0] not in STACKS):
+            args = ", ".join(map(repr, marker.args))
+            raise pytest.UsageError(f"{item.nodeid}: one_stack({args}): give it one of {STACKS}")
+        here = marker is None or marker.args[0] == STACK or config.getoption("--every-stack")
+        (kept if here else elsewhere).append(item)
     if elsewhere:
         config.hook.pytest_deselected(items=elsewhere)
         items[:] = kept

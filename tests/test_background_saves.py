@@ -160,6 +160,7 @@ def test_when_busy_skip_leaves_out_safe_points_and_says_so(ip, tmp_path, capsys)
     assert saved["history"] == list(range(6)) and int(saved["w"].sum()) == 6
 
 
+@pytest.mark.one_stack("newest")
 def test_a_kill_while_a_checkpoint_is_written_resumes_from_the_last_one_on_disk(tmp_path, tmp_path_factory):
     """Supervised, a SIGKILL just after the first minibatch of epoch 2, while the checkpoint of
     the end of epoch 1 (a model of width 1024 and its AdamW state, 13 MiB) may still be being
@@ -242,6 +243,7 @@ def _changed_between_runs_notebook(mark):
     )
 
 
+@pytest.mark.one_stack("newest")
 def test_a_runs_first_checkpoint_is_on_disk_before_its_training_goes_on(tmp_path):
     """Killed in the first iteration of a run, while its first checkpoint (the loop's start) was
     still being written: the run found no checkpoint and started again from what the set-up cell

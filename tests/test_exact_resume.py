@@ -4,9 +4,10 @@ Each interrupted run is compared bit for bit with its uninterrupted twin (the RE
 history and fingerprints of the weights and the optimizer state), supervised and interactively
 where both apply. Each case once ended "done" with another result and no warning.
 
-The supervised cases prove what a checkpoint holds and puts back, which no Jupyter stack changes:
-each runs on one of the two stacks CI runs (``one_stack``, tests/conftest.py), the interactive
-ones and those of restarts and budgets on both.
+The cases that prove what a checkpoint holds and puts back, which no Jupyter stack changes, each
+run on one of the two stacks CI runs (``one_stack``, tests/conftest.py); those of restarts and
+budgets, and of a kernel Jupyter restarted, on both (tests/test_restart.py proves the way back
+after a death in a notebook on each).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def test_a_kill_inside_an_epoch_resumes_at_the_next_minibatch(tmp_path, tmp_path
 
 
 @pytest.mark.parametrize("use_loader", [False, True], ids=["permutation", "dataloader"])
+@pytest.mark.one_stack("newest")
 def test_an_oom_inside_an_epoch_rolls_back_to_the_last_minibatch_interactively(kernel, tmp_path, tmp_path_factory,
                                                                               use_loader):
     """The same in a kernel driven as a front end drives it, with an in-process OOM retry."""
@@ -84,6 +86,7 @@ def test_an_oom_inside_an_epoch_rolls_back_to_the_last_minibatch_interactively(k
     assert harness.result(replies["result"].stdout) == reference
 
 
+@pytest.mark.one_stack("newest")
 def test_a_kill_inside_an_epoch_resumes_exactly_interactively(kernel, tmp_path, tmp_path_factory):
     """A kernel killed mid-epoch, brought back as a Jupyter server does; the user runs the cell
     again: it replays the set-up, restores, and resumes at the next minibatch, bit-identical."""
@@ -111,6 +114,7 @@ def test_an_oom_inside_backward_while_accumulating_gradients_retries_exactly(tmp
     assert harness.result(nb) == reference
 
 
+@pytest.mark.one_stack("newest")
 def test_an_oom_inside_backward_while_accumulating_gradients_retries_exactly_interactively(kernel, tmp_path,
                                                                                           tmp_path_factory):
     reference = twin(tmp_path_factory, "resume_accumulation.ipynb")
@@ -989,6 +993,7 @@ def _set_up_out_of_order_then_killed(kernel, tmp_path, cells: list[str], saves: 
     return r, r.evalue.split()[2].rstrip(":"), train
 
 
+@pytest.mark.one_stack("newest")
 def test_an_optimizer_the_replay_joins_to_other_tensors_stops_the_run_before_anything_is_restored(kernel, tmp_path):
     """The model's set-up cell run again after the optimizer's (as one does, to start over): the
     optimizer steps the first model's tensors, and the model the training reads does not learn.
@@ -1015,6 +1020,7 @@ def test_an_optimizer_the_replay_joins_to_other_tensors_stops_the_run_before_any
     assert len(losses) == 4 and len(set(losses)) == 4, losses  # a run afresh, in which the model learns
 
 
+@pytest.mark.one_stack("newest")
 def test_a_scheduler_the_replay_joins_to_another_optimizer_stops_the_run_before_anything_is_restored(kernel, tmp_path):
     """The optimizer's set-up cell run again after the scheduler's: the scheduler decays the first
     optimizer's learning rate, and the optimizer that trains keeps its own. The new kernel's replay
@@ -1033,6 +1039,7 @@ def test_a_scheduler_the_replay_joins_to_another_optimizer_stops_the_run_before_
     assert kernel.value("losses") == []  # nothing was restored
 
 
+@pytest.mark.one_stack("newest")
 def test_one_element_a_plain_cell_changed_in_a_large_tensor_stops_a_resume_until_that_cell_runs_again(kernel,
                                                                                                       tmp_path):
     """A plain cell (not replayed) sets one element of a 1.5 MiB train set the training reads; a
@@ -1080,6 +1087,7 @@ def test_one_element_a_plain_cell_changed_in_a_large_tensor_stops_a_resume_until
     assert harness.result(kernel.ok(cells[4]).stdout) == harness.result(twin)
 
 
+@pytest.mark.one_stack("newest")
 def test_a_run_an_earlier_version_began_resumes_without_comparing_its_fingerprints(kernel, tmp_path):
     """A run pending across an upgrade (a kill, ``pip install -U``, a new kernel): the journal's
     fingerprints were taken by an earlier version, which sampled large tensors; compared with
@@ -1432,6 +1440,7 @@ def _twin_then_killed(kernel, tmp_path, notebook, train: int):
     return twin, cells
 
 
+@pytest.mark.one_stack("colab")
 def test_a_refused_run_goes_on_as_it_began_after_run_all(kernel, tmp_path):
     """Interactively, the user runs the training cell again after the kernel died: the first run's
     model and losses come back (it had finished in the kernel that died), the rate the plain cell
@@ -1473,6 +1482,7 @@ def _frozen_model_notebook(mark):
 
 
 @pytest.mark.parametrize("by_hand", [False, True], ids=["the-cell-alone", "after-the-set-up-cells"])
+@pytest.mark.one_stack("colab")
 def test_a_cell_run_again_after_a_death_gets_back_what_the_training_before_it_finished(kernel, tmp_path, by_hand):
     """Interactively: a finished run trains the model; the next cell fits a head on that model
     (read, not saved) and the kernel dies in its third epoch. The user runs that cell again (alone,
@@ -1538,6 +1548,7 @@ def test_a_run_directory_given_again_puts_back_none_of_an_earlier_runs_runs(tmp_
     assert harness.result(again) == harness.result(first)
 
 
+@pytest.mark.one_stack("colab")
 def test_a_value_a_finished_run_saved_and_a_plain_cell_changed_is_not_put_back_as_it_was(kernel, tmp_path):
     """A finished run saves a scale; a plain cell halves it; the next training cell reads it (not
     saved) and is killed. Run again alone, the finished run's state came back, the scale as that
@@ -1651,6 +1662,7 @@ def test_checkpoint_in_the_middle_of_an_iteration_saves_at_its_end(tmp_path, tmp
     assert harness.result(nb) == reference
 
 
+@pytest.mark.one_stack("colab")
 def test_checkpoint_in_the_middle_of_an_iteration_saves_at_its_end_interactively(kernel, tmp_path, tmp_path_factory):
     reference = twin(tmp_path_factory, "resume_checkpoint.ipynb")
     nb = harness.load("resume_checkpoint.ipynb", tmp_path, fault="sigkill", staging="off")
@@ -1753,6 +1765,7 @@ def test_a_kill_after_the_final_save_of_a_cell_without_resume_range_does_not_tra
     assert harness.result(nb) == twin(tmp_path_factory, "resume_shrink.ipynb", batch_size=32)
 
 
+@pytest.mark.one_stack("newest")
 def test_a_shrink_is_kept_when_the_kernel_is_killed_before_the_next_safe_point_interactively(kernel, tmp_path,
                                                                                               tmp_path_factory):
     nb = harness.load("resume_shrink.ipynb", tmp_path, fault="sigkill")

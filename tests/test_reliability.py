@@ -51,6 +51,7 @@ def test_the_generation_check_is_exact():
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["synchronous", "background"])
+@pytest.mark.one_stack("newest")
 def test_sigkill_during_checkpoint_writes_never_loses_the_last_checkpoint(background):
     """A checkpoint writer SIGKILLed at random moments of its saves: every load is the newest
     committed generation or the one before, byte for byte, or none before the first commit. In
