@@ -31,7 +31,7 @@ from .session import Session
 OPTIONS_HINT = {
     "resilient": "--save NAMES, --retries N, --shrink NAME[=FACTOR], --max-restarts N and --every N|5min",
     "restart_after": "N, --memory PERCENT and off",
-    "resilience": "status, show [RUN], resume [--trust] [RUN], reset [RUN], dir PATH and isolate [off]",
+    "resilience": "status, show [RUN], resume [--trust] [RUN], reset [RUN], dir PATH, isolate [off] and help",
     "replay": "",  # none
 }
 
@@ -275,7 +275,7 @@ class ResilienceMagics(Magics):
 
     @magic_arguments()
     @argument("command", nargs="?", default="status", metavar="COMMAND",
-              help="status, show, resume, reset, dir or isolate")
+              help="status, show, resume, reset, dir, isolate or help")
     @argument("target", nargs="*", metavar="RUN|PATH|off",
               help="the run to resume or reset, the folder for dir, off for isolate")
     @argument("--trust", action="store_true", help="resume a run written under another installation's key")
@@ -299,9 +299,10 @@ class ResilienceMagics(Magics):
         starts and owns; when the worker dies (OOM, SIGKILL, a planned restart) the cell goes on
         in a new worker within the same execution, with no re-run. ``%resilience isolate off``
         shuts the worker down.
+        ``%resilience help``: what each of this package's magics does.
         """
         forms = {"status": "status", "show": "show [RUN]", "resume": "resume [--trust] [RUN]", "reset": "reset [RUN]",
-                 "dir": "dir PATH", "isolate": "isolate [off]"}
+                 "dir": "dir PATH", "isolate": "isolate [off]", "help": "help"}
         words = line.split()
         command = words[0] if words and words[0] in forms else None
 
@@ -315,7 +316,7 @@ class ResilienceMagics(Magics):
         args = _parse(self.resilience, line, "%", unknown)
         command, rest, session = args.command, list(args.target), self.session
         try:
-            if command != "status" and active_run() is not None:
+            if command not in ("status", "help") and active_run() is not None:
                 raise OptionError(
                     f"%resilience {command}: not while the %%resilient cell of run {active_run().run_id} runs; "
                     "write it in a cell of its own"
@@ -323,17 +324,20 @@ class ResilienceMagics(Magics):
             if command not in forms:
                 raise OptionError(
                     f"%resilience: unknown command {command!r}; "
-                    "write %resilience status, show [RUN], resume [--trust] [RUN], reset [RUN], dir PATH or isolate [off]"
+                    "write %resilience status, show [RUN], resume [--trust] [RUN], reset [RUN], dir PATH, isolate [off] "
+                    "or help"
                 )
             if command == "isolate":
                 return self._isolate(rest, args.trust)
             if command == "dir" and len(rest) != 1:
                 raise OptionError("%resilience dir: give one folder, e.g. %resilience dir /content/drive/MyDrive/runs")
-            extra = rest[{"status": 0, "dir": 1}.get(command, 1):] + (["--trust"] if args.trust and command != "resume" else [])
+            extra = rest[{"status": 0, "help": 0, "dir": 1}.get(command, 1):] + (["--trust"] if args.trust and command != "resume" else [])
             if extra:
                 raise OptionError(f"%resilience {command}: unexpected {' '.join(extra)!r}; write %resilience {forms[command]}")
             if command == "status":
                 return commands.status(session)
+            if command == "help":
+                return print(self._help())
             if command == "dir":
                 return commands.set_dir(session, rest[0])
             run_dir = commands.pick_run(session, command, rest[0] if rest else None)
@@ -344,6 +348,33 @@ class ResilienceMagics(Magics):
             return commands.resume(session, run_dir, trust=args.trust)
         except (OptionError, UnsafeDirectoryError) as e:
             raise UsageError(str(e)) from None
+
+    def _help(self) -> str:
+        """``%resilience help``: each magic's summary (the first paragraph of its docstring, so the
+        two cannot disagree), and the ``%resilience`` commands in full."""
+        import inspect
+        import textwrap
+
+        def described(magic) -> list[str]:
+            # magic_arguments made each docstring "::", the usage line, the description, then the
+            # options: the description's paragraphs
+            paragraphs = [p.strip() for p in (inspect.getdoc(magic) or "").split("\n\n")]
+            if paragraphs[0] == "::":
+                paragraphs = paragraphs[2:]
+            ends = [i for i, p in enumerate(paragraphs)
+                    if p.startswith(("positional arguments:", "options:", "optional arguments:"))]
+            return paragraphs[:ends[0] if ends else None]
+
+        lines = ["colab_resilience's magics (each one's options: %%resilient?, %%replay?, %restart_after?, "
+                 "%resilience?):"]
+        for prefix, magic in (("%%", self.resilient), ("%%", self.replay), ("%", self.restart_after),
+                              ("%", self.resilience)):
+            summary = " ".join(described(magic)[0].split())
+            lines.append(textwrap.fill(summary, 100, initial_indent=f"  {prefix}{magic.__name__}: ",
+                                       subsequent_indent="      "))
+        for paragraph in described(self.resilience)[1:]:
+            lines += ["    " + line for line in paragraph.replace("``", "").splitlines()]
+        return "\n".join(lines)
 
     def _isolate(self, rest: list[str], trust: bool) -> None:
         from . import isolate

@@ -265,7 +265,7 @@ def test_restart_after_bad_input(ip, line, expected):
 def test_resilience_bad_input(ip, root, tmp_path):
     """Bad %resilience input is a UsageError that lists what is possible."""
     for line, expected in [
-        ("frobnicate", "%resilience: unknown command 'frobnicate'; write %resilience status, show [RUN], resume [--trust] [RUN], reset [RUN], dir PATH or isolate [off]"),
+        ("frobnicate", "%resilience: unknown command 'frobnicate'; write %resilience status, show [RUN], resume [--trust] [RUN], reset [RUN], dir PATH, isolate [off] or help"),
         ("resume", f"%resilience resume: no runs in {root}; a %%resilient cell creates one"),
         ("reset nope", f"%resilience reset: no run 'nope' in {root} (runs: none)"),
         ("dir a b", "%resilience dir: give one folder"),
@@ -278,6 +278,25 @@ def test_resilience_bad_input(ip, root, tmp_path):
         ip.run_line_magic("resilience", f"dir {tmp_path / 'file' / 'sub'}")
     assert str(info.value) == (f"%resilience dir: {tmp_path / 'file' / 'sub'} cannot be made ({tmp_path / 'file'} is a "
                                "file, not a folder), so nothing is written there; choose another folder")
+
+
+def test_resilience_help_says_what_every_magic_does(ip, capsys):
+    """``%resilience help`` (what users type before ``%resilience?``): one summary line per magic
+    and every ``%resilience`` command, without IPython's usage block or argparse's option list."""
+    ip.run_line_magic("resilience", "help")
+    out = capsys.readouterr().out
+    for line in ["  %%resilient: Run the cell; on an out-of-memory error, free memory and run it again; past the",
+                 "  %%replay: Run the cell and record it as a set-up cell to replay after a kernel restart.",
+                 "  %restart_after: Plan kernel restarts at safe points: the leak guard.",
+                 "  %resilience: What the runs are doing and what is on disk."]:
+        assert line in out.splitlines(), out
+    for command in ["status", "show [RUN]", "resume [RUN]", "resume --trust [RUN]", "reset [RUN]", "dir PATH",
+                    "isolate", "help"]:
+        assert f"    %resilience {command}: " in out, command
+    assert "::" not in out and "positional arguments" not in out and "``" not in out, out
+    with pytest.raises(UsageError) as info:
+        ip.run_line_magic("resilience", "help me")
+    assert str(info.value) == "%resilience help: unexpected 'me'; write %resilience help"
 
 
 def test_run_directories_are_owner_only(ip, root, tmp_path):
