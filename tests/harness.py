@@ -456,6 +456,13 @@ def once(basetemp: Path, key: str, make):
         return json.loads(value.read_text())
 
 
+def uninterrupted_ok(ran) -> None:
+    """A twin's run: it succeeded with no restart (a fault meant for the faulted run that struck in
+    the twin would make the comparison one of two resumed runs)."""
+    assert ran.status == 0, ran.message
+    assert not ran.restarts, [r.reason for r in ran.restarts]
+
+
 def twin_result(tmp_path_factory, name: str, loader=None, **parameters) -> str:
     """The RESULT line of the golden notebook ``name`` with ``parameters`` (read by ``loader(work,
     **parameters)`` where it needs more, a folder of its own in ``work``, else :func:`load`) run
@@ -463,8 +470,7 @@ def twin_result(tmp_path_factory, name: str, loader=None, **parameters) -> str:
     of it must end with, bit for bit."""
     def uninterrupted(work: Path) -> str:
         nb = loader(work, **parameters) if loader is not None else load(name, work, **parameters)
-        ran = run(nb, work, standby=False)
-        assert ran.status == 0, ran.message
+        uninterrupted_ok(run(nb, work, standby=False))
         return result(nb)
 
     return once(tmp_path_factory.getbasetemp(), f"{name} {sorted(parameters.items())}", uninterrupted)
@@ -479,7 +485,7 @@ def faulted_and_twin(tmp_path: Path, notebook, shared: str | None = None):
     def uninterrupted(folder: Path):
         (folder / "m").touch()  # the fault has struck already: none
         twin = notebook(folder / "m")
-        assert run(twin, folder, standby=False).status == 0
+        uninterrupted_ok(run(twin, folder, standby=False))
         return twin
 
     if shared is None:
@@ -499,7 +505,7 @@ def refused_or_twin(tmp_path: Path, notebook, refused: str | None):
     (tmp_path / "twin").mkdir()
     (tmp_path / "twin" / "m").touch()
     twin = notebook(tmp_path / "twin" / "m")
-    assert run(twin, tmp_path / "twin", standby=False).status == 0
+    uninterrupted_ok(run(twin, tmp_path / "twin", standby=False))
     nb = notebook(tmp_path / "m")
     faulted = run(nb, tmp_path, standby=False)
     if refused is not None:

@@ -1064,7 +1064,7 @@ def test_one_element_a_plain_cell_changed_in_a_large_tensor_stops_a_resume_until
     (tmp_path / "twin").mkdir()
     (tmp_path / "twin" / "m").touch()
     twin = notebook(tmp_path / "twin" / "m")
-    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    harness.uninterrupted_ok(harness.run(twin, tmp_path / "twin", standby=False))
     assert "colab_resilience: X changed since the %%replay cells ran" in harness.cell_text(twin.cells[3])
     cells = [c.source for c in notebook(tmp_path / "m").cells]
     kernel.ok(cells[0])
@@ -1110,7 +1110,7 @@ def test_a_run_an_earlier_version_began_resumes_without_comparing_its_fingerprin
     (tmp_path / "twin").mkdir()
     (tmp_path / "twin" / "m").touch()
     twin = notebook(tmp_path / "twin" / "m")
-    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    harness.uninterrupted_ok(harness.run(twin, tmp_path / "twin", standby=False))
     cells = [c.source for c in notebook(tmp_path / "m").cells]
     kernel.ok(cells[0])
     kernel.ok(f"%resilience dir {tmp_path / 'runs'}")
@@ -1160,7 +1160,7 @@ def test_set_up_cells_that_make_the_same_again_resume_bit_identical_and_say_noth
     (tmp_path / "twin").mkdir()
     (tmp_path / "twin" / "m").touch()  # the fault has struck already: none
     twin = _setup_draws_notebook(tmp_path / "twin" / "m", seeded=True)  # its kernel hashes as the faulted run's did
-    assert harness.run(twin, tmp_path / "twin", standby=False, env={HASH_SEED: hash_seed(tmp_path / "runs")}).status == 0
+    harness.uninterrupted_ok(harness.run(twin, tmp_path / "twin", standby=False, env={HASH_SEED: hash_seed(tmp_path / "runs")}))
     assert harness.result(nb) == harness.result(twin)
 
 
@@ -1291,7 +1291,7 @@ def test_an_optimizer_the_cell_makes_between_two_loops_is_restored_once_it_is_ma
 
     twin = _two_phases_notebook()
     (tmp_path / "twin").mkdir()
-    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    harness.uninterrupted_ok(harness.run(twin, tmp_path / "twin", standby=False))
     assert "colab_resilience: " not in harness.cell_text(twin.cells[2])
     nb = _two_phases_notebook()
     point, phase = where
@@ -1431,7 +1431,7 @@ def _twin_then_killed(kernel, tmp_path, notebook, train: int):
     (tmp_path / "twin").mkdir()
     (tmp_path / "twin" / "m").touch()
     twin = notebook(tmp_path / "twin" / "m")
-    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    harness.uninterrupted_ok(harness.run(twin, tmp_path / "twin", standby=False))
     cells = [c.source for c in notebook(tmp_path / "m").cells]
     for source in cells[:train]:
         kernel.ok(source)
@@ -2325,7 +2325,7 @@ def test_a_loop_whose_start_the_set_up_reads_from_the_notebooks_own_checkpoint_g
     (tmp_path / "twin").mkdir()
     (tmp_path / "twin" / "m").touch()
     twin = own_checkpoint_notebook(tmp_path / "twin" / "m", after_own_save)
-    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    harness.uninterrupted_ok(harness.run(twin, tmp_path / "twin", standby=False))
     assert len(json.loads(harness.result(twin).split(" ", 1)[1].rsplit(" ", 1)[0])) == 6
     nb = own_checkpoint_notebook(tmp_path / "m", after_own_save)
     run = harness.run(nb, tmp_path, standby=False)

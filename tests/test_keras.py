@@ -1139,7 +1139,7 @@ def test_a_cell_run_again_after_a_death_gets_back_the_fit_that_finished_before_i
     twin = harness.notebook(*[c.replace(str(tmp_path / "m"), str(tmp_path / "twin" / "m")) for c in cells])
     (tmp_path / "twin").mkdir()
     (tmp_path / "twin" / "m").touch()
-    assert harness.run(twin, tmp_path / "twin", standby=False).status == 0
+    harness.uninterrupted_ok(harness.run(twin, tmp_path / "twin", standby=False))
     for source in cells[:3]:
         kernel.ok(source)
     _, code = kernel.execute_until_exit(cells[3])

@@ -347,7 +347,8 @@ def _grouped_notebook(mark, fault: str):
     (``train_sampling_strategy="group_by_length"``: LengthGroupedSampler draws each epoch's order
     from torch's global random state as the epoch's data loader starts); 3 epochs of 10 steps, a
     safe point every 3 steps; after step 14 (within the second epoch) a SIGKILL or an
-    out-of-memory error, once (``"kill-twice"``: a SIGKILL after step 17 as well)."""
+    out-of-memory error, once (``"kill-twice"``: a SIGKILL after step 17 as well, in the faulted run
+    only: the twin that the cases share is uninterrupted whichever case makes it)."""
     return harness.notebook(
         "%load_ext colab_resilience",
         _replay_start(mark, "FAULT", fault, "GPT2Config, GPT2LMHeadModel", staging_off=True) +
@@ -362,8 +363,11 @@ def _grouped_notebook(mark, fault: str):
         "class Fault(TrainerCallback):\n"
         "    def on_step_end(self, args, state, control, **kwargs):\n"
         "        for step, record in ((14, MARK), (17, MARK + '.2')):\n"
-        "            if state.global_step == step and (step == 14 or FAULT == 'kill-twice') and not os.path.exists(record):\n"
-        "                open(record, 'w').close()\n"
+        "            # the second after the first struck in this run (its record holds the step; a twin's MARK, made\n"
+        "            # beforehand, is empty)\n"
+        "            second = FAULT == 'kill-twice' and os.path.exists(MARK) and os.path.getsize(MARK) > 0\n"
+        "            if state.global_step == step and (step == 14 or second) and not os.path.exists(record):\n"
+        "                open(record, 'w').write(str(step))\n"
         "                if FAULT == 'oom':\n"
         "                    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n"
         "                os.kill(os.getpid(), signal.SIGKILL)\n"
