@@ -451,9 +451,6 @@ class Run:
             if lost:
                 raise RunStoppedError(setup_state.lost_message(
                     self.run_id, lost, [n for n in lost if setup_state.is_code(self.shell.user_ns.get(n))]))
-            # the notebook's code the replay defined otherwise: a %%replay cell edited since the run
-            # began, said as such (the run goes on with the new code); not a draw without a seed
-            differ = [n for n in differ if not setup_state.is_code(self.shell.user_ns.get(n))]
             if differ:
                 self.say(setup_state.message(differ))
 

@@ -307,10 +307,8 @@ def carried_in(shell, body: str, sources: Iterable[str], saved: Iterable[str]) -
     ns, hidden = shell.user_ns, getattr(shell, "user_ns_hidden", {})
     loads = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     free = _read_before_bound(tree) | (read_names(shell, body) - loads)  # what the functions read
-    # not the notebook's code: a function a plain cell defined is named at the first run (a restart
-    # loses it), and one edited after a death goes on with the new code, said as the cell's own edits are
     return sorted(n for n in free - setup_names(shell, sources) - set(saved)
-                  if n in ns and not n.startswith("_") and n not in hidden and not is_code(ns[n]))
+                  if n in ns and not n.startswith("_") and n not in hidden)
 
 
 def _read_before_bound(tree: ast.AST) -> set[str]:
