@@ -322,11 +322,8 @@ class ResilienceMagics(Magics):
                     "write it in a cell of its own"
                 )
             if command not in forms:
-                raise OptionError(
-                    f"%resilience: unknown command {command!r}; "
-                    "write %resilience status, show [RUN], resume [--trust] [RUN], reset [RUN], dir PATH, isolate [off] "
-                    "or help"
-                )
+                *others, last = forms.values()
+                raise OptionError(f"%resilience: unknown command {command!r}; write %resilience {', '.join(others)} or {last}")
             if command == "isolate":
                 return self._isolate(rest, args.trust)
             if command == "dir" and len(rest) != 1:
