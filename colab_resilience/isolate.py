@@ -74,6 +74,8 @@ class WorkerClient:
         self.nb = None  # the notebook of relayed cells, set by the relay
         self.identities: list[str] = []  # every worker started, in order (journal.kernel_identity)
         self._shadow: tuple | None = None
+        self._context = None  # the zmq context of our iopub sockets (:meth:`_connect_iopub`)
+        self._iopub = None
         # between requests, a thread reads what the worker publishes (a thread's print after its
         # cell ended) and hands it to ``between``; a request, or a new worker, holds it off
         self.between = None
@@ -106,13 +108,18 @@ class WorkerClient:
         """Connect to the worker just started and make it the OOM killer's choice; False if it
         died first."""
         kc = self.km.blocking_client()
-        kc.start_channels()
-        try:
-            kc.wait_for_ready(timeout=60)
-        except RuntimeError:
+        # not jupyter_client's iopub channel: the reader thread reads the worker's iopub between
+        # requests, and in jupyter_client 7 that channel's socket, once read, is watched by this
+        # kernel's event loop, which asks it for its events on the main thread whenever the worker
+        # publishes; a libzmq socket used by two threads at once aborts the process ("Bad address
+        # (src/fq.cpp:56)": the notebook's kernel died with the cell unanswered, seen in CI)
+        kc.start_channels(iopub=False)
+        iopub = self._connect_iopub()
+        if not self._ready(kc, iopub, timeout=60):
             kc.stop_channels()
+            iopub.close(linger=0)
             return False
-        self.kc = kc
+        self.kc, self._iopub = kc, iopub
         try:
             identity = self.evaluate(api_call("become_worker", WORKER_OOM_SCORE_ADJ))
         except (KernelDied, TimeoutError):
@@ -121,6 +128,41 @@ class WorkerClient:
             self.identities.append(identity)
         return True
 
+    def _connect_iopub(self):
+        """A socket of the worker's iopub of our own, that no event loop knows: read by one thread
+        at a time (the reader between requests, a request's sender while it holds the reader off)."""
+        import zmq
+
+        if self._context is None:
+            self._context = zmq.Context()
+        sock = self._context.socket(zmq.SUB)
+        sock.linger = 0
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(self.km._make_url("iopub"))
+        return sock
+
+    def _ready(self, kc, iopub, timeout: float) -> bool:
+        """Wait until the worker answers ``kernel_info`` and its iopub reaches ``iopub`` (what
+        jupyter_client's ``wait_for_ready`` does, with our socket); then drop what it published so
+        far. False if it died or did not answer within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg_id = kc.kernel_info()
+            answered = False
+            while not answered and time.monotonic() < deadline:
+                try:
+                    msg = kc.get_shell_msg(timeout=1)
+                except Empty:
+                    break
+                answered = msg.get("parent_header", {}).get("msg_id") == msg_id
+            if answered and iopub.poll(200):  # its 'busy' or 'idle' came: iopub is connected
+                while iopub.poll(200):
+                    _receive(kc.session, iopub)
+                return True
+            if not self.alive():
+                return False
+        return False
+
     def replace_kernel(self, adopted=None) -> bool:
         """A worker in place of the dead one: ``adopted`` (the standby's kernel manager) or the
         same worker restarted with its first arguments and environment."""
@@ -128,9 +170,7 @@ class WorkerClient:
             return self._replace_kernel(adopted)
 
     def _replace_kernel(self, adopted) -> bool:
-        if self.kc is not None:
-            self.kc.stop_channels()
-            self.kc = None
+        self._disconnect()
         if adopted is not None:
             dead, self.km = self.km, adopted
             discard(dead)
@@ -182,14 +222,27 @@ class WorkerClient:
             raise CellFailed("\n".join(c.get("traceback", [])), c.get("ename", ""), c.get("evalue", ""))
 
     def _sockets(self):
-        """The worker's iopub, shell and stdin sockets, for waiting on all three at once (the
-        channels' own receive goes through an event loop per message in jupyter_client 7 and 8)."""
+        """The worker's iopub (our own), shell and stdin sockets, for waiting on all three at once
+        (the channels' own receive goes through an event loop per message in jupyter_client 7 and 8)."""
         import zmq
 
         if self._shadow is None or self._shadow[0] is not self.kc:
-            self._shadow = (self.kc, *(zmq.Socket.shadow(c.socket.underlying) for c in
-                                       (self.kc.iopub_channel, self.kc.shell_channel, self.kc.stdin_channel)))
+            self._shadow = (self.kc, self._iopub, *(zmq.Socket.shadow(c.socket.underlying) for c in
+                                                    (self.kc.shell_channel, self.kc.stdin_channel)))
         return self._shadow[1:]
+
+    def _disconnect(self) -> None:
+        """Close the channels to the worker and our iopub socket (the reader is held off or stopped)."""
+        if self.kc is not None:
+            try:
+                self.kc.stop_channels()
+            except Exception:
+                pass
+            self.kc = None
+        if self._iopub is not None:
+            self._iopub.close(linger=0)
+            self._iopub = None
+        self._shadow = None
 
     def run(self, code: str, forward, *, msg_id: str | None = None, store_history: bool = True,
             allow_stdin: bool = False, on_input=None, user_expressions: dict | None = None) -> dict:
@@ -362,12 +415,10 @@ class WorkerClient:
 
     def shutdown(self) -> None:
         self.stop_reading()
-        if self.kc is not None:
-            try:
-                self.kc.stop_channels()
-            except Exception:
-                pass
-            self.kc = None
+        self._disconnect()
+        if self._context is not None:
+            self._context.term()  # its sockets are closed, with no linger
+            self._context = None
         try:
             if self.km.has_kernel:
                 self.km.shutdown_kernel(now=True)

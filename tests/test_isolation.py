@@ -233,6 +233,53 @@ def test_what_a_thread_prints_after_its_cell_ended_shows_in_that_cell_when_print
     assert r.stdout == "after\n" and "set up" not in shown, shown
 
 
+# an IPython startup file for the notebook's kernel: it records every time an event loop of that
+# kernel looks at a SUB socket (the only one there is the worker's iopub) and on which thread
+WATCH_IOPUB = """
+import os, threading
+from zmq import SUB, _future
+_log = os.environ['CR_TEST_WATCH_LOG']
+_handle = _future._AsyncSocket._handle_events
+def _watched(self, fd=0, events=0):
+    if self._shadow_sock.type == SUB:
+        with open(_log, 'a') as f:
+            f.write(threading.current_thread().name + '\\n')
+    return _handle(self, fd, events)
+_future._AsyncSocket._handle_events = _watched
+open(_log, 'a').write('watching\\n')
+"""
+
+
+def test_the_workers_iopub_is_read_by_one_thread_no_event_loop_watches_it(tmp_path, monkeypatch):
+    """The relay reads the worker's iopub on a thread between requests. In jupyter_client 7
+    (Colab's) the client's iopub socket, once read, is watched by the notebook kernel's event loop,
+    which asked it for its events on the main thread whenever the worker published: a libzmq socket
+    used by two threads at once, which aborts the process now and then ("Bad address
+    (src/fq.cpp:56)"; the notebook's kernel died under a cell in CI; two threads doing so in a
+    plain script abort it within seconds). The relay reads an iopub socket of its own that no
+    event loop knows. Here the worker prints from a thread between cells while the notebook's
+    kernel is idle, and no event loop of the notebook's kernel looked at an iopub socket."""
+    monkeypatch.chdir(tmp_path)
+    log, ipython = tmp_path / "watched.log", tmp_path / "ipython"
+    (ipython / "profile_default" / "startup").mkdir(parents=True)
+    (ipython / "profile_default" / "startup" / "00-watch.py").write_text(WATCH_IOPUB)
+    k = Kernel({"IPYTHONDIR": str(ipython), "CR_TEST_WATCH_LOG": str(log)})
+    try:
+        k.ok("%load_ext colab_resilience")
+        k.ok("%resilience isolate")
+        for _ in range(3):
+            cell = k.submit("import threading, time\ndef later():\n    for i in range(40):\n"
+                            "        time.sleep(0.01); print(i, flush=True)\nthreading.Thread(target=later).start()")
+            printed = k.collect(cell).stdout  # what it printed before the cell's 'idle', then after
+            printed += "".join(m["content"]["text"] for m in iopub_for(k, 1.5) if m["msg_type"] == "stream")
+            assert printed == "".join(f"{i}\n" for i in range(40))
+        assert k.ok("print('still here')").stdout == "still here\n"
+    finally:
+        k.shutdown()
+    lines = log.read_text().splitlines()
+    assert lines.count("watching") >= 1 and set(lines) == {"watching"}, sorted(set(lines))
+
+
 def test_user_expressions_are_evaluated_in_the_worker(relay):
     """A frontend's variable inspector asks through user_expressions: it sees the worker's names."""
     pid = worker_pid(relay)
