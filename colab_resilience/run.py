@@ -438,7 +438,8 @@ class Run:
             changed = [n for n, p in j.setup.items() if n in after_setup and after_setup[n] != p]
             j.setup_changed = changed
             if changed:
-                self.say(setup_state.changed_message(changed))
+                self.say(setup_state.changed_message(
+                    changed, [n for n in changed if setup_state.is_code(self.shell.user_ns.get(n))]))
         elif self.after_restart and j.setup:
             recorded, older = setup_state.older(j.setup)
             self._older += older
@@ -448,7 +449,11 @@ class Run:
             # the resumed run would train on what the %%replay cells make, and end done, otherwise
             lost = [n for n in differ if n in j.setup_changed]
             if lost:
-                raise RunStoppedError(setup_state.lost_message(self.run_id, lost))
+                raise RunStoppedError(setup_state.lost_message(
+                    self.run_id, lost, [n for n in lost if setup_state.is_code(self.shell.user_ns.get(n))]))
+            # the notebook's code the replay defined otherwise: a %%replay cell edited since the run
+            # began, said as such (the run goes on with the new code); not a draw without a seed
+            differ = [n for n in differ if not setup_state.is_code(self.shell.user_ns.get(n))]
             if differ:
                 self.say(setup_state.message(differ))
 

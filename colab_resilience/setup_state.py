@@ -32,9 +32,12 @@ state dict, a torch ``DataLoader`` by its batching and its dataset (``random_spl
 by their indices, a ``TensorDataset`` by its tensors), a pandas frame by its index and columns,
 an object of the notebook's classes by its attributes, to a depth of 6. A tensor or a long
 container seen twice in one moment (:func:`one_moment`: the two walks of a ``%%replay`` cell's
-run) is hashed once. Left out: a model the training trains (it is its checkpoint's, through
-``--save`` or a framework's callback, which restores it; one that is neither is named at the
-first run), code, modules, other libraries' objects (a tokenizer, a summary writer), numbers a
+run) is hashed once. A function or a class of the notebook by its code (its bytecode, constants,
+names and defaults, not the file name or lines a kernel compiled it under; a decorated function
+with what it wraps), so that one a plain cell defines again (a fix to ``train_step``) is seen.
+Left out: a model the training trains (it is its checkpoint's, through ``--save`` or a
+framework's callback, which restores it; one that is neither is named at the first run), modules
+and other libraries' code, other libraries' objects (a tokenizer, a summary writer), numbers a
 dict names as a time, and a name bound to a clock's reading or a process's id
 (``t0 = time.time()``): they differ in any two runs.
 """
@@ -75,19 +78,21 @@ def one_moment():
 
 def setup_names(shell, sources: Iterable[str]) -> set[str]:
     """The names the set-up cells ``sources`` bind at their top level (not inside a function, a
-    class or a comprehension, not by an import)."""
+    class or a comprehension, not by an import), and the functions and classes they define there
+    (``def step(...)``: a cell that is not replayed may define it again otherwise)."""
     names: set[str] = set()
     for source in sources:
         code = source.partition("\n")[2] if source.lstrip().startswith("%%") else source
         tree = lint._parse(shell, code)
         if tree is not None:
             names |= _top_level_bound(tree)
+            names |= {s.name for s in tree.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     return names
 
 
 def all_bound(shell, source: str) -> set[str]:
     """Every name the set-up cell ``source`` binds at its top level: as :func:`setup_names`, and
-    the functions, classes and imports it defines too (code, which no fingerprint watches)."""
+    the imports too."""
     code = source.partition("\n")[2] if source.lstrip().startswith("%%") else source
     tree = lint._parse(shell, code)
     return set().union(*(_statement_binds(s) for s in getattr(tree, "body", [])))
@@ -302,8 +307,10 @@ def carried_in(shell, body: str, sources: Iterable[str], saved: Iterable[str]) -
     ns, hidden = shell.user_ns, getattr(shell, "user_ns_hidden", {})
     loads = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     free = _read_before_bound(tree) | (read_names(shell, body) - loads)  # what the functions read
+    # not the notebook's code: a function a plain cell defined is named at the first run (a restart
+    # loses it), and one edited after a death goes on with the new code, said as the cell's own edits are
     return sorted(n for n in free - setup_names(shell, sources) - set(saved)
-                  if n in ns and not n.startswith("_") and n not in hidden)
+                  if n in ns and not n.startswith("_") and n not in hidden and not is_code(ns[n]))
 
 
 def _read_before_bound(tree: ast.AST) -> set[str]:
@@ -455,23 +462,40 @@ def _shown(names: list[str]) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
-def changed_message(names: list[str]) -> str:
-    """The line a run that begins says of what changed since the set-up cells ran."""
+def _advice(names: list[str], code: Iterable[str], values_advice: str) -> str:
+    """What to do about ``names`` changed outside the %%replay cells: ``values_advice`` where none
+    is ``code`` (a function or a class of the notebook, defined again: no --save holds code)."""
+    code = [n for n in names if n in set(code)]
+    values = [n for n in names if n not in code]
+    if not code:
+        return values_advice
+    advice = f"define {', '.join(code)} as you want {'it' if len(code) == 1 else 'them'} in a %%replay cell and run it"
+    if values:
+        advice += (f" (--save holds values, not code); make the change to {', '.join(values)} there too, or --save "
+                   f"{'it' if len(values) == 1 else 'them'}")
+    return advice
+
+
+def changed_message(names: list[str], code: Iterable[str] = ()) -> str:
+    """The line a run that begins says of what changed since the set-up cells ran; ``code``: the
+    names of them that are the notebook's functions and classes (defined again)."""
     return (f"colab_resilience: {_shown(names)} changed since the %%replay cells ran (in a cell that is not "
             "replayed, or in an earlier run), and the training reads them: a new kernel's replay does not make that "
-            "change, and a resume after a restart stops until the cell that made it runs again; make the change in a "
-            "%%replay cell and run it, or --save them")
+            "change, and a resume after a restart stops until the cell that made it runs again; "
+            + _advice(names, code, "make the change in a %%replay cell and run it, or --save them"))
 
 
-def lost_message(run_id: str, names: list[str]) -> str:
+def lost_message(run_id: str, names: list[str], code: Iterable[str] = ()) -> str:
     """The line that stops a resume whose replay did not make what a cell that is not replayed
     had changed as the run began (said then, :func:`changed_message`)."""
     one = len(names) == 1
     it = "it" if one else "them"
+    values = "code" if set(names) <= set(code) else "values"
     return (f"colab_resilience: run {run_id}: {_shown(names)} {'is' if one else 'are'} not what the run began with: a "
             f"cell that is not replayed had changed {it} since the %%replay cells ran (said as the run began), and the "
-            f"replay made {it} as the %%replay cells do, so the resumed run would train on other values; "
-            + restart.run_again("that cell again, then this one", f"make the change in a %%replay cell or --save {it}"))
+            f"replay made {it} as the %%replay cells do, so the resumed run would train on other {values}; "
+            + restart.run_again("that cell again, then this one",
+                                _advice(names, code, f"make the change in a %%replay cell or --save {it}")))
 
 
 def message(names: list[str]) -> str:
@@ -529,6 +553,8 @@ def _kind(value: Any) -> str | None:
             return "loader"
         if isinstance(value, (data.Subset, data.TensorDataset, data.ConcatDataset)):
             return "dataset"
+    if is_code(value):
+        return "code"
     if isinstance(value, (types.FunctionType, types.ModuleType, type, types.BuiltinFunctionType)):
         return None
     from .checkpoints.restore import notebook_object
@@ -579,6 +605,8 @@ def _feed(value: Any, h, seen: set[int], depth: int) -> bool:
         _feed(generator_state(value), h, seen, depth + 1)
     elif kind == "pandas":
         _pandas(value, h)
+    elif kind == "code":
+        _code(value, h, seen, depth)
     elif kind == "loader":  # the data it yields, and how it batches them
         h.update(f"{value.batch_size} {value.drop_last} {type(value.sampler).__qualname__}".encode())
         if not _feed(value.dataset, h, seen, depth + 1):
@@ -630,6 +658,88 @@ def _feed_items(value, h, seen: set[int], depth: int) -> None:
                 break
             if not _feed(v, h, seen, depth + 1):
                 h.update(b"<left out>")
+
+
+def is_code(value: Any) -> bool:
+    """Whether ``value`` is a function or a class the notebook defined (``def``/``class`` in a cell;
+    a decorated function by what it wraps): fingerprinted by its code."""
+    if isinstance(value, type):
+        return value.__module__ == "__main__"
+    return isinstance(value, types.FunctionType) and value.__module__ == "__main__"
+
+
+def _code(value: Any, h, seen: set[int], depth: int) -> None:
+    """A function of the notebook: its code (what Python compiled, not where the cell was: the
+    file name a kernel gives a cell differs from kernel to kernel), and its defaults; a decorated
+    one (``@torch.no_grad()``) with what it wraps. A class of the notebook: its bases and its
+    methods' code, and its public attributes of plain data (``steps = 4``; not a cache a library
+    keeps on it, ``_something``)."""
+    if isinstance(value, type):
+        h.update(" ".join(f"{b.__module__}.{b.__qualname__}" for b in value.__bases__).encode())
+        for name, attr in sorted(vars(value).items()):
+            function = getattr(attr, "__func__", attr)  # a staticmethod's, a classmethod's
+            functions = [getattr(attr, k) for k in ("fget", "fset", "fdel")] if isinstance(attr, property) \
+                else [function]
+            if any(isinstance(f, types.FunctionType) for f in functions):
+                h.update(f"{name}:{type(attr).__name__}".encode())
+                for f in functions:
+                    if isinstance(f, types.FunctionType):
+                        _code(f, h, seen, depth + 1)
+            elif not name.startswith("_") and _kind(attr) in ("plain", "container"):  # a library's cache is private
+                h.update(name.encode())
+                _feed(attr, h, seen, depth + 1)
+        return
+    for _ in range(8):  # the decorators' wrappers down to the notebook's function
+        h.update(_code_digest(value.__code__).encode())
+        h.update(_closure(value, 3).encode())  # what a decorator's wrapper closes over (no_grad or enable_grad)
+        for defaults in (value.__defaults__, value.__kwdefaults__):
+            if defaults and not _feed(defaults, h, seen, depth + 1):
+                h.update(b"<left out>")
+        wrapped = getattr(value, "__wrapped__", None)
+        if not isinstance(wrapped, types.FunctionType):
+            return
+        value = wrapped
+
+
+def _closure(function: types.FunctionType, depth: int) -> str:
+    """What ``function`` closes over, by kind: plain values by their repr, functions by their name
+    and what they close over, anything else by its type (an address would differ in every kernel)."""
+    def kind(value) -> str:
+        if type(value) in _PLAIN:
+            return repr(value)
+        if isinstance(value, types.FunctionType):
+            return f"{value.__module__}.{value.__qualname__}" + (_closure(value, depth - 1) if depth > 0 else "")
+        if isinstance(value, type):
+            return f"class {value.__module__}.{value.__qualname__}"
+        if isinstance(value, types.MethodType):  # torch's no_grad(): its instance's clone
+            return f"{kind(value.__func__)} of {kind(value.__self__)}"
+        return f"{type(value).__module__}.{type(value).__qualname__}"
+
+    cells = []
+    for cell in function.__closure__ or ():
+        try:
+            cells.append(kind(cell.cell_contents))
+        except ValueError:  # a cell not yet filled
+            cells.append("<empty>")
+    return "[" + ",".join(cells) + "]"
+
+
+def _code_digest(code: types.CodeType) -> str:
+    """What a code object does, not where it was compiled (no file name, no line numbers): its
+    bytecode, its constants (nested code, an inner function's or a comprehension's, alike), the
+    names it reads and its arguments."""
+    def const(k) -> str:
+        if isinstance(k, types.CodeType):
+            return _code_digest(k)
+        if isinstance(k, tuple):
+            return "(" + ",".join(map(const, k)) + ")"
+        if isinstance(k, frozenset):  # `x in {"a", "b"}`: in an order that depends on the hash seed
+            return "{" + ",".join(sorted(map(const, k))) + "}"
+        return repr(k) if type(k) in _PLAIN or k is Ellipsis else type(k).__name__
+
+    return repr((code.co_code, [const(k) for k in code.co_consts], code.co_names, code.co_varnames,
+                 code.co_freevars, code.co_cellvars, code.co_argcount, code.co_posonlyargcount,
+                 code.co_kwonlyargcount, code.co_flags & 0xFFFF))  # not the __future__ flags a cell compiled under
 
 
 def _long(value, depth: int) -> bytes:

@@ -1088,6 +1088,58 @@ def test_one_element_a_plain_cell_changed_in_a_large_tensor_stops_a_resume_until
 
 
 @pytest.mark.one_stack("newest")
+def test_a_function_and_a_class_a_plain_cell_defined_again_stop_a_resume_until_that_cell_runs_again(kernel,
+                                                                                                   tmp_path):
+    """The %%replay cell defines the loss's scaling and a warm-up schedule; a plain cell below it
+    defines both again (a fix: half the loss, a longer warm-up), and the training uses those; a
+    kill in epoch 2. The replay brought the first versions back, and the run ended done with other
+    weights, saying nothing: code was left out of the fingerprints. The run names both as it
+    begins, and a resume whose replay made them otherwise stops, pending, in one line; the plain
+    cell run again (Run All), it resumes bit for bit as its twin."""
+    def notebook(mark):
+        return harness.notebook(
+            "%load_ext colab_resilience",
+            "%%replay\nimport os, signal, torch\ntorch.manual_seed(0)\nX = torch.randn(256, 8); Y = X[:, :1] * 2\n"
+            "model = torch.nn.Linear(8, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.05)\nlosses = []\n"
+            "def scaled(loss):\n    return loss\n"
+            "class Warmup:\n    steps = 2\n    def factor(self, epoch):\n        return min(1.0, (epoch + 1) / self.steps)",
+            "def scaled(loss):\n    return loss * 0.5\n"
+            "class Warmup:\n    steps = 4\n    def factor(self, epoch):\n        return min(1.0, (epoch + 1) / self.steps)",
+            "%%resilient --save model,opt,losses\nwarmup = Warmup()\nfor epoch in resume_range(4):\n"
+            "    for g in opt.param_groups:\n        g['lr'] = 0.05 * warmup.factor(epoch)\n"
+            "    loss = scaled(((model(X) - Y) ** 2).mean()); opt.zero_grad(); loss.backward(); opt.step()\n"
+            "    losses.append(loss.item())\n    if epoch == 2:\n" + _kill(mark, "        "),
+            "print('RESULT', losses, model.weight.detach().numpy().tobytes().hex())")
+
+    (tmp_path / "twin").mkdir()
+    (tmp_path / "twin" / "m").touch()
+    twin = notebook(tmp_path / "twin" / "m")
+    harness.uninterrupted_ok(harness.run(twin, tmp_path / "twin", standby=False))
+    assert ("colab_resilience: Warmup, scaled changed since the %%replay cells ran (in a cell that is not replayed, or "
+            "in an earlier run), and the training reads them: a new kernel's replay does not make that change, and a "
+            "resume after a restart stops until the cell that made it runs again; define Warmup, scaled as you want "
+            "them in a %%replay cell and run it") in harness.cell_text(twin.cells[3])
+    cells = [c.source for c in notebook(tmp_path / "m").cells]
+    kernel.ok(cells[0])
+    kernel.ok(f"%resilience dir {tmp_path / 'runs'}")
+    kernel.ok(cells[1])
+    kernel.ok(cells[2])
+    assert kernel.execute_until_exit(cells[3])[1] == -9
+    kernel.restart()
+    r = kernel.execute(cells[3])  # the training cell alone: the replay defines the first versions
+    assert r.status == "error" and (
+        ": Warmup, scaled are not what the run began with: a cell that is not replayed had changed them since the "
+        "%%replay cells ran (said as the run began), and the replay made them as the %%replay cells do, so the "
+        "resumed run would train on other code; run that cell again, then this one (Run All does), or define "
+        "Warmup, scaled as you want them in a %%replay cell and run it") in r.evalue, r.evalue
+    assert kernel.value("losses") == []  # nothing was restored
+    kernel.ok(cells[2])
+    out = kernel.ok(cells[3]).stdout
+    assert "continuing at " in out and "is not what the run began with" not in out, out
+    assert harness.result(kernel.ok(cells[4]).stdout) == harness.result(twin)
+
+
+@pytest.mark.one_stack("newest")
 def test_a_run_an_earlier_version_began_resumes_without_comparing_its_fingerprints(kernel, tmp_path):
     """A run pending across an upgrade (a kill, ``pip install -U``, a new kernel): the journal's
     fingerprints were taken by an earlier version, which sampled large tensors; compared with

@@ -33,12 +33,13 @@ t0 = __import__("time").time()
 def test_the_names_watched_are_the_set_up_cells_top_level_ones_the_training_reads_not_saved(ip):
     """Bound at the top level of a set-up cell (not inside a function, not an import), read by the
     cell or by a function of the notebook it calls (``scale``, through ``helper``), not in --save
-    (``lr``), and a value it knows (not a function; not a model the training trains)."""
+    (``lr``), and a value it knows or code of the notebook's (``helper``; not a model the training
+    trains)."""
     ip.run_cell(SETUP.partition("\n")[2])
     body = "for epoch in resume_range(2):\n    loss = (model(X[split]) * lr * helper()).sum()\n"
-    assert setup_state.watched(ip, body, [SETUP], ["lr"]) == ["X", "scale", "split"]
+    assert setup_state.watched(ip, body, [SETUP], ["lr"]) == ["X", "helper", "scale", "split"]
     bound = setup_state.setup_names(ip, [SETUP])
-    assert {"X", "squares", "unused_loop_name"} <= bound and not bound & {"inner", "torch", "k", "helper", "t0"}
+    assert {"X", "squares", "unused_loop_name", "helper"} <= bound and not bound & {"inner", "torch", "k", "t0"}
 
 
 def test_what_the_cell_reads_before_it_binds_it_is_carried_in(ip):
@@ -265,3 +266,70 @@ def test_a_run_that_begins_names_what_changed_since_the_set_up_cells_ran(ip, tmp
                      "in an earlier run), and the training reads them: a new kernel's replay does not make that "
                      "change, and a resume after a restart stops until the cell that made it runs again; make the "
                      "change in a %%replay cell and run it, or --save them"]
+
+
+CODE = '''
+import torch
+@torch.no_grad()
+def evaluate(model, xs, kinds=("Tensor", "ndarray")):
+    return [model(x) for x in xs if type(x).__name__ in {"Tensor", "ndarray", "list"}]
+def step(x, lr=0.1, *, scale=2.0):
+    def inner(y):
+        return y * scale
+    return inner(x) * lr
+class Warmup:
+    steps = 4
+    def __init__(self, base):
+        self.base = base
+    def factor(self, epoch):
+        return min(1.0, (epoch + 1) / self.steps)
+    @property
+    def rate(self):
+        return self.base * self.factor(0)
+'''
+
+
+def _code_prints(sources: list[str], filename: str, seed: str) -> list[dict]:
+    """The fingerprints of evaluate, step and Warmup in each of ``sources``, each compiled as a
+    kernel compiles a cell (``filename``: ipykernel names each cell's file after the kernel's
+    process) into a namespace of its own, in a Python of its own with the hash seed ``seed``,
+    after ``step`` ran 200 times (Python specialises the bytecode it runs)."""
+    import json
+    import subprocess
+    import sys
+
+    import harness
+
+    program = ("import json, sys\nfrom colab_resilience import setup_state\nprints = []\n"
+               f"for source in {sources!r}:\n"
+               f"    ns = {{'__name__': '__main__'}}\n    exec(compile(source, {filename!r}, 'exec'), ns)\n"
+               "    for _ in range(200):\n        ns['step'](1.0)\n"
+               "    prints.append(setup_state.fingerprint(ns, ['evaluate', 'step', 'Warmup']))\n"
+               "print(json.dumps(prints))")
+    out = subprocess.run([sys.executable, "-c", program], env=harness.child_env(PYTHONHASHSEED=seed),
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    return json.loads(out)
+
+
+def test_the_notebooks_functions_and_classes_are_fingerprinted_by_their_code_in_any_kernel():
+    """A function redefined in a plain cell after the %%replay cell defined it (a fix to a step
+    function) was not seen: code was left out, the replay brought the old one back, and a resumed
+    run trained with it. A function or class of the notebook is fingerprinted by its code, alike
+    in every kernel (another cell file name, another hash seed, bytecode specialised by running),
+    otherwise for any change to what it does: its body, a default, an inner function, what a
+    decorator wraps and which decorator, a method, a property, a class attribute."""
+    changes = [("return inner(x) * lr", "return inner(x) * lr * 0.5", "step"),
+               ("lr=0.1", "lr=0.2", "step"),
+               ("return y * scale", "return y + scale", "step"),
+               ('"ndarray", "list"}', '"ndarray"}', "evaluate"),
+               ("@torch.no_grad()", "@torch.enable_grad()", "evaluate"),
+               ("(epoch + 1) / self.steps", "epoch / self.steps", "Warmup"),
+               ("steps = 4", "steps = 5", "Warmup"),
+               ("self.base * self.factor(0)", "self.base", "Warmup")]
+    assert all(old in CODE for old, _, _ in changes)
+    first, *others = _code_prints([CODE] + [CODE.replace(old, new) for old, new, _ in changes],
+                                  "/tmp/ipykernel_1201/1554816346.py", "1")
+    assert set(first) == {"evaluate", "step", "Warmup"}
+    assert _code_prints(["\n\n" + CODE], "/tmp/ipykernel_977/99.py", "2") == [first]
+    for (old, new, changed), other in zip(changes, others):
+        assert {n for n in first if first[n] != other[n]} == {changed}, (old, new)

@@ -213,11 +213,9 @@ def test_a_dead_standby_means_a_cold_restart_and_the_same_result(tmp_path, refer
     """The OOM killer takes the standby first (oom_score_adj 1000); the driver finds it dead when it
     needs it, restarts a kernel instead, and starts a new standby."""
     nb = load("train.ipynb", tmp_path, fault="sigkill", fault_epoch=2)
-    # the fault made the test's own in a plain cell, in the first kernel only (a function is no value
-    # the run compares: a key added to FAULTS here would stop the resume, FAULTS not being what it was)
-    insert(nb, "train", SIBLINGS + WAIT_WARM + (
-        "\nFAULTS['sigkill'] = lambda: (os.kill(siblings()[0], signal.SIGKILL), time.sleep(0.5),"
-        " os.kill(os.getpid(), signal.SIGKILL))"), "standby-probe")
+    # the standby killed once it is warm, in a plain cell before the training (not by a new FAULTS
+    # entry: FAULTS is read by the training, and a function changed in a plain cell stops the resume)
+    insert(nb, "train", SIBLINGS + WAIT_WARM + "\nos.kill(spare, signal.SIGKILL)", "standby-probe")
     insert(nb, "result", SIBLINGS + WAIT_WARM.replace("STANDBY", "NEXT"), "next-probe")
     result = run(nb, tmp_path, standbys=None)  # a standby after each takeover, as by default
     assert result.status == 0, result.message
