@@ -810,6 +810,28 @@ def test_tensorflows_global_seed_state_goes_with_the_random_states():
     assert state["tensorflow"]["seed"] == 5
 
 
+def test_tensorflows_settings_go_with_the_random_states():
+    """Op determinism and TensorFloat-32, set otherwise after the capture, are as they were once the
+    state is restored (a new kernel has TensorFlow's defaults: determinism off, TF32 on)."""
+    from tensorflow.python.framework import config
+
+    from colab_resilience.checkpoints import capture_rng, restore_rng
+
+    before = config.is_op_determinism_enabled(), config.tensor_float_32_execution_enabled()
+    try:
+        for determinism, tf32 in ((True, False), (False, True)):
+            (config.enable_op_determinism if determinism else config.disable_op_determinism)()
+            config.enable_tensor_float_32_execution(tf32)
+            state = capture_rng()
+            (config.disable_op_determinism if determinism else config.enable_op_determinism)()
+            config.enable_tensor_float_32_execution(not tf32)
+            restore_rng(state)
+            assert (config.is_op_determinism_enabled(), config.tensor_float_32_execution_enabled()) == (determinism, tf32)
+    finally:
+        (config.enable_op_determinism if before[0] else config.disable_op_determinism)()
+        config.enable_tensor_float_32_execution(before[1])
+
+
 def uninterrupted(tmp_path_factory, **parameters) -> str:
     """The RESULT of train_keras.ipynb run uninterrupted with ``parameters``, once in the session."""
     return harness.twin_result(tmp_path_factory, "train_keras.ipynb", **parameters)
@@ -1363,6 +1385,22 @@ def test_a_dtype_policy_a_plain_cell_set_is_not_lost_silently_by_a_kill(tmp_path
                if where == "plain-cell" else None)
     _, nb, twin = harness.refused_or_twin(tmp_path, lambda mark: _policy_notebook(where, mark), refused)
     assert harness.result(twin).endswith(" bfloat16")
+
+
+@pytest.mark.kernel
+def test_tensorflows_op_determinism_a_plain_cell_set_is_on_again_after_a_kill(tmp_path):
+    """``tf.config.experimental.enable_op_determinism()`` (and TF32 off) in a plain cell, as Keras's
+    advice for reproducible training has it beside ``set_random_seed``: killed in the fit, the new
+    kernel went on with TensorFlow's defaults, determinism off and TF32 on (on a GPU: other numbers,
+    "done"). The settings come back with the checkpoint, and the run ends as its twin."""
+    setting = ("import tensorflow as tf\ntf.config.experimental.enable_op_determinism()\n"
+               "tf.config.experimental.enable_tensor_float_32_execution(False)\n")
+    _, _, twin = harness.refused_or_twin(tmp_path, lambda mark: harness.set_in(
+        "plain-cell", setting, _FIT_IMPORTS, _FIT_BUILD, _killed_fit(mark),
+        "from tensorflow.python.framework import config as tfc\n"
+        "print('RESULT', history.history['loss'], tfc.is_op_determinism_enabled(), tfc.tensor_float_32_execution_enabled())"),
+        None)
+    assert harness.result(twin).endswith(" True False"), harness.result(twin)
 
 
 def _rate_changed_notebook(where: str, mark):

@@ -14,6 +14,10 @@ generator's state is what is saved. TensorFlow has no public call to read or set
 the context's ``_seed`` and ``_rng`` attributes (and ``_set_global_seed``, what
 ``tf.random.set_seed`` calls), and saves nothing where they are not there. A random op given a
 seed of its own keeps its numbers in TensorFlow's kernel, where no checkpoint reaches them.
+
+With them go torch's and TensorFlow's process-wide settings that change what a computation gives
+(:func:`torch_settings`, :func:`tf_settings`): a cell that is not ``%%replay`` may have set them,
+and a new kernel would have the libraries' defaults.
 """
 
 from __future__ import annotations
@@ -90,6 +94,9 @@ def capture_rng() -> dict[str, Any]:
         state["keras"] = None if seeds is None else np.array(seeds.state.numpy(), copy=True)
     if torch is not None:
         state["torch_settings"] = torch_settings(torch)
+    tf_config = sys.modules.get("tensorflow.python.framework.config")
+    if tf_config is not None:
+        state["tf_settings"] = tf_settings(tf_config)
     return state
 
 
@@ -139,6 +146,39 @@ def _set_torch_settings(torch, saved: Any) -> None:
                 torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = bool(value[0]), bool(value[1])
 
 
+# TensorFlow's settings that change what a computation gives, as (reader, writer) names in its
+# framework config module: op determinism (what Keras's advice for reproducible training pairs with
+# keras.utils.set_random_seed), TensorFloat-32 matmuls and convolutions on a GPU (on by default)
+_TF_SETTINGS = {"op_determinism": ("is_op_determinism_enabled", None),
+                "tensor_float_32": ("tensor_float_32_execution_enabled", "enable_tensor_float_32_execution")}
+
+
+def tf_settings(config) -> dict[str, Any]:
+    """TensorFlow's process-wide settings of :data:`_TF_SETTINGS`, read through its framework config
+    module ``config``. A cell that is not ``%%replay`` may set them
+    (``tf.config.experimental.enable_op_determinism()``), and a new kernel has TensorFlow's
+    defaults: on a GPU the resumed run would compute otherwise, saying nothing. One this version
+    of TensorFlow cannot read is left out."""
+    found: dict[str, Any] = {}
+    for key, (read, _) in _TF_SETTINGS.items():
+        with contextlib.suppress(Exception):
+            found[key] = bool(getattr(config, read)())
+    return found
+
+
+def _set_tf_settings(config, saved: Any) -> None:
+    """Put back each setting :func:`tf_settings` returned that differs now."""
+    if not isinstance(saved, Mapping):
+        return
+    now = tf_settings(config)
+    for key in (k for k, v in saved.items() if k in now and now[k] != bool(v)):
+        with contextlib.suppress(Exception):
+            if key == "op_determinism":
+                (config.enable_op_determinism if saved[key] else config.disable_op_determinism)()
+            else:
+                getattr(config, _TF_SETTINGS[key][1])(bool(saved[key]))
+
+
 def _keras_3() -> bool:
     keras = sys.modules.get("keras")
     return keras is not None and hasattr(keras, "Layer")
@@ -182,6 +222,10 @@ def restore_rng(state: Mapping[str, Any]) -> None:
             # (a retry in this process) must start its numbers afresh, as it did the first time
             tf._set_global_seed(state["tensorflow"]["seed"])
             tf._rng.setstate(state["tensorflow"]["rng"])
+    if "tf_settings" in state:
+        config = sys.modules.get("tensorflow.python.framework.config")
+        if config is not None:
+            _set_tf_settings(config, state["tf_settings"])
     made_since = "keras" in state and state["keras"] is None and keras_seed_generator() is not None
     if "keras" in state and state["keras"] is not None:
         seeds = keras_seed_generator(create=True)
