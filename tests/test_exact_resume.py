@@ -1039,6 +1039,27 @@ def test_a_scheduler_the_replay_joins_to_another_optimizer_stops_the_run_before_
     assert kernel.value("losses") == []  # nothing was restored
 
 
+def _killed_after_a_plain_cells_change(kernel, tmp_path, notebook, said: str):
+    """``notebook(mark)`` (the extension, a %%replay cell, a plain cell that changes what it made,
+    the training cell killed once, a result cell): its twin run uninterrupted, whose training cell
+    must have ``said`` the change as the run began; then its cells in ``kernel`` up to the kill,
+    the kernel restarted and the training cell run alone. Returns the twin, the cells' sources and
+    that reply."""
+    (tmp_path / "twin").mkdir()
+    (tmp_path / "twin" / "m").touch()
+    twin = notebook(tmp_path / "twin" / "m")
+    harness.uninterrupted_ok(harness.run(twin, tmp_path / "twin", standby=False))
+    assert said in harness.cell_text(twin.cells[3])
+    cells = [c.source for c in notebook(tmp_path / "m").cells]
+    kernel.ok(cells[0])
+    kernel.ok(f"%resilience dir {tmp_path / 'runs'}")
+    kernel.ok(cells[1])
+    kernel.ok(cells[2])
+    assert kernel.execute_until_exit(cells[3])[1] == -9
+    kernel.restart()
+    return twin, cells, kernel.execute(cells[3])
+
+
 @pytest.mark.one_stack("newest")
 def test_one_element_a_plain_cell_changed_in_a_large_tensor_stops_a_resume_until_that_cell_runs_again(kernel,
                                                                                                       tmp_path):
@@ -1061,19 +1082,9 @@ def test_one_element_a_plain_cell_changed_in_a_large_tensor_stops_a_resume_until
             "    losses.append(loss.item())\n    if epoch == 1:\n" + _kill(mark, "        "),
             "print('RESULT', losses)")
 
-    (tmp_path / "twin").mkdir()
-    (tmp_path / "twin" / "m").touch()
-    twin = notebook(tmp_path / "twin" / "m")
-    harness.uninterrupted_ok(harness.run(twin, tmp_path / "twin", standby=False))
-    assert "colab_resilience: X changed since the %%replay cells ran" in harness.cell_text(twin.cells[3])
-    cells = [c.source for c in notebook(tmp_path / "m").cells]
-    kernel.ok(cells[0])
-    kernel.ok(f"%resilience dir {tmp_path / 'runs'}")
-    kernel.ok(cells[1])
-    kernel.ok(cells[2])
-    assert kernel.execute_until_exit(cells[3])[1] == -9
-    kernel.restart()
-    r = kernel.execute(cells[3])  # the training cell alone: the replay makes X without the change
+    twin, cells, r = _killed_after_a_plain_cells_change(
+        kernel, tmp_path, notebook, "colab_resilience: X changed since the %%replay cells ran")
+    # the training cell alone: the replay makes X without the change
     assert r.status == "error" and r.evalue.startswith("colab_resilience: run ") and (
         ": X is not what the run began with: a cell that is not replayed had changed it since the %%replay cells "
         "ran (said as the run began), and the replay made it as the %%replay cells do, so the resumed run would "
@@ -1111,22 +1122,12 @@ def test_a_function_and_a_class_a_plain_cell_defined_again_stop_a_resume_until_t
             "    losses.append(loss.item())\n    if epoch == 2:\n" + _kill(mark, "        "),
             "print('RESULT', losses, model.weight.detach().numpy().tobytes().hex())")
 
-    (tmp_path / "twin").mkdir()
-    (tmp_path / "twin" / "m").touch()
-    twin = notebook(tmp_path / "twin" / "m")
-    harness.uninterrupted_ok(harness.run(twin, tmp_path / "twin", standby=False))
-    assert ("colab_resilience: Warmup, scaled changed since the %%replay cells ran (in a cell that is not replayed, or "
-            "in an earlier run), and the training reads them: a new kernel's replay does not make that change, and a "
-            "resume after a restart stops until the cell that made it runs again; define Warmup, scaled as you want "
-            "them in a %%replay cell and run it") in harness.cell_text(twin.cells[3])
-    cells = [c.source for c in notebook(tmp_path / "m").cells]
-    kernel.ok(cells[0])
-    kernel.ok(f"%resilience dir {tmp_path / 'runs'}")
-    kernel.ok(cells[1])
-    kernel.ok(cells[2])
-    assert kernel.execute_until_exit(cells[3])[1] == -9
-    kernel.restart()
-    r = kernel.execute(cells[3])  # the training cell alone: the replay defines the first versions
+    twin, cells, r = _killed_after_a_plain_cells_change(kernel, tmp_path, notebook, (
+        "colab_resilience: Warmup, scaled changed since the %%replay cells ran (in a cell that is not replayed, or "
+        "in an earlier run), and the training reads them: a new kernel's replay does not make that change, and a "
+        "resume after a restart stops until the cell that made it runs again; define Warmup, scaled as you want "
+        "them in a %%replay cell and run it"))
+    # the training cell alone: the replay defines the first versions
     assert r.status == "error" and (
         ": Warmup, scaled are not what the run began with: a cell that is not replayed had changed them since the "
         "%%replay cells ran (said as the run began), and the replay made them as the %%replay cells do, so the "
