@@ -128,6 +128,9 @@ class Journal:
     # of those, the ones a cell that is not replayed had changed since the set-up cells ran (said as
     # the run began): a replay does not make them so, and a resume into what it makes is refused
     setup_changed: list[str] = field(default_factory=list)
+    # the notebook's own module files imported as the run began, by their real paths, and the
+    # SHA-256 of each: a kernel that resumes it says which changed on disk since (module_files)
+    modules: dict[str, str] = field(default_factory=dict)
     # as the run began: its random states (checkpoints.rng.to_json), which a kernel that resumes it
     # sets before the cell runs again (its code above the first loop draws what it drew then), and
     # the fingerprints of its --save values, which one that resumes it before its first checkpoint
@@ -228,6 +231,7 @@ class Journal:
             shrink=dict(data["shrink"]),
             setup=dict(data.get("setup") or {}),
             setup_changed=list(data.get("setup_changed") or []),
+            modules=dict(data.get("modules") or {}),
             start_rng=data.get("start_rng"),
             start_saved=dict(data.get("start_saved") or {}),
             start_from_setup=list(data.get("start_from_setup") or []),

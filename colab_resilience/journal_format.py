@@ -129,6 +129,9 @@ def validate(data: Any, path: Path) -> None:
         changed = data.get("setup_changed", [])
         if not isinstance(changed, list) or not all(is_type(n, (str,)) for n in changed):
             bad(path, "the names changed since the set-up cells ran are not strings")
+        modules = data.get("modules", {})
+        if not isinstance(modules, dict) or not all(is_type(v, (str,)) for v in modules.values()):
+            bad(path, "the module files' digests are not strings")
         kernels = data.get("kernels", [])
         if not isinstance(kernels, list) or not all(is_type(k, (str,)) for k in kernels):
             bad(path, "the kernels that held the run are not strings")

@@ -29,7 +29,7 @@ from collections import ChainMap
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Collection, Iterable, Iterator, Mapping, MutableMapping
 
-from . import carried, faults, fsutil, loops, memory, restart, words
+from . import carried, faults, fsutil, loops, memory, module_files, restart, words
 from .checkpoints import Checkpoint, CheckpointStore, capture_rng, restore_rng
 from .checkpoints.rng import generator_state, is_generator, set_generator_state
 from .checkpoints.staging import Budget
@@ -426,12 +426,14 @@ class Run:
 
     def _check_setup(self, after_setup: dict[str, str]) -> None:
         """A run that begins records what the set-up cells made that the cell reads, and says in
-        one line what of it changed since they ran (``after_setup``); one that a new kernel resumes
-        after replaying them says what the replay made otherwise (:mod:`.setup_state`)."""
+        one line what of it changed since they ran (``after_setup``), and the files of the notebook's
+        own modules; one that a new kernel resumes after replaying them says what the replay made
+        otherwise (:mod:`.setup_state`), and which of those files changed on disk (:mod:`.module_files`)."""
         from . import setup_state
 
         j = self.journal
         if not self.resuming:
+            j.modules = module_files.local_modules()
             sources = [c.source for c in j.replay_cells]
             j.setup = setup_state.fingerprint(self.shell.user_ns, setup_state.watched(
                 self.shell, self.body, sources, self.names + self.shrink))
@@ -440,7 +442,12 @@ class Run:
             if changed:
                 self.say(setup_state.changed_message(
                     changed, [n for n in changed if setup_state.is_code(self.shell.user_ns.get(n))]))
-        elif self.after_restart and j.setup:
+        elif self.after_restart:
+            edited = module_files.changed(j.modules)  # the notebook's modules the replay imported
+            if edited:
+                self.say(module_files.message(self.run_id, edited))
+            if not j.setup:
+                return
             recorded, older = setup_state.older(j.setup)
             self._older += older
             starts = setup_state.loop_starts_only(self.shell, self.body)

@@ -1141,6 +1141,48 @@ def test_a_function_and_a_class_a_plain_cell_defined_again_stop_a_resume_until_t
 
 
 @pytest.mark.one_stack("newest")
+@pytest.mark.parametrize("edited", [False, True], ids=["unchanged", "edited-while-the-kernel-was-dead"])
+def test_a_module_file_of_the_notebook_edited_since_the_run_began_is_named_as_it_resumes(tmp_path, edited):
+    """The %%replay cell imports the loss's scaling from ``steps_mod.py`` beside the notebook (a
+    module of its own: the fingerprints of the notebook's code do not see it). Edited while the
+    kernel was dead (a fix: half the loss), the replay imported the new code and the resumed run
+    ended done with losses of neither run, saying nothing: the resume names the file in one line.
+    Unchanged, nothing is said and the run ends as its twin bit for bit."""
+    def notebook(folder):
+        module, mark = folder / "steps_mod.py", folder / "m"
+        module.write_text("def scaled(loss):\n    return loss\n")
+        edit = f"        open({str(module)!r}, 'w').write('def scaled(loss):\\n    return loss * 0.5\\n')\n"
+        return harness.notebook(
+            "%load_ext colab_resilience",
+            "%%replay\nimport os, signal, torch\nfrom steps_mod import scaled\ntorch.manual_seed(0)\n"
+            "X = torch.randn(256, 8); Y = X[:, :1] * 2\nmodel = torch.nn.Linear(8, 1)\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.05)\nlosses = []",
+            "%%resilient --save model,opt,losses\nfor epoch in resume_range(4):\n"
+            "    loss = scaled(((model(X) - Y) ** 2).mean()); opt.zero_grad(); loss.backward(); opt.step()\n"
+            f"    losses.append(loss.item())\n    if epoch == 1 and not os.path.exists({str(mark)!r}):\n"
+            + (edit if edited else "") + f"        open({str(mark)!r}, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n",
+            "print('RESULT', losses)")
+
+    (tmp_path / "twin").mkdir()
+    twin = notebook(tmp_path / "twin")
+    (tmp_path / "twin" / "m").touch()  # the fault has struck already: none
+    harness.uninterrupted_ok(harness.run(twin, tmp_path / "twin", standby=False))
+    nb = notebook(tmp_path)
+    faulted = harness.run(nb, tmp_path, standby=False)
+    assert faulted.status == 0 and len(faulted.restarts) == 1, faulted.message
+    out, said = harness.cell_text(nb.cells[2]), "colab_resilience: steps_mod.py changed on disk since run "
+    assert said not in harness.cell_text(twin.cells[2])
+    if edited:
+        assert said in out and (" began: the run goes on with the code the replay imported from it, so what it did "
+                                "before ran on the old code and the result is not that of either run uninterrupted; "
+                                "to start over, %resilience reset ") in out, out
+        assert harness.result(nb) != harness.result(twin)
+    else:
+        assert said not in out, out
+        assert harness.result(nb) == harness.result(twin)
+
+
+@pytest.mark.one_stack("newest")
 def test_a_run_an_earlier_version_began_resumes_without_comparing_its_fingerprints(kernel, tmp_path):
     """A run pending across an upgrade (a kill, ``pip install -U``, a new kernel): the journal's
     fingerprints were taken by an earlier version, which sampled large tensors; compared with

@@ -333,3 +333,42 @@ def test_the_notebooks_functions_and_classes_are_fingerprinted_by_their_code_in_
     assert _code_prints(["\n\n" + CODE], "/tmp/ipykernel_977/99.py", "2") == [first]
     for (old, new, changed), other in zip(changes, others):
         assert {n for n in first if first[n] != other[n]} == {changed}, (old, new)
+
+
+def test_the_notebooks_own_module_files_are_recorded_and_a_changed_one_is_found(tmp_path, monkeypatch):
+    """A module imported from a file beside the notebook is recorded by its real path and digest
+    (not the standard library's, an installed package's or this package's); editing the file is
+    found, a file gone is not (the replay's import says so), and the journal keeps the record."""
+    import importlib
+    import json
+    import sys
+
+    from colab_resilience import module_files
+
+    (tmp_path / "steps_mod_recorded.py").write_text("def scaled(loss):\n    return loss\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("steps_mod_recorded")
+    try:
+        found = module_files.local_modules()
+    finally:
+        del sys.modules["steps_mod_recorded"]
+    mine = str((tmp_path / "steps_mod_recorded.py").resolve())
+    assert mine in found and not any("colab_resilience" in p or p.startswith(sys.prefix) for p in found), found
+    assert json.__file__ not in found and torch.__file__ not in found
+    assert module_files.changed(found) == []
+    (tmp_path / "steps_mod_recorded.py").write_text("def scaled(loss):\n    return loss * 0.5\n")
+    assert module_files.changed(found) == [mine]
+    monkeypatch.chdir(tmp_path)
+    assert module_files.message("r1", [mine]).startswith(
+        "colab_resilience: steps_mod_recorded.py changed on disk since run r1 began: the run goes on with the code "
+        "the replay imported from it")
+    (tmp_path / "steps_mod_recorded.py").unlink()
+    assert module_files.changed(found) == []
+
+    j = Journal.create(tmp_path / "run-m", "m", save=False)
+    j.modules = {mine: "ab" * 32}
+    j.save()
+    assert Journal.load(tmp_path / "run-m").modules == {mine: "ab" * 32}
+    j.modules = {mine: 3}
+    with pytest.raises(JournalError, match="the module files' digests are not strings"):
+        j.save()

@@ -1,0 +1,103 @@
+"""The notebook's own Python modules, by the digest of their files.
+
+A set-up cell that imports code from a file beside the notebook (``from model import Net``, a
+``utils.py`` of a cloned repository on ``sys.path``) makes what the run trains with from that
+file, and the notebook's fingerprints of its functions do not see it (they are the notebook's
+code, ``__main__``'s, only). Edited between a death and the resume (a fix, a ``git pull``), the
+replay imports the new code and the resumed run trains on with it, after epochs that ran on the
+old: the result is that of neither run uninterrupted. A run records the files of the modules
+imported as it begins (:func:`local_modules`); a kernel that resumes it after a restart compares
+them on disk (:func:`changed`) and says in one line which changed (:func:`message`), as it does
+for a set-up cell edited since the run began.
+
+A module of the notebook is one whose file is Python source outside the interpreter's own
+folders and the installed packages' (``site-packages``, ``dist-packages``), and not this
+package. Files are read, never executed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import site
+import sys
+import sysconfig
+from contextlib import suppress
+from typing import Mapping
+
+MODULES = 200  # the most files a run records: a notebook's own modules are a handful
+MAX_BYTES = 16 << 20  # a larger file is no module of a notebook's; it is left out
+
+
+def _library_roots() -> tuple[str, ...]:
+    """The folders of the interpreter, its standard library and installed packages, and of this
+    package, each ending in a separator."""
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+             os.path.dirname(os.path.abspath(__file__))}
+    roots.update(v for k, v in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib", "purelib", "platlib"))
+    with suppress(Exception):  # a virtual environment made by an old virtualenv has no site.getsitepackages
+        roots.update(site.getsitepackages())
+        roots.add(site.getusersitepackages())
+    return tuple(os.path.join(os.path.realpath(r), "") for r in roots if r)
+
+
+def local_modules() -> dict[str, str]:
+    """The imported modules of the notebook (see the module's text): their files' real paths and
+    the SHA-256 of each file's bytes."""
+    roots = _library_roots()
+    found: dict[str, str] = {}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if name == "__main__" or not isinstance(path, str) or not path.endswith(".py"):
+            continue
+        if _library(path, roots):  # most are, by the path they were imported by: no realpath to take
+            continue
+        real = os.path.realpath(path)
+        if _library(real, roots) or real in found:
+            continue
+        digest = file_digest(real)
+        if digest is not None:
+            found[real] = digest
+            if len(found) >= MODULES:
+                break
+    return found
+
+
+def _library(path: str, roots: tuple[str, ...]) -> bool:
+    parts = path.split(os.sep)
+    return path.startswith(roots) or "site-packages" in parts or "dist-packages" in parts
+
+
+def file_digest(path: str) -> str | None:
+    """The SHA-256 of the regular file ``path``; None where it is not one, cannot be read, or is
+    larger than :data:`MAX_BYTES`."""
+    try:
+        with open(path, "rb") as f:
+            if not os.path.isfile(path):
+                return None
+            data = f.read(MAX_BYTES + 1)
+    except OSError:
+        return None
+    return hashlib.sha256(data).hexdigest() if len(data) <= MAX_BYTES else None
+
+
+def changed(recorded: Mapping[str, str]) -> list[str]:
+    """Of the files ``recorded`` (:func:`local_modules` as a run began), those whose bytes differ
+    now (one that is gone is not: the replay that imports it fails, saying so)."""
+    return sorted(p for p, digest in recorded.items() if (now := file_digest(p)) is not None and now != digest)
+
+
+def message(run_id: str, paths: list[str]) -> str:
+    """The line a resume says of the notebook's module files edited since the run began."""
+    def shown(path: str) -> str:
+        with suppress(ValueError):  # another drive
+            relative = os.path.relpath(path)
+            if not relative.startswith(os.pardir):
+                return relative
+        return path
+
+    files = ", ".join(map(shown, paths[:4])) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+    it = "it" if len(paths) == 1 else "them"
+    return (f"colab_resilience: {files} changed on disk since run {run_id} began: the run goes on with the code "
+            f"the replay imported from {it}, so what it did before ran on the old code and the result is not that "
+            f"of either run uninterrupted; to start over, %resilience reset {run_id} and run this cell again")
