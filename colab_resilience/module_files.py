@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import site
+import stat
 import sys
 import sysconfig
 from contextlib import suppress
@@ -71,9 +72,13 @@ def _library(path: str, roots: tuple[str, ...]) -> bool:
 def file_digest(path: str) -> str | None:
     """The SHA-256 of the regular file ``path``; None where it is not one, cannot be read, or is
     larger than :data:`MAX_BYTES`."""
+    try:  # without blocking on a FIFO put in a module's place
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
     try:
-        with open(path, "rb") as f:
-            if not os.path.isfile(path):
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return None
             data = f.read(MAX_BYTES + 1)
     except OSError:

@@ -338,9 +338,11 @@ def test_the_notebooks_functions_and_classes_are_fingerprinted_by_their_code_in_
 def test_the_notebooks_own_module_files_are_recorded_and_a_changed_one_is_found(tmp_path, monkeypatch):
     """A module imported from a file beside the notebook is recorded by its real path and digest
     (not the standard library's, an installed package's or this package's); editing the file is
-    found, a file gone is not (the replay's import says so), and the journal keeps the record."""
+    found, a file gone is not (the replay's import says so), nor a FIFO in its place (read without
+    blocking), and the journal keeps the record."""
     import importlib
     import json
+    import os
     import sys
 
     from colab_resilience import module_files
@@ -363,6 +365,8 @@ def test_the_notebooks_own_module_files_are_recorded_and_a_changed_one_is_found(
         "colab_resilience: steps_mod_recorded.py changed on disk since run r1 began: the run goes on with the code "
         "the replay imported from it")
     (tmp_path / "steps_mod_recorded.py").unlink()
+    assert module_files.changed(found) == []
+    os.mkfifo(tmp_path / "steps_mod_recorded.py")  # read without blocking, and not a module's file
     assert module_files.changed(found) == []
 
     j = Journal.create(tmp_path / "run-m", "m", save=False)
