@@ -128,8 +128,9 @@ class Journal:
     # of those, the ones a cell that is not replayed had changed since the set-up cells ran (said as
     # the run began): a replay does not make them so, and a resume into what it makes is refused
     setup_changed: list[str] = field(default_factory=list)
-    # the notebook's own module files imported as the run began, by their real paths, and the
-    # SHA-256 of each: a kernel that resumes it says which changed on disk since (module_files)
+    # the notebook's own module files imported as the run began (and by each checkpoint), by their
+    # real paths, and the SHA-256 of each: a kernel that resumes it says which changed on disk since
+    # (module_files)
     modules: dict[str, str] = field(default_factory=dict)
     # as the run began: its random states (checkpoints.rng.to_json), which a kernel that resumes it
     # sets before the cell runs again (its code above the first loop draws what it drew then), and

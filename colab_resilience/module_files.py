@@ -6,7 +6,8 @@ file, and the notebook's fingerprints of its functions do not see it (they are t
 code, ``__main__``'s, only). Edited between a death and the resume (a fix, a ``git pull``), the
 replay imports the new code and the resumed run trains on with it, after epochs that ran on the
 old: the result is that of neither run uninterrupted. A run records the files of the modules
-imported as it begins (:func:`local_modules`); a kernel that resumes it after a restart compares
+imported as it begins, and of those imported since at each checkpoint (:func:`local_modules`: a
+cell's own ``from steps import train_step``); a kernel that resumes it after a restart compares
 them on disk (:func:`changed`) and says in one line which changed (:func:`message`), as it does
 for a set-up cell edited since the run began.
 

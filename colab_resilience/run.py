@@ -960,6 +960,8 @@ class Run:
             j.framework = j.framework or framework  # its callback's state is in the checkpoints (a model no --save names)
             j.oom_kills = memory.oom_kills()
             j.shrink.update(shrink)
+            for path, digest in module_files.local_modules().items():  # those the cell imported since it began
+                j.modules.setdefault(path, digest)
             j.save()
         faults.persisted(number)
 

@@ -1141,23 +1141,26 @@ def test_a_function_and_a_class_a_plain_cell_defined_again_stop_a_resume_until_t
 
 
 @pytest.mark.one_stack("newest")
-@pytest.mark.parametrize("edited", [False, True], ids=["unchanged", "edited-while-the-kernel-was-dead"])
-def test_a_module_file_of_the_notebook_edited_since_the_run_began_is_named_as_it_resumes(tmp_path, edited):
+@pytest.mark.parametrize("edited,where", [(False, "replay-cell"), (True, "replay-cell"), (True, "training-cell")],
+                         ids=["unchanged", "edited-while-the-kernel-was-dead", "imported-by-the-training-cell"])
+def test_a_module_file_of_the_notebook_edited_since_the_run_began_is_named_as_it_resumes(tmp_path, edited, where):
     """The %%replay cell imports the loss's scaling from ``steps_mod.py`` beside the notebook (a
-    module of its own: the fingerprints of the notebook's code do not see it). Edited while the
-    kernel was dead (a fix: half the loss), the replay imported the new code and the resumed run
-    ended done with losses of neither run, saying nothing: the resume names the file in one line.
-    Unchanged, nothing is said and the run ends as its twin bit for bit."""
+    module of its own: the fingerprints of the notebook's code do not see it), or the training
+    cell does. Edited while the kernel was dead (a fix: half the loss), the new code was imported
+    and the resumed run ended done with losses of neither run, saying nothing: the resume names
+    the file in one line. Unchanged, nothing is said and the run ends as its twin bit for bit."""
     def notebook(folder):
         module, mark = folder / "steps_mod.py", folder / "m"
         module.write_text("def scaled(loss):\n    return loss\n")
         edit = f"        open({str(module)!r}, 'w').write('def scaled(loss):\\n    return loss * 0.5\\n')\n"
+        imports = "from steps_mod import scaled\n"
         return harness.notebook(
             "%load_ext colab_resilience",
-            "%%replay\nimport os, signal, torch\nfrom steps_mod import scaled\ntorch.manual_seed(0)\n"
+            "%%replay\nimport os, signal, torch\n" + (imports if where == "replay-cell" else "") + "torch.manual_seed(0)\n"
             "X = torch.randn(256, 8); Y = X[:, :1] * 2\nmodel = torch.nn.Linear(8, 1)\n"
             "opt = torch.optim.SGD(model.parameters(), lr=0.05)\nlosses = []",
-            "%%resilient --save model,opt,losses\nfor epoch in resume_range(4):\n"
+            "%%resilient --save model,opt,losses\n" + (imports if where == "training-cell" else "")
+            + "for epoch in resume_range(4):\n"
             "    loss = scaled(((model(X) - Y) ** 2).mean()); opt.zero_grad(); loss.backward(); opt.step()\n"
             f"    losses.append(loss.item())\n    if epoch == 1 and not os.path.exists({str(mark)!r}):\n"
             + (edit if edited else "") + f"        open({str(mark)!r}, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n",
