@@ -88,8 +88,8 @@ def file_digest(path: str) -> str | None:
 
 
 def changed(recorded: Mapping[str, str]) -> list[str]:
-    """Of the files ``recorded`` (:func:`local_modules` as a run began), those whose bytes differ
-    now (one that is gone is not: the replay that imports it fails, saying so)."""
+    """Of the files ``recorded`` (:func:`local_modules`, as the run recorded them), those whose
+    bytes differ now (one that is gone is not: the import fails, saying so)."""
     return sorted(p for p, digest in recorded.items() if (now := file_digest(p)) is not None and now != digest)
 
 
@@ -104,6 +104,6 @@ def message(run_id: str, paths: list[str]) -> str:
 
     files = ", ".join(map(shown, paths[:4])) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
     it = "it" if len(paths) == 1 else "them"
-    return (f"colab_resilience: {files} changed on disk since run {run_id} began: the run goes on with the code "
-            f"the replay imported from {it}, so what it did before ran on the old code and the result is not that "
-            f"of either run uninterrupted; to start over, %resilience reset {run_id} and run this cell again")
+    return (f"colab_resilience: {files} changed on disk since run {run_id} began: the resumed run goes on with "
+            f"the code now in {it}, so what it did before ran on the old code and the result is not that of either "
+            f"run uninterrupted; to start over, %resilience reset {run_id} and run this cell again")

@@ -961,7 +961,8 @@ class Run:
             j.oom_kills = memory.oom_kills()
             j.shrink.update(shrink)
             for path, digest in module_files.local_modules().items():  # those the cell imported since it began
-                j.modules.setdefault(path, digest)
+                if len(j.modules) < module_files.MODULES:
+                    j.modules.setdefault(path, digest)
             j.save()
         faults.persisted(number)
 

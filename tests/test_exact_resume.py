@@ -1176,9 +1176,9 @@ def test_a_module_file_of_the_notebook_edited_since_the_run_began_is_named_as_it
     out, said = harness.cell_text(nb.cells[2]), "colab_resilience: steps_mod.py changed on disk since run "
     assert said not in harness.cell_text(twin.cells[2])
     if edited:
-        assert said in out and (" began: the run goes on with the code the replay imported from it, so what it did "
-                                "before ran on the old code and the result is not that of either run uninterrupted; "
-                                "to start over, %resilience reset ") in out, out
+        assert said in out and (" began: the resumed run goes on with the code now in it, so what it did before ran "
+                                "on the old code and the result is not that of either run uninterrupted; to start "
+                                "over, %resilience reset ") in out, out
         assert harness.result(nb) != harness.result(twin)
     else:
         assert said not in out, out

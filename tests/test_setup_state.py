@@ -362,8 +362,8 @@ def test_the_notebooks_own_module_files_are_recorded_and_a_changed_one_is_found(
     assert module_files.changed(found) == [mine]
     monkeypatch.chdir(tmp_path)
     assert module_files.message("r1", [mine]).startswith(
-        "colab_resilience: steps_mod_recorded.py changed on disk since run r1 began: the run goes on with the code "
-        "the replay imported from it")
+        "colab_resilience: steps_mod_recorded.py changed on disk since run r1 began: the resumed run goes on with "
+        "the code now in it, so what it did before ran on the old code")
     (tmp_path / "steps_mod_recorded.py").unlink()
     assert module_files.changed(found) == []
     os.mkfifo(tmp_path / "steps_mod_recorded.py")  # read without blocking, and not a module's file
