@@ -11,42 +11,30 @@ cell's own ``from steps import train_step``); a kernel that resumes it after a r
 them on disk (:func:`changed`) and says in one line which changed (:func:`message`), as it does
 for a set-up cell edited since the run began.
 
-A module of the notebook is one whose file is Python source outside the interpreter's own
-folders and the installed packages' (``site-packages``, ``dist-packages``), and not this
-package. Files are read, never executed.
+A module of the notebook is one whose file is Python source outside the standard library and
+the installed packages (:func:`.standby.installed_roots`, and any ``site-packages`` or
+``dist-packages`` folder), and not this package. Files are read, never executed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import site
 import stat
 import sys
-import sysconfig
 from contextlib import suppress
 from typing import Mapping
+
+from .standby import installed_roots
 
 MODULES = 200  # the most files a run records: a notebook's own modules are a handful
 MAX_BYTES = 16 << 20  # a larger file is no module of a notebook's; it is left out
 
 
-def _library_roots() -> tuple[str, ...]:
-    """The folders of the interpreter, its standard library and installed packages, and of this
-    package, each ending in a separator."""
-    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-             os.path.dirname(os.path.abspath(__file__))}
-    roots.update(v for k, v in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib", "purelib", "platlib"))
-    with suppress(Exception):  # a virtual environment made by an old virtualenv has no site.getsitepackages
-        roots.update(site.getsitepackages())
-        roots.add(site.getusersitepackages())
-    return tuple(os.path.join(os.path.realpath(r), "") for r in roots if r)
-
-
 def local_modules() -> dict[str, str]:
     """The imported modules of the notebook (see the module's text): their files' real paths and
     the SHA-256 of each file's bytes."""
-    roots = _library_roots()
+    roots = (*installed_roots(), os.path.join(os.path.dirname(os.path.realpath(__file__)), ""))  # and this package
     found: dict[str, str] = {}
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)

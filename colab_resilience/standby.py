@@ -49,7 +49,10 @@ _adopted = False  # it took over: an ordinary kernel now
 
 
 @functools.lru_cache(maxsize=None)
-def _roots() -> tuple[str, ...]:
+def installed_roots() -> tuple[str, ...]:
+    """The folders of the standard library and of installed packages (site-packages, the user's
+    too), by real and absolute path, each ending in a separator: a module under one is installed
+    code, not the notebook's."""
     import site
 
     paths = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
@@ -160,7 +163,7 @@ def _within_an_import() -> bool:
     (which a standby imports whole, this import with it), not from a cell's code, a function it
     called, or a notebook's own module (which a standby does not import: what that module seeded
     before this import counts)."""
-    roots = _roots()
+    roots = installed_roots()
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_name == "<module>":
@@ -213,7 +216,7 @@ def new_modules() -> list[tuple[dict | None, list[str], bool]]:
     if len(sys.modules) == _seen_count:  # nothing imported since (asked after every cell: be quick)
         return []
     _seen_count = len(sys.modules)
-    roots = _roots()
+    roots = installed_roots()
     marks = _watcher.marks if _watcher is not None else []
     groups: list[tuple[dict | None, list[str], bool]] = []
     env, m = None, 0
@@ -293,7 +296,7 @@ def _set_environ(env: dict[str, str]) -> None:
 def _import_forever(q: queue.SimpleQueue) -> None:
     global _drew_on
     priority.renice_this_thread(priority.NICE)
-    roots = _roots()
+    roots = installed_roots()
     while True:
         item = q.get()
         if item is None:

@@ -393,14 +393,14 @@ def test_modules_imported_before_the_random_states_changed_are_offered_as_untouc
     (tmp_path / "own" / "seeding_helper.py").write_text("import random\nrandom.seed(0)\nimport colorsys\n")
     code = header + textwrap.dedent(f"""
         import random
-        installed = standby._roots()
-        standby._roots = lambda: (*installed, {str(tmp_path) + "/"!r})  # its modules as if installed
+        installed = standby.installed_roots()
+        standby.installed_roots = lambda: (*installed, {str(tmp_path) + "/"!r})  # its modules as if installed
         standby.watch_environment()
         import drawing_module
         import later_module
         print(*[standby._watcher.untouched(n, sys.modules[n]) for n in ('drawing_module', 'inner_module', 'later_module')])
         # a notebook's own module that seeds, then imports: the seed counts
-        standby._roots = lambda: installed
+        standby.installed_roots = lambda: installed
         standby._watcher = None
         sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_EnvironmentAtImport']
         standby.watch_environment()
