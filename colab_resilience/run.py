@@ -443,7 +443,7 @@ class Run:
                 self.say(setup_state.changed_message(
                     changed, [n for n in changed if setup_state.is_code(self.shell.user_ns.get(n))]))
         elif self.after_restart:
-            edited = module_files.changed(j.modules)  # the notebook's modules the replay imported
+            edited = module_files.changed(j.modules)  # the notebook's module files, as the run recorded them
             if edited:
                 self.say(module_files.message(self.run_id, edited))
             if not j.setup:
