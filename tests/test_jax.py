@@ -196,6 +196,66 @@ def test_64_bit_types_a_plain_cell_turned_on_are_not_lost_silently_by_a_kill(tmp
     assert harness.result(twin).endswith(" float64")
 
 
+def test_jaxs_random_and_precision_flags_go_with_the_random_states():
+    """JAX's flags that change what a computation gives, set otherwise after the capture, are as
+    they were once the state is restored (a new kernel has JAX's defaults), and a key drawn from
+    gives the numbers it gave under them."""
+    from colab_resilience.checkpoints import capture_rng, restore_rng
+
+    names = ("jax_threefry_partitionable", "jax_random_seed_offset", "jax_default_matmul_precision",
+             "jax_softmax_custom_jvp")
+    before = {n: getattr(jax.config, n) for n in names}
+    try:
+        jax.config.update("jax_threefry_partitionable", not before["jax_threefry_partitionable"])
+        jax.config.update("jax_random_seed_offset", 3)
+        jax.config.update("jax_default_matmul_precision", "highest")
+        jax.config.update("jax_softmax_custom_jvp", not before["jax_softmax_custom_jvp"])
+        drawn = np.asarray(jax.random.normal(jax.random.key(0), (4,)))
+        state = capture_rng()
+        for n, v in before.items():
+            jax.config.update(n, v)
+        assert not np.array_equal(np.asarray(jax.random.normal(jax.random.key(0), (4,))), drawn)
+        restore_rng(state)
+        assert {n: getattr(jax.config, n) for n in names} == {
+            "jax_threefry_partitionable": not before["jax_threefry_partitionable"], "jax_random_seed_offset": 3,
+            "jax_default_matmul_precision": "highest", "jax_softmax_custom_jvp": not before["jax_softmax_custom_jvp"]}
+        assert np.array_equal(np.asarray(jax.random.normal(jax.random.key(0), (4,))), drawn)
+    finally:
+        for n, v in before.items():
+            jax.config.update(n, v)
+
+
+def _flag_notebook(mark):
+    """An optax loop that draws noise from a saved key every epoch, under JAX's old random bits
+    (``jax_threefry_partitionable`` off, as JAX's changelog advises for the numbers of before 0.5)
+    set in a plain cell after the %%replay cell; killed once after its epoch 1."""
+    kill = (f"    if epoch == 1 and not os.path.exists({str(mark)!r}):\n"
+            f"        open({str(mark)!r}, 'w').close(); os.kill(os.getpid(), signal.SIGKILL)\n")
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        "%%replay\nimport os, signal\nimport jax, jax.numpy as jnp, optax\n"
+        "X = jax.random.normal(jax.random.key(0), (64, 8)); Y = X.sum(1); key = jax.random.key(1)\n"
+        "params = {'w': jnp.zeros(8), 'b': jnp.zeros(())}\ntx = optax.adam(1e-2); opt_state = tx.init(params)\n"
+        "losses = []\n@jax.jit\ndef step(params, opt_state, x):\n"
+        "    loss, g = jax.value_and_grad(lambda p: ((x @ p['w'] + p['b'] - Y) ** 2).mean())(params)\n"
+        "    u, opt_state = tx.update(g, opt_state, params)\n    return optax.apply_updates(params, u), opt_state, loss",
+        "jax.config.update('jax_threefry_partitionable', False)",
+        "%%resilient --save params,opt_state,losses,key\nfor epoch in resume_range(3):\n"
+        "    key, sub = jax.random.split(key)\n    x = X + jax.random.normal(sub, X.shape)\n"
+        "    for _ in range(5):\n        params, opt_state, loss = step(params, opt_state, x)\n"
+        "    losses.append(float(loss))\n" + kill,
+        "print('RESULT', losses, jax.config.jax_threefry_partitionable)")
+
+
+@pytest.mark.kernel
+def test_jaxs_random_bits_a_plain_cell_chose_are_chosen_again_after_a_kill(tmp_path):
+    """``jax_threefry_partitionable`` off in a plain cell: killed after an epoch, the new kernel had
+    it on (JAX's default) and the keys the loop split drew other noise from then on, "done". The
+    flag comes back with the checkpoint, and the run ends as its twin."""
+    _, _, twin = harness.refused_or_twin(tmp_path, _flag_notebook, None)
+    assert harness.result(twin).endswith(" False"), harness.result(twin)
+
+
 def twin(tmp_path_factory, api: str) -> str:
     """The RESULT of train_flax.ipynb run uninterrupted with ``api``, once in the session."""
     return harness.twin_result(tmp_path_factory, "train_flax.ipynb", api=api)

@@ -72,7 +72,9 @@ def _tuples(value: Any) -> Any:
 
 
 def capture_rng() -> dict[str, Any]:
-    """The random-number states: Python, NumPy (if imported), torch CPU and initialised CUDA."""
+    """The random-number states: Python, NumPy (if imported), torch CPU and initialised CUDA,
+    TensorFlow's and Keras's; and the process-wide settings of torch, TensorFlow and JAX that change
+    what a computation gives."""
     import random
 
     state: dict[str, Any] = {"python": random.getstate()}
@@ -97,6 +99,9 @@ def capture_rng() -> dict[str, Any]:
     tf_config = sys.modules.get("tensorflow.python.framework.config")
     if tf_config is not None:
         state["tf_settings"] = tf_settings(tf_config)
+    jax_config = _jax_config()
+    if jax_config is not None:
+        state["jax_settings"] = jax_settings(jax_config)
     return state
 
 
@@ -179,6 +184,48 @@ def _set_tf_settings(config, saved: Any) -> None:
                 getattr(config, _TF_SETTINGS[key][1])(bool(saved[key]))
 
 
+# JAX's flags that change what a computation gives (each in its jit cache key, so a function traced
+# before is traced again under the value put back): the random bits a key gives
+# (``jax_threefry_partitionable``, whose default changed in JAX 0.5; its changelog advises setting
+# it to False for the old numbers), what ``jax.random.key(seed)`` makes (the implementation and a
+# seed offset), the default matmul precision (TF32 or bfloat16 passes on a GPU) and the softmax's
+# gradient. ``jax_enable_x64`` is not one: it decides the dtype of the arrays the replayed cells
+# made before any restore, and a saved float64 array JAX would make float32 is refused instead
+# (checkpoints.restore)
+_JAX_SETTINGS = ("jax_threefry_partitionable", "jax_default_prng_impl", "jax_random_seed_offset",
+                 "jax_default_matmul_precision", "jax_softmax_custom_jvp")
+
+
+def _jax_config():
+    """JAX's config, if JAX is imported (None otherwise)."""
+    jax = sys.modules.get("jax")
+    return getattr(jax, "config", None) if jax is not None else None
+
+
+def jax_settings(config) -> dict[str, Any]:
+    """JAX's process-wide flags of :data:`_JAX_SETTINGS`, read through ``jax.config``. A cell that
+    is not ``%%replay`` may set them (``jax.config.update("jax_threefry_partitionable", False)``),
+    and a new kernel has JAX's defaults: the resumed run would draw other numbers, saying nothing.
+    A flag this version of JAX does not have, or whose value is not a plain one, is left out."""
+    found: dict[str, Any] = {}
+    for name in _JAX_SETTINGS:
+        with contextlib.suppress(Exception):
+            value = getattr(config, name)
+            if value is None or isinstance(value, (bool, int, str)):
+                found[name] = value
+    return found
+
+
+def _set_jax_settings(config, saved: Any) -> None:
+    """Put back each flag :func:`jax_settings` returned that differs now."""
+    if not isinstance(saved, Mapping):
+        return
+    now = jax_settings(config)
+    for name in (k for k, v in saved.items() if k in now and now[k] != v):
+        with contextlib.suppress(Exception):
+            config.update(name, saved[name])
+
+
 def _keras_3() -> bool:
     keras = sys.modules.get("keras")
     return keras is not None and hasattr(keras, "Layer")
@@ -226,6 +273,10 @@ def restore_rng(state: Mapping[str, Any]) -> None:
         config = sys.modules.get("tensorflow.python.framework.config")
         if config is not None:
             _set_tf_settings(config, state["tf_settings"])
+    if "jax_settings" in state:
+        config = _jax_config()
+        if config is not None:
+            _set_jax_settings(config, state["jax_settings"])
     made_since = "keras" in state and state["keras"] is None and keras_seed_generator() is not None
     if "keras" in state and state["keras"] is not None:
         seeds = keras_seed_generator(create=True)
