@@ -29,7 +29,9 @@ its length and its first 100,000 items (all of them where they are numbers or st
 of them: a text dataset's ``(text, label)`` pairs or records), a set by its items in any order,
 a frozen module (a teacher, a pretrained backbone: no parameter that requires a gradient) by its
 state dict, a torch ``DataLoader`` by its batching and its dataset (``random_split``'s subsets
-by their indices, a ``TensorDataset`` by its tensors), a pandas frame by its index and columns,
+by their indices, a ``TensorDataset`` by its tensors), a Hugging Face ``datasets.Dataset`` by
+its Arrow table and the index a ``shuffle`` or ``select`` made of it (one in a plain cell is seen),
+its features and format, a pandas frame by its index and columns,
 an object of the notebook's classes by its attributes, to a depth of 6. A tensor or a long
 container seen twice in one moment (:func:`one_moment`: the two walks of a ``%%replay`` cell's
 run) is hashed once. A function or a class of the notebook by its code (its bytecode, constants,
@@ -514,9 +516,10 @@ def message(names: list[str]) -> str:
 def plain_data(value: Any) -> bool:
     """Whether ``value`` is data that fingerprints the same for the same values, whenever it is
     taken: a list, tuple, dict or set (of tensors, arrays, numbers and strings), or a
-    ``TensorDataset``, a ``Subset`` or a ``ConcatDataset`` of those; not an object of a class that
-    may fill a cache as it is read."""
-    return _kind(value) in ("container", "dataset")
+    ``TensorDataset``, a ``Subset`` or a ``ConcatDataset`` of those, or a Hugging Face
+    ``datasets.Dataset`` (its Arrow table does not change as it is read); not an object of a class
+    that may fill a cache as it is read."""
+    return _kind(value) in ("container", "dataset", "arrow")
 
 
 def _kind(value: Any) -> str | None:
@@ -553,6 +556,9 @@ def _kind(value: Any) -> str | None:
             return "loader"
         if isinstance(value, (data.Subset, data.TensorDataset, data.ConcatDataset)):
             return "dataset"
+    arrow = sys.modules.get("datasets.arrow_dataset")  # Hugging Face datasets' (a DatasetDict is a dict of them)
+    if arrow is not None and isinstance(value, getattr(arrow, "Dataset", ())):
+        return "arrow"
     if is_code(value):
         return "code"
     if isinstance(value, (types.FunctionType, types.ModuleType, type, types.BuiltinFunctionType)):
@@ -611,6 +617,8 @@ def _feed(value: Any, h, seen: set[int], depth: int) -> bool:
         h.update(f"{value.batch_size} {value.drop_last} {type(value.sampler).__qualname__}".encode())
         if not _feed(value.dataset, h, seen, depth + 1):
             h.update(b"<left out>")
+    elif kind == "arrow":
+        _arrow_dataset(value, h, seen, depth)
     elif kind == "dataset":  # random_split's subsets: their indices; tensors; the parts of a concatenation
         parts = ([value.indices, value.dataset] if hasattr(value, "indices") else
                  list(value.tensors) if hasattr(value, "tensors") else list(value.datasets))
@@ -919,6 +927,47 @@ def _array_chunks(a):
         return
     for part in _slices(a, a.itemsize):
         yield np.ascontiguousarray(part)
+
+
+def _arrow_dataset(value, h, seen: set[int], depth: int) -> None:
+    """A Hugging Face ``datasets.Dataset``: its length, features and format (a ``with_transform``'s
+    function by its code), and what its rows are made of: every byte of its Arrow table and of the
+    index a ``shuffle``, a ``select`` or a split made of it (the rows the training reads are the
+    table's, in the index's order), a bounded slice at a time in Arrow's IPC form, which holds only
+    the rows a slice shows. Kept by :func:`one_moment` as a long container is."""
+    import blake3
+
+    h.update(f"{value.num_rows} {value.features!r}".encode())
+    if not _feed(value.format, h, seen, depth + 1):
+        h.update(b"<left out>")
+    key = ("arrow", id(value))
+    if _memo is not None and key in _memo:
+        h.update(_memo[key][0])
+        return
+    g = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    indices = value._indices  # (datasets' own; None where no index was made)
+    for table in (value.data, indices):
+        g.update(b"<none>" if table is None else _arrow_table(table.table))
+    digest = g.digest()
+    if _memo is not None:
+        _memo[key] = (digest, value)
+    h.update(digest)
+
+
+def _arrow_table(table) -> bytes:
+    """The BLAKE3 digest of a pyarrow ``Table``: its schema, then its record batches in IPC form, at
+    most :data:`CHUNK` bytes of rows at a time (a slice of a table is written without what it does
+    not show)."""
+    import blake3
+
+    g = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    g.update(f"{table.num_rows}".encode())
+    g.update(memoryview(table.schema.serialize()))
+    step = max(1, CHUNK // max(1, table.nbytes // max(1, table.num_rows)))
+    for start in range(0, table.num_rows, step):
+        for batch in table.slice(start, step).to_batches():
+            g.update(memoryview(batch.serialize()))
+    return g.digest()
 
 
 def _pandas(value, h) -> None:

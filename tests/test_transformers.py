@@ -233,15 +233,19 @@ def test_a_callback_that_acts_as_an_epoch_begins_acts_as_in_the_uninterrupted_ru
     assert re.findall(r"epoch \d begins", after) == ["epoch 4 begins"], after
 
 
-def _changed_notebook(change: str, where: str, mark):
+def _changed_notebook(change: str, where: str, mark, data: str = "list"):
     """A GPT-2 and its Trainer (2 epochs of 4 steps) built in a %%replay cell, ``change`` made in a
     plain cell after it ("plain-cell") or at that cell's end ("replay-cell"); killed once after
-    step 3."""
+    step 3. ``data``: the Trainer's, a list of examples, or a Hugging Face ``datasets.Dataset``
+    ("hf"; "hf-read": the training cell hands ``data`` to the Trainer again before ``train``)."""
+    examples = ("data = [{'input_ids': t, 'labels': t} for t in torch.randint(0, 64, (16, 8), generator=g)]\n"
+                if data == "list" else
+                "import datasets\nt = torch.randint(0, 64, (16, 8), generator=g).tolist()\n"
+                "data = datasets.Dataset.from_dict({'input_ids': t, 'labels': t})\n")
     return harness.notebook(
         "%load_ext colab_resilience",
         _replay_start(mark, "KILL_STEP", 3, "GPT2Config, GPT2LMHeadModel", staging_off=True) +
-        "g = torch.Generator().manual_seed(1)\n"
-        "data = [{'input_ids': t, 'labels': t} for t in torch.randint(0, 64, (16, 8), generator=g)]\n"
+        "g = torch.Generator().manual_seed(1)\n" + examples +
         "model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=1, n_head=2))\n"
         "class Kill(TrainerCallback):\n"
         "    def on_step_end(self, args, state, control, **kwargs):\n"
@@ -253,6 +257,7 @@ def _changed_notebook(change: str, where: str, mark):
         + (change + "\n" if where == "replay-cell" else ""),
         change if where == "plain-cell" else "pass",
         "%%resilient\nfrom colab_resilience.integrations.transformers import ResilienceCallback\n"
+        + ("trainer.train_dataset = data\n" if data == "hf-read" else "") +
         "trainer.add_callback(ResilienceCallback())\nout = trainer.train()",
         "import hashlib\n"
         "print('RESULT', trainer.state.global_step, out.training_loss, next(model.parameters()).dtype,\n"
@@ -275,26 +280,41 @@ def test_a_model_a_plain_cell_made_float64_is_not_trained_on_in_float32_after_a_
     assert harness.result(twin).startswith("RESULT 8 ") and " torch.float64 " in harness.result(twin)
 
 
-@pytest.mark.parametrize("change,where,refused,steps", [
-    ("trainer.args.num_train_epochs = 3", "plain-cell", "(args.num_train_epochs 2 now, 3 saved)", 12),
+_SHUFFLED = "trainer.train_dataset = trainer.train_dataset.shuffle(seed=1)"
+
+
+@pytest.mark.parametrize("change,where,refused,steps,data", [
+    ("trainer.args.num_train_epochs = 3", "plain-cell", "(args.num_train_epochs 2 now, 3 saved)", 12, "list"),
     ("trainer.args.per_device_train_batch_size = 8", "plain-cell", "(args.per_device_train_batch_size 4 now, 8 saved)",
-     4),
+     4, "list"),
     ("trainer.train_dataset = data[:12]", "plain-cell",
-     "(len(train_dataset) 16 now, 12 saved; what train_dataset holds differs)", 6),
-    ("trainer.args.num_train_epochs = 3", "replay-cell", None, 12),
-], ids=["epochs-in-a-plain-cell", "batch-in-a-plain-cell", "data-in-a-plain-cell", "epochs-in-the-replay-cell"])
+     "(len(train_dataset) 16 now, 12 saved; what train_dataset holds differs)", 6, "list"),
+    ("trainer.args.num_train_epochs = 3", "replay-cell", None, 12, "list"),
+    (_SHUFFLED, "plain-cell", "(what train_dataset holds differs)", 8, "hf"),
+    (_SHUFFLED, "replay-cell", None, 8, "hf"),
+    ("data = data.shuffle(seed=1)", "plain-cell", "data is not what the run began with: a cell that is not replayed "
+     "had changed it since the %%replay cells ran (said as the run began)", 8, "hf-read"),
+], ids=["epochs-in-a-plain-cell", "batch-in-a-plain-cell", "data-in-a-plain-cell", "epochs-in-the-replay-cell",
+        "hf-dataset-shuffled-in-a-plain-cell", "hf-dataset-shuffled-in-the-replay-cell",
+        "hf-dataset-the-cell-reads-shuffled-in-a-plain-cell"])
 def test_a_trainer_a_plain_cell_set_up_otherwise_is_not_lost_silently_by_a_kill(tmp_path, change, where, refused,
-                                                                               steps):
+                                                                               steps, data):
     """``trainer.args.num_train_epochs = 3`` in a plain cell: killed in train(), the new kernel's
     Trainer had the %%replay cell's 2 epochs, and train() stopped there, "done" with 8 steps of 12
     (found by a probe); a per-device batch set so was taken for a --shrink, its accumulation
     raised; a subset of the data set so was trained on whole. The arguments, the data's length and
     a digest of what it holds (data in another order, of the same length, was trained on as the
     %%replay cell made it) go with the Trainer's state, and a resume with others stops in one line
-    that names them; set in the %%replay cell, the run resumes bit for bit as its twin."""
-    if refused is not None:
+    that names them; set in the %%replay cell, the run resumes bit for bit as its twin. A Hugging
+    Face ``datasets.Dataset`` shuffled in a plain cell (the Trainer's, or one the training cell
+    hands it) was compared by its length alone, and trained on unshuffled, "done" (found by a
+    probe); it is compared by every row in its order now, the same in two kernels."""
+    if data != "list":
+        pytest.importorskip("datasets", reason="datasets is not installed (CI's trainers stack has it)")
+    if refused is not None and refused.startswith("("):
         refused = "cannot resume the Trainer's run: the Trainer is not set up as the run began with it " + refused
-    _, nb, twin = harness.refused_or_twin(tmp_path, lambda mark: _changed_notebook(change, where, mark), refused)
+    _, nb, twin = harness.refused_or_twin(tmp_path, lambda mark: _changed_notebook(change, where, mark, data),
+                                          refused)
     assert harness.result(twin).startswith(f"RESULT {steps} "), harness.result(twin)
 
 
@@ -573,6 +593,38 @@ def test_a_masking_collators_batches_are_made_again_from_the_same_random_states(
     assert "draws random numbers" not in out, out
     assert harness.result(nb) == harness.result(twin)
     assert harness.result(twin).startswith("RESULT 18 "), harness.result(twin)
+
+
+@pytest.mark.parametrize("chunk", [None, 64], ids=["whole", "a-row-at-a-time"])
+def test_a_hugging_face_dataset_is_fingerprinted_by_every_row_in_its_order(monkeypatch, chunk):
+    """The same rows built twice fingerprint the same; one token changed in the last row, a shuffle,
+    a shuffle by another seed, a contiguous select (a slice of the same table) or another format do
+    not; a ``DatasetDict`` by its splits. With a small slice of rows, the last slice counts too."""
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed (CI's trainers stack has it)")
+    import numpy as np
+
+    from colab_resilience import setup_state
+
+    if chunk is not None:
+        monkeypatch.setattr(setup_state, "CHUNK", chunk)
+
+    def fp(value):
+        return setup_state.fingerprint({"v": value}, ["v"])["v"]
+
+    def built(rows):
+        return datasets.Dataset.from_dict({"input_ids": rows, "text": [str(r) for r in rows], "labels": list(range(100))})
+
+    rows = np.random.default_rng(0).integers(0, 64, (100, 8)).tolist()
+    edited = [list(r) for r in rows]
+    edited[99][7] += 1
+    data = built(rows)
+    assert fp(data) == fp(built(rows)) and setup_state.plain_data(data)
+    assert fp(data.shuffle(seed=1)) == fp(built(rows).shuffle(seed=1))
+    others = [built(edited), data.shuffle(seed=1), data.shuffle(seed=2), data.select(range(99)),
+              data.with_format("torch")]
+    assert len({fp(data), *map(fp, others)}) == 1 + len(others)
+    assert fp(datasets.DatasetDict(train=data)) == fp(datasets.DatasetDict(train=built(rows))) != \
+        fp(datasets.DatasetDict(train=built(edited)))
 
 
 def test_colab_resilience_check_passes_the_trainer_notebook(tmp_path):
