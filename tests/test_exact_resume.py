@@ -524,6 +524,39 @@ def test_torchs_settings_a_plain_cell_changed_go_with_the_run(tmp_path):
     assert "torch.float64), (" in harness.result(nb)
 
 
+def _attention_notebook(mark):
+    """A model of one attention (torch's ``scaled_dot_product_attention``, as a transformer's) with
+    its flash kernel switched off in a plain cell after the set-up cell, with cuDNN's TF32 and
+    bfloat16's reduced-precision reductions (as one does where flash attention fails on a GPU);
+    killed once in epoch 2."""
+    return harness.notebook(
+        "%load_ext colab_resilience",
+        _setup(mark) + "%config ResilienceMagics.staging_memory = 'off'\n"
+        "proj = torch.nn.Linear(16, 16)\nopt = torch.optim.SGD(proj.parameters(), lr=0.1)\n"
+        "X = torch.randn(2, 4, 64, 16)\nlosses = []",
+        "torch.backends.cuda.enable_flash_sdp(False)\ntorch.backends.cudnn.allow_tf32 = False\n"
+        "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False",
+        "%%resilient --save proj,opt,losses\nfor epoch in resume_range(4):\n"
+        "    q = proj(X)\n    loss = torch.nn.functional.scaled_dot_product_attention(q, X, X).pow(2).mean()\n"
+        "    opt.zero_grad(); loss.backward(); opt.step()\n    losses.append(loss.item())\n"
+        "    if epoch == 2 and not os.path.exists(MARK):\n"
+        f"        open(MARK, 'w').close(); {_FAULTS['kill']}\n",
+        "b = torch.backends\nprint('RESULT', losses, proj.weight.detach().numpy().tobytes().hex(), b.cuda.flash_sdp_enabled(),"
+        " b.cudnn.allow_tf32, b.cuda.matmul.allow_bf16_reduced_precision_reduction)")
+
+
+@pytest.mark.one_stack("newest")
+def test_the_attention_kernels_a_plain_cell_chose_go_with_the_run(tmp_path):
+    """Flash attention switched off in a plain cell: killed in epoch 2, the new kernel had it on
+    again (torch's default) and its attention gave other numbers, on the CPU too, "done" (found by a
+    probe). torch's attention kernels, cuDNN's TF32 and the reduced-precision reductions go with
+    each checkpoint now: bit for bit its twin, and the settings as the plain cell left them."""
+    run, nb, twin = faulted_and_twin(tmp_path, _attention_notebook)
+    assert len(run.restarts) == 1 and "continuing at 2" in harness.cell_text(nb.cells[3])
+    assert harness.result(nb) == harness.result(twin)
+    assert harness.result(nb).endswith(" False False False"), harness.result(nb)
+
+
 def _counting_module_notebook(fault: str, mark):
     """A module of the notebook's own that counts its calls in ``forward`` (a plain attribute and
     a buffer) and keeps each batch's size in a list; one fault in epoch 3."""

@@ -105,11 +105,18 @@ def capture_rng() -> dict[str, Any]:
     return state
 
 
+# the kernels of torch's scaled_dot_product_attention, each switched by torch.backends.cuda.enable_<name>_sdp
+_SDP = ("flash", "mem_efficient", "math", "cudnn")
+
+
 def torch_settings(torch) -> dict[str, Any]:
     """torch's process-wide settings that change what a computation gives: the default dtype (of
     ``torch.randn(n)``), the CPU threads (the order of a sum's partial sums), deterministic
     algorithms, the float32 matmul precision (TF32 on a GPU: what ``allow_tf32`` sets too), cuDNN's
-    benchmark and deterministic modes. A cell that is not ``%%replay`` may set them
+    benchmark and deterministic modes and its TF32 convolutions, the reduced-precision reductions
+    of float16 and bfloat16 matmuls, and which kernels ``scaled_dot_product_attention`` may
+    choose (flash, memory-efficient, math, cuDNN: the attention of a transformer; flash's off
+    gives other numbers on the CPU too). A cell that is not ``%%replay`` may set them
     (``torch.set_float32_matmul_precision("high")``, as Lightning advises; ``torch.set_default_dtype``),
     and a new kernel has torch's defaults: the resumed run would compute otherwise, saying nothing.
     A setting that cannot be read is left out (the matmul precision, where a notebook set it through
@@ -121,7 +128,12 @@ def torch_settings(torch) -> dict[str, Any]:
             ("deterministic", lambda: [torch.are_deterministic_algorithms_enabled(),
                                        torch.is_deterministic_algorithms_warn_only_enabled()]),
             ("matmul_precision", torch.get_float32_matmul_precision),
-            ("cudnn", lambda: [bool(torch.backends.cudnn.benchmark), bool(torch.backends.cudnn.deterministic)])):
+            ("cudnn", lambda: [bool(torch.backends.cudnn.benchmark), bool(torch.backends.cudnn.deterministic)]),
+            ("cudnn_tf32", lambda: bool(torch.backends.cudnn.allow_tf32)),
+            ("reduced_precision", lambda: [bool(torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction),
+                                           bool(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)]),
+            ("sdp", lambda: {name: bool(getattr(torch.backends.cuda, f"{name}_sdp_enabled")())
+                             for name in _SDP if hasattr(torch.backends.cuda, f"{name}_sdp_enabled")})):
         with contextlib.suppress(Exception):
             found[key] = read()
     return found
@@ -149,6 +161,16 @@ def _set_torch_settings(torch, saved: Any) -> None:
                 torch.set_float32_matmul_precision(str(value))
             elif key == "cudnn":
                 torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = bool(value[0]), bool(value[1])
+            elif key == "cudnn_tf32":
+                torch.backends.cudnn.allow_tf32 = bool(value)
+            elif key == "reduced_precision":
+                matmul = torch.backends.cuda.matmul
+                matmul.allow_fp16_reduced_precision_reduction = bool(value[0])
+                matmul.allow_bf16_reduced_precision_reduction = bool(value[1])
+            elif key == "sdp":
+                for name, on in value.items():
+                    if name in _SDP:
+                        getattr(torch.backends.cuda, f"enable_{name}_sdp")(bool(on))
 
 
 # TensorFlow's settings that change what a computation gives, as (reader, writer) names in its
