@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import faults as fault_env
+from . import words
 from .driver import EXIT_OK, HASH_SEED, RunResult, hash_seed, inject_parameters, keep_folder, read_notebook, run_notebook
 from .tempdirs import TempFolder
 
@@ -262,7 +263,6 @@ def _lines(cell) -> list[str]:
 
 # a terminal's colours and styles (Keras's progress bar: "\x1b[1m8/8\x1b[0m \x1b[32m━━━━\x1b[0m")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-_OURS = "colab_resilience: "
 
 
 def _rendered(text: str) -> list[str]:
@@ -275,7 +275,7 @@ def _rendered(text: str) -> list[str]:
     The kernel's own folder in a path is written ``ipykernel_PID``."""
     lines = []
     for raw in _ANSI.sub("", _KERNEL_FOLDER.sub("ipykernel_PID", text)).split("\n"):
-        at = raw.find(_OURS)
+        at = raw.find(words.SAID)
         if at > 0 and "\r" in raw[:at]:
             raw = raw[at:]
         if "\r" in raw or "\b" in raw:
@@ -412,7 +412,7 @@ def _output_difference(reference: list[str], faulted: list[str], logged: frozens
     reference = [line for line in reference if not line.startswith("colab_resilience:")]
     parts, part, cut = [], [], []
     for line in faulted:
-        at = line.find(_OURS)
+        at = line.find(words.SAID)
         if at == -1:
             part.append(line)
             continue

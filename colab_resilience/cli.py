@@ -68,16 +68,13 @@ def run(args) -> int:
         result = run_notebook(
             path, out, parameters=parameters, max_restarts=args.max_restarts,
             cell_timeout=args.cell_timeout, kernel_name=args.kernel, run_dir=args.run_dir,
-            progress=not args.no_progress, log_output=args.log_output, standby=not args.no_standby,
+            progress=not args.no_progress, log_output=args.log_output, say=True, standby=not args.no_standby,
             on_cell_start=lambda index, _: cell.append(index),
         )
     except NotebookInputError as e:
         return _fail(str(e))
     except KeyboardInterrupt as e:
         return interrupted(args, out, cell[-1] if cell else None, started, e)
-    if not args.log_output:  # else each marker was printed with its cell's output
-        for r in result.restarts:
-            print(f"[cell {r.cell}] {r.marker().rstrip()}", file=sys.stderr)
     if result.message:
         print(result.message + (_going_on(args) if result.timed_out and result.pending else ""), file=sys.stderr)
     state = "done" if result.status == EXIT_OK else "stopped"

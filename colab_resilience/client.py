@@ -19,9 +19,10 @@ from typing import Any
 from jupyter_core.utils import ensure_async, run_sync
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
-from traitlets import Float, Integer, List, Set, Unicode
+from traitlets import Bool, Float, Integer, List, Set, Unicode
 
 from .kernels import TIMED_OUT, CellFailed, KernelDied, api_call, echo_line, discard, expression_value, process_exit_code
+from .words import SAID
 
 
 class SupervisedClient(NotebookClient):
@@ -39,9 +40,14 @@ class SupervisedClient(NotebookClient):
                    help="The cell whose printed output and errors are echoed as they come (--log-output), by "
                         "index: to stdout and stderr, each line as '[cell N] line'; None: none.")
 
+    says = Bool(False, help="Echo the lines this package says in any cell ('colab_resilience: ...': a resume, what "
+                            "it could not make exact) to stderr as they come, each as '[cell N] line', where the "
+                            "cell's whole output is not echoed (`colab-resilience run` without --log-output).")
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._echo_parts: dict[str, str] = {}  # the part of a line each stream of the echo cell printed so far
+        self._said_parts: dict[tuple[int, str], str] = {}  # the same, of each cell's streams, for ``says``
 
     async def _async_poll_kernel_alive(self) -> None:
         # nbclient has no setting for how often it checks, and this coroutine is the one place
@@ -65,7 +71,17 @@ class SupervisedClient(NotebookClient):
                 self._echoed(cell_index, content.get("name"), content.get("text", ""))
             elif kind == "error":
                 self._echoed(cell_index, "stderr", f"{content.get('ename')}: {content.get('evalue')}\n")
+        elif self.says and msg.get("msg_type") == "stream":
+            self._said(cell_index, msg["content"].get("name", "stdout"), msg["content"].get("text", ""))
         return super().output(outs, msg, display_id, cell_index)
+
+    def _said(self, cell_index: int, name: str, text: str) -> None:
+        """The package's own lines in what a cell printed, echoed (``says``)."""
+        *lines, self._said_parts[cell_index, name] = (self._said_parts.get((cell_index, name), "") + text).split("\n")
+        for line in lines:  # (one may follow a progress bar drawn in place, with no line break)
+            at = line.find(SAID)
+            if at == 0 or (at > 0 and "\r" in line[:at]):
+                echo_line(f"[cell {cell_index}] {line[at:].rstrip()}", stderr=True)
 
     def _echoed(self, cell_index: int, name: str | None, text: str) -> None:
         name = "stderr" if name == "stderr" else "stdout"

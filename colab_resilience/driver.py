@@ -250,6 +250,7 @@ def run_notebook(
     cwd: str | os.PathLike | None = None,
     progress: bool = False,
     log_output: bool = False,
+    say: bool = False,
     on_cell_start: CellHook | None = None,
     on_cell_complete: CellHook | None = None,
     on_cell_error: CellHook | None = None,
@@ -259,6 +260,9 @@ def run_notebook(
 ) -> RunResult:
     """Execute ``notebook`` (a path or a NotebookNode) under supervision; see the module doc.
 
+    ``log_output``: echo what the cells print as they print it, and each recovery as it happens;
+    ``say``: without it, echo the lines this package says in the cells (a resume, what it could
+    not make exact) and each recovery as they come, to stderr (``colab-resilience run``).
     ``standby``: keep a second kernel started and warmed with the working kernel's imports, to
     take over when it dies; False restarts a kernel instead. ``standbys``: start at most that many
     in all (``colab-resilience check`` starts one for a run with its one fault; None: a new one
@@ -314,7 +318,7 @@ def run_notebook(
     supervisor = Supervisor(
         client, run_root, max_restarts, spare=Standby(client, sockets, kernel_env, cwd, standbys) if standby else None,
         on_cell_start=on_cell_start, on_cell_complete=on_cell_complete, on_cell_error=on_cell_error,
-        log_output=log_output, progress=progress,
+        log_output=log_output, say=say, progress=progress,
     )
     stopped: BaseException | None = None  # what ended the run from outside it (Ctrl-C), if anything
     try:
@@ -357,10 +361,15 @@ class Supervisor:
 
     def __init__(self, client, run_root: Path, max_restarts: int, *, spare=None,
                  on_cell_start: CellHook | None = None, on_cell_complete: CellHook | None = None,
-                 on_cell_error: CellHook | None = None, log_output: bool = False, progress: bool = False):
+                 on_cell_error: CellHook | None = None, log_output: bool = False, say: bool = False,
+                 progress: bool = False):
         self.client, self.nb, self.run_root, self.max_restarts, self.spare = client, client.nb, run_root, max_restarts, spare
         self.on_cell_start, self.on_cell_complete, self.on_cell_error = on_cell_start, on_cell_complete, on_cell_error
         self.log_output, self.progress = log_output, progress
+        # the package's lines and each recovery echoed as they come, where the output is not
+        self.say = say and not log_output
+        if self.say:
+            client.says = True
         self.result = RunResult(EXIT_OK, self.nb, [])
         self.cell: int | None = None  # the code cell running (or recovering), by its index
         self.replay_done: list[int] = []  # set-up cells executed so far, in order
@@ -375,7 +384,9 @@ class Supervisor:
         client = self.client
         client.start_new_kernel(env=kernel_env)
         if not client.connect():  # the first kernel died while starting: a death like any other
-            if not self.recover(self.code_cells[0] if self.code_cells else 0, starting=True):
+            recovered = self.recover(self.code_cells[0] if self.code_cells else 0, starting=True)
+            self.echo_restarts(0)
+            if not recovered:
                 return
         if client.unusable:  # before any cell: each would fail, %load_ext's or "Cell magic not found"
             python = (getattr(client.km.kernel_spec, "argv", None) or ["its Python"])[0]
@@ -422,11 +433,7 @@ class Supervisor:
                 earlier += cell.get("outputs", [])
                 restarts = len(self.result.restarts)
                 recovered = self.recover(index)
-                if self.log_output:  # what happened, as it happened (the notebook's marker says it when the cell ends)
-                    self.client.end_echo()
-                    for r in self.result.restarts[restarts:]:
-                        for line in r.marker(live=True).splitlines():
-                            echo_line(f"[cell {index}] {line}", stderr=True)
+                self.echo_restarts(restarts)
                 if not recovered:
                     cell.outputs = earlier + self.markers(index)
                     self.finished(index, cell, failed=True)
@@ -457,6 +464,16 @@ class Supervisor:
         if self.log_output:
             self.client.end_echo()
             self.client.echo = None
+
+    def echo_restarts(self, since: int) -> None:
+        """Where the command echoes (``log_output``, ``say``): each restart after the first ``since``,
+        as it happens (the notebook's marker says it when the cell ends)."""
+        if not (self.log_output or self.say):
+            return
+        self.client.end_echo()
+        for r in self.result.restarts[since:]:
+            for line in r.marker(live=True).splitlines():
+                echo_line(f"[cell {r.cell}] {line}", stderr=True)
 
     def markers(self, index: int) -> list:
         import nbformat

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import difflib
 
+SAID = "colab_resilience: "  # how each line this package says in a cell begins
+
 
 def a(name: str) -> str:
     """``name`` (a type's) with its indefinite article, as it is said: "an int", "an AdamW",

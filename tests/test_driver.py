@@ -429,6 +429,45 @@ def test_cli_log_output_echoes_each_line_as_it_comes_and_the_recovery_when_it_ha
     assert "[cell 3] RESULT True" in text
 
 
+def test_cli_says_the_packages_own_lines_as_they_come_without_log_output(tmp_path):
+    """Without `--log-output` the terminal showed a run's restarts only when it had ended, and
+    nothing else a cell said: a resume that could not be exact ("the replayed set-up cells made V
+    otherwise ... will not end as the uninterrupted one") was in the written notebook alone, and
+    the terminal said "done". The package's own lines in any cell go to stderr as they come now,
+    with each recovery as it happens, in order; what the cells print otherwise does not."""
+    from colab_resilience import faults
+
+    nb = notebook("%load_ext colab_resilience", "%%replay\nimport random, time\nV = random.random()\nh = []",
+                  "%%resilient --save h\nfor i in resume_range(20):\n    time.sleep(0.15); h.append(i + V)\n"
+                  "    print(f'step {i} done')",
+                  "print('RESULT', len(h))")
+    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
+    nbformat.write(nb, tmp_path / "in.ipynb")
+    fault = json.dumps({"kind": "kill", "safe_point": 7, "phase": "after", "delay": 0.1, "mark": str(tmp_path / "m")})
+    p = subprocess.Popen([sys.executable, "-m", "colab_resilience", "run", "in.ipynb", "-o", "out.ipynb",
+                          "--no-progress", "--no-standby"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, env=dict(os.environ, **{faults.FAULT_ENV: fault}))
+    lines = []
+    try:
+        for line in p.stderr:
+            lines.append((time.monotonic(), line.rstrip("\n")))
+        ended = time.monotonic()  # the command has closed its stderr: it is ending
+        assert p.wait(timeout=240) == 0, lines
+    finally:
+        p.kill()
+    text = [line for _, line in lines if "Kernel is running over TCP" not in line]
+    ours = [line for line in text if line.startswith("[cell 2] colab_resilience: ")]
+    assert len(ours) == 3 and ours == [line for line in text if line.startswith("[cell")], text
+    assert ours[0].startswith("[cell 2] colab_resilience: the kernel died (killed by SIGKILL); restarted it and "
+                              "replayed 1 cell in ") and ours[0].endswith("; the cell runs again to go on at iteration 6")
+    assert ours[1].startswith("[cell 2] colab_resilience: the replayed set-up cells made V otherwise than the kernel "
+                              "that began this run had them"), ours
+    assert ours[2].startswith("[cell 2] colab_resilience: resumed run ") and ours[2].endswith("; continuing at 6"), ours
+    resumed = next(t for t, line in lines if line == ours[2])
+    assert ended - resumed > 1.5, text  # said as it came, not when the run ended (14 steps of 0.15 s later)
+    assert "step" not in "".join(text)
+
+
 def test_a_parameter_the_notebook_does_not_set_is_said_as_papermill_warns():
     """A -p name the parameters cell does not set (a typo: the run went on with the notebook's
     value, and nothing said so), or a notebook without a parameters cell: one line, as papermill
@@ -619,6 +658,12 @@ def _interrupted_in_training(tmp_path, command: list[str], signum: int = signal.
     return p.returncode, err
 
 
+def _own_lines(err: str) -> list[str]:
+    """The command's lines on stderr, not those it echoes of the cells (`[cell N] colab_resilience:
+    ...`: the cell's log file is named, as the loop writes it)."""
+    return [line for line in err.strip().splitlines() if not line.startswith("[cell ")]
+
+
 def test_cli_ctrl_c_in_a_check_is_one_line_not_a_traceback(tmp_path):
     """Ctrl-C while `check` runs the notebook: exit status 130 and one line saying it was not checked."""
     returncode, err = _interrupted_in_training(
@@ -637,8 +682,8 @@ def test_cli_ctrl_c_says_where_in_one_line_and_the_same_command_goes_on_from_the
                "--no-progress", "--no-standby"]
     returncode, err = _interrupted_in_training(tmp_path, command)
     assert returncode == 130, err
-    assert err.strip() == ("colab-resilience: interrupted in cell 2; wrote out.ipynb; the same command (--run-dir runs) "
-                           "goes on from the last checkpoint of its run"), err
+    assert _own_lines(err) == ["colab-resilience: interrupted in cell 2; wrote out.ipynb; the same command (--run-dir "
+                               "runs) goes on from the last checkpoint of its run"], err
     assert nbformat.read(tmp_path / "out.ipynb", 4).metadata["colab_resilience"]["status"] == "interrupted"
     again = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stdout + again.stderr
@@ -661,8 +706,8 @@ def test_cli_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
                "--no-progress", "--no-standby"]
     returncode, err = _interrupted_in_training(tmp_path, command, signal.SIGTERM)
     assert returncode == 143, err
-    assert err.strip() == ("colab-resilience: stopped by SIGTERM in cell 2; wrote out.ipynb; the same command "
-                           "(--run-dir runs) goes on from the last checkpoint of its run"), err
+    assert _own_lines(err) == ["colab-resilience: stopped by SIGTERM in cell 2; wrote out.ipynb; the same command "
+                               "(--run-dir runs) goes on from the last checkpoint of its run"], err
     assert nbformat.read(tmp_path / "out.ipynb", 4).metadata["colab_resilience"]["status"] == "interrupted"
 
 
