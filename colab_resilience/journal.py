@@ -132,6 +132,9 @@ class Journal:
     # real paths, and the SHA-256 of each: a kernel that resumes it says which changed on disk since
     # (module_files)
     modules: dict[str, str] = field(default_factory=dict)
+    # the environment variables that change what training computes that a cell had set as the run
+    # began, and the digest of each value (None: removed): one that resumes it compares (environment)
+    environment: dict[str, str | None] = field(default_factory=dict)
     # as the run began: its random states (checkpoints.rng.to_json), which a kernel that resumes it
     # sets before the cell runs again (its code above the first loop draws what it drew then), and
     # the fingerprints of its --save values, which one that resumes it before its first checkpoint
@@ -233,6 +236,7 @@ class Journal:
             setup=dict(data.get("setup") or {}),
             setup_changed=list(data.get("setup_changed") or []),
             modules=dict(data.get("modules") or {}),
+            environment=dict(data.get("environment") or {}),
             start_rng=data.get("start_rng"),
             start_saved=dict(data.get("start_saved") or {}),
             start_from_setup=list(data.get("start_from_setup") or []),

@@ -132,6 +132,9 @@ def validate(data: Any, path: Path) -> None:
         modules = data.get("modules", {})
         if not isinstance(modules, dict) or not all(is_type(v, (str,)) for v in modules.values()):
             bad(path, "the module files' digests are not strings")
+        environment = data.get("environment", {})
+        if not isinstance(environment, dict) or not all(v is None or is_type(v, (str,)) for v in environment.values()):
+            bad(path, "the environment variables' digests are not strings")
         kernels = data.get("kernels", [])
         if not isinstance(kernels, list) or not all(is_type(k, (str,)) for k in kernels):
             bad(path, "the kernels that held the run are not strings")

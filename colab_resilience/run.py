@@ -29,7 +29,7 @@ from collections import ChainMap
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Collection, Iterable, Iterator, Mapping, MutableMapping
 
-from . import carried, faults, fsutil, loops, memory, module_files, restart, words
+from . import carried, environment, faults, fsutil, loops, memory, module_files, restart, words
 from .checkpoints import Checkpoint, CheckpointStore, capture_rng, restore_rng
 from .checkpoints.rng import generator_state, is_generator, set_generator_state
 from .checkpoints.staging import Budget
@@ -428,12 +428,15 @@ class Run:
         """A run that begins records what the set-up cells made that the cell reads, and says in
         one line what of it changed since they ran (``after_setup``), and the files of the notebook's
         own modules; one that a new kernel resumes after replaying them says what the replay made
-        otherwise (:mod:`.setup_state`), and which of those files changed on disk (:mod:`.module_files`)."""
+        otherwise (:mod:`.setup_state`), which of those files changed on disk (:mod:`.module_files`), and
+        which environment variables that change what training computes it has otherwise
+        (:mod:`.environment`)."""
         from . import setup_state
 
         j = self.journal
         if not self.resuming:
             j.modules = module_files.local_modules()
+            j.environment = environment.set_since_start()
             sources = [c.source for c in j.replay_cells]
             j.setup = setup_state.fingerprint(self.shell.user_ns, setup_state.watched(
                 self.shell, self.body, sources, self.names + self.shrink))
@@ -446,6 +449,9 @@ class Run:
             edited = module_files.changed(j.modules)  # the notebook's module files, as the run recorded them
             if edited:
                 self.say(module_files.message(self.run_id, edited))
+            unset = environment.differing(j.environment)  # set by a cell that the replay did not run again
+            if unset:
+                self.say(environment.message(self.run_id, unset))
             if not j.setup:
                 return
             recorded, older = setup_state.older(j.setup)

@@ -1219,6 +1219,49 @@ def test_a_module_file_of_the_notebook_edited_since_the_run_began_is_named_as_it
 
 
 @pytest.mark.one_stack("newest")
+@pytest.mark.parametrize("where", ["plain-cell", "replay-cell"])
+def test_an_environment_variable_a_plain_cell_set_is_named_as_the_run_resumes(tmp_path, monkeypatch, where):
+    """``%env CUBLAS_WORKSPACE_CONFIG=:4096:8`` and ``os.environ["XLA_FLAGS"] = ...`` (what torch's
+    deterministic algorithms on a GPU and JAX's deterministic ops need) in a plain cell: a new
+    kernel starts with the environment the first one started with, and the resumed run went on
+    without them, saying nothing (on a GPU: other numbers, or torch's error at the first matmul).
+    The resume names them in one line; a variable the kernel started with (``OMP_NUM_THREADS``,
+    given to the command), one of logging (``TF_CPP_MIN_LOG_LEVEL``), one this package does not
+    compare (``WANDB_MODE``) and those set in the %%replay cell are not named."""
+    setting = ("%env CUBLAS_WORKSPACE_CONFIG=:4096:8\nos.environ['XLA_FLAGS'] = '--xla_gpu_deterministic_ops=true'\n"
+               "os.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'; os.environ['WANDB_MODE'] = 'offline'\n")
+
+    def notebook(mark):
+        return harness.notebook(
+            "%load_ext colab_resilience",
+            "%%replay\nimport os, signal, torch\n" + (setting if where == "replay-cell" else "") +
+            "torch.manual_seed(0)\nX = torch.randn(64, 8); Y = X[:, :1] * 2\nmodel = torch.nn.Linear(8, 1)\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.05)\nlosses = []",
+            setting if where == "plain-cell" else "pass",
+            "%%resilient --save model,opt,losses\nfor epoch in resume_range(3):\n"
+            "    loss = ((model(X) - Y) ** 2).mean(); opt.zero_grad(); loss.backward(); opt.step()\n"
+            "    losses.append(loss.item())\n    if epoch == 1:\n" + _kill(mark, "        "),
+            "print('RESULT', losses, os.environ.get('OMP_NUM_THREADS'))")
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the command's environment, which every kernel it starts has
+    _, nb, twin = harness.refused_or_twin(tmp_path, notebook, None)
+    out = harness.cell_text(nb.cells[3])
+    said = [line for line in out.splitlines() if "the environment variable" in line]
+    if where == "plain-cell":
+        assert len(said) == 1, out
+        assert said[0].startswith("colab_resilience: the environment variables CUBLAS_WORKSPACE_CONFIG, XLA_FLAGS were "
+                                  "set otherwise as run "), said
+        assert said[0].endswith(" began, by a cell that is not replayed (os.environ, %env), and this kernel has them as "
+                                "a new kernel starts: the resumed run goes on without that setting, and where it "
+                                "changes what the training computes, the result is not that of the run uninterrupted; "
+                                "set them in a %%replay cell above the imports, and %resilience reset "
+                                + said[0].split(" as run ")[1].split(" ")[0] + " to start over"), said
+    else:
+        assert said == [], out
+    assert harness.result(nb).endswith(" 1"), harness.result(nb)  # the command's, as every kernel started
+
+
+@pytest.mark.one_stack("newest")
 def test_a_run_an_earlier_version_began_resumes_without_comparing_its_fingerprints(kernel, tmp_path):
     """A run pending across an upgrade (a kill, ``pip install -U``, a new kernel): the journal's
     fingerprints were taken by an earlier version, which sampled large tensors; compared with

@@ -376,3 +376,49 @@ def test_the_notebooks_own_module_files_are_recorded_and_a_changed_one_is_found(
     j.modules = {mine: 3}
     with pytest.raises(JournalError, match="the module files' digests are not strings"):
         j.save()
+
+
+def test_the_environment_variables_a_cell_set_are_recorded_by_digest_and_compared(tmp_path, monkeypatch):
+    """What a cell set since the process started, of the variables that change what training
+    computes: by the digest of the value (a variable may hold a token; it is not written), None for
+    one removed; those of logging and those not compared are left out; the journal keeps the record
+    and refuses one that is not digests. In a process started with the variable, only a change
+    counts (Linux keeps the environment a process started with apart)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from colab_resilience import environment
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "3")
+    monkeypatch.setenv("WANDB_API_KEY", "secret")
+    found = environment.set_since_start()
+    assert set(found) == {"XLA_FLAGS"} and "deterministic" not in json.dumps(found), found
+    assert environment.differing(found) == []
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")
+    assert environment.differing(found) == ["XLA_FLAGS"]
+    monkeypatch.delenv("XLA_FLAGS")
+    assert environment.differing(found) == ["XLA_FLAGS"]
+    assert environment.message("r1", ["XLA_FLAGS"]).startswith(
+        "colab_resilience: the environment variable XLA_FLAGS was set otherwise as run r1 began, by a cell that is not "
+        "replayed (os.environ, %env), and this kernel has it as a new kernel starts: ")
+
+    child = ("import os, json; from colab_resilience import environment as e\n"
+             "print(json.dumps(e.set_since_start())); os.environ['OMP_NUM_THREADS'] = '1'\n"
+             "print(json.dumps(e.set_since_start())); del os.environ['OMP_NUM_THREADS']; os.environ['CUDA_X'] = 'a'\n"
+             "print(json.dumps(e.set_since_start()))")
+    out = subprocess.run([sys.executable, "-c", child], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert [json.loads(line) for line in out][:2] == [{}, {}], out  # as it started: no change
+    last = json.loads(out[2])
+    assert last["OMP_NUM_THREADS"] is None and set(last) == {"OMP_NUM_THREADS", "CUDA_X"}, last
+
+    j = Journal.create(tmp_path / "run-e", "e", save=False)
+    j.environment = {"XLA_FLAGS": "ab" * 16, "OMP_NUM_THREADS": None}
+    j.save()
+    assert Journal.load(tmp_path / "run-e").environment == {"XLA_FLAGS": "ab" * 16, "OMP_NUM_THREADS": None}
+    j.environment = {"XLA_FLAGS": 3}
+    with pytest.raises(JournalError, match="the environment variables' digests are not strings"):
+        j.save()
