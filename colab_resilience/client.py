@@ -90,11 +90,14 @@ class SupervisedClient(NotebookClient):
             echo_line(f"[cell {cell_index}] {line.rstrip(chr(13)).rsplit(chr(13), 1)[-1]}", stderr=name == "stderr")
 
     def end_echo(self) -> None:
-        """Echo what the ``echo`` cell printed last without a newline (its kernel died, or it ended)."""
+        """Echo what the ``echo`` cell printed last without a newline (its kernel died, or it ended);
+        forget what the cells printed last without one for ``says`` (a progress bar the dead kernel
+        drew: the next kernel's lines begin anew)."""
         for name, rest in list(self._echo_parts.items()):
             if rest.strip() and self.echo is not None:
                 self._echoed(self.echo, name, "\n")
         self._echo_parts.clear()
+        self._said_parts.clear()
 
     def clear_output(self, outs, msg, cell_index):
         """nbclient's, which takes what the cell showed from the notebook; the cell is noted."""
