@@ -12,8 +12,8 @@ value's SHA-256, or None for one removed: values are not written, a variable may
 a kernel that resumes it after a restart compares, after its replay, and says in one line which
 differ (:func:`message`). Putting a value back then would be too late for a library imported
 already (the replay imported it, the standby kernel before that), so the line says where to set
-it. Variables of logging and warnings are left out: they change what is shown, not what is
-computed.
+it. Variables of logging, warnings and debugging (``TF_CPP_MIN_LOG_LEVEL``,
+``CUDA_LAUNCH_BLOCKING``) are left out: they change what is shown, not what is computed.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from typing import Mapping
 # libraries', torch's, and the thread pools' of OpenMP, MKL and OpenBLAS
 PREFIXES = ("XLA_", "JAX_", "TF_", "KERAS_", "CUDA_", "CUBLAS_", "CUBLASLT_", "CUDNN_", "NVIDIA_", "NCCL_", "TORCH_",
             "PYTORCH_", "OMP_", "MKL_", "OPENBLAS_")
-_SHOWN_ONLY = re.compile(r"LOG|VERBOS|WARN|DEBUG_SHOW|COLOR")  # what is shown, not computed
+# what is shown or how errors are reported, not what is computed (TF_CPP_MIN_LOG_LEVEL, TORCH_LOGS,
+# CUDA_LAUNCH_BLOCKING, TORCH_SHOW_CPP_STACKTRACES)
+_SHOWN_ONLY = re.compile(r"LOG|VERBOS|WARN|SHOW|COLOR|BLOCKING|STACKTRACE|DEBUG")
 _SET_BY_LIBRARIES = {"CUDA_MODULE_LOADING"}  # torch sets it as CUDA starts, wherever that is
 VARIABLES = 200  # the most a run records
 

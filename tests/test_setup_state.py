@@ -393,6 +393,7 @@ def test_the_environment_variables_a_cell_set_are_recorded_by_digest_and_compare
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "3")
+    monkeypatch.setenv("CUDA_LAUNCH_BLOCKING", "1")
     monkeypatch.setenv("WANDB_API_KEY", "secret")
     found = environment.set_since_start()
     assert set(found) == {"XLA_FLAGS"} and "deterministic" not in json.dumps(found), found
