@@ -390,32 +390,42 @@ def test_cli_runs_a_notebook_with_parameters(tmp_path):
     assert r.stderr == "", r.stderr  # n is the parameters cell's
 
 
+def _killed_at_its_seventh_safe_point(tmp_path, nb, *options: str, stderr_only: bool):
+    """``colab-resilience run`` with ``options`` on ``nb`` (written to ``tmp_path/in.ipynb``), its
+    kernel killed once after the seventh safe point: each line the command wrote (its stderr, or
+    its stdout and stderr together), with when it came, and when the command closed them."""
+    from colab_resilience import faults
+
+    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
+    nbformat.write(nb, tmp_path / "in.ipynb")
+    fault = json.dumps({"kind": "kill", "safe_point": 7, "phase": "after", "delay": 0.1, "mark": str(tmp_path / "m")})
+    p = subprocess.Popen([sys.executable, "-m", "colab_resilience", "run", "in.ipynb", "-o", "out.ipynb",
+                          "--no-progress", "--no-standby", *options], cwd=tmp_path,
+                         stdout=subprocess.DEVNULL if stderr_only else subprocess.PIPE,
+                         stderr=subprocess.PIPE if stderr_only else subprocess.STDOUT, text=True,
+                         env=dict(os.environ, **{faults.FAULT_ENV: fault}))
+    lines = []
+    try:
+        for line in p.stderr if stderr_only else p.stdout:
+            lines.append((time.monotonic(), line.rstrip("\n")))
+        ended = time.monotonic()  # the command has closed them: it is ending
+        assert p.wait(timeout=240) == 0, lines
+    finally:
+        p.kill()
+    return lines, ended
+
+
 def test_cli_log_output_echoes_each_line_as_it_comes_and_the_recovery_when_it_happens(tmp_path):
     """`--log-output` on a training cell of 20 steps of 0.15 s, killed after its sixth checkpoint:
     each printed line is echoed as the cell prints it (the first long before the command ends),
     a line drawn again in place (`\\r`) by its last drawing, the recovery when it happens (the
     replayed set-up cell's output not echoed again), the resumed lines after it. It echoed each
     cell's output when the cell ended, markers last: nothing for the length of a training."""
-    from colab_resilience import faults
-
     nb = notebook("%load_ext colab_resilience", "%%replay\nimport time\nh = []\nprint('SET UP')",
                   "%%resilient --save h\nfor i in resume_range(20):\n    time.sleep(0.15); h.append(i)\n"
                   "    print(f'step {i}', end='\\r'); print(f'step {i} done')",
                   "print('RESULT', h == list(range(20)))")
-    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
-    nbformat.write(nb, tmp_path / "in.ipynb")
-    fault = json.dumps({"kind": "kill", "safe_point": 7, "phase": "after", "delay": 0.1, "mark": str(tmp_path / "m")})
-    p = subprocess.Popen([sys.executable, "-m", "colab_resilience", "run", "in.ipynb", "-o", "out.ipynb",
-                          "--no-progress", "--no-standby", "--log-output"], cwd=tmp_path, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, env=dict(os.environ, **{faults.FAULT_ENV: fault}))
-    lines = []
-    try:
-        for line in p.stdout:
-            lines.append((time.monotonic(), line.rstrip("\n")))
-        assert p.wait(timeout=240) == 0, lines
-    finally:
-        p.kill()
-    ended = lines[-1][0]
+    lines, ended = _killed_at_its_seventh_safe_point(tmp_path, nb, "--log-output", stderr_only=False)
     text = [line for _, line in lines if "Kernel is running over TCP" not in line]
     first = next(t for t, line in lines if line == "[cell 2] step 0 done")
     assert ended - first > 1.5, text  # echoed as it came, not when the cell ended (2 s later)
@@ -435,26 +445,11 @@ def test_cli_says_the_packages_own_lines_as_they_come_without_log_output(tmp_pat
     otherwise ... will not end as the uninterrupted one") was in the written notebook alone, and
     the terminal said "done". The package's own lines in any cell go to stderr as they come now,
     with each recovery as it happens, in order; what the cells print otherwise does not."""
-    from colab_resilience import faults
-
     nb = notebook("%load_ext colab_resilience", "%%replay\nimport random, time\nV = random.random()\nh = []",
                   "%%resilient --save h\nfor i in resume_range(20):\n    time.sleep(0.15); h.append(i + V)\n"
                   "    print(f'step {i} done')",
                   "print('RESULT', len(h))")
-    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
-    nbformat.write(nb, tmp_path / "in.ipynb")
-    fault = json.dumps({"kind": "kill", "safe_point": 7, "phase": "after", "delay": 0.1, "mark": str(tmp_path / "m")})
-    p = subprocess.Popen([sys.executable, "-m", "colab_resilience", "run", "in.ipynb", "-o", "out.ipynb",
-                          "--no-progress", "--no-standby"], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True, env=dict(os.environ, **{faults.FAULT_ENV: fault}))
-    lines = []
-    try:
-        for line in p.stderr:
-            lines.append((time.monotonic(), line.rstrip("\n")))
-        ended = time.monotonic()  # the command has closed its stderr: it is ending
-        assert p.wait(timeout=240) == 0, lines
-    finally:
-        p.kill()
+    lines, ended = _killed_at_its_seventh_safe_point(tmp_path, nb, stderr_only=True)
     text = [line for _, line in lines if "Kernel is running over TCP" not in line]
     ours = [line for line in text if line.startswith("[cell 2] colab_resilience: ")]
     assert len(ours) == 3 and ours == [line for line in text if line.startswith("[cell")], text
