@@ -4,7 +4,8 @@
 (:func:`colab_resilience.driver.run_notebook`): a kernel that dies is restarted, the replay cells
 are replayed and the interrupted cell resumes. ``colab-resilience check NOTEBOOK`` runs it with
 injected faults and compares (:func:`colab_resilience.check.check_notebook`).
-``colab-resilience demo`` runs the bundled demo.
+``colab-resilience demo`` runs the bundled demo. ``colab-resilience reset [RUN]`` forgets a run,
+as ``%resilience reset`` does in a notebook.
 
 Exit codes: 0 done, 1 a cell failed, 2 usage or input error, 3 restart budget spent, 130 interrupted (Ctrl-C),
 143 stopped by SIGTERM.
@@ -27,7 +28,7 @@ sys.modules.setdefault("rfc3987_syntax", None)
 from . import options  # noqa: E402
 from .driver import EXIT_OK, EXIT_USAGE, resolve_parameter, run_notebook  # noqa: E402
 from .errors import NotebookInputError  # noqa: E402
-from .words import did_you_mean  # noqa: E402
+from .words import did_you_mean, headless  # noqa: E402
 
 
 def _fail(message: str) -> int:
@@ -76,7 +77,7 @@ def run(args) -> int:
     except KeyboardInterrupt as e:
         return interrupted(args, out, cell[-1] if cell else None, started, e)
     if result.message:
-        print(result.message + (_going_on(args) if result.timed_out and result.pending else ""), file=sys.stderr)
+        print(headless(result.message, args.run_dir) + (_going_on(args) if result.timed_out and result.pending else ""), file=sys.stderr)
     state = "done" if result.status == EXIT_OK else "stopped"
     print(
         f"colab-resilience: {state} in {result.seconds:.1f} s with {len(result.restarts)} kernel "
@@ -159,6 +160,68 @@ def check(args) -> int:
     else:
         print(f"colab-resilience check: {args.notebook}: {report.summary(args.seed)}")
     return report.status
+
+
+def reset(args) -> int:
+    """Forget a run (its journal and checkpoints), as ``%resilience reset`` does in a notebook: the
+    run named, else the only one; a run a kernel holds is refused."""
+    import os
+    import shutil
+
+    from . import fsutil
+    from .errors import RunLockedError, UnsafeDirectoryError
+    from .journal import find_runs
+    from .lock import RunLock
+    from .session import default_root
+
+    def refuse(message: str) -> int:
+        print(f"colab-resilience reset: {message}", file=sys.stderr)
+        return EXIT_USAGE
+
+    root = Path(args.run_dir) if args.run_dir else default_root()
+    # where the runs are by default is a notebook's folder: a headless run's are where its --run-dir was
+    elsewhere = "" if args.run_dir else " (a run of `colab-resilience run --run-dir DIR`: add --run-dir DIR)"
+    if not os.path.isdir(root):
+        return refuse(f"no runs in {root}: no such folder{elsewhere}")
+    try:
+        fsutil.check_run_root(root, another="give another --run-dir")
+    except UnsafeDirectoryError as e:
+        return refuse(str(e).removeprefix("colab_resilience: "))
+    found = find_runs(root)
+    if not found:
+        return refuse(f"no runs in {root}{elsewhere}")
+    if args.run:
+        wanted = args.run.removeprefix("run-")
+        found = [p for p in found if p.name == f"run-{wanted}"]
+        if not found:
+            return refuse(f"no run {wanted!r} in {root} (runs: {_runs_in(root)})")
+    if len(found) > 1:
+        return refuse(f"which run? {root} holds {len(found)} runs ({_runs_in(root)}, the newest first); name it: "
+                      f"colab-resilience reset RUN{' --run-dir ' + args.run_dir if args.run_dir else ''}")
+    run_dir = found[0]
+    lock = RunLock(run_dir)
+    try:
+        lock.acquire()
+    except RunLockedError as e:
+        held = str(e).splitlines()[0].removeprefix("colab_resilience: ").split("; stop ")[0]
+        return refuse(f"{held} (a kernel that runs it): stop it first, then reset")
+    except (UnsafeDirectoryError, OSError) as e:  # made a link, or removed, since it was found
+        return refuse(f"{run_dir}: {str(e).removeprefix('colab_resilience: ')}")
+    try:
+        shutil.rmtree(run_dir)
+    finally:
+        lock.release()
+    print(f"colab-resilience reset: forgot {run_dir.name} in {root} (journal and checkpoints removed)")
+    return EXIT_OK
+
+
+def _runs_in(root: Path) -> str:
+    """The runs under ``root``, each with its status and notebook where known: "3f2a9c1e (pending,
+    train.ipynb), 07bd41aa (done)"."""
+    from .journal import find_runs, read_journals
+
+    said = {j.run_dir.name: f"{j.status}{', ' + Path(j.notebook).name if j.notebook else ''}" for j in read_journals(root)}
+    return ", ".join(f"{p.name.removeprefix('run-')} ({said.get(p.name, 'unreadable journal')})" for p in find_runs(root))
 
 
 def demo(args) -> int:
@@ -244,10 +307,19 @@ def main(argv: list[str] | None = None) -> int:
                        "cores).",
                        epilog="exit codes: 0 identical, 1 the runs differ or a cell failed, 3 restart budget spent")
     d.add_argument("--keep", metavar="DIR", help="keep the demo's notebooks in DIR")
+    r = sub.add_parser("reset", help="forget a run (journal and checkpoints), as %%resilience reset does",
+                       description="Forget RUN (its journal and checkpoints), as `%resilience reset RUN` does in a "
+                       "notebook: the pending run a refusal named, so that the next `colab-resilience run` (or "
+                       "the notebook's %%resilient cell) starts it afresh. Without RUN, the only run there is.",
+                       epilog="exit codes: 0 forgotten, 2 no such run, several runs and none named, or the run "
+                       "is in use by a kernel")
+    r.add_argument("run", nargs="?", metavar="RUN", help="the run's id, as messages and %%resilience status show it")
+    r.add_argument("--run-dir", help="where the runs are: the --run-dir of `colab-resilience run` (default: "
+                   "$COLAB_RESILIENCE_RUN_DIR, else a notebook's: ./.colab_resilience, in Colab the Drive folder)")
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:  # said by the command's own parser, which its --help explains
-            commands = {"run": p, "check": c, "demo": d}
+            commands = {"run": p, "check": c, "demo": d, "reset": r}
             where = commands.get(args.command, parser)
             where.error(f"unrecognized arguments: {' '.join(extra)}{_hint(extra, where, commands)}")
     except SystemExit as e:
@@ -260,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _on_sigterm)
     if args.command == "run":
         return run(args)
+    if args.command == "reset":
+        return reset(args)
     if args.command in ("check", "demo"):
         try:
             return check(args) if args.command == "check" else demo(args)

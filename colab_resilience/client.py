@@ -22,7 +22,7 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernel
 from traitlets import Bool, Float, Integer, List, Set, Unicode
 
 from .kernels import TIMED_OUT, CellFailed, KernelDied, api_call, echo_line, discard, expression_value, process_exit_code
-from .words import SAID
+from .words import SAID, headless
 
 
 class SupervisedClient(NotebookClient):
@@ -48,6 +48,7 @@ class SupervisedClient(NotebookClient):
         super().__init__(*args, **kwargs)
         self._echo_parts: dict[str, str] = {}  # the part of a line each stream of the echo cell printed so far
         self._said_parts: dict[tuple[int, str], str] = {}  # the same, of each cell's streams, for ``says``
+        self.said_run_dir: str | None = None  # the --run-dir its lines' advice names (None: a temporary one)
 
     async def _async_poll_kernel_alive(self) -> None:
         # nbclient has no setting for how often it checks, and this coroutine is the one place
@@ -81,7 +82,7 @@ class SupervisedClient(NotebookClient):
         for line in lines:  # (one may follow a progress bar drawn in place, with no line break)
             at = line.find(SAID)
             if at == 0 or (at > 0 and "\r" in line[:at]):
-                echo_line(f"[cell {cell_index}] {line[at:].rstrip()}", stderr=True)
+                echo_line(f"[cell {cell_index}] {headless(line[at:].rstrip(), self.said_run_dir)}", stderr=True)
 
     def _echoed(self, cell_index: int, name: str | None, text: str) -> None:
         name = "stderr" if name == "stderr" else "stdout"

@@ -315,6 +315,7 @@ def run_notebook(
         nb, km=km, kernel_name=kernel_name, timeout=cell_timeout, resources={"metadata": {"path": cwd}},
         extra_arguments=[f"--IPKernelApp.exec_lines={LOAD_EXTENSION}"],
     )
+    client.said_run_dir = None if own_run_dir else str(run_dir)  # as the command's user wrote it
     supervisor = Supervisor(
         client, run_root, max_restarts, spare=Standby(client, sockets, kernel_env, cwd, standbys) if standby else None,
         on_cell_start=on_cell_start, on_cell_complete=on_cell_complete, on_cell_error=on_cell_error,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 
 SAID = "colab_resilience: "  # how each line this package says in a cell begins
 
@@ -58,3 +59,24 @@ def differences(saved: dict[str, str], now: dict[str, str], most: int = 3, longe
 
     shown = "; ".join(one(k) for k in differ[:most])
     return shown + (f" and {len(differ) - most} more" if len(differ) > most else "")
+
+
+_RESET = re.compile(r"`?%resilience reset(?: ([0-9a-f]{8})\b)?`?")
+_RUN = re.compile(r"\brun ([0-9a-f]{8})\b")
+
+
+def headless(line: str, run_dir: str | None) -> str:
+    """A line this package said in a kernel of ``colab-resilience run``, as its user there does
+    what it says: a notebook's ``%resilience reset RUN`` is ``colab-resilience reset RUN --run-dir
+    DIR`` (and "run this cell again" is the command run again); without a ``--run-dir`` the run went with the command's temporary folder, and the
+    command run again starts it afresh. Other lines are returned as they are."""
+    found = _RESET.search(line)
+    if found is None:
+        return line
+    if run_dir is None:
+        return (line + " (headless, without --run-dir: the run went with this command's temporary folder; the "
+                "command run again starts it afresh)")
+    run = found.group(1) or next(iter(_RUN.findall(line)), "RUN")
+    line = line[:found.start()] + f"`colab-resilience reset {run} --run-dir {run_dir}`" + line[found.end():]
+    return line.replace("run this cell again", "run the command again").replace(
+        "then run this cell", "then run the command again")

@@ -735,6 +735,99 @@ def test_cli_a_cell_past_its_timeout_stops_the_run_in_one_line_and_the_same_comm
     assert "RESULT True" in cell_text(out.cells[3])
 
 
+def _seeded_draws(tmp_path) -> list[str]:
+    """``tmp_path/in.ipynb``: a parameters cell ``seed = 0``, a %%replay cell that seeds a
+    ``random.Random`` with it, 20 draws of 0.1 s each saved with the generator, and a last cell
+    that prints whether they are the uninterrupted run's for that seed; the command that runs it
+    with ``--run-dir runs``."""
+    nb = notebook("%load_ext colab_resilience", "seed = 0", "%%replay\nimport random, time\nrng = random.Random(seed)\nh = []",
+                  "%%resilient --save h,rng\nfor i in resume_range(20):\n    time.sleep(0.1); h.append(rng.random())",
+                  "twin = random.Random(seed)\nprint('RESULT', seed, h == [twin.random() for _ in range(20)])",
+                  tags={1: ["parameters"]})
+    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
+    nbformat.write(nb, tmp_path / "in.ipynb")
+    return [sys.executable, "-m", "colab_resilience", "run", "in.ipynb", "-o", "out.ipynb", "--run-dir", "runs",
+            "--no-progress", "--no-standby"]
+
+
+def test_cli_a_refusal_says_the_command_that_forgets_the_run_and_colab_resilience_reset_does(tmp_path):
+    """A headless run stopped pending (its cell past --cell-timeout), then the same command with
+    another -p seed: the resume is refused (it would replay the run's `seed = 0` over this one's),
+    and the line says what a headless user does, `colab-resilience reset RUN --run-dir runs` and
+    the command again, not `%resilience reset RUN` and "run this cell again", which no one can do
+    there. That command forgets the run, and the command then trains the new seed's run from its
+    start: the uninterrupted run's draws for seed 1."""
+    command = _seeded_draws(tmp_path)
+    first = subprocess.run(command + ["-p", "seed", "0", "--cell-timeout", "1"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=240)
+    assert first.returncode == 1 and "CellTimeoutError" in first.stderr, first.stdout + first.stderr
+    refused = subprocess.run(command + ["-p", "seed", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    line = _own_lines(refused.stderr)[-1]
+    found = re.fullmatch(r"colab-resilience: cell 4 stopped: colab_resilience: run (\w+) would replay its set-up cell "
+                         r"'seed = 0' over seed, which this kernel's set-up cell 'seed = 1' made .*; to start the run "
+                         r"over with this kernel's set-up, `colab-resilience reset (\w+) --run-dir runs` and run the "
+                         r"command again; to go on with the run's, run its set-up cell as it was", line)
+    assert found and found[1] == found[2], line
+    assert "%resilience" not in line and "this cell" not in line, line
+    forgot = cli("reset", found[1], "--run-dir", "runs", cwd=tmp_path)
+    assert (forgot.returncode, forgot.stderr) == (0, ""), forgot.stderr
+    assert forgot.stdout == f"colab-resilience reset: forgot run-{found[1]} in runs (journal and checkpoints removed)\n"
+    assert list((tmp_path / "runs").iterdir()) == []
+    again = subprocess.run(command + ["-p", "seed", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stdout + again.stderr
+    out = nbformat.read(tmp_path / "out.ipynb", 4)
+    assert "resumed" not in cell_text(out.cells[4]), cell_text(out.cells[4])
+    assert cell_text(out.cells[5]).strip() == "RESULT 1 True", cell_text(out.cells[5])
+
+
+def test_cli_reset_names_what_is_wrong_in_one_line_and_forgets_nothing_then(tmp_path):
+    """`colab-resilience reset` without a run where the folder holds two: which run?, both named
+    with their status; a run that is not there; a run a live process holds (a second process
+    that took its lock, as a kernel does): refused, exit status 2, nothing removed. Then the run
+    named goes, the other stays. Without --run-dir it looks where a notebook's runs are
+    (./.colab_resilience), and says where a headless run's are found."""
+    nb = notebook("%load_ext colab_resilience", "%%resilient --save a\nfor i in resume_range(2):\n    a = i",
+                  "%%resilient --save b\nfor i in resume_range(2):\n    b = i")
+    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
+    nbformat.write(nb, tmp_path / "in.ipynb")
+    done = cli("run", "in.ipynb", "--run-dir", "runs", "--no-progress", "--no-standby", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    runs = sorted(p.name.removeprefix("run-") for p in (tmp_path / "runs").iterdir())
+    assert len(runs) == 2, runs
+
+    def refused(*args: str) -> str:
+        r = cli("reset", *args, cwd=tmp_path, env={"COLAB_RESILIENCE_RUN_DIR": ""})  # (set for this suite)
+        assert (r.returncode, r.stdout) == (2, ""), r.stdout + r.stderr
+        assert len(r.stderr.splitlines()) == 1, r.stderr
+        assert sorted(p.name.removeprefix("run-") for p in (tmp_path / "runs").iterdir()) == runs  # nothing removed
+        return r.stderr.strip()
+
+    which = refused("--run-dir", "runs")
+    assert re.fullmatch(r"colab-resilience reset: which run\? runs holds 2 runs \((\w+) \(done\), (\w+) \(done\), the "
+                        r"newest first\); name it: colab-resilience reset RUN --run-dir runs", which), which
+    assert sorted(re.findall(r"(\w+) \(done\)", which)) == runs, which
+    assert refused("nope", "--run-dir", "runs") == (
+        f"colab-resilience reset: no run 'nope' in runs (runs: {which.split('(', 1)[1].split(', the newest')[0]})")
+    assert refused() == (f"colab-resilience reset: no runs in {tmp_path / '.colab_resilience'}: no such folder (a run "
+                         "of `colab-resilience run --run-dir DIR`: add --run-dir DIR)")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from colab_resilience.lock import RunLock\n"
+         f"lock = RunLock({str(tmp_path / 'runs' / ('run-' + runs[0]))!r}).acquire(); print('held', flush=True); "
+         "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        assert refused(runs[0], "--run-dir", "runs") == (
+            f"colab-resilience reset: run directory runs/run-{runs[0]} is in use by process {holder.pid} (a kernel "
+            "that runs it): stop it first, then reset")
+    finally:
+        holder.kill()
+        holder.wait()
+    forgot = cli("reset", f"run-{runs[0]}", "--run-dir", "runs", cwd=tmp_path)
+    assert forgot.returncode == 0, forgot.stderr
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [f"run-{runs[1]}"]
+
+
 def test_papermill_engine(tmp_path, reference):
     """`papermill --engine resilient` runs train.ipynb (its parameters injected by papermill) through
     a SIGKILL in epoch 1 and writes the reference's RESULT and the restart to the notebook."""
