@@ -44,6 +44,30 @@ if TYPE_CHECKING:
     from .replay import ReplayLog
 
 
+def setup_cells_rebinding(shell, new: Iterable[ReplayCell],
+                          began: Iterable[ReplayCell]) -> list[tuple[ReplayCell, list[tuple[str, str]]]]:
+    """Each of the set-up cells ``new`` (run in this kernel, not among those a run ``began``
+    with) that binds a name those bound, by another statement than the last of them that bound
+    it (``seed = 1`` after the run's ``seed = 0``; not ``import torch`` again, not a pasted
+    copy), with those statements, its and theirs, each in one line of 60 characters at most."""
+    from .setup_state import all_bound, binding_statement
+
+    last: dict[str, str] = {}  # name -> the source of the last cell the run began with that bound it
+    for cell in began:
+        last.update(dict.fromkeys(all_bound(shell, cell.source), cell.source))
+    def statement(source: str, name: str) -> str:
+        code = " ".join((binding_statement(shell, source, name) or "").split())
+        return code if len(code) <= 60 else code[:57] + "..."
+
+    found = []
+    for cell in new:
+        pairs = [(statement(cell.source, n), statement(last[n], n)) for n in sorted(all_bound(shell, cell.source) & last.keys())]
+        rebound = list(dict.fromkeys(p for p in pairs if p[0] != p[1]))  # (a, b = 1, 2 binds two names)
+        if rebound:
+            found.append((cell, rebound))
+    return found
+
+
 def run_id_for(cell_key: str, key: bytes | None = None, notebook: str | None = None) -> str:
     """The run id of the cell ``cell_key`` of ``notebook`` (:func:`.session.notebook`; None where
     the kernel does not know it): the same in every kernel of this installation, and not to be
@@ -396,6 +420,7 @@ class Run:
         held when the last of them ran in this kernel (:attr:`.replay.ReplayLog.prints`; ``setup_saved``,
         with models and optimizers: :attr:`.replay.ReplayLog.saved_prints`)."""
         self._replayed, self._replay_seconds = replayed, replay_seconds
+        self._setup_edited = False  # a set-up cell edited or added since the run began (said)
         j = self.journal
         j.phase = None
         if self.resuming:
@@ -404,10 +429,21 @@ class Run:
             for cell in setup_cells:  # a set-up cell edited and run again since the run began
                 edited = code_change(began.get(cell.key), cell.source)
                 if edited is not None:
+                    self._setup_edited = True
                     self.say(f"colab_resilience: set-up cell {first_line(cell.source)} changed since run "
                              f"{self.run_id} began ({edited}): the run goes on with what it makes now, so what it "
                              "did before ran on the old set-up and the result is not that of either run "
                              f"uninterrupted; to start over, %resilience reset {self.run_id} and run this cell again")
+            new = [c for c in setup_cells if c.key not in began]
+            for cell, rebound in setup_cells_rebinding(self.shell, new, j.replay_cells):
+                self._setup_edited = True
+                shown = "; ".join(f"{now!r}, was {then!r}" for now, then in rebound[:3])
+                self.say(f"colab_resilience: set-up cell {first_line(cell.source)} is new since run {self.run_id} "
+                         f"began and binds again what its set-up cells bound ({shown}"
+                         f"{f' and {len(rebound) - 3} more' if len(rebound) > 3 else ''}; a cell added, or other -p "
+                         "values): the run goes on with what it makes now, so what it did before ran on the old "
+                         "set-up and the result is not that of either run uninterrupted; to start over, "
+                         f"%resilience reset {self.run_id} and run this cell again")
         merge_replay_cells(j.replay_cells, setup_cells)
         from . import setup_state
 
@@ -467,7 +503,7 @@ class Run:
             # the notebook's code the replay defined otherwise: a %%replay cell edited since the run
             # began, said as such (the run goes on with the new code); not a draw without a seed
             differ = [n for n in differ if not setup_state.is_code(self.shell.user_ns.get(n))]
-            if differ:
+            if differ and not self._setup_edited:  # (where one was, its line said why, and this would guess)
                 self.say(setup_state.message(differ))
 
     def _start_state(self, after_setup: dict[str, str]) -> None:

@@ -393,6 +393,39 @@ def test_a_set_up_cell_edited_and_run_again_after_a_death_is_said_when_the_run_g
         k.shutdown()
 
 
+def test_a_set_up_cell_added_after_a_death_that_binds_again_what_the_run_was_set_up_with_is_said(tmp_path, env):
+    """After the death, the set-up cell as it was, then a new %%replay cell that defines the
+    training's ``step`` otherwise (as a supervised run's other -p values add a parameters cell
+    that sets ``seed`` otherwise): one line names the new cell and what it binds again, new and
+    old, and the run goes on with what it makes now. It said nothing of it (the set-up cell was
+    not edited, and no fingerprint of values sees a function). A new cell that binds nothing the
+    run's set-up bound (a helper, ``import os`` again) is not said."""
+    setup = "%%replay\nimport os\nhistory = []\nMARK = {mark!r}\ndef step(epoch):\n    return epoch"
+    k = Kernel(env)
+    try:
+        k.ok("%load_ext colab_resilience\n%config ResilienceMagics.staging_memory = 'off'")
+        k.ok(setup.format(mark=str(tmp_path / "m")), metadata={"cellId": "set-up"})
+        _, code = k.execute_until_exit(EDITED.format(n=4, step="step(epoch)"), metadata={"cellId": "train"})
+        assert code == -9
+        k.restart()
+        k.ok(setup.format(mark=str(tmp_path / "m")), metadata={"cellId": "set-up"})
+        k.ok("%%replay\nimport os\ndef plot(h):\n    return h", metadata={"cellId": "helper"})
+        k.ok("%%replay\ndef step(epoch):\n    return 100 * epoch", metadata={"cellId": "added"})
+        r = k.ok(EDITED.format(n=4, step="step(epoch)"), metadata={"cellId": "train"})
+        run_id = next((tmp_path / "runs").glob("run-*")).name.removeprefix("run-")
+        said = [line for line in r.stdout.splitlines() if "since run" in line]
+        assert said == [
+            f"colab_resilience: set-up cell 'def step(epoch):' is new since run {run_id} began and binds again what its "
+            "set-up cells bound ('def step(epoch): return 100 * epoch', was 'def step(epoch): return epoch'; a cell "
+            "added, or other -p values): the run goes on with what it makes now, so what it did before ran on the old "
+            f"set-up and the result is not that of either run uninterrupted; to start over, %resilience reset {run_id} "
+            "and run this cell again"], r.stdout
+        assert "continuing at 2" in r.stdout, r.stdout
+        assert k.value("history") == [0, 1, 200, 300]
+    finally:
+        k.shutdown()
+
+
 # a training cell that multiplies by the set-up's lr, and dies once in epoch 2 (its mark made)
 SCALED = EDITED.format(n=4, step="epoch * lr")
 
