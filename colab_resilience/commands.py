@@ -13,7 +13,8 @@ from pathlib import Path
 
 from . import fsutil, memory, replay, restart, words
 from .checkpoints import manifest as checkpoint_manifest
-from .errors import CheckpointWarning, JournalError, OptionError, ResilienceError, RunLockedError, UnsafeDirectoryError
+from .errors import (CheckpointWarning, JournalError, JournalUntrustedError, OptionError, ResilienceError, RunLockedError,
+                     UnsafeDirectoryError)
 from .journal import Journal, find_runs
 from .lock import RunLock, pid_alive
 from .recovery import put_back_shrunk
@@ -67,6 +68,9 @@ def status(session) -> None:
     print(f"colab_resilience: run directory {session.root()}; planned restarts {policy}; checkpoints {saving}")
     if not found:
         print("colab_resilience:   no runs yet")
+    from .signing import load_or_create_key
+
+    key = load_or_create_key() if found else None
     for path in found:
         try:
             j = Journal.load(path)  # without the key: status only shows
@@ -84,7 +88,11 @@ def status(session) -> None:
             + (f"; planned restarts {planned}" if planned != "off" else "")
             + (f"; {shrink}" if shrink else "")
         )
-        if j.status == "pending":
+        if _signed_elsewhere(path, key) and j.status != "done":
+            print(f"colab_resilience:     written under another installation key (another machine, a new Colab VM, a lost "
+                  f"key): its cell run again begins a run of its own; review it with `%resilience show {j.run_id}`, "
+                  f"then `%resilience resume --trust {j.run_id}` goes on with it")
+        elif j.status == "pending":
             print(f"colab_resilience:     {_pending_line(j)}")
         elif j.status == "failed" and j.stopped:
             said = _stopped_words(j)
@@ -92,6 +100,17 @@ def status(session) -> None:
         stats = session.saves.get(j.run_id)
         if stats is not None:  # its last execution in this kernel
             print(f"colab_resilience:     checkpoints in this kernel: {stats.line()}")
+
+
+def _signed_elsewhere(run_dir: Path, key: bytes) -> bool:
+    """Whether the journal in ``run_dir`` is well formed but not signed by this installation's key."""
+    try:
+        Journal.load(run_dir, key=key)
+    except JournalUntrustedError:
+        return True
+    except (JournalError, OSError):
+        pass
+    return False
 
 
 def _of_notebook(j: Journal) -> str:

@@ -33,7 +33,8 @@ from . import carried, environment, faults, fsutil, loops, memory, module_files,
 from .checkpoints import Checkpoint, CheckpointStore, capture_rng, restore_rng
 from .checkpoints.rng import generator_state, is_generator, set_generator_state
 from .checkpoints.staging import Budget
-from .errors import BuiltSinceError, CheckpointError, JournalError, NoCheckpointError, RetryNotExactError, RunStoppedError
+from .errors import (BuiltSinceError, CheckpointError, JournalError, JournalUntrustedError, NoCheckpointError,
+                     RetryNotExactError, RunStoppedError)
 from .journal import Journal, ReplayCell, RestartPolicy, first_line, merge_replay_cells
 from .lock import RunLock
 from .loops import LOOP_RNG, Loops, Plan, position_of
@@ -373,6 +374,9 @@ class Run:
                 left = _left_behind(root, key, cell_key, notebook) if notebook and not reopen else None
                 if left is not None:
                     say(left)
+                if not reopen:
+                    for line in _under_another_key(root, key, cell_key, notebook, run_id):
+                        say(line)
             policy = policy or RestartPolicy()
             journal.cell_key, journal.names, journal.policy = cell_key, list(names), policy
             journal.notebook = notebook or journal.notebook
@@ -1229,6 +1233,47 @@ def _left_behind(root: Path, key: bytes, cell_key: str, notebook: str) -> str | 
                     f"(renamed or moved?), is pending ({at}); this notebook's cell begins a run of its own; to go on "
                     f"with that one instead, %resilience resume {j.run_id}, then run this cell")
     return None
+
+
+def _under_another_key(root: Path, key: bytes, cell_key: str, notebook: str | None, run_id: str) -> list[str]:
+    """A line for each run of this cell (of this notebook) in ``root`` that could go on (pending, or
+    stopped with a checkpoint) and that another installation key signed: another machine, a new Colab VM whose run directory is on Drive, a
+    lost key. The run id is an HMAC under the key, so the cell begins a run of its own from the
+    beginning (the same result, the progress done again); the line says how to go on with that
+    one instead. Its journal is read, unverified, for its cell and notebook only: nothing of it
+    runs, and what it says is not repeated."""
+    from .journal import find_runs
+
+    lines = []
+    for run_dir in find_runs(root):
+        if run_dir.name == f"run-{run_id}":
+            continue
+        try:
+            j = Journal.load(run_dir)  # unverified: compared, not used
+        except (JournalError, OSError):
+            continue
+        if j.cell_key != cell_key or j.notebook != notebook:
+            continue
+        if j.status == "pending":
+            which = "pending"
+        elif j.status == "failed" and j.resume_at:
+            which = "stopped before its end"
+        else:
+            continue
+        try:
+            Journal.load(run_dir, key=key)
+            continue  # signed here: a run of this cell under another id is another notebook's matter
+        except JournalUntrustedError:
+            pass
+        except (JournalError, OSError):
+            continue
+        old = run_dir.name.removeprefix("run-")
+        lines.append(
+            f"colab_resilience: run {old} of this cell in {root}, {which}, was written under another installation key "
+            "(another machine, a new Colab VM, a lost key), so this cell begins a run of its own from the beginning; "
+            f"to go on with that one instead, review it with `%resilience show {old}`, then "
+            f"`%resilience resume --trust {old}` and run this cell again; `%resilience reset {old}` forgets it")
+    return lines
 
 
 def _refuse_beginning_on_what_it_left(shell, journal: Journal, names: list[str], log: ReplayLog | None) -> None:

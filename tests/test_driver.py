@@ -828,6 +828,69 @@ def test_cli_reset_names_what_is_wrong_in_one_line_and_forgets_nothing_then(tmp_
     assert [p.name for p in (tmp_path / "runs").iterdir()] == [f"run-{runs[1]}"]
 
 
+def test_cli_a_run_another_key_signed_is_named_and_colab_resilience_trust_goes_on_with_it(tmp_path):
+    """A headless run left pending (its cell past --cell-timeout) in a --run-dir that outlives the
+    machine (Drive), then the same command under a new installation key (a new Colab VM): the run
+    id is an HMAC under the key, so the command trains from the beginning, to the uninterrupted
+    result, and says which run the old key signed and the commands that go on with it. `trust`
+    refuses while this key's own run of the cell is there; after `reset` of that one it prints the
+    set-up cells the run replays, signs the run under this key's id, and the command then goes on
+    from its checkpoint, to the same result."""
+    command = _seeded_draws(tmp_path) + ["-p", "seed", "0"]
+    first = subprocess.run(command + ["--cell-timeout", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert first.returncode == 1 and "CellTimeoutError" in first.stderr, first.stdout + first.stderr
+    (old,) = [p.name.removeprefix("run-") for p in (tmp_path / "runs").iterdir()]
+    new_vm = dict(os.environ, COLAB_RESILIENCE_HOME=str(tmp_path / "new-vm-home"))
+    afresh = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=new_vm)
+    assert afresh.returncode == 0, afresh.stdout + afresh.stderr
+    out = nbformat.read(tmp_path / "out.ipynb", 4)
+    assert "resumed" not in cell_text(out.cells[4]) and cell_text(out.cells[5]).strip() == "RESULT 0 True"
+    said = [line for line in afresh.stderr.splitlines() if f"run {old} " in line]
+    assert said == [
+        f"[cell 4] colab_resilience: run {old} of this cell in {tmp_path / 'runs'}, pending, was written under another "
+        "installation key (another machine, a new Colab VM, a lost key), so this cell begins a run of its own from the "
+        f"beginning; to go on with that one instead, `colab-resilience trust {old} --run-dir runs` (it prints what the "
+        f"run replays and unpickles, and runs nothing), then run the command again; `colab-resilience reset {old} "
+        "--run-dir runs` forgets it"], afresh.stderr
+    (new,) = [p.name.removeprefix("run-") for p in (tmp_path / "runs").iterdir() if p.name != f"run-{old}"]
+
+    def trust(*args: str) -> subprocess.CompletedProcess:
+        return cli("trust", *args, "--run-dir", "runs", cwd=tmp_path, env={"COLAB_RESILIENCE_HOME": new_vm["COLAB_RESILIENCE_HOME"]})
+
+    refused = trust(old)
+    assert (refused.returncode, refused.stdout) == (2, ""), refused.stdout + refused.stderr
+    assert refused.stderr.startswith(f"colab-resilience trust: the cell of run {old} has a run of this installation's "
+                                     f"already, {new} (runs: "), refused.stderr
+    assert refused.stderr.endswith(f"forget that one first: colab-resilience reset {new} --run-dir runs, then trust again\n")
+    assert cli("reset", new, "--run-dir", "runs", cwd=tmp_path, env={"COLAB_RESILIENCE_HOME": new_vm["COLAB_RESILIENCE_HOME"]}).returncode == 0
+    trusted = trust(old)
+    assert (trusted.returncode, trusted.stderr) == (0, ""), trusted.stdout + trusted.stderr
+    lines = trusted.stdout.splitlines()
+    assert lines[:lines.index("---- end of the set-up cells ----")] == [
+        f"colab_resilience: run {old} replays 3 set-up cells:", "---- set-up cell 1 of 3 ----", "seed = 0",
+        "---- set-up cell 2 of 3 ----", "# Parameters", "seed = 0", "---- set-up cell 3 of 3 ----", "%%replay",
+        "import random, time", "rng = random.Random(seed)", "h = []"], lines
+    kept = len(list((tmp_path / "runs" / f"run-{new}" / "checkpoints").glob("ckpt-*")))  # the last two, or one
+    values = "1 value" if kept == 1 else f"{kept} values"
+    at = lines.index(f"colab_resilience: and unpickles {values} that this installation did not sign:")
+    assert all(re.fullmatch(r"  rng: random\.Random \(in ckpt-\d+\)", line) for line in lines[at + 1:-1]), lines
+    assert lines[-1] == (f"colab-resilience trust: run {old} is signed with this installation's key now, as run {new} "
+                         f"(journal and {kept} checkpoint{'s' if kept > 1 else ''}); nothing was run: `colab-resilience "
+                         "run NOTEBOOK --run-dir runs` replays the set-up cells above and goes on with it "
+                         f"(colab-resilience reset {new} --run-dir runs forgets it)"), lines[-1]
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [f"run-{new}"]
+    again = trust(new)
+    assert (again.returncode, again.stdout) == (0, f"colab-resilience trust: run {new} is signed with this installation's "
+                                                    "key already; `colab-resilience run NOTEBOOK --run-dir runs` goes on "
+                                                    "with it\n"), again.stdout + again.stderr
+    resumed = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=new_vm)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    out = nbformat.read(tmp_path / "out.ipynb", 4)
+    assert "resumed" in cell_text(out.cells[4]), cell_text(out.cells[4])
+    assert cell_text(out.cells[5]).strip() == "RESULT 0 True", cell_text(out.cells[5])
+    assert f"run {old}" not in resumed.stderr, resumed.stderr
+
+
 def test_papermill_engine(tmp_path, reference):
     """`papermill --engine resilient` runs train.ipynb (its parameters injected by papermill) through
     a SIGKILL in epoch 1 and writes the reference's RESULT and the restart to the notebook."""

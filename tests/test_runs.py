@@ -212,6 +212,48 @@ def test_a_run_written_under_another_key_resumes_only_when_trusted(ip, root, tmp
     assert epochs(tmp_path / "events.log") == [0, 1] + [2, 3]  # before the interrupt; after the resume
 
 
+def test_the_cell_run_again_under_a_new_key_names_the_run_the_old_key_signed(ip, root, tmp_path, monkeypatch, capsys):
+    """A new Colab VM, the run directory on Drive: the cell's run id is an HMAC under the new key,
+    so the cell run again begins a run of its own from the beginning (the same result). One line
+    names the run the old key signed, which could go on, and how to go on with it; nothing of it runs; after
+    `%resilience resume --trust` the cell continues it."""
+    nb = load("train.ipynb", tmp_path, fault="interrupt", fault_epoch=2, strikes=1)
+    run_in_shell(ip, nb, stop="train")
+    ip.run_cell(user_cell(nb, "train"))  # interrupted in epoch 2: the run stops, its checkpoint is kept
+    (old,) = [p.name.removeprefix("run-") for p in root.glob("run-*")]
+    ip.run_line_magic("unload_ext", "colab_resilience")
+    for name in [n for n in ip.user_ns if not n.startswith("_") and n not in ip.user_ns_hidden]:
+        ip.user_ns.pop(name)
+    monkeypatch.setenv("COLAB_RESILIENCE_HOME", str(tmp_path / "new-vm-home"))  # a new key
+    ip.run_line_magic("load_ext", "colab_resilience")
+    ip.run_line_magic("resilience", f"dir {root}")
+    nb = load("train.ipynb", tmp_path)  # no fault now
+    run_in_shell(ip, nb, stop="train")
+    capsys.readouterr()
+    assert ip.run_cell(user_cell(nb, "train")).success
+    said = [line for line in capsys.readouterr().out.splitlines() if f"run {old} " in line]
+    assert said == [
+        f"colab_resilience: run {old} of this cell in {root}, stopped before its end, was written under another "
+        "installation key "
+        "(another machine, a new Colab VM, a lost key), so this cell begins a run of its own from the beginning; "
+        f"to go on with that one instead, review it with `%resilience show {old}`, then "
+        f"`%resilience resume --trust {old}` and run this cell again; `%resilience reset {old}` forgets it"]
+    assert epochs(tmp_path / "events.log") == [0, 1] + [0, 1, 2, 3]  # from the beginning, not from its epoch 2
+    ip.run_line_magic("resilience", "status")  # not "run its cell again to continue", which would not
+    shown = capsys.readouterr().out.splitlines()
+    at = shown.index(next(line for line in shown if line.startswith(f"colab_resilience:   run {old}: failed;")))
+    assert shown[at + 1] == (
+        "colab_resilience:     written under another installation key (another machine, a new Colab VM, a lost key): "
+        f"its cell run again begins a run of its own; review it with `%resilience show {old}`, then `%resilience "
+        f"resume --trust {old}` goes on with it"), shown
+    assert sum("another installation key" in line for line in shown) == 1, shown  # not the run done here
+    ip.run_line_magic("resilience", f"resume --trust {old}")
+    capsys.readouterr()
+    assert ip.run_cell(user_cell(nb, "train")).success
+    assert f"run {old} of this cell" not in capsys.readouterr().out
+    assert epochs(tmp_path / "events.log") == [0, 1] + [0, 1, 2, 3] + [2, 3]  # that one went on from its epoch 2
+
+
 @pytest.mark.parametrize(
     "line,expected",
     [

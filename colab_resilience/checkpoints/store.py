@@ -327,18 +327,23 @@ class CheckpointStore:
         cleanup.remove_leftovers(self.run_dir)
         self._chunk_memory.clear()
 
-    def adopt(self) -> list[str]:
+    def adopt(self, run_id: str | None = None) -> list[str]:
         """Re-sign every well-formed checkpoint manifest with this installation's key; return their
-        ids. For a run the user vouched for (``%resilience resume --trust``) after it was written
-        under another key. Blob hashes are still verified by every load."""
+        ids. For a run the user vouched for (``%resilience resume --trust``, ``colab-resilience
+        trust``) after it was written under another key; with ``run_id``, the manifests that name
+        a run name that one (the run goes on under the id this key gives its cell). Blob hashes are
+        still verified by every load."""
         adopted = []
         for cid in self.checkpoint_ids():
             path = self.run_dir / cid / MANIFEST
             try:
                 doc = manifest.read(path)
-                if doc.verify(self.key):
+                body = doc.body
+                if run_id is not None and body.get("run_id", run_id) != run_id:
+                    body = {**body, "run_id": run_id}
+                if body is doc.body and doc.verify(self.key):
                     continue
-                data = ManifestFile.sign(doc.body, self.key).to_bytes()
+                data = ManifestFile.sign(body, self.key).to_bytes()
             except (OSError, ValueError, TypeError, RecursionError):  # CheckpointCorruptError too
                 continue  # unreadable: loading will skip it as damaged
             atomic_write(path, data)
