@@ -4,9 +4,9 @@
 (:func:`colab_resilience.driver.run_notebook`): a kernel that dies is restarted, the replay cells
 are replayed and the interrupted cell resumes. ``colab-resilience check NOTEBOOK`` runs it with
 injected faults and compares (:func:`colab_resilience.check.check_notebook`).
-``colab-resilience demo`` runs the bundled demo. ``colab-resilience reset [RUN]`` forgets a run,
-as ``%resilience reset`` does in a notebook; ``colab-resilience trust [RUN]`` signs a run another
-installation's key wrote, as ``%resilience resume --trust`` does.
+``colab-resilience demo`` runs the bundled demo. ``colab-resilience reset | show | resume [--trust]
+[RUN]`` do to a run folder what ``%resilience reset | show | resume`` do in a notebook
+(:mod:`colab_resilience.headless_runs`).
 
 Exit codes: 0 done, 1 a cell failed, 2 usage or input error, 3 restart budget spent, 130 interrupted (Ctrl-C),
 143 stopped by SIGTERM.
@@ -163,147 +163,6 @@ def check(args) -> int:
     return report.status
 
 
-def _run_named(args, command: str):
-    """The run folder ``args.run`` names under ``args.run_dir`` (else the default run root), else
-    the only run there, locked; or the exit code after a one-line refusal that says what to do."""
-    import os
-
-    from . import fsutil
-    from .errors import RunLockedError, UnsafeDirectoryError
-    from .journal import find_runs
-    from .lock import RunLock
-    from .session import default_root
-
-    def refuse(message: str) -> int:
-        print(f"colab-resilience {command}: {message}", file=sys.stderr)
-        return EXIT_USAGE
-
-    root = Path(args.run_dir) if args.run_dir else default_root()
-    # where the runs are by default is a notebook's folder: a headless run's are where its --run-dir was
-    elsewhere = "" if args.run_dir else " (a run of `colab-resilience run --run-dir DIR`: add --run-dir DIR)"
-    if not os.path.isdir(root):
-        return refuse(f"no runs in {root}: no such folder{elsewhere}")
-    try:
-        fsutil.check_run_root(root, another="give another --run-dir")
-    except UnsafeDirectoryError as e:
-        return refuse(str(e).removeprefix("colab_resilience: "))
-    found = find_runs(root)
-    if not found:
-        return refuse(f"no runs in {root}{elsewhere}")
-    if args.run:
-        wanted = args.run.removeprefix("run-")
-        found = [p for p in found if p.name == f"run-{wanted}"]
-        if not found:
-            return refuse(f"no run {wanted!r} in {root} (runs: {_runs_in(root)})")
-    if len(found) > 1:
-        return refuse(f"which run? {root} holds {len(found)} runs ({_runs_in(root)}, the newest first); name it: "
-                      f"colab-resilience {command} RUN{' --run-dir ' + args.run_dir if args.run_dir else ''}")
-    run_dir = found[0]
-    lock = RunLock(run_dir)
-    try:
-        lock.acquire()
-    except RunLockedError as e:
-        held = str(e).splitlines()[0].removeprefix("colab_resilience: ").split("; stop ")[0]
-        return refuse(f"{held} (a kernel that runs it): stop it first, then {command}")
-    except (UnsafeDirectoryError, OSError) as e:  # made a link, or removed, since it was found
-        return refuse(f"{run_dir}: {str(e).removeprefix('colab_resilience: ')}")
-    return run_dir, lock
-
-
-def reset(args) -> int:
-    """Forget a run (its journal and checkpoints), as ``%resilience reset`` does in a notebook: the
-    run named, else the only one; a run a kernel holds is refused."""
-    import shutil
-
-    named = _run_named(args, "reset")
-    if isinstance(named, int):
-        return named
-    run_dir, lock = named
-    try:
-        shutil.rmtree(run_dir)
-    finally:
-        lock.release()
-    print(f"colab-resilience reset: forgot {run_dir.name} in {run_dir.parent} (journal and checkpoints removed)")
-    return EXIT_OK
-
-
-def trust(args) -> int:
-    """Vouch for a run another installation key signed (another machine, a new Colab VM whose run
-    directory is on Drive, a lost key), as ``%resilience resume --trust`` does in a notebook: print
-    every set-up cell its resume replays and every pickled value it unpickles, then sign its journal
-    and checkpoints with this installation's key, under the id this key gives its cell, so that the
-    next ``colab-resilience run`` goes on with it. Nothing runs here."""
-    import os
-
-    from .commands import review
-    from .errors import JournalError, JournalUntrustedError
-    from .journal import Journal
-    from .run import open_store, run_id_for
-    from .signing import load_or_create_key
-    from .words import plural
-
-    named = _run_named(args, "trust")
-    if isinstance(named, int):
-        return named
-    run_dir, lock = named
-    root, old = run_dir.parent, run_dir.name.removeprefix("run-")
-    there = f" --run-dir {args.run_dir}" if args.run_dir else ""
-
-    def refuse(message: str) -> int:
-        print(f"colab-resilience trust: {message}", file=sys.stderr)
-        return EXIT_USAGE
-
-    try:
-        key = load_or_create_key()
-        try:
-            j = Journal.load(run_dir)  # its form checked; its signature is what this command replaces
-        except JournalError as e:
-            return refuse(f"run {old}: {str(e).splitlines()[0].removeprefix('colab_resilience: ')}")
-        if j.cell_key is None:
-            return refuse(f"run {old} does not record which cell it is of (an older version of colab_resilience "
-                          f"wrote it): go on with it in its notebook, `%resilience resume --trust {old}`, then run its cell")
-        new = run_id_for(j.cell_key, key, j.notebook)
-        if new == old:
-            try:
-                Journal.load(run_dir, key=key)
-                print(f"colab-resilience trust: run {old} is signed with this installation's key already; "
-                      f"`colab-resilience run NOTEBOOK{there}` goes on with it")
-                return EXIT_OK
-            except JournalUntrustedError:
-                pass
-            except JournalError as e:
-                return refuse(f"run {old}: {str(e).splitlines()[0].removeprefix('colab_resilience: ')}")
-        target = root / f"run-{new}"
-        if target != run_dir and os.path.lexists(target):
-            return refuse(f"the cell of run {old} has a run of this installation's already, {new} (runs: {_runs_in(root)}); "
-                          f"to go on with {old} instead, forget that one first: colab-resilience reset {new}{there}, "
-                          "then trust again")
-        for line in review(j, open_store(run_dir, key)):
-            print(line, flush=True)
-        if target != run_dir:
-            # the folder first: a trust cut short here is finished by trusting the run under its new id
-            os.rename(run_dir, target)
-        adopted = open_store(target, key).adopt(run_id=new)
-        j.run_dir, j.run_id = target, new
-        j.save()
-    finally:
-        lock.release()
-    called = f", as run {new}" if new != old else ""
-    print(f"colab-resilience trust: run {old} is signed with this installation's key now{called} (journal and "
-          f"{plural(len(adopted), 'checkpoint')}); nothing was run: `colab-resilience run NOTEBOOK{there}` replays the "
-          f"set-up cells above and goes on with it (colab-resilience reset {new}{there} forgets it)")
-    return EXIT_OK
-
-
-def _runs_in(root: Path) -> str:
-    """The runs under ``root``, each with its status and notebook where known: "3f2a9c1e (pending,
-    train.ipynb), 07bd41aa (done)"."""
-    from .journal import find_runs, read_journals
-
-    said = {j.run_dir.name: f"{j.status}{', ' + Path(j.notebook).name if j.notebook else ''}" for j in read_journals(root)}
-    return ", ".join(f"{p.name.removeprefix('run-')} ({said.get(p.name, 'unreadable journal')})" for p in find_runs(root))
-
-
 def demo(args) -> int:
     from .demo import main as demo_main
 
@@ -393,23 +252,32 @@ def main(argv: list[str] | None = None) -> int:
                        "the notebook's %%resilient cell) starts it afresh. Without RUN, the only run there is.",
                        epilog="exit codes: 0 forgotten, 2 no such run, several runs and none named, or the run "
                        "is in use by a kernel")
-    t = sub.add_parser("trust", help="sign a run another installation's key wrote, as %%resilience resume --trust does",
-                       description="Vouch for RUN, a run written under another installation key (another machine, "
-                       "a new Colab VM whose run directory is on Drive, a lost key), as `%resilience resume --trust "
-                       "RUN` does in a notebook: print every set-up cell its resume replays and every pickled value "
-                       "it unpickles, then sign its journal and checkpoints with this installation's key, so that "
-                       "the next `colab-resilience run` goes on with it. Nothing runs here: read what it prints "
-                       "before you run the notebook (`colab-resilience reset RUN` forgets the run instead).",
-                       epilog="exit codes: 0 signed (or signed here already), 2 no such run, several runs and none "
-                       "named, an unreadable journal, or the run is in use by a kernel")
-    for q in (r, t):
+    sh = sub.add_parser("show", help="print what resuming a run would run and unpickle, as %%resilience show does",
+                        description="Print every set-up cell that resuming RUN replays, in full, and the name and type of "
+                        "every pickled value of its checkpoints that this installation did not sign, as `%resilience "
+                        "show RUN` does in a notebook. Nothing runs.",
+                        epilog="exit codes: 0 shown, 2 no such run, several runs and none named, or an unreadable journal")
+    rs = sub.add_parser("resume", help="mark a run to go on from its checkpoint, as %%resilience resume does",
+                        description="Mark RUN to go on from its last checkpoint when `colab-resilience run` runs its "
+                        "notebook again, as `%resilience resume RUN` does in a notebook: a run stopped by an error in its "
+                        "cell, whose checkpoint the cell's next run would drop, or a finished one (its final state comes "
+                        "back, its cell is not run again). --trust vouches for a run written under another installation "
+                        "key (another machine, a new Colab VM whose run directory is on Drive, a lost key): it prints "
+                        "every set-up cell the run replays and every pickled value it unpickles, then signs the run with "
+                        "this installation's key. Nothing runs here: read what it prints before you run the notebook "
+                        "(`colab-resilience reset RUN` forgets the run instead).",
+                        epilog="exit codes: 0 marked (or pending already), 2 no such run, several runs and none named, an "
+                        "unreadable journal, a run another key signed without --trust, or the run is in use by a kernel")
+    rs.add_argument("--trust", action="store_true", help="the run was written under another installation key, and you "
+                    "vouch for what it prints")
+    for q in (r, sh, rs):
         q.add_argument("run", nargs="?", metavar="RUN", help="the run's id, as messages and %%resilience status show it")
         q.add_argument("--run-dir", help="where the runs are: the --run-dir of `colab-resilience run` (default: "
                        "$COLAB_RESILIENCE_RUN_DIR, else a notebook's: ./.colab_resilience, in Colab the Drive folder)")
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:  # said by the command's own parser, which its --help explains
-            commands = {"run": p, "check": c, "demo": d, "reset": r, "trust": t}
+            commands = {"run": p, "check": c, "demo": d, "reset": r, "show": sh, "resume": rs}
             where = commands.get(args.command, parser)
             where.error(f"unrecognized arguments: {' '.join(extra)}{_hint(extra, where, commands)}")
     except SystemExit as e:
@@ -422,10 +290,13 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _on_sigterm)
     if args.command == "run":
         return run(args)
-    if args.command == "reset":
-        return reset(args)
-    if args.command == "trust":
-        return trust(args)
+    if args.command in ("reset", "show", "resume"):
+        from . import headless_runs
+
+        act = {"reset": lambda: headless_runs.reset(args.run, args.run_dir),
+               "show": lambda: headless_runs.show(args.run, args.run_dir),
+               "resume": lambda: headless_runs.resume(args.run, args.run_dir, trust=args.trust)}[args.command]
+        return headless_runs.refusing(args.command, act)
     if args.command in ("check", "demo"):
         try:
             return check(args) if args.command == "check" else demo(args)

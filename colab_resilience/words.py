@@ -61,30 +61,30 @@ def differences(saved: dict[str, str], now: dict[str, str], most: int = 3, longe
     return shown + (f" and {len(differ) - most} more" if len(differ) > most else "")
 
 
-_RESET = re.compile(r"`?%resilience reset(?: ([0-9a-f]{8})\b)?`?")
+# a magic that a line advises, with its run where it names one: the command does the same headless
+_MAGIC = re.compile(r"`?%resilience (reset|show|resume)((?: --trust)?)(?: ([0-9a-f]{8})\b)?`?")
 _RUN = re.compile(r"\brun ([0-9a-f]{8})\b")
-# the way a notebook goes on with a run another key signed (:func:`.run._under_another_key`)
-_TRUST = re.compile(r"review it with `%resilience show ([0-9a-f]{8})`, then `%resilience resume --trust \1` and run this "
-                    r"cell again")
+# what a notebook's user does after the magic, and what a headless one does
+_THEN = [("then run this cell again", "then run the command again"), ("and run this cell again", "and run the command again"),
+         ("run this cell again", "run the command again"), ("then run this cell", "then run the command again"),
+         ("before running its cell", "before running the command again"),
+         ("run its set-up cell as it was", "run the command with the set-up it began with (the notebook, the -p values)")]
 
 
 def headless(line: str, run_dir: str | None) -> str:
     """A line this package said in a kernel of ``colab-resilience run``, as its user there does
-    what it says: a notebook's ``%resilience reset RUN`` is ``colab-resilience reset RUN --run-dir
-    DIR`` (and "run this cell again" is the command run again), its ``%resilience show RUN`` and
-    ``%resilience resume --trust RUN`` are ``colab-resilience trust RUN --run-dir DIR``; without a
-    ``--run-dir`` the run went with the command's temporary folder, and the command run again
-    starts it afresh. Other lines are returned as they are."""
-    found = _RESET.search(line)
-    if found is None:
+    what it says: a notebook's ``%resilience reset | show | resume [--trust] RUN`` is
+    ``colab-resilience reset | show | resume [--trust] RUN --run-dir DIR`` (:mod:`.headless_runs`),
+    and "run this cell again" is the command run again; without a ``--run-dir`` the run went with
+    the command's temporary folder, and the command run again starts it afresh. Other lines are
+    returned as they are."""
+    if _MAGIC.search(line) is None:
         return line
     if run_dir is None:
         return (line + " (headless, without --run-dir: the run went with this command's temporary folder; the "
                 "command run again starts it afresh)")
-    line = _TRUST.sub(lambda m: f"`colab-resilience trust {m.group(1)} --run-dir {run_dir}` (it prints what the run "
-                      "replays and unpickles, and runs nothing), then run the command again", line)
-    found = _RESET.search(line)
-    run = found.group(1) or next(iter(_RUN.findall(line)), "RUN")
-    line = line[:found.start()] + f"`colab-resilience reset {run} --run-dir {run_dir}`" + line[found.end():]
-    return line.replace("run this cell again", "run the command again").replace(
-        "then run this cell", "then run the command again")
+    named = next(iter(_RUN.findall(line)), "RUN")
+    line = _MAGIC.sub(lambda m: f"`colab-resilience {m[1]}{m[2]} {m[3] or named} --run-dir {run_dir}`", line)
+    for notebook, command in _THEN:
+        line = line.replace(notebook, command)
+    return line

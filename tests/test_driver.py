@@ -767,7 +767,8 @@ def test_cli_a_refusal_says_the_command_that_forgets_the_run_and_colab_resilienc
     found = re.fullmatch(r"colab-resilience: cell 4 stopped: colab_resilience: run (\w+) would replay its set-up cell "
                          r"'seed = 0' over seed, which this kernel's set-up cell 'seed = 1' made .*; to start the run "
                          r"over with this kernel's set-up, `colab-resilience reset (\w+) --run-dir runs` and run the "
-                         r"command again; to go on with the run's, run its set-up cell as it was", line)
+                         r"command again; to go on with the run's, run the command with the set-up it began with \(the notebook, the -p "
+                         r"values\)", line)
     assert found and found[1] == found[2], line
     assert "%resilience" not in line and "this cell" not in line, line
     forgot = cli("reset", found[1], "--run-dir", "runs", cwd=tmp_path)
@@ -828,20 +829,21 @@ def test_cli_reset_names_what_is_wrong_in_one_line_and_forgets_nothing_then(tmp_
     assert [p.name for p in (tmp_path / "runs").iterdir()] == [f"run-{runs[1]}"]
 
 
-def test_cli_a_run_another_key_signed_is_named_and_colab_resilience_trust_goes_on_with_it(tmp_path):
+def test_cli_a_run_another_key_signed_is_named_and_resume_trust_goes_on_with_it(tmp_path):
     """A headless run left pending (its cell past --cell-timeout) in a --run-dir that outlives the
     machine (Drive), then the same command under a new installation key (a new Colab VM): the run
     id is an HMAC under the key, so the command trains from the beginning, to the uninterrupted
-    result, and says which run the old key signed and the commands that go on with it. `trust`
+    result, and says which run the old key signed and the commands that go on with it. `show`
+    prints the set-up cells it replays and runs nothing; `resume` without --trust refuses; --trust
     refuses while this key's own run of the cell is there; after `reset` of that one it prints the
-    set-up cells the run replays, signs the run under this key's id, and the command then goes on
-    from its checkpoint, to the same result."""
+    set-up cells, signs the run under this key's id, and the command then goes on from its
+    checkpoint, to the same result."""
     command = _seeded_draws(tmp_path) + ["-p", "seed", "0"]
     first = subprocess.run(command + ["--cell-timeout", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert first.returncode == 1 and "CellTimeoutError" in first.stderr, first.stdout + first.stderr
     (old,) = [p.name.removeprefix("run-") for p in (tmp_path / "runs").iterdir()]
-    new_vm = dict(os.environ, COLAB_RESILIENCE_HOME=str(tmp_path / "new-vm-home"))
-    afresh = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=new_vm)
+    home = {"COLAB_RESILIENCE_HOME": str(tmp_path / "new-vm-home")}
+    afresh = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=dict(os.environ, **home))
     assert afresh.returncode == 0, afresh.stdout + afresh.stderr
     out = nbformat.read(tmp_path / "out.ipynb", 4)
     assert "resumed" not in cell_text(out.cells[4]) and cell_text(out.cells[5]).strip() == "RESULT 0 True"
@@ -849,46 +851,98 @@ def test_cli_a_run_another_key_signed_is_named_and_colab_resilience_trust_goes_o
     assert said == [
         f"[cell 4] colab_resilience: run {old} of this cell in {tmp_path / 'runs'}, pending, was written under another "
         "installation key (another machine, a new Colab VM, a lost key), so this cell begins a run of its own from the "
-        f"beginning; to go on with that one instead, `colab-resilience trust {old} --run-dir runs` (it prints what the "
-        f"run replays and unpickles, and runs nothing), then run the command again; `colab-resilience reset {old} "
+        f"beginning; to go on with that one instead, review it with `colab-resilience show {old} --run-dir runs`, then "
+        f"`colab-resilience resume --trust {old} --run-dir runs` and run the command again; `colab-resilience reset {old} "
         "--run-dir runs` forgets it"], afresh.stderr
     (new,) = [p.name.removeprefix("run-") for p in (tmp_path / "runs").iterdir() if p.name != f"run-{old}"]
 
-    def trust(*args: str) -> subprocess.CompletedProcess:
-        return cli("trust", *args, "--run-dir", "runs", cwd=tmp_path, env={"COLAB_RESILIENCE_HOME": new_vm["COLAB_RESILIENCE_HOME"]})
+    def runs(*args: str) -> subprocess.CompletedProcess:
+        return cli(*args, "--run-dir", "runs", cwd=tmp_path, env=home)
 
-    refused = trust(old)
+    setup = [f"colab_resilience: run {old} replays 3 set-up cells:", "---- set-up cell 1 of 3 ----", "seed = 0",
+             "---- set-up cell 2 of 3 ----", "# Parameters", "seed = 0", "---- set-up cell 3 of 3 ----", "%%replay",
+             "import random, time", "rng = random.Random(seed)", "h = []", "---- end of the set-up cells ----"]
+    shown = runs("show", old)
+    assert shown.returncode == 0 and shown.stdout.splitlines()[:len(setup)] == setup, shown.stdout + shown.stderr
+    assert shown.stdout.splitlines()[-1] == (
+        f"colab-resilience show: nothing was run; `colab-resilience resume --trust {old} --run-dir runs` marks the run to "
+        "go on when `colab-resilience run` runs its notebook again; `colab-resilience reset "
+        f"{old} --run-dir runs` forgets it")
+    untrusted = runs("resume", old)
+    assert (untrusted.returncode, untrusted.stdout) == (2, ""), untrusted.stdout + untrusted.stderr
+    assert untrusted.stderr == (
+        f"colab-resilience resume: run {old} was written under another installation key (another machine, a new Colab "
+        "VM, a lost key), so nothing of it runs here unless you vouch for it: review it with `colab-resilience show "
+        f"{old} --run-dir runs`, then `colab-resilience resume --trust {old} --run-dir runs`\n")
+    refused = runs("resume", "--trust", old)
     assert (refused.returncode, refused.stdout) == (2, ""), refused.stdout + refused.stderr
-    assert refused.stderr.startswith(f"colab-resilience trust: the cell of run {old} has a run of this installation's "
+    assert refused.stderr.startswith(f"colab-resilience resume: the cell of run {old} has a run of this installation's "
                                      f"already, {new} (runs: "), refused.stderr
-    assert refused.stderr.endswith(f"forget that one first: colab-resilience reset {new} --run-dir runs, then trust again\n")
-    assert cli("reset", new, "--run-dir", "runs", cwd=tmp_path, env={"COLAB_RESILIENCE_HOME": new_vm["COLAB_RESILIENCE_HOME"]}).returncode == 0
-    trusted = trust(old)
+    assert refused.stderr.endswith(f"forget that one first: colab-resilience reset {new} --run-dir runs, then resume "
+                                   "--trust again\n"), refused.stderr
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted([f"run-{old}", f"run-{new}"])  # as they were
+    assert runs("reset", new).returncode == 0
+    trusted = runs("resume", "--trust", old)
     assert (trusted.returncode, trusted.stderr) == (0, ""), trusted.stdout + trusted.stderr
     lines = trusted.stdout.splitlines()
-    assert lines[:lines.index("---- end of the set-up cells ----")] == [
-        f"colab_resilience: run {old} replays 3 set-up cells:", "---- set-up cell 1 of 3 ----", "seed = 0",
-        "---- set-up cell 2 of 3 ----", "# Parameters", "seed = 0", "---- set-up cell 3 of 3 ----", "%%replay",
-        "import random, time", "rng = random.Random(seed)", "h = []"], lines
+    assert lines[:len(setup)] == setup, lines
     kept = len(list((tmp_path / "runs" / f"run-{new}" / "checkpoints").glob("ckpt-*")))  # the last two, or one
     values = "1 value" if kept == 1 else f"{kept} values"
     at = lines.index(f"colab_resilience: and unpickles {values} that this installation did not sign:")
-    assert all(re.fullmatch(r"  rng: random\.Random \(in ckpt-\d+\)", line) for line in lines[at + 1:-1]), lines
-    assert lines[-1] == (f"colab-resilience trust: run {old} is signed with this installation's key now, as run {new} "
-                         f"(journal and {kept} checkpoint{'s' if kept > 1 else ''}); nothing was run: `colab-resilience "
-                         "run NOTEBOOK --run-dir runs` replays the set-up cells above and goes on with it "
-                         f"(colab-resilience reset {new} --run-dir runs forgets it)"), lines[-1]
+    assert all(re.fullmatch(r"  rng: random\.Random \(in ckpt-\d+\)", line) for line in lines[at + 1:-2]), lines
+    assert lines[-2:] == [
+        f"colab-resilience resume: run {old} is signed with this installation's key now, as run {new} (journal and "
+        f"{kept} checkpoint{'s' if kept > 1 else ''})",
+        f"colab-resilience resume: run {new} goes on at {_resume_at(lines[-1])} when `colab-resilience run NOTEBOOK "
+        "--run-dir runs` runs its notebook again (it replays the set-up cells above); nothing was run here; "
+        f"`colab-resilience reset {new} --run-dir runs` forgets it"], lines
     assert [p.name for p in (tmp_path / "runs").iterdir()] == [f"run-{new}"]
-    again = trust(new)
-    assert (again.returncode, again.stdout) == (0, f"colab-resilience trust: run {new} is signed with this installation's "
-                                                    "key already; `colab-resilience run NOTEBOOK --run-dir runs` goes on "
-                                                    "with it\n"), again.stdout + again.stderr
-    resumed = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=new_vm)
+    again = runs("resume", new)
+    assert (again.returncode, again.stdout) == (0, f"colab-resilience resume: run {new} is pending already: "
+                                                    "`colab-resilience run NOTEBOOK --run-dir runs` goes on with it at "
+                                                    f"{_resume_at(lines[-1])}; nothing was run\n"), again.stdout + again.stderr
+    resumed = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=dict(os.environ, **home))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     out = nbformat.read(tmp_path / "out.ipynb", 4)
-    assert "resumed" in cell_text(out.cells[4]), cell_text(out.cells[4])
+    assert cell_text(out.cells[4]).strip().endswith(f"continuing at {_resume_at(lines[-1])}"), cell_text(out.cells[4])
     assert cell_text(out.cells[5]).strip() == "RESULT 0 True", cell_text(out.cells[5])
     assert f"run {old}" not in resumed.stderr, resumed.stderr
+
+
+def _resume_at(line: str) -> str:
+    """Where a run goes on, as `colab-resilience resume` said it: "i=9"."""
+    return re.search(r" goes on at (\S+) ", line)[1]
+
+
+def test_cli_resume_goes_on_with_a_run_an_error_stopped_from_its_checkpoint(tmp_path):
+    """An error in the %%resilient cell stops a headless run; its line names `colab-resilience
+    resume RUN --run-dir runs`, not `%resilience resume`. That command marks the run to go on, and
+    the command run again goes on from its checkpoint, past the fixed error, to the uninterrupted
+    run's draws, the draws before the error not drawn again."""
+    nb = notebook("%load_ext colab_resilience", "%%replay\nimport os, random, time\nrng = random.Random(0)\nh = []",
+                  "%%resilient --save h,rng\nfor i in resume_range(20):\n    time.sleep(0.02); h.append(rng.random())\n"
+                  "    print('draw', i)\n    if i == 12 and not os.path.exists('fixed'):\n        raise ValueError('a bug')",
+                  "twin = random.Random(0)\nprint('RESULT', h == [twin.random() for _ in range(20)])")
+    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
+    nbformat.write(nb, tmp_path / "in.ipynb")
+    command = ["run", "in.ipynb", "-o", "out.ipynb", "--run-dir", "runs", "--no-progress", "--no-standby"]
+    stopped = cli(*command, cwd=tmp_path)
+    assert stopped.returncode == 1 and "ValueError: a bug" in stopped.stderr, stopped.stderr
+    (run,) = [p.name.removeprefix("run-") for p in (tmp_path / "runs").iterdir()]
+    assert (f"[cell 2] colab_resilience: run {run} stopped by ValueError; to go on anyway: `colab-resilience resume {run} "
+            "--run-dir runs`, then run the command again: it goes on at 12") in stopped.stderr.splitlines(), stopped.stderr
+    marked = cli("resume", run, "--run-dir", "runs", cwd=tmp_path)
+    assert (marked.returncode, marked.stderr) == (0, ""), marked.stderr
+    assert marked.stdout == (f"colab-resilience resume: run {run} goes on at 12 when `colab-resilience run NOTEBOOK "
+                             "--run-dir runs` runs its notebook again (it replays the set-up cells); nothing was run "
+                             f"here; `colab-resilience reset {run} --run-dir runs` forgets it\n")
+    (tmp_path / "fixed").touch()
+    again = cli(*command, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    out = nbformat.read(tmp_path / "out.ipynb", 4)
+    draws = re.findall(r"draw (\d+)", cell_text(out.cells[2]))
+    assert draws == [str(i) for i in range(12, 20)], cell_text(out.cells[2])  # from its checkpoint at 12
+    assert cell_text(out.cells[3]).strip() == "RESULT True", cell_text(out.cells[3])
 
 
 def test_papermill_engine(tmp_path, reference):
