@@ -165,6 +165,16 @@ def overwrites(shell, cells: list[ReplayCell], log: ReplayLog) -> tuple[ReplayCe
     return next(differ, clashes[0] if clashes else None)
 
 
+def _first_words(body: str) -> str:
+    """How the line that says a set-up cell was replayed names it: its first line, and for the
+    cell of injected parameters (papermill's ``# Parameters`` header, ``colab-resilience run -p``)
+    the values, which say more than the header: "# Parameters: seed = 1; epochs = 20"."""
+    lines = [line.strip() for line in body.splitlines() if line.strip()]
+    if lines[:1] == ["# Parameters"] and len(lines) > 1:
+        return f"# Parameters: {'; '.join(lines[1:])}"
+    return lines[0] if lines else ""
+
+
 def replay(shell, cells: Iterable[ReplayCell], log: ReplayLog, say: Callable[[str], None]) -> int:
     """Execute the ``cells`` this kernel has not run yet, in order, one line each; their output
     is shown only if one fails, whose error is then raised as the cell's own. Returns how many
@@ -178,7 +188,7 @@ def replay(shell, cells: Iterable[ReplayCell], log: ReplayLog, say: Callable[[st
         header, body = split(cell.source)
         with capture_output() as captured:
             failure = execution.run_body(shell, execution.compile_body(shell, header, body))
-        first = next((line for line in body.splitlines() if line.strip()), "").strip()
+        first = _first_words(body)
         if failure is not None:
             captured.show()
             what = "was interrupted" if isinstance(failure.exc, KeyboardInterrupt) else "failed"
@@ -187,6 +197,6 @@ def replay(shell, cells: Iterable[ReplayCell], log: ReplayLog, say: Callable[[st
             execution.reraise(shell, failure.exc, failure.tb)
         log.record(cell.key, cell.source)
         log.ran(shell, body)
-        say(f"colab_resilience: replayed {first[:70]}")
+        say(f"colab_resilience: replayed {first if len(first) <= 100 else first[:97] + '...'}")
         count += 1
     return count

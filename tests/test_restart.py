@@ -21,7 +21,8 @@ pytestmark = pytest.mark.kernel
 # what a kernel prints when the interrupted cell, run again, replays train.ipynb's set-up cells
 REPLAYED = [
     "colab_resilience: replayed epochs = 4            # epochs to train (8 minibatches each)",  # parameters
-    "colab_resilience: replayed # Parameters",  # the injected parameters
+    # the injected parameters, by their values (the line ends in "..." past 100 characters)
+    "colab_resilience: replayed # Parameters: fault = '{fault}'; fault_epoch = 2; retries = 1; max_restarts = 3;",
     "colab_resilience: replayed # Set-up: replayed in every new kernel before the training resumes.",
 ]
 
@@ -71,7 +72,10 @@ def test_interrupted_run_resumes_bit_identical(tmp_path, env, reference, fault):
         # As a user would: run the interrupted cell again, nothing else. The startup file
         # loaded the extension; the run replays the set-up cells and restores the state.
         r = k.ok(source)
-        assert [l for l in r.stdout.splitlines() if "colab_resilience: replayed" in l] == REPLAYED
+        replayed = [line for line in r.stdout.splitlines() if "colab_resilience: replayed" in line]
+        assert [replayed[0], replayed[2]] == [REPLAYED[0], REPLAYED[2]] and len(replayed) == 3, replayed
+        assert replayed[1].startswith(REPLAYED[1].replace("{fault}", fault)), replayed
+        assert len(replayed[1]) == len("colab_resilience: replayed ") + 100 and replayed[1].endswith("..."), replayed
         assert "colab_resilience: resumed run" in r.stdout
         assert "restart 1/3" in r.stdout and "continuing at 2" in r.stdout
         assert "code changed" not in r.stdout
