@@ -19,7 +19,7 @@ from .driver import EXIT_OK, EXIT_USAGE
 from .errors import JournalError, JournalUntrustedError, RunLockedError, UnsafeDirectoryError
 from .journal import Journal, find_runs, read_journals
 from .lock import RunLock
-from .words import plural
+from .words import headless, plural
 
 
 class Refused(Exception):
@@ -92,22 +92,27 @@ def reset(run: str | None, run_dir: str | None) -> int:
     return EXIT_OK
 
 
-def _journal(folder: Path) -> Journal:
+def _refused(e: JournalError, folder: Path, run_dir: str | None) -> Refused:
+    """A journal's refusal, its advice in this command's words (``colab-resilience reset RUN``)."""
+    said = headless(str(e).splitlines()[0], run_dir or str(folder.parent)).removeprefix("colab_resilience: ")
+    return Refused(said if said.startswith(("run ", folder.as_posix())) else f"run {folder.name.removeprefix('run-')}: {said}")
+
+
+def _journal(folder: Path, run_dir: str | None) -> Journal:
     """The journal of ``folder``, its form checked and its signature not (to be shown or trusted)."""
     try:
         return Journal.load(folder)
     except JournalError as e:
-        raise Refused(f"run {folder.name.removeprefix('run-')}: "
-                      f"{str(e).splitlines()[0].removeprefix('colab_resilience: ')}") from None
+        raise _refused(e, folder, run_dir) from None
 
 
-def _signed_here(folder: Path, key: bytes) -> bool:
+def _signed_here(folder: Path, key: bytes, run_dir: str | None) -> bool:
     try:
         Journal.load(folder, key=key)
     except JournalUntrustedError:
         return False
     except JournalError as e:  # signed here, but not this folder's, or older than the newest written
-        raise Refused(str(e).splitlines()[0].removeprefix("colab_resilience: ")) from None
+        raise _refused(e, folder, run_dir) from None
     return True
 
 
@@ -120,11 +125,11 @@ def show(run: str | None, run_dir: str | None) -> int:
 
     folder, _ = run_named("show", run, run_dir, lock=False)
     key = load_or_create_key()
-    j = _journal(folder)
+    j = _journal(folder, run_dir)
     for line in review(j, open_store(folder, key)):
         print(line)
     there = f" --run-dir {run_dir}" if run_dir else ""
-    trust = "" if _signed_here(folder, key) else " --trust"
+    trust = "" if _signed_here(folder, key, run_dir) else " --trust"
     print(f"colab-resilience show: nothing was run; `colab-resilience resume{trust} {j.run_id}{there}` marks the run to go "
           f"on when `colab-resilience run` runs its notebook again; `colab-resilience reset {j.run_id}{there}` forgets it")
     return EXIT_OK
@@ -149,8 +154,8 @@ def resume(run: str | None, run_dir: str | None, *, trust: bool = False) -> int:
     adopted = None
     try:
         key = load_or_create_key()
-        j = _journal(folder)
-        signed = _signed_here(folder, key)
+        j = _journal(folder, run_dir)
+        signed = _signed_here(folder, key, run_dir)
         if not signed and not trust:
             raise Refused(f"run {old} was written under another installation key (another machine, a new Colab VM, a lost "
                           f"key), so nothing of it runs here unless you vouch for it: review it with `colab-resilience show "
@@ -176,6 +181,8 @@ def resume(run: str | None, run_dir: str | None, *, trust: bool = False) -> int:
                 os.rename(folder, target)
             adopted = open_store(target, key).adopt(run_id=new)
             j.run_dir, j.run_id = target, new
+        done = j.status == "done"  # before it is marked
+        where = _where(j)
         j.status = "pending"
         j.stopped = None
         j.restart_requested = True  # resumed by hand: not a kernel death to count
@@ -187,15 +194,16 @@ def resume(run: str | None, run_dir: str | None, *, trust: bool = False) -> int:
         called = f", as run {j.run_id}" if j.run_id != old else ""
         print(f"colab-resilience resume: run {old} is signed with this installation's key now{called} (journal and "
               f"{plural(len(adopted), 'checkpoint')})")
-    print(f"colab-resilience resume: run {j.run_id} goes on {_where(j)} when `colab-resilience run NOTEBOOK{there}` runs its "
-          f"notebook again (it replays the set-up cells{' above' if adopted is not None else ''}); nothing was run here; "
-          f"`colab-resilience reset {j.run_id}{there}` forgets it")
+    when = f"when `colab-resilience run NOTEBOOK{there}` runs its notebook again"
+    first = f"the set-up cells{' above' if adopted is not None else ''} run first"
+    goes = (f"is done: {when}, its final state comes back and its cell is not run again ({first})" if done
+            else f"goes on {where} {when} ({first})")
+    print(f"colab-resilience resume: run {j.run_id} {goes}; nothing was run here; `colab-resilience reset {j.run_id}{there}` "
+          "forgets it")
     return EXIT_OK
 
 
 def _where(j: Journal) -> str:
-    if j.status == "done" and j.last_checkpoint:
-        return "from its end: its final state comes back and its cell is not run again"
     if j.resume_at:
         return f"at {j.resume_at}"
     return f"from checkpoint {j.last_checkpoint}" if j.last_checkpoint else "from its beginning (no checkpoint yet)"

@@ -894,7 +894,7 @@ def test_cli_a_run_another_key_signed_is_named_and_resume_trust_goes_on_with_it(
         f"colab-resilience resume: run {old} is signed with this installation's key now, as run {new} (journal and "
         f"{kept} checkpoint{'s' if kept > 1 else ''})",
         f"colab-resilience resume: run {new} goes on at {_resume_at(lines[-1])} when `colab-resilience run NOTEBOOK "
-        "--run-dir runs` runs its notebook again (it replays the set-up cells above); nothing was run here; "
+        "--run-dir runs` runs its notebook again (the set-up cells above run first); nothing was run here; "
         f"`colab-resilience reset {new} --run-dir runs` forgets it"], lines
     assert [p.name for p in (tmp_path / "runs").iterdir()] == [f"run-{new}"]
     again = runs("resume", new)
@@ -918,7 +918,8 @@ def test_cli_resume_goes_on_with_a_run_an_error_stopped_from_its_checkpoint(tmp_
     """An error in the %%resilient cell stops a headless run; its line names `colab-resilience
     resume RUN --run-dir runs`, not `%resilience resume`. That command marks the run to go on, and
     the command run again goes on from its checkpoint, past the fixed error, to the uninterrupted
-    run's draws, the draws before the error not drawn again."""
+    run's draws, the draws before the error not drawn again. The finished run resumed the same way
+    puts back its final state and its cell draws nothing."""
     nb = notebook("%load_ext colab_resilience", "%%replay\nimport os, random, time\nrng = random.Random(0)\nh = []",
                   "%%resilient --save h,rng\nfor i in resume_range(20):\n    time.sleep(0.02); h.append(rng.random())\n"
                   "    print('draw', i)\n    if i == 12 and not os.path.exists('fixed'):\n        raise ValueError('a bug')",
@@ -934,7 +935,7 @@ def test_cli_resume_goes_on_with_a_run_an_error_stopped_from_its_checkpoint(tmp_
     marked = cli("resume", run, "--run-dir", "runs", cwd=tmp_path)
     assert (marked.returncode, marked.stderr) == (0, ""), marked.stderr
     assert marked.stdout == (f"colab-resilience resume: run {run} goes on at 12 when `colab-resilience run NOTEBOOK "
-                             "--run-dir runs` runs its notebook again (it replays the set-up cells); nothing was run "
+                             "--run-dir runs` runs its notebook again (the set-up cells run first); nothing was run "
                              f"here; `colab-resilience reset {run} --run-dir runs` forgets it\n")
     (tmp_path / "fixed").touch()
     again = cli(*command, cwd=tmp_path)
@@ -942,6 +943,17 @@ def test_cli_resume_goes_on_with_a_run_an_error_stopped_from_its_checkpoint(tmp_
     out = nbformat.read(tmp_path / "out.ipynb", 4)
     draws = re.findall(r"draw (\d+)", cell_text(out.cells[2]))
     assert draws == [str(i) for i in range(12, 20)], cell_text(out.cells[2])  # from its checkpoint at 12
+    assert cell_text(out.cells[3]).strip() == "RESULT True", cell_text(out.cells[3])
+    # a finished run resumed: its final state comes back, its cell does not draw again
+    finished = cli("resume", run, "--run-dir", "runs", cwd=tmp_path)
+    assert finished.stdout == (f"colab-resilience resume: run {run} is done: when `colab-resilience run NOTEBOOK --run-dir "
+                               "runs` runs its notebook again, its final state comes back and its cell is not run again "
+                               f"(the set-up cells run first); nothing was run here; `colab-resilience reset {run} "
+                               "--run-dir runs` forgets it\n"), finished.stdout + finished.stderr
+    last = cli(*command, cwd=tmp_path)
+    assert last.returncode == 0, last.stderr
+    out = nbformat.read(tmp_path / "out.ipynb", 4)
+    assert "draw" not in cell_text(out.cells[2]) and "every loop had finished" in cell_text(out.cells[2])
     assert cell_text(out.cells[3]).strip() == "RESULT True", cell_text(out.cells[3])
 
 
