@@ -169,6 +169,17 @@ def test_damaged_journal_is_refused_with_one_line(ip, root, tmp_path):
     assert "review them with `%resilience show" in said and "\n" not in said
 
 
+def on_a_new_vm(ip, root, tmp_path, monkeypatch) -> None:
+    """The shell as a new Colab VM's kernel with the run directory on Drive: an empty namespace, a
+    new installation key, the extension loaded again on ``root``."""
+    ip.run_line_magic("unload_ext", "colab_resilience")
+    for name in [n for n in ip.user_ns if not n.startswith("_") and n not in ip.user_ns_hidden]:
+        ip.user_ns.pop(name)
+    monkeypatch.setenv("COLAB_RESILIENCE_HOME", str(tmp_path / "new-vm-home"))  # a new key
+    ip.run_line_magic("load_ext", "colab_resilience")
+    ip.run_line_magic("resilience", f"dir {root}")
+
+
 def test_a_run_written_under_another_key_resumes_only_when_trusted(ip, root, tmp_path, monkeypatch, capsys):
     """A new Colab VM with the run directory on Drive: the key in ~ is new. Nothing from the old
     run is executed until the user vouches for it; then it resumes and is signed with the new key."""
@@ -186,12 +197,7 @@ def test_a_run_written_under_another_key_resumes_only_when_trusted(ip, root, tmp
     assert setups() == 1
     want = ip.user_ns["history"]
     run_dir = next(root.glob("run-*"))
-    ip.run_line_magic("unload_ext", "colab_resilience")
-    for name in [n for n in ip.user_ns if not n.startswith("_") and n not in ip.user_ns_hidden]:
-        ip.user_ns.pop(name)
-    monkeypatch.setenv("COLAB_RESILIENCE_HOME", str(tmp_path / "new-vm-home"))  # a new key
-    ip.run_line_magic("load_ext", "colab_resilience")
-    ip.run_line_magic("resilience", f"dir {root}")
+    on_a_new_vm(ip, root, tmp_path, monkeypatch)
     with pytest.raises(UsageError) as info:
         ip.run_line_magic("resilience", "resume")
     assert f"`%resilience resume --trust {run_dir.name[4:]}` runs them" in str(info.value)
@@ -215,18 +221,13 @@ def test_a_run_written_under_another_key_resumes_only_when_trusted(ip, root, tmp
 def test_the_cell_run_again_under_a_new_key_names_the_run_the_old_key_signed(ip, root, tmp_path, monkeypatch, capsys):
     """A new Colab VM, the run directory on Drive: the cell's run id is an HMAC under the new key,
     so the cell run again begins a run of its own from the beginning (the same result). One line
-    names the run the old key signed, which could go on, and how to go on with it; nothing of it runs; after
-    `%resilience resume --trust` the cell continues it."""
+    names the run the old key signed, which could go on, and how to go on with it, and `%resilience
+    status` marks it; nothing of it runs; after `%resilience resume --trust` the cell continues it."""
     nb = load("train.ipynb", tmp_path, fault="interrupt", fault_epoch=2, strikes=1)
     run_in_shell(ip, nb, stop="train")
     ip.run_cell(user_cell(nb, "train"))  # interrupted in epoch 2: the run stops, its checkpoint is kept
     (old,) = [p.name.removeprefix("run-") for p in root.glob("run-*")]
-    ip.run_line_magic("unload_ext", "colab_resilience")
-    for name in [n for n in ip.user_ns if not n.startswith("_") and n not in ip.user_ns_hidden]:
-        ip.user_ns.pop(name)
-    monkeypatch.setenv("COLAB_RESILIENCE_HOME", str(tmp_path / "new-vm-home"))  # a new key
-    ip.run_line_magic("load_ext", "colab_resilience")
-    ip.run_line_magic("resilience", f"dir {root}")
+    on_a_new_vm(ip, root, tmp_path, monkeypatch)
     nb = load("train.ipynb", tmp_path)  # no fault now
     run_in_shell(ip, nb, stop="train")
     capsys.readouterr()
