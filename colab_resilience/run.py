@@ -1237,11 +1237,11 @@ def _left_behind(root: Path, key: bytes, cell_key: str, notebook: str) -> str | 
 
 def _under_another_key(root: Path, key: bytes, cell_key: str, notebook: str | None, run_id: str) -> list[str]:
     """A line for each run of this cell (of this notebook) in ``root`` that could go on (pending, or
-    stopped with a checkpoint) and that another installation key signed: another machine, a new Colab VM whose run directory is on Drive, a
-    lost key. The run id is an HMAC under the key, so the cell begins a run of its own from the
-    beginning (the same result, the progress done again); the line says how to go on with that
-    one instead. Its journal is read, unverified, for its cell and notebook only: nothing of it
-    runs, and what it says is not repeated."""
+    stopped with a checkpoint) and that another installation key signed: another machine, a new
+    Colab VM whose run directory is on Drive, a lost key. The run id is an HMAC under the key, so
+    the cell begins a run of its own from the beginning (the same result, the progress done
+    again); the line says how to go on with that one instead. Its journal is read, unverified, for
+    its cell, notebook and status only: nothing of it runs, and none of its text is shown."""
     from .journal import find_runs
 
     lines = []

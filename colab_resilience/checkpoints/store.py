@@ -330,7 +330,7 @@ class CheckpointStore:
     def adopt(self, run_id: str | None = None) -> list[str]:
         """Re-sign every well-formed checkpoint manifest with this installation's key; return their
         ids. For a run the user vouched for (``%resilience resume --trust``, ``colab-resilience
-        trust``) after it was written under another key; with ``run_id``, the manifests that name
+        resume --trust``) after it was written under another key; with ``run_id``, the manifests that name
         a run name that one (the run goes on under the id this key gives its cell). Blob hashes are
         still verified by every load."""
         adopted = []
