@@ -161,6 +161,7 @@ def resume(run: str | None, run_dir: str | None, *, trust: bool = False) -> int:
                           f"key), so nothing of it runs here unless you vouch for it: review it with `colab-resilience show "
                           f"{old}{there}`, then `colab-resilience resume --trust {old}{there}`")
         if signed and j.status == "pending":
+            _newest(j, open_store(folder, key))
             print(f"colab-resilience resume: run {old} is pending already: `colab-resilience run NOTEBOOK{there}` goes on "
                   f"with it {_where(j)}; nothing was run")
             return EXIT_OK
@@ -181,6 +182,7 @@ def resume(run: str | None, run_dir: str | None, *, trust: bool = False) -> int:
                 os.rename(folder, target)
             adopted = open_store(target, key).adopt(run_id=new)
             j.run_dir, j.run_id = target, new
+        _newest(j, open_store(j.run_dir, key))
         done = j.status == "done"  # before it is marked
         where = _where(j)
         j.status = "pending"
@@ -201,6 +203,18 @@ def resume(run: str | None, run_dir: str | None, *, trust: bool = False) -> int:
     print(f"colab-resilience resume: run {j.run_id} {goes}; nothing was run here; `colab-resilience reset {j.run_id}{there}` "
           "forgets it")
     return EXIT_OK
+
+
+def _newest(j: Journal, store) -> None:
+    """The journal's record of the run's last checkpoint brought up to the newest one on disk: a
+    kill between ``LATEST`` and the journal's write (a checkpoint written in the background, a
+    kernel ended by --cell-timeout) leaves the journal one behind, and the run goes on from the
+    newest."""
+    latest = store.latest_id()
+    if latest is not None and latest != j.last_checkpoint:
+        j.last_checkpoint = latest
+        where = store.latest_meta().get("where")
+        j.resume_at = where if isinstance(where, str) else None
 
 
 def _where(j: Journal) -> str:

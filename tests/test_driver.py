@@ -918,8 +918,9 @@ def test_cli_resume_goes_on_with_a_run_an_error_stopped_from_its_checkpoint(tmp_
     """An error in the %%resilient cell stops a headless run; its line names `colab-resilience
     resume RUN --run-dir runs`, not `%resilience resume`. That command marks the run to go on, and
     the command run again goes on from its checkpoint, past the fixed error, to the uninterrupted
-    run's draws, the draws before the error not drawn again. The finished run resumed the same way
-    puts back its final state and its cell draws nothing."""
+    run's draws, the draws before the error not drawn again (also where the journal lags a
+    checkpoint behind the newest). The finished run resumed the same way puts back its final state
+    and its cell draws nothing."""
     nb = notebook("%load_ext colab_resilience", "%%replay\nimport os, random, time\nrng = random.Random(0)\nh = []",
                   "%%resilient --save h,rng\nfor i in resume_range(20):\n    time.sleep(0.02); h.append(rng.random())\n"
                   "    print('draw', i)\n    if i == 12 and not os.path.exists('fixed'):\n        raise ValueError('a bug')",
@@ -932,6 +933,16 @@ def test_cli_resume_goes_on_with_a_run_an_error_stopped_from_its_checkpoint(tmp_
     (run,) = [p.name.removeprefix("run-") for p in (tmp_path / "runs").iterdir()]
     assert (f"[cell 2] colab_resilience: run {run} stopped by ValueError; to go on anyway: `colab-resilience resume {run} "
             "--run-dir runs`, then run the command again: it goes on at 12") in stopped.stderr.splitlines(), stopped.stderr
+    # the journal one checkpoint behind, as a kill between LATEST and the journal's write leaves it:
+    # resume says, and the run goes on from, the newest checkpoint
+    from colab_resilience.journal import Journal
+    from colab_resilience.signing import load_or_create_key
+
+    j = Journal.load(tmp_path / "runs" / f"run-{run}", key=load_or_create_key())
+    older = sorted(p.name for p in (tmp_path / "runs" / f"run-{run}" / "checkpoints").glob("ckpt-*"))[0]
+    assert (j.resume_at, j.last_checkpoint != older) == ("12", True), (j.resume_at, j.last_checkpoint, older)
+    j.last_checkpoint, j.resume_at = older, "11"
+    j.save()
     marked = cli("resume", run, "--run-dir", "runs", cwd=tmp_path)
     assert (marked.returncode, marked.stderr) == (0, ""), marked.stderr
     assert marked.stdout == (f"colab-resilience resume: run {run} goes on at 12 when `colab-resilience run NOTEBOOK "

@@ -131,6 +131,23 @@ class CheckpointStore:
         except (CheckpointCorruptError, ValueError, TypeError):
             return []
 
+    def latest_meta(self) -> dict:
+        """The ``meta`` of the newest checkpoint, from its manifest alone where this installation
+        signed it (no value is loaded); {} if there is none, or it is unreadable or not signed here.
+        For what a message says of a checkpoint that the journal may not have recorded yet (a kill
+        between ``LATEST`` and the journal's write)."""
+        cid = self.latest_id()
+        if cid is None:
+            return {}
+        try:
+            doc = manifest.read(self.run_dir / cid / MANIFEST)
+            if not doc.verify(self.key):
+                return {}
+            meta = codec.decode(Manifest.from_body(doc.body, cid).meta, [])
+        except (CheckpointCorruptError, ValueError, TypeError, KeyError, RecursionError):
+            return {}
+        return meta if isinstance(meta, dict) else {}
+
     def _next_id(self) -> str:
         return manifest.next_id(self.run_dir)
 
