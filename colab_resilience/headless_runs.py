@@ -3,7 +3,7 @@
 
 A headless run's lines that advise a magic name these commands instead (:func:`.words.headless`).
 Nothing here runs a cell: ``resume`` marks a run to go on, and the next ``colab-resilience run``
-of its notebook replays its set-up cells and restores its checkpoint, as after a kernel death.
+of its notebook runs its set-up cells and restores its newest checkpoint, as after a kernel death.
 Each command takes the run's lock (a kernel that holds it is named), and each refusal is one line
 on stderr with exit status 2 that says what to do.
 """
