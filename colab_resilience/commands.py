@@ -13,9 +13,8 @@ from pathlib import Path
 
 from . import fsutil, memory, replay, restart, words
 from .checkpoints import manifest as checkpoint_manifest
-from .errors import (CheckpointWarning, JournalError, JournalUntrustedError, OptionError, ResilienceError, RunLockedError,
-                     UnsafeDirectoryError)
-from .journal import Journal, find_runs
+from .errors import CheckpointWarning, JournalError, OptionError, ResilienceError, RunLockedError, UnsafeDirectoryError
+from .journal import Journal, find_runs, signed_elsewhere
 from .lock import RunLock, pid_alive
 from .recovery import put_back_shrunk
 from .run import open_store, put_back_left, restore_latest
@@ -88,7 +87,7 @@ def status(session) -> None:
             + (f"; planned restarts {planned}" if planned != "off" else "")
             + (f"; {shrink}" if shrink else "")
         )
-        if _signed_elsewhere(path, key) and j.status != "done":
+        if signed_elsewhere(path, key) and j.status != "done":
             print(f"colab_resilience:     written under another installation key (another machine, a new Colab VM, a lost "
                   f"key): its cell run again begins a run of its own; review it with `%resilience show {j.run_id}`, "
                   f"then `%resilience resume --trust {j.run_id}` goes on with it")
@@ -100,17 +99,6 @@ def status(session) -> None:
         stats = session.saves.get(j.run_id)
         if stats is not None:  # its last execution in this kernel
             print(f"colab_resilience:     checkpoints in this kernel: {stats.line()}")
-
-
-def _signed_elsewhere(run_dir: Path, key: bytes) -> bool:
-    """Whether the journal in ``run_dir`` is well formed but not signed by this installation's key."""
-    try:
-        Journal.load(run_dir, key=key)
-    except JournalUntrustedError:
-        return True
-    except (JournalError, OSError):
-        pass
-    return False
 
 
 def _of_notebook(j: Journal) -> str:

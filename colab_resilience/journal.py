@@ -426,6 +426,19 @@ def read_journals(root: str | os.PathLike, key: bytes | None = None) -> Iterator
             continue
 
 
+def signed_elsewhere(run_dir: str | os.PathLike, key: bytes) -> bool:
+    """Whether the journal in ``run_dir`` is well formed but not signed by ``key``: written under
+    another installation key (another machine, a new Colab VM, a lost key). False where it is
+    signed here, missing or unusable."""
+    try:
+        Journal.load(run_dir, key=key)
+    except JournalUntrustedError:
+        return True
+    except (JournalError, JournalNotFoundError, OSError):
+        pass
+    return False
+
+
 def pending_runs(root: str | os.PathLike) -> list[Path]:
     return [j.run_dir for j in read_journals(root) if j.status == "pending"]
 

@@ -33,8 +33,7 @@ from . import carried, environment, faults, fsutil, loops, memory, module_files,
 from .checkpoints import Checkpoint, CheckpointStore, capture_rng, restore_rng
 from .checkpoints.rng import generator_state, is_generator, set_generator_state
 from .checkpoints.staging import Budget
-from .errors import (BuiltSinceError, CheckpointError, JournalError, JournalUntrustedError, NoCheckpointError,
-                     RetryNotExactError, RunStoppedError)
+from .errors import BuiltSinceError, CheckpointError, JournalError, NoCheckpointError, RetryNotExactError, RunStoppedError
 from .journal import Journal, ReplayCell, RestartPolicy, first_line, merge_replay_cells
 from .lock import RunLock
 from .loops import LOOP_RNG, Loops, Plan, position_of
@@ -1242,7 +1241,7 @@ def _under_another_key(root: Path, key: bytes, cell_key: str, notebook: str | No
     the cell begins a run of its own from the beginning (the same result, the progress done
     again); the line says how to go on with that one instead. Its journal is read, unverified, for
     its cell, notebook and status only: nothing of it runs, and none of its text is shown."""
-    from .journal import find_runs
+    from .journal import find_runs, signed_elsewhere
 
     lines = []
     for run_dir in find_runs(root):
@@ -1260,12 +1259,7 @@ def _under_another_key(root: Path, key: bytes, cell_key: str, notebook: str | No
             which = "stopped before its end"
         else:
             continue
-        try:
-            Journal.load(run_dir, key=key)
-            continue  # signed here: a run of this cell under another id is another notebook's matter
-        except JournalUntrustedError:
-            pass
-        except (JournalError, OSError):
+        if not signed_elsewhere(run_dir, key):  # signed here: a run of this cell under another id is another notebook's
             continue
         old = run_dir.name.removeprefix("run-")
         lines.append(
