@@ -126,10 +126,11 @@ def show(run: str | None, run_dir: str | None) -> int:
     folder, _ = run_named("show", run, run_dir, lock=False)
     key = load_or_create_key()
     j = _journal(folder, run_dir)
+    # a journal nothing will resume (a copy, a rollback) is refused before its review is printed
+    trust = "" if _signed_here(folder, key, run_dir) else " --trust"
     for line in review(j, open_store(folder, key)):
         print(line)
     there = f" --run-dir {run_dir}" if run_dir else ""
-    trust = "" if _signed_here(folder, key, run_dir) else " --trust"
     print(f"colab-resilience show: nothing was run; `colab-resilience resume{trust} {j.run_id}{there}` marks the run to go "
           f"on when `colab-resilience run` runs its notebook again; `colab-resilience reset {j.run_id}{there}` forgets it")
     return EXIT_OK

@@ -236,6 +236,25 @@ def test_an_older_copy_of_a_journal_put_back_is_refused(ip, tmp_path, capsys):
     assert json.loads(j.path.read_text())["generation"] > 3
 
 
+def test_colab_resilience_show_refuses_an_older_copy_before_its_review(tmp_path, capsys):
+    """`colab-resilience show` of a run whose journal is an older copy put back: one line on
+    stderr naming both generations, exit 2, and no review of set-up cells that nothing will run
+    (it printed the review, then refused)."""
+    from colab_resilience import cli
+
+    runs = tmp_path / "runs"
+    j = pending_journal(runs, cell_run_id(), "old_setup = 1")
+    old = j.path.read_bytes()
+    j.save()
+    j.path.write_bytes(old)
+    capsys.readouterr()
+    assert cli.main(["show", j.run_id, "--run-dir", str(runs)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "", out
+    assert one_line(err.rstrip("\n")) and err.startswith("colab-resilience show: ") and \
+        "is generation 1 of its run, older than generation 2 this installation wrote" in err, err
+
+
 def test_a_reset_run_starts_above_the_generations_already_signed(tmp_path):
     """After `%resilience reset` removed a run folder, the run's new journal continues the
     generations (it is not refused as older than the one that was removed)."""
