@@ -71,7 +71,7 @@ def run(args) -> int:
             path, out, parameters=parameters, max_restarts=args.max_restarts,
             cell_timeout=args.cell_timeout, kernel_name=args.kernel, run_dir=args.run_dir,
             progress=not args.no_progress, log_output=args.log_output, say=True, standby=not args.no_standby,
-            on_cell_start=lambda index, _: cell.append(index),
+            on_cell_start=lambda index, _: cell.append(index), run_dir_named="--run-dir",
         )
     except NotebookInputError as e:
         return _fail(str(e))

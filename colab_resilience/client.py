@@ -49,6 +49,7 @@ class SupervisedClient(NotebookClient):
         self._echo_parts: dict[str, str] = {}  # the part of a line each stream of the echo cell printed so far
         self._said_parts: dict[tuple[int, str], str] = {}  # the same, of each cell's streams, for ``says``
         self.said_run_dir: str | None = None  # the --run-dir its lines' advice names (None: a temporary one)
+        self.said_without = "--run-dir"  # how its user gives a run directory, where none was given
 
     async def _async_poll_kernel_alive(self) -> None:
         # nbclient has no setting for how often it checks, and this coroutine is the one place
@@ -65,7 +66,9 @@ class SupervisedClient(NotebookClient):
                 return
 
     def output(self, outs, msg, display_id, cell_index):
-        """nbclient's; the ``echo`` cell's streams and errors are echoed too, line by line."""
+        """nbclient's, with this package's lines in a headless user's words (:meth:`in_headless_words`);
+        the ``echo`` cell's streams and errors are echoed too, line by line."""
+        msg = self.in_headless_words(msg)
         if cell_index == self.echo:
             content, kind = msg.get("content", {}), msg.get("msg_type")
             if kind == "stream":
@@ -76,13 +79,37 @@ class SupervisedClient(NotebookClient):
             self._said(cell_index, msg["content"].get("name", "stdout"), msg["content"].get("text", ""))
         return super().output(outs, msg, display_id, cell_index)
 
+    def _headless(self, line: str) -> str:
+        return headless(line, self.said_run_dir, self.said_without)
+
+    def in_headless_words(self, msg: dict) -> dict:
+        """A stream or error message whose lines of this package advise a magic, those lines as
+        :func:`.words.headless` says them (``colab-resilience resume RUN --run-dir DIR``, "run the
+        command again"): the executed notebook (and papermill's error, made from it) says what
+        this command's user can do, as the lines echoed to stderr do. Other messages as they are."""
+        content, kind = msg.get("content") or {}, msg.get("msg_type")
+        if kind == "stream" and SAID in content.get("text", ""):
+            said = {"text": "\n".join(map(self._said_line, content["text"].split("\n")))}
+        elif kind == "error" and SAID in content.get("evalue", ""):
+            said = {"evalue": self._said_line(content["evalue"]),
+                    "traceback": [self._said_line(line) for line in content.get("traceback", [])]}
+        else:
+            return msg
+        return {**msg, "content": {**content, **said}}
+
+    def _said_line(self, line: str) -> str:
+        """``line`` in a headless user's words where this package says it (it begins with
+        :data:`.words.SAID`, after a progress bar drawn in place or an exception's name)."""
+        at = line.find(SAID)
+        return line if at < 0 else line[:at] + self._headless(line[at:])
+
     def _said(self, cell_index: int, name: str, text: str) -> None:
         """The package's own lines in what a cell printed, echoed (``says``)."""
         *lines, self._said_parts[cell_index, name] = (self._said_parts.get((cell_index, name), "") + text).split("\n")
         for line in lines:  # (one may follow a progress bar drawn in place, with no line break)
             at = line.find(SAID)
             if at == 0 or (at > 0 and "\r" in line[:at]):
-                echo_line(f"[cell {cell_index}] {headless(line[at:].rstrip(), self.said_run_dir)}", stderr=True)
+                echo_line(f"[cell {cell_index}] {self._headless(line[at:].rstrip())}", stderr=True)
 
     def _echoed(self, cell_index: int, name: str | None, text: str) -> None:
         name = "stderr" if name == "stderr" else "stdout"

@@ -257,6 +257,7 @@ def run_notebook(
     env: dict[str, str] | None = None,
     standby: bool = True,
     standbys: int | None = None,
+    run_dir_named: str = "run_dir=",
 ) -> RunResult:
     """Execute ``notebook`` (a path or a NotebookNode) under supervision; see the module doc.
 
@@ -268,7 +269,9 @@ def run_notebook(
     in all (``colab-resilience check`` starts one for a run with its one fault; None: a new one
     after each that took over). ``on_cell_start(index, cell)`` is called once before a code cell
     first runs, ``on_cell_complete`` once after it finished (its kernel restarts included), and
-    ``on_cell_error`` then too when it failed.
+    ``on_cell_error`` then too when it failed. ``run_dir_named``: how the caller's user gives a run
+    directory (``--run-dir`` to the command), in the lines that advise a run's magic where none was
+    given: the run went with a temporary folder.
 
     Returns a :class:`RunResult`; raises :class:`NotebookInputError` for unusable input. The
     executed notebook is written to ``output`` when given (also after a failure).
@@ -290,11 +293,11 @@ def run_notebook(
         from .errors import UnsafeDirectoryError
 
         try:
-            fsutil.check_run_root(run_dir, another="give another --run-dir")
+            fsutil.check_run_root(run_dir, another=f"give another {run_dir_named.rstrip('=')}")
         except UnsafeDirectoryError as e:
             raise NotebookInputError(str(e).removeprefix("colab_resilience: ")) from None
         except OSError as e:
-            raise NotebookInputError(f"--run-dir {run_dir}: cannot make the folder ({e.strerror or e}); "
+            raise NotebookInputError(f"{run_dir_named.rstrip('=')} {run_dir}: cannot make the folder ({e.strerror or e}); "
                                      "give another") from None
     own_run_dir = TempFolder("runs") if run_dir is None else None
     run_root = Path(own_run_dir.path if own_run_dir else run_dir).absolute()
@@ -316,6 +319,7 @@ def run_notebook(
         extra_arguments=[f"--IPKernelApp.exec_lines={LOAD_EXTENSION}"],
     )
     client.said_run_dir = None if own_run_dir else str(run_dir)  # as the command's user wrote it
+    client.said_without = run_dir_named
     supervisor = Supervisor(
         client, run_root, max_restarts, spare=Standby(client, sockets, kernel_env, cwd, standbys) if standby else None,
         on_cell_start=on_cell_start, on_cell_complete=on_cell_complete, on_cell_error=on_cell_error,

@@ -71,18 +71,20 @@ _THEN = [("then run this cell again", "then run the command again"), ("and run t
          ("run its set-up cell as it was", "run the command with the set-up it began with (the notebook, the -p values)")]
 
 
-def headless(line: str, run_dir: str | None) -> str:
-    """A line this package said in a kernel of ``colab-resilience run``, as its user there does
-    what it says: a notebook's ``%resilience reset | show | resume [--trust] RUN`` is
-    ``colab-resilience reset | show | resume [--trust] RUN --run-dir DIR`` (:mod:`.headless_runs`),
-    and "run this cell again" is the command run again; without a ``--run-dir`` the run went with
-    the command's temporary folder, and the command run again starts it afresh. Other lines are
-    returned as they are."""
+def headless(line: str, run_dir: str | None, without: str = "--run-dir") -> str:
+    """A line this package said in a kernel of ``colab-resilience run`` (or papermill's
+    ``--engine resilient``), as its user there does what it says: a notebook's ``%resilience
+    reset | show | resume [--trust] RUN`` is ``colab-resilience reset | show | resume [--trust] RUN
+    --run-dir DIR`` (:mod:`.headless_runs`), and "run this cell again" is the command run again;
+    without a run directory (``without``: how that user gives one) the run went with the command's
+    temporary folder, and the command run again starts it afresh. Other lines are returned as they
+    are."""
     if _MAGIC.search(line) is None:
         return line
     if run_dir is None:
-        return (line + " (headless, without --run-dir: the run went with this command's temporary folder; the "
-                "command run again starts it afresh)")
+        said = f" (headless, without {without}: the run went with this command's temporary folder; the command run " \
+               "again starts it afresh)"
+        return line if line.endswith(said) else line + said  # (said once, where a line is said again)
     named = next(iter(_RUN.findall(line)), "RUN")
     line = _MAGIC.sub(lambda m: f"`colab-resilience {m[1]}{m[2]} {m[3] or named} --run-dir {run_dir}`", line)
     for notebook, command in _THEN:

@@ -914,6 +914,18 @@ def _resume_at(line: str) -> str:
     return re.search(r" goes on at (\S+) ", line)[1]
 
 
+def _a_bug_at_12(tmp_path) -> None:
+    """``tmp_path/in.ipynb``: 20 seeded draws saved with their generator, each printed, and a
+    ValueError at draw 12 while ``tmp_path/fixed`` does not exist; a last cell prints whether the
+    draws are the uninterrupted run's."""
+    nb = notebook("%load_ext colab_resilience", "%%replay\nimport os, random, time\nrng = random.Random(0)\nh = []",
+                  "%%resilient --save h,rng\nfor i in resume_range(20):\n    time.sleep(0.02); h.append(rng.random())\n"
+                  "    print('draw', i)\n    if i == 12 and not os.path.exists('fixed'):\n        raise ValueError('a bug')",
+                  "twin = random.Random(0)\nprint('RESULT', h == [twin.random() for _ in range(20)])")
+    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
+    nbformat.write(nb, tmp_path / "in.ipynb")
+
+
 def test_cli_resume_goes_on_with_a_run_an_error_stopped_from_its_checkpoint(tmp_path):
     """An error in the %%resilient cell stops a headless run; its line names `colab-resilience
     resume RUN --run-dir runs`, not `%resilience resume`. That command marks the run to go on, and
@@ -921,18 +933,15 @@ def test_cli_resume_goes_on_with_a_run_an_error_stopped_from_its_checkpoint(tmp_
     run's draws, the draws before the error not drawn again (also where the journal lags a
     checkpoint behind the newest). The finished run resumed the same way puts back its final state
     and its cell draws nothing."""
-    nb = notebook("%load_ext colab_resilience", "%%replay\nimport os, random, time\nrng = random.Random(0)\nh = []",
-                  "%%resilient --save h,rng\nfor i in resume_range(20):\n    time.sleep(0.02); h.append(rng.random())\n"
-                  "    print('draw', i)\n    if i == 12 and not os.path.exists('fixed'):\n        raise ValueError('a bug')",
-                  "twin = random.Random(0)\nprint('RESULT', h == [twin.random() for _ in range(20)])")
-    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "t", "language": "python"}
-    nbformat.write(nb, tmp_path / "in.ipynb")
+    _a_bug_at_12(tmp_path)
     command = ["run", "in.ipynb", "-o", "out.ipynb", "--run-dir", "runs", "--no-progress", "--no-standby"]
     stopped = cli(*command, cwd=tmp_path)
     assert stopped.returncode == 1 and "ValueError: a bug" in stopped.stderr, stopped.stderr
     (run,) = [p.name.removeprefix("run-") for p in (tmp_path / "runs").iterdir()]
-    assert (f"[cell 2] colab_resilience: run {run} stopped by ValueError; to go on anyway: `colab-resilience resume {run} "
-            "--run-dir runs`, then run the command again: it goes on at 12") in stopped.stderr.splitlines(), stopped.stderr
+    said = (f"colab_resilience: run {run} stopped by ValueError; to go on anyway: `colab-resilience resume {run} "
+            "--run-dir runs`, then run the command again: it goes on at 12")
+    assert f"[cell 2] {said}" in stopped.stderr.splitlines(), stopped.stderr
+    assert said in cell_text(nbformat.read(tmp_path / "out.ipynb", 4).cells[2]).splitlines()  # the notebook says the same
     # the journal one checkpoint behind, as a kill between LATEST and the journal's write leaves it:
     # resume says, and the run goes on from, the newest checkpoint
     from colab_resilience.journal import Journal
@@ -966,6 +975,43 @@ def test_cli_resume_goes_on_with_a_run_an_error_stopped_from_its_checkpoint(tmp_
     out = nbformat.read(tmp_path / "out.ipynb", 4)
     assert "draw" not in cell_text(out.cells[2]) and "every loop had finished" in cell_text(out.cells[2])
     assert cell_text(out.cells[3]).strip() == "RESULT True", cell_text(out.cells[3])
+
+
+def test_papermill_keeps_runs_in_colab_resilience_run_dir_and_resume_goes_on_with_one(tmp_path):
+    """papermill's command line (`papermill in.ipynb out.ipynb --engine resilient`), an error at
+    draw 12: without $COLAB_RESILIENCE_RUN_DIR the run went with a temporary folder, and the
+    notebook says so (it advised `%resilience resume`, a magic nobody can type there, for a run
+    that was gone); with it, the run is kept there, the notebook names `colab-resilience resume
+    RUN --run-dir DIR`, and after that command papermill run again goes on from the checkpoint,
+    drawing 12..19 only, to the uninterrupted run's draws."""
+    _a_bug_at_12(tmp_path)
+
+    def papermill(run_dir: str) -> tuple[subprocess.CompletedProcess, str]:
+        r = subprocess.run([sys.executable, "-m", "papermill", "in.ipynb", "out.ipynb", "--engine", "resilient",
+                            "--no-progress-bar"], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                           env=dict(os.environ, COLAB_RESILIENCE_RUN_DIR=run_dir))
+        # (papermill puts a cell that names the failed one first, when one failed)
+        (cell,) = [c for c in nbformat.read(tmp_path / "out.ipynb", 4).cells if c.source.startswith("%%resilient")]
+        return r, cell_text(cell)
+
+    gone, said = papermill("")
+    assert gone.returncode != 0 and "ValueError: a bug" in gone.stderr, gone.stderr
+    (line,) = [line for line in said.splitlines() if line.startswith("colab_resilience: ")]
+    assert re.fullmatch(r"colab_resilience: run \w+ stopped by ValueError; to go on anyway: %resilience resume \w+, then "
+                        r"run this cell again: it goes on at 12 \(headless, without \$COLAB_RESILIENCE_RUN_DIR: the run "
+                        r"went with this command's temporary folder; the command run again starts it afresh\)", line), line
+    runs = str(tmp_path / "runs")
+    stopped, said = papermill(runs)
+    assert stopped.returncode != 0 and "ValueError: a bug" in stopped.stderr, stopped.stderr
+    (run,) = [p.name.removeprefix("run-") for p in (tmp_path / "runs").iterdir()]
+    assert (f"colab_resilience: run {run} stopped by ValueError; to go on anyway: `colab-resilience resume {run} --run-dir "
+            f"{runs}`, then run the command again: it goes on at 12") in said.splitlines(), said
+    assert cli("resume", run, "--run-dir", runs).returncode == 0
+    (tmp_path / "fixed").touch()
+    again, said = papermill(runs)
+    assert again.returncode == 0, again.stderr
+    assert re.findall(r"draw (\d+)", said) == [str(i) for i in range(12, 20)], said
+    assert cell_text(nbformat.read(tmp_path / "out.ipynb", 4).cells[3]).strip() == "RESULT True"
 
 
 def test_papermill_engine(tmp_path, reference):
