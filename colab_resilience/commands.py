@@ -76,6 +76,9 @@ def status(session) -> None:
         except (JournalError, OSError) as e:
             print(f"colab_resilience:   {path.name}: unreadable ({e})")
             continue
+        elsewhere = signed_elsewhere(path, key)
+        if not elsewhere:  # the journal is written after LATEST: a kill between the two leaves it one behind
+            j.last_checkpoint = _newest_checkpoint(path, j.last_checkpoint)
         shrink = ", ".join(f"{k}={v}" for k, v in j.shrink.items())
         last = j.restarts[-1].reason if j.restarts else "none"
         planned = j.policy.describe()
@@ -87,7 +90,7 @@ def status(session) -> None:
             + (f"; planned restarts {planned}" if planned != "off" else "")
             + (f"; {shrink}" if shrink else "")
         )
-        if signed_elsewhere(path, key) and j.status != "done":
+        if elsewhere and j.status != "done":
             print(f"colab_resilience:     written under another installation key (another machine, a new Colab VM, a lost "
                   f"key): its cell run again begins a run of its own; review it with `%resilience show {j.run_id}`, "
                   f"then `%resilience resume --trust {j.run_id}` goes on with it")
@@ -99,6 +102,16 @@ def status(session) -> None:
         stats = session.saves.get(j.run_id)
         if stats is not None:  # its last execution in this kernel
             print(f"colab_resilience:     checkpoints in this kernel: {stats.line()}")
+
+
+def _newest_checkpoint(run_dir: Path, recorded: str | None) -> str | None:
+    """The newer of the checkpoint the journal records and the one ``LATEST`` names (what a
+    resume restores), for status to show."""
+    try:
+        latest = checkpoint_manifest.latest_id(run_dir / "checkpoints")
+    except OSError:
+        return recorded
+    return max(filter(None, (recorded, latest)), key=lambda cid: int(cid[5:]), default=None)
 
 
 def _of_notebook(j: Journal) -> str:

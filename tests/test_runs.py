@@ -71,6 +71,18 @@ def test_done_run_journal_and_status(ip, root, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"run directory {root}" in out
     assert f"run {j['run_id']}: done; restarts 0/3 (last: none); saves model, opt, history; last checkpoint ckpt-" in out
+    # a kill between LATEST and the journal's write leaves the journal a checkpoint behind: status
+    # shows the newest, which a resume restores
+    from colab_resilience.journal import Journal
+    from colab_resilience.signing import load_or_create_key
+
+    run_dir = journals[0].parent
+    newest = (run_dir / "checkpoints" / "LATEST").read_text().strip()
+    behind = Journal.load(run_dir, key=load_or_create_key())
+    behind.last_checkpoint = None
+    behind.save()
+    ip.run_line_magic("resilience", "status")
+    assert f"saves model, opt, history; last checkpoint {newest}; " in capsys.readouterr().out
 
 
 def test_explicit_checkpoint_saves_at_the_end_of_its_iteration(ip, root, capsys):
