@@ -1016,13 +1016,15 @@ def test_papermill_keeps_runs_in_colab_resilience_run_dir_and_resume_goes_on_wit
 
 def test_papermill_engine(tmp_path, reference):
     """`papermill --engine resilient` runs train.ipynb (its parameters injected by papermill) through
-    a SIGKILL in epoch 1 and writes the reference's RESULT and the restart to the notebook."""
+    a SIGKILL in epoch 1 and writes the reference's RESULT and the restart to the notebook; its
+    run is kept where the engine option run_dir says."""
     import papermill
 
     files = {"mark": str(tmp_path / "fault.mark"), "log": str(tmp_path / "events.log")}
     out = papermill.execute_notebook(str(FILES / "train.ipynb"), str(tmp_path / "out.ipynb"), engine_name="resilient",
                                      kernel_name=KERNEL_NAME, parameters={"fault": "sigkill", "fault_epoch": 1, "staging": "off", **files},
-                                     progress_bar=False)
+                                     progress_bar=False, run_dir=str(tmp_path / "runs"))
+    assert [p.name[:4] for p in (tmp_path / "runs").iterdir()] == ["run-"]
     assert result(out) == reference.result
     assert len(out.metadata["colab_resilience"]["restarts"]) == 1
     assert out.metadata["papermill"]["exception"] is None or out.metadata["papermill"]["exception"] is False
