@@ -545,6 +545,17 @@ class Run:
                 self._rng_at_start = rng_json.from_json(j.start_rng)
             except MALFORMED:  # a journal of this installation's: not so; the replay's state stays
                 pass
+        threads = rng_json.tf_threads_lost(self._rng_at_start or {})
+        if threads is not None:
+            then, now = (f"{n} thread{'s' if n != 1 else ''}" if n else "TensorFlow's default (one per core)"
+                         for n in threads)
+            raise RunStoppedError(
+                f"colab_resilience: run {self.run_id}: TensorFlow's intra-op thread pool had {then} as the run began "
+                f"and has {now} in this kernel, which cannot change it once TensorFlow ran an op: a cell that is not "
+                f"replayed set it (tf.config.threading.set_intra_op_parallelism_threads({threads[0]})), and the resumed "
+                "run would split its sums otherwise and compute otherwise; set it in a %%replay cell before "
+                "TensorFlow's first op, then restart the kernel and run the cells again (the run goes on), or "
+                f"`%resilience reset {self.run_id}` to start over")
         if j.last_checkpoint is None and j.start_saved:
             self._compare_start(self._saved_at_start, "the kernel died before the run's first checkpoint held {it}",
                                 "make that change in this cell, before its training")

@@ -68,6 +68,7 @@ _RUN = re.compile(r"\brun ([0-9a-f]{8})\b")
 _THEN = [("then run this cell again", "then run the command again"), ("and run this cell again", "and run the command again"),
          ("run this cell again", "run the command again"), ("then run this cell", "then run the command again"),
          ("before running its cell", "before running the command again"),
+         ("restart the kernel and run the cells again", "run the command again"),
          ("run its set-up cell as it was", "run the command with the set-up it began with (the notebook, the -p values)")]
 
 

@@ -1403,6 +1403,29 @@ def test_tensorflows_op_determinism_a_plain_cell_set_is_on_again_after_a_kill(tm
     assert harness.result(twin).endswith(" True False"), harness.result(twin)
 
 
+@pytest.mark.kernel
+@pytest.mark.parametrize("where", ["plain-cell", "replay-cell"])
+def test_tensorflows_thread_pool_a_plain_cell_set_is_not_lost_silently_by_a_kill(tmp_path, where):
+    """``tf.config.threading.set_intra_op_parallelism_threads(1)`` in a plain cell (advice for
+    reproducible training on a CPU): killed in the fit, the new kernel's replay ran TensorFlow's
+    first op with its default pool, which TensorFlow then cannot change, and the fit went on
+    splitting its sums otherwise and said "done" (a Dense fit of 4096 rows of 256 features here
+    ends its first epoch with another loss with 1 thread than with 2). The run stops with the line that names the setting; set
+    in the %%replay cell before TensorFlow's first op, as the line says, it resumes bit for bit as
+    its twin, with 1 thread."""
+    setting = "import tensorflow as tf\ntf.config.threading.set_intra_op_parallelism_threads(1)\n"
+    refused = ("TensorFlow's intra-op thread pool had 1 thread as the run began and has TensorFlow's default (one "
+               "per core) in this kernel, which cannot change it once TensorFlow ran an op: a cell that is not replayed "
+               "set it (tf.config.threading.set_intra_op_parallelism_threads(1))" if where == "plain-cell" else None)
+    faulted, _, twin = harness.refused_or_twin(tmp_path, lambda mark: harness.set_in(
+        where, setting, _FIT_IMPORTS, _FIT_BUILD, _killed_fit(mark),
+        "import tensorflow as tf\nprint('RESULT', history.history['loss'], tf.config.threading.get_intra_op_parallelism_threads())"),
+        refused)
+    assert harness.result(twin).endswith("] 1"), harness.result(twin)
+    if refused:  # headless: the command run again, after the %%replay cell is changed
+        assert "run the command again (the run goes on), or `colab-resilience reset " in faulted.message, faulted.message
+
+
 def _rate_changed_notebook(where: str, mark):
     """A compiled model in the %%replay cell; its optimizer's rate lowered in a plain cell, or in
     the training cell before ``fit``; the training cell killed once before ``fit`` (no checkpoint

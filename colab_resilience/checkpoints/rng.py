@@ -178,11 +178,14 @@ def _set_torch_settings(torch, saved: Any) -> None:
 # keras.utils.set_random_seed), TensorFloat-32 matmuls and convolutions on a GPU (on by default)
 _TF_SETTINGS = {"op_determinism": ("is_op_determinism_enabled", None),
                 "tensor_float_32": ("tensor_float_32_execution_enabled", "enable_tensor_float_32_execution")}
+# the threads of one op (how a reduction splits its sum: tf.config.threading's intra-op pool; 0 is
+# TensorFlow's default, one per core), which TensorFlow takes once, as it runs its first op
+_TF_THREADS = ("get_intra_op_parallelism_threads", "set_intra_op_parallelism_threads")
 
 
 def tf_settings(config) -> dict[str, Any]:
-    """TensorFlow's process-wide settings of :data:`_TF_SETTINGS`, read through its framework config
-    module ``config``. A cell that is not ``%%replay`` may set them
+    """TensorFlow's process-wide settings of :data:`_TF_SETTINGS` and the size of its intra-op thread
+    pool (:func:`tf_threads_lost`), read through its framework config module ``config``. A cell that is not ``%%replay`` may set them
     (``tf.config.experimental.enable_op_determinism()``), and a new kernel has TensorFlow's
     defaults: on a GPU the resumed run would compute otherwise, saying nothing. One this version
     of TensorFlow cannot read is left out."""
@@ -190,6 +193,8 @@ def tf_settings(config) -> dict[str, Any]:
     for key, (read, _) in _TF_SETTINGS.items():
         with contextlib.suppress(Exception):
             found[key] = bool(getattr(config, read)())
+    with contextlib.suppress(Exception):
+        found["intra_op_threads"] = int(getattr(config, _TF_THREADS[0])())
     return found
 
 
@@ -198,12 +203,29 @@ def _set_tf_settings(config, saved: Any) -> None:
     if not isinstance(saved, Mapping):
         return
     now = tf_settings(config)
-    for key in (k for k, v in saved.items() if k in now and now[k] != bool(v)):
-        with contextlib.suppress(Exception):
+    for key in (k for k, v in saved.items() if k in now and now[k] != v):
+        with contextlib.suppress(Exception):  # (the thread pool, once TensorFlow ran an op: tf_threads_lost)
             if key == "op_determinism":
                 (config.enable_op_determinism if saved[key] else config.disable_op_determinism)()
+            elif key == "intra_op_threads":
+                getattr(config, _TF_THREADS[1])(int(saved[key]))
             else:
                 getattr(config, _TF_SETTINGS[key][1])(bool(saved[key]))
+
+
+def tf_threads_lost(state: Mapping[str, Any]) -> tuple[int, int] | None:
+    """Where :func:`capture_rng`'s ``state`` had another size of TensorFlow's intra-op thread pool
+    than this process has, and TensorFlow here cannot take it (it ran an op): (then, now), after
+    an attempt to set it; else None. A plain cell that set it (as advice for reproducible training
+    on a CPU has it) is not run again in a new kernel, whose replay runs TensorFlow's first op
+    with its default: the sums of one op split otherwise, and the resumed run computes otherwise."""
+    config = sys.modules.get("tensorflow.python.framework.config")
+    saved = state.get("tf_settings") if isinstance(state, Mapping) else None
+    if config is None or not isinstance(saved, Mapping) or "intra_op_threads" not in saved:
+        return None
+    _set_tf_settings(config, {"intra_op_threads": saved["intra_op_threads"]})
+    now = tf_settings(config).get("intra_op_threads")
+    return None if now is None or now == saved["intra_op_threads"] else (int(saved["intra_op_threads"]), now)
 
 
 # JAX's flags that change what a computation gives (each in its jit cache key, so a function traced
