@@ -27,7 +27,10 @@ exposed it. ``seed`` makes the choice of faults repeatable.
 
 The runs run in the notebook's folder, as the notebook would. The check writes nothing there,
 but one line names what the runs wrote there (:class:`Folder`): each run after the first finds
-what the earlier ones left (a marker file would keep a later run from its own fault).
+what the earlier ones left (a marker file would keep a later run from its own fault). A
+parameter given the value :data:`RUN_FOLDER` (``-p workdir {run}``) is a folder of the check's
+own instead, the same path in every run (so that no variable differs by it), new and empty as
+each run begins.
 
 What it cannot see: other side effects outside the kernel (files written elsewhere, a remote
 service), and output that differs from run to run anyway (a time a cell prints in its own
@@ -42,6 +45,7 @@ import json
 import os
 import random
 import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +57,7 @@ from .driver import EXIT_OK, HASH_SEED, RunResult, hash_seed, inject_parameters,
 from .tempdirs import TempFolder
 
 MARK = "colab-resilience-check"
+RUN_FOLDER = "{run}"  # a parameter's value that is a folder of the check's, empty as each run begins
 BEFORE = MARK + "-before-training"
 _DIGEST = "__import__('json').dumps(__import__('colab_resilience.kernelapi').kernelapi.state_digest())"
 CHECK_CELL = f"print({MARK!r}, {_DIGEST})"
@@ -119,7 +124,8 @@ class Folder:
             return None
         return (f"colab-resilience check: the runs wrote {_names(sorted(self.written))} in {self.path}: each run after "
                 "the first found what the earlier ones had left there, which can change what it does (a marker "
-                "file, a log it reads); where that matters, give each run its own place through a parameter")
+                "file, a log it reads); where that matters, have the notebook write them in a folder a parameter "
+                f"names, and check with -p NAME {RUN_FOLDER}: each run then finds that folder new and empty")
 
 
 def _stat_key(entry: os.DirEntry) -> tuple:
@@ -618,14 +624,16 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
     nb, folder = read_notebook(notebook)
     import nbformat
 
+    own = None if keep else TempFolder("check")
+    work = keep_folder(keep, "check") if keep else Path(own.path)
+    run_folder = work / "run-folder"
+    parameters = {k: str(run_folder) if v == RUN_FOLDER else v for k, v in (parameters or {}).items()}
     injected = not any("injected-parameters" in c.get("metadata", {}).get("tags", []) for c in nb.cells)
-    inject_parameters(nb, parameters or {})
+    inject_parameters(nb, parameters)
     for cell in nb.cells:  # the cell check adds is not one of the user's: cells are numbered as in their file
         if injected and parameters and "injected-parameters" in cell.get("metadata", {}).get("tags", []):
             cell.metadata[MARK] = "parameters"
     _add_check_cells(nb)
-    own = None if keep else TempFolder("check")
-    work = keep_folder(keep, "check") if keep else Path(own.path)
     cwd = str(folder or os.getcwd())
     place = Folder(Path(cwd), ignore=work)
 
@@ -635,6 +643,9 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
     def run(name: str, env: dict, standby: bool = standby) -> RunResult:
         # one standby kernel for a run with one fault: one started after it took over would import
         # the notebook's modules (5 s of CPU for torch's) for a further restart the fault never makes
+        if str(run_folder) in parameters.values():  # -p NAME {run}: new and empty, in every run
+            shutil.rmtree(run_folder, ignore_errors=True)
+            run_folder.mkdir(mode=0o700)
         try:
             return run_notebook(nbformat.from_dict(json.loads(json.dumps(nb))), work / f"{name}.ipynb", cwd=cwd,
                                 run_dir=work / f"runs-{name}", kernel_name=kernel_name,

@@ -229,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                        "130 interrupted (Ctrl-C), 143 stopped by SIGTERM")
     c.add_argument("notebook", help="the .ipynb file to check")
     c.add_argument("-p", "--parameter", dest="parameters", nargs=2, action="append", default=[],
-                   metavar=("NAME", "VALUE"), help="set a parameter, e.g. -p epochs 2 for a short check")
+                   metavar=("NAME", "VALUE"), help="set a parameter, e.g. -p epochs 2 for a short check; the value "
+                   "{run} is a folder of the check's, the same in every run and empty as each begins (where the "
+                   "notebook writes a marker or a log: -p workdir {run})")
     c.add_argument("--faults", type=options.whole_number(
                        like="--faults 3", if_zero="a check with no fault compares nothing"), default=3, metavar="N",
                    help="faulted runs, one fault each (default 3)")

@@ -160,6 +160,29 @@ def test_the_demo_passes_though_it_really_runs_out_of_memory_and_writes_in_its_f
     assert '"batch_size": 2048' in printed
 
 
+def test_a_parameter_given_run_is_a_folder_new_and_empty_in_every_run(tmp_path):
+    """`-p workdir {run}`, what the line that names the files the runs wrote advises: each run
+    finds the folder empty (the runs found the marker an earlier one had left), the path is the
+    same in every run (a variable that held it would differ otherwise), nothing is written in the
+    notebook's folder, and no line names what the runs wrote there."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    nb = harness.notebook(
+        "%load_ext colab_resilience", "workdir = '.'",
+        "import os\nprint('FOUND', sorted(os.listdir(workdir)), workdir)\nopen(os.path.join(workdir, 'marker'), 'w').close()",
+        "%%replay\nimport time\nh = []",
+        "%%resilient --save h\nfor i in resume_range(4):\n    time.sleep(0.05); h.append(i)", tags={1: ["parameters"]})
+    nb.metadata["kernelspec"] = {"name": harness.KERNEL_NAME, "display_name": "t", "language": "python"}
+    nbformat.write(nb, folder / "nb.ipynb")
+    r = check(str(folder / "nb.ipynb"), "--faults", "2", "-p", "workdir", "{run}", "--keep", str(tmp_path / "kept"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "the runs wrote" not in r.stdout and sorted(p.name for p in folder.iterdir()) == ["nb.ipynb"], r.stdout
+    found = [line for name in ("uninterrupted", "fault-1", "fault-2")
+             for line in harness.cell_text(nbformat.read(tmp_path / "kept" / f"{name}.ipynb", 4).cells[3]).splitlines()]
+    assert found == [f"FOUND [] {tmp_path / 'kept' / 'run-folder'}"] * 3, found
+    assert (tmp_path / "kept" / "run-folder" / "marker").exists()  # the last run's
+
+
 def test_a_notebook_that_fails_without_faults_is_exit_3_and_usage_errors_exit_2(tmp_path):
     nb = harness.load("resume_nested.ipynb")
     harness.insert(nb, "train", "raise ValueError('broken set-up')", "broken")
