@@ -119,13 +119,22 @@ class Folder:
             if self.found.get(name) != key and name not in self.written and name != self.ignored:
                 self.written.append(name)
 
-    def note(self) -> str | None:
+    def note(self, parameters: dict[str, Any] | None = None) -> str | None:
+        """The line that names what the runs wrote, and how to give them a folder of the check's;
+        ``parameters`` (the notebook's parameters cell's, by name): one whose value names a folder
+        they made there is named (``-p output_dir {run}``)."""
         if not self.written:
             return None
+        def folder(value: Any) -> str | None:  # "./out" -> "out", where the runs made a folder "out"
+            name = os.path.normpath(value) if isinstance(value, str) and not os.path.isabs(value) else None
+            return name if name in self.written and (self.path / name).is_dir() else None
+
+        named = [k for k, v in (parameters or {}).items() if folder(v) is not None]
+        how = ("check with " + " ".join(f"-p {k} {RUN_FOLDER}" for k in named) if named else
+               f"have the notebook write them in a folder a parameter names, and check with -p NAME {RUN_FOLDER}")
         return (f"colab-resilience check: the runs wrote {_names(sorted(self.written))} in {self.path}: each run after "
                 "the first found what the earlier ones had left there, which can change what it does (a marker "
-                "file, a log it reads); where that matters, have the notebook write them in a folder a parameter "
-                f"names, and check with -p NAME {RUN_FOLDER}: each run then finds that folder new and empty")
+                f"file, a log it reads); where that matters, {how}: each run then finds that folder new and empty")
 
 
 def _stat_key(entry: os.DirEntry) -> tuple:
@@ -719,11 +728,29 @@ def check_notebook(notebook: str | os.PathLike, *, parameters: dict[str, Any] | 
                 report.apart += [n for n in apart if n not in report.apart]
         return report
     finally:
-        note = place.note()
+        note = place.note(parameter_values(nb))
         if note:
             log(note)
         if own is not None:
             own.remove()
+
+
+def parameter_values(nb) -> dict[str, Any]:
+    """The literal values the notebook's ``parameters`` cell assigns, by name (others left out)."""
+    cell = next((c for c in nb.cells if c.get("cell_type") == "code"
+                 and "parameters" in c.get("metadata", {}).get("tags", [])), None)
+    try:
+        tree = ast.parse(cell.source) if cell is not None else None
+    except SyntaxError:
+        tree = None
+    found: dict[str, Any] = {}
+    for statement in tree.body if tree is not None else []:
+        if isinstance(statement, ast.Assign) and len(statement.targets) == 1 and isinstance(statement.targets[0], ast.Name):
+            try:
+                found[statement.targets[0].id] = ast.literal_eval(statement.value)
+            except (ValueError, TypeError, SyntaxError, RecursionError):
+                pass
+    return found
 
 
 def set_up_apart(reference: Path, faulted: Path) -> list[str]:

@@ -183,6 +183,28 @@ def test_a_parameter_given_run_is_a_folder_new_and_empty_in_every_run(tmp_path):
     assert (tmp_path / "kept" / "run-folder" / "marker").exists()  # the last run's
 
 
+def test_the_line_of_what_the_runs_wrote_names_the_parameter_that_names_it(tmp_path):
+    """Where the notebook's parameters cell names a folder the runs made (the Trainer's
+    `output_dir = "trainer-output"`, `./logs`), the line says `-p output_dir {run}`; a file they
+    wrote (`{run}` would make it a folder), a file in a folder they made, the notebook's folder
+    itself ('.'), an absolute path or another value is not named."""
+    from colab_resilience.check import Folder, parameter_values
+
+    place = Folder(tmp_path)
+    (tmp_path / "trainer-output").mkdir()
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "marker").touch()
+    place.after_run()
+    nb = harness.notebook("output_dir = 'trainer-output'\nlogs = './logs'\nlog = 'logs/run.txt'\nmark = 'marker'\n"
+                          "workdir = '.'\nlr = 0.1\nelsewhere = '/tmp/marker'\nsteps = int('3')", tags={0: ["parameters"]})
+    assert parameter_values(nb) == {"output_dir": "trainer-output", "logs": "./logs", "log": "logs/run.txt",
+                                    "mark": "marker", "workdir": ".", "lr": 0.1, "elsewhere": "/tmp/marker"}
+    assert place.note(parameter_values(nb)).endswith(
+        "where that matters, check with -p output_dir {run} -p logs {run}: each run then finds that folder new and empty")
+    assert place.note({"workdir": "."}).endswith("have the notebook write them in a folder a parameter names, and "
+                                                 "check with -p NAME {run}: each run then finds that folder new and empty")
+
+
 def test_a_notebook_that_fails_without_faults_is_exit_3_and_usage_errors_exit_2(tmp_path):
     nb = harness.load("resume_nested.ipynb")
     harness.insert(nb, "train", "raise ValueError('broken set-up')", "broken")
