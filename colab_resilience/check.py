@@ -125,6 +125,7 @@ class Folder:
         they made there is named (``-p output_dir {run}``)."""
         if not self.written:
             return None
+
         def folder(value: Any) -> str | None:  # "./out" -> "out", where the runs made a folder "out"
             name = os.path.normpath(value) if isinstance(value, str) and not os.path.isabs(value) else None
             return name if name in self.written and (self.path / name).is_dir() else None

@@ -185,10 +185,10 @@ _TF_THREADS = ("get_intra_op_parallelism_threads", "set_intra_op_parallelism_thr
 
 def tf_settings(config) -> dict[str, Any]:
     """TensorFlow's process-wide settings of :data:`_TF_SETTINGS` and the size of its intra-op thread
-    pool (:func:`tf_threads_lost`), read through its framework config module ``config``. A cell that is not ``%%replay`` may set them
-    (``tf.config.experimental.enable_op_determinism()``), and a new kernel has TensorFlow's
-    defaults: on a GPU the resumed run would compute otherwise, saying nothing. One this version
-    of TensorFlow cannot read is left out."""
+    pool (:func:`tf_threads_lost`), read through its framework config module ``config``. A cell
+    that is not ``%%replay`` may set them (``tf.config.experimental.enable_op_determinism()``),
+    and a new kernel has TensorFlow's defaults: on a GPU the resumed run would compute otherwise,
+    saying nothing. One this version of TensorFlow cannot read is left out."""
     found: dict[str, Any] = {}
     for key, (read, _) in _TF_SETTINGS.items():
         with contextlib.suppress(Exception):
