@@ -1211,7 +1211,8 @@ def test_a_module_file_of_the_notebook_edited_since_the_run_began_is_named_as_it
     if edited:
         assert said in out and (" began: the resumed run goes on with the code now in it, so what it did before ran "
                                 "on the old code and the result is not that of either run uninterrupted; to start "
-                                "over, %resilience reset ") in out, out
+                                "over, `colab-resilience reset ") in out, out  # (a supervised run's notebook: its words)
+        assert out.split(said)[1].split("\n")[0].endswith(f" --run-dir {tmp_path / 'runs'}` and run the command again"), out
         assert harness.result(nb) != harness.result(twin)
     else:
         assert said not in out, out
@@ -1254,8 +1255,9 @@ def test_an_environment_variable_a_plain_cell_set_is_named_as_the_run_resumes(tm
         assert said[0].endswith(" began, by a cell that is not replayed (os.environ, %env), and this kernel has them as "
                                 "a new kernel starts: the resumed run goes on without that setting, and where it "
                                 "changes what the training computes, the result is not that of the run uninterrupted; "
-                                "set them in a %%replay cell above the imports, and %resilience reset "
-                                + said[0].split(" as run ")[1].split(" ")[0] + " to start over"), said
+                                "set them in a %%replay cell above the imports, and `colab-resilience reset "
+                                + said[0].split(" as run ")[1].split(" ")[0] + f" --run-dir {tmp_path / 'runs'}` to "
+                                "start over"), said  # (a supervised run's notebook: the command's words)
     else:
         assert said == [], out
     assert harness.result(nb).endswith(" 1"), harness.result(nb)  # the command's, as every kernel started
@@ -2514,8 +2516,9 @@ def test_a_loop_whose_start_the_set_up_reads_from_the_notebooks_own_checkpoint_g
             "resume_range(5, 6), which has no 4: going on would skip iterations that never ran, or run some twice. "
             "Its bounds come from something else now (a start the set-up cells read from a checkpoint file of the "
             "notebook's own, written after the run's last checkpoint: resume_range resumes by itself); make it the "
-            "loop the run began with, or run `%resilience reset` to start the run afresh")
+            "loop the run began with, or run `colab-resilience reset ")  # (a supervised run: the command's words)
     assert line in run.message, run.message
+    assert run.message.endswith(f" --run-dir {tmp_path / 'runs'}` to start the run afresh"), run.message
     assert "stays pending" in text, text
 
 
