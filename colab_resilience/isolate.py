@@ -407,11 +407,16 @@ class WorkerClient:
                     self._reading = False
                     self._cond.notify_all()
 
+    # Tab and Shift-Tab wait this long for the worker (a dead one is noticed at once): a kernel's
+    # first completion with jedi 0.20 took 8.8 s here (it loads its stubs), over the 10 s this was
+    # on a busy machine, and the notebook's kernel then answered with its own names, not the worker's
+    ANSWER_TIMEOUT = 60.0
+
     def complete(self, code: str, cursor_pos: int) -> dict:
-        return self._wait_reply(self.kc.complete(code, cursor_pos), 10)["content"]
+        return self._wait_reply(self.kc.complete(code, cursor_pos), self.ANSWER_TIMEOUT)["content"]
 
     def inspect(self, code: str, cursor_pos: int, detail_level: int = 0) -> dict:
-        return self._wait_reply(self.kc.inspect(code, cursor_pos, detail_level), 10)["content"]
+        return self._wait_reply(self.kc.inspect(code, cursor_pos, detail_level), self.ANSWER_TIMEOUT)["content"]
 
     def shutdown(self) -> None:
         self.stop_reading()

@@ -331,9 +331,9 @@ def test_the_stop_button_interrupts_the_worker_which_keeps_its_state(relay):
 def test_completion_and_inspection_come_from_the_worker(relay):
     relay.ok("isolated_value_xyz = 3")
     kc = relay.kc
-    reply = kc.complete("isolated_val", 12, reply=True, timeout=30)
+    reply = kc.complete("isolated_val", 12, reply=True, timeout=90)  # (the relay waits up to 60 s for the worker)
     assert "isolated_value_xyz" in reply["content"]["matches"]
-    reply = kc.inspect("isolated_value_xyz", 18, reply=True, timeout=30)
+    reply = kc.inspect("isolated_value_xyz", 18, reply=True, timeout=90)
     assert reply["content"]["found"] and "int" in strip_ansi(reply["content"]["data"]["text/plain"])
 
 
