@@ -132,13 +132,14 @@ def show(run: str | None, run_dir: str | None) -> int:
         print(line)
     there = f" --run-dir {run_dir}" if run_dir else ""
     print(f"colab-resilience show: nothing was run; `colab-resilience resume{trust} {j.run_id}{there}` marks the run to go "
-          f"on when `colab-resilience run` runs its notebook again; `colab-resilience reset {j.run_id}{there}` forgets it")
+          f"on {_when(run_dir)}; `colab-resilience reset {j.run_id}{there}` forgets it")
     return EXIT_OK
 
 
 def resume(run: str | None, run_dir: str | None, *, trust: bool = False) -> int:
-    """Mark a run to go on from its last checkpoint when ``colab-resilience run`` runs its notebook
-    again, as ``%resilience resume`` does in a notebook: a run stopped by an error in its cell (its
+    """Mark a run to go on from its last checkpoint when ``colab-resilience run`` (or papermill's
+    engine) runs its notebook again with its run directory, or, a notebook's, when its cell runs
+    again there, as ``%resilience resume`` does in a notebook: a run stopped by an error in its cell (its
     checkpoint would be dropped by the cell's next run), or a finished one (its final state comes
     back and its cell is not run again). With ``trust``, a run another installation key signed
     (another machine, a new Colab VM whose run directory is on Drive, a lost key): every set-up
@@ -163,8 +164,8 @@ def resume(run: str | None, run_dir: str | None, *, trust: bool = False) -> int:
                           f"{old}{there}`, then `colab-resilience resume --trust {old}{there}`")
         if signed and j.status == "pending":
             _newest(j, open_store(folder, key))
-            print(f"colab-resilience resume: run {old} is pending already: `colab-resilience run NOTEBOOK{there}` goes on "
-                  f"with it {_where(j)}; nothing was run")
+            print(f"colab-resilience resume: run {old} is pending already: it goes on {_where(j)} {_when(run_dir)}; "
+                  "nothing was run")
             return EXIT_OK
         if not signed:
             if j.cell_key is None:
@@ -197,7 +198,7 @@ def resume(run: str | None, run_dir: str | None, *, trust: bool = False) -> int:
         called = f", as run {j.run_id}" if j.run_id != old else ""
         print(f"colab-resilience resume: run {old} is signed with this installation's key now{called} (journal and "
               f"{plural(len(adopted), 'checkpoint')})")
-    when = f"when `colab-resilience run NOTEBOOK{there}` runs its notebook again"
+    when = _when(run_dir)
     first = f"the set-up cells{' above' if adopted is not None else ''} run first"
     goes = (f"is done: {when}, its final state comes back and its cell is not run again ({first})" if done
             else f"goes on {where} {when} ({first})")
@@ -216,6 +217,18 @@ def _newest(j: Journal, store) -> None:
         j.last_checkpoint = latest
         where = store.latest_meta().get("where")
         j.resume_at = where if isinstance(where, str) else None
+
+
+def _when(run_dir: str | None) -> str:
+    """When a marked run goes on: a run of ``--run-dir DIR`` when the command (or papermill's engine)
+    runs its notebook again with that folder; a notebook's (no ``--run-dir``: its kernel's
+    ``./.colab_resilience`` or ``$COLAB_RESILIENCE_RUN_DIR``) when its cell runs again there, as
+    after ``%resilience resume`` (``colab-resilience run`` without ``--run-dir`` would start afresh
+    in a temporary folder)."""
+    if run_dir:
+        return (f"when `colab-resilience run NOTEBOOK --run-dir {run_dir}` (or papermill's resilient engine with that "
+                "run directory) runs its notebook again")
+    return "when its cell runs again in its notebook"
 
 
 def _where(j: Journal) -> str:

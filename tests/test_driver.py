@@ -866,7 +866,8 @@ def test_cli_a_run_another_key_signed_is_named_and_resume_trust_goes_on_with_it(
     assert shown.returncode == 0 and shown.stdout.splitlines()[:len(setup)] == setup, shown.stdout + shown.stderr
     assert shown.stdout.splitlines()[-1] == (
         f"colab-resilience show: nothing was run; `colab-resilience resume --trust {old} --run-dir runs` marks the run to "
-        "go on when `colab-resilience run` runs its notebook again; `colab-resilience reset "
+        "go on when `colab-resilience run NOTEBOOK --run-dir runs` (or papermill's resilient engine with that run "
+        "directory) runs its notebook again; `colab-resilience reset "
         f"{old} --run-dir runs` forgets it")
     untrusted = runs("resume", old)
     assert (untrusted.returncode, untrusted.stdout) == (2, ""), untrusted.stdout + untrusted.stderr
@@ -894,13 +895,16 @@ def test_cli_a_run_another_key_signed_is_named_and_resume_trust_goes_on_with_it(
         f"colab-resilience resume: run {old} is signed with this installation's key now, as run {new} (journal and "
         f"{kept} checkpoint{'s' if kept > 1 else ''})",
         f"colab-resilience resume: run {new} goes on at {_resume_at(lines[-1])} when `colab-resilience run NOTEBOOK "
-        "--run-dir runs` runs its notebook again (the set-up cells above run first); nothing was run here; "
+        "--run-dir runs` (or papermill's resilient engine with that run directory) runs its notebook again (the set-up "
+        "cells above run first); nothing was run here; "
         f"`colab-resilience reset {new} --run-dir runs` forgets it"], lines
     assert [p.name for p in (tmp_path / "runs").iterdir()] == [f"run-{new}"]
     again = runs("resume", new)
-    assert (again.returncode, again.stdout) == (0, f"colab-resilience resume: run {new} is pending already: "
-                                                    "`colab-resilience run NOTEBOOK --run-dir runs` goes on with it at "
-                                                    f"{_resume_at(lines[-1])}; nothing was run\n"), again.stdout + again.stderr
+    assert (again.returncode, again.stdout) == (0, f"colab-resilience resume: run {new} is pending already: it goes on "
+                                                    f"at {_resume_at(lines[-1])} when `colab-resilience run NOTEBOOK "
+                                                    "--run-dir runs` (or papermill's resilient engine with that run "
+                                                    "directory) runs its notebook again; nothing was run\n"), \
+        again.stdout + again.stderr
     resumed = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=dict(os.environ, **home))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     out = nbformat.read(tmp_path / "out.ipynb", 4)
@@ -955,8 +959,9 @@ def test_cli_resume_goes_on_with_a_run_an_error_stopped_from_its_checkpoint(tmp_
     marked = cli("resume", run, "--run-dir", "runs", cwd=tmp_path)
     assert (marked.returncode, marked.stderr) == (0, ""), marked.stderr
     assert marked.stdout == (f"colab-resilience resume: run {run} goes on at 12 when `colab-resilience run NOTEBOOK "
-                             "--run-dir runs` runs its notebook again (the set-up cells run first); nothing was run "
-                             f"here; `colab-resilience reset {run} --run-dir runs` forgets it\n")
+                             "--run-dir runs` (or papermill's resilient engine with that run directory) runs its "
+                             "notebook again (the set-up cells run first); nothing was run here; `colab-resilience "
+                             f"reset {run} --run-dir runs` forgets it\n")
     (tmp_path / "fixed").touch()
     again = cli(*command, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
@@ -967,7 +972,8 @@ def test_cli_resume_goes_on_with_a_run_an_error_stopped_from_its_checkpoint(tmp_
     # a finished run resumed: its final state comes back, its cell does not draw again
     finished = cli("resume", run, "--run-dir", "runs", cwd=tmp_path)
     assert finished.stdout == (f"colab-resilience resume: run {run} is done: when `colab-resilience run NOTEBOOK --run-dir "
-                               "runs` runs its notebook again, its final state comes back and its cell is not run again "
+                               "runs` (or papermill's resilient engine with that run directory) runs its notebook again, "
+                               "its final state comes back and its cell is not run again "
                                f"(the set-up cells run first); nothing was run here; `colab-resilience reset {run} "
                                "--run-dir runs` forgets it\n"), finished.stdout + finished.stderr
     last = cli(*command, cwd=tmp_path)

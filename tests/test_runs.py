@@ -8,6 +8,8 @@ The training is tests/files/train.ipynb, its cells run in this process's IPython
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -265,6 +267,42 @@ def test_the_cell_run_again_under_a_new_key_names_the_run_the_old_key_signed(ip,
     assert ip.run_cell(user_cell(nb, "train")).success
     assert f"run {old} of this cell" not in capsys.readouterr().out
     assert epochs(tmp_path / "events.log") == [0, 1] + [0, 1, 2, 3] + [2, 3]  # that one went on from its epoch 2
+
+
+@pytest.mark.kernel  # the reference is a kernel's run
+def test_the_commands_resume_of_a_notebooks_run_says_that_its_cell_run_again_goes_on(ip, root, tmp_path, capsys,
+                                                                                     reference):
+    """`colab-resilience resume RUN` without --run-dir marks a notebook's run (in
+    $COLAB_RESILIENCE_RUN_DIR, else ./.colab_resilience): its line says the run goes on when its
+    cell runs again in its notebook, not when `colab-resilience run NOTEBOOK` runs it (that command
+    without --run-dir begins afresh in a temporary folder); and the cell run again goes on from its
+    checkpoint, the epochs before the error not trained again."""
+    nb = load("train.ipynb", tmp_path, fault="error", fault_epoch=2, strikes=1)
+    run_in_shell(ip, nb, stop="train")
+    assert not ip.run_cell(user_cell(nb, "train")).success  # stopped by the error in epoch 2
+    (run,) = [p.name.removeprefix("run-") for p in root.glob("run-*")]
+
+    def command(*args):
+        return subprocess.run([sys.executable, "-m", "colab_resilience", *args], capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path, env=dict(os.environ, COLAB_RESILIENCE_RUN_DIR=str(root)))
+
+    marked = command("resume", run)
+    assert (marked.returncode, marked.stderr) == (0, ""), marked.stdout + marked.stderr
+    assert marked.stdout == (f"colab-resilience resume: run {run} goes on at 2 when its cell runs again in its notebook "
+                             f"(the set-up cells run first); nothing was run here; `colab-resilience reset {run}` "
+                             "forgets it\n")
+    again = command("resume", run)
+    assert again.stdout == (f"colab-resilience resume: run {run} is pending already: it goes on at 2 when its cell runs "
+                            "again in its notebook; nothing was run\n"), again.stdout + again.stderr
+    shown = command("show", run)
+    assert shown.stdout.splitlines()[-1] == (
+        f"colab-resilience show: nothing was run; `colab-resilience resume {run}` marks the run to go on when its cell "
+        f"runs again in its notebook; `colab-resilience reset {run}` forgets it"), shown.stdout + shown.stderr
+    capsys.readouterr()
+    assert ip.run_cell(user_cell(nb, "train")).success
+    assert ip.run_cell(user_cell(nb, "result")).success
+    assert result(capsys.readouterr().out) == reference.result
+    assert epochs(tmp_path / "events.log") == [0, 1] + [2, 3]  # before the error; from its checkpoint
 
 
 @pytest.mark.parametrize(
