@@ -199,7 +199,7 @@ def keep_folder(keep: str | os.PathLike, what: str) -> Path:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise NotebookInputError(f"--keep {path}: cannot make the folder ({e.strerror or e}); give another") from None
-    return path
+    return path.absolute()  # the notebook's kernels run in its folder, not this command's
 
 
 def write_output(nb, output: Path, result: RunResult) -> Path | None:
