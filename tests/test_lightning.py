@@ -182,20 +182,29 @@ def test_a_finished_fit_that_does_not_fit_the_rebuilt_module_stops_the_run(tmp_p
     assert "putting back the finished run " in marker and "RESULT" not in marker, marker
 
 
-def test_checkpoint_files_a_dead_kernel_saved_are_named_and_the_new_names_said(tmp_path, tmp_path_factory):
+def test_a_checkpoint_file_a_dead_kernel_saved_is_saved_again_under_its_name(tmp_path, tmp_path_factory):
     """Killed as epoch 1 begins, after ModelCheckpoint saved epoch=0-step=10.ckpt and before epoch
-    0's safe point: the new kernel trains epoch 0 again and Lightning, finding that file, saves
-    epoch=0-step=10-v1.ckpt. The callback says so in one line before training (the file names
-    differ from an uninterrupted fit's); everything else is identical."""
+    0's safe point: the new kernel trains epoch 0 again, and Lightning, finding that file there,
+    would save epoch=0-step=10-v1.ckpt. The file was not there at the safe point (its checkpoint
+    holds the folder's names), so the fit saves it again under its name, and says so in one line
+    before training: the folder and the best checkpoint's name are the uninterrupted fit's. A file
+    another run left there (there at the safe point, not in the callback's state) is named in its
+    own line, and left alone."""
     reference = twin(tmp_path_factory)
     nb = load(tmp_path, fault="sigkill", fault_step="epoch 1 start")
+    folder = tmp_path / "out" / "best"
+    folder.mkdir(parents=True)
+    (folder / "another-run.ckpt").write_bytes(b"not this fit's")
     run, out = harness.run_ok(nb, tmp_path)
     assert len(run.restarts) == 1, out
-    folder = tmp_path / "out" / "best"
-    assert out.count(f"colab_resilience: ModelCheckpoint's folder {folder} holds epoch=0-step=10.ckpt, which this "
-                     "fit did not save") == 1, out
-    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=10-v1.ckpt", "epoch=0-step=10.ckpt"]
-    assert harness.result(nb) == reference.replace("best=epoch=0-step=10.ckpt", "best=epoch=0-step=10-v1.ckpt")
+    assert out.count(f"colab_resilience: ModelCheckpoint's folder {folder} holds epoch=0-step=10.ckpt, saved after "
+                     "the safe point the fit goes on from; the fit saves it again under its name when it gets there, "
+                     "as an uninterrupted fit did (not as -v1)") == 1, out
+    assert f"colab_resilience: ModelCheckpoint's folder {folder} holds another-run.ckpt, which this fit did not save " \
+           "(another run did); a checkpoint saved again under a name there gets another name (-v1)" in out, out
+    assert sorted(p.name for p in folder.iterdir()) == ["another-run.ckpt", "epoch=0-step=10.ckpt"]
+    assert (folder / "another-run.ckpt").read_bytes() == b"not this fit's"
+    assert harness.result(nb) == reference
     assert "best=epoch=0-step=10.ckpt" in reference
 
 

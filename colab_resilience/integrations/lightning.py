@@ -45,10 +45,15 @@ epoch's finished samples in batches of the new size.
 A ``CSVLogger`` logs on into the version it logged into, and its ``metrics.csv`` holds every
 row an uninterrupted fit's would: each checkpoint holds its version and the rows it logged so far
 (up to 16 MiB of file), and the fit that resumes gives them to its logger's writer, which writes
-the file anew with them. What is not put back: other files. A ``TensorBoardLogger`` writes on
-where the new kernel's logger writes (give it a fixed ``version`` to keep one folder); a checkpoint
-``ModelCheckpoint`` had saved after the last safe point is saved again under another name
-(``-v1``), and the callback names such files before training starts.
+the file anew with them. A ``ModelCheckpoint``'s files: each checkpoint holds the names of the
+checkpoint files in its folder, and a file there that was saved after the safe point the fit goes
+on from (by the kernel that died) is saved again under its own name
+when the fit gets there, as the uninterrupted fit saved it (Lightning would give the new one
+another name, ``-v1``); one line says so before training starts. Files that were there at the
+safe point and that the callback's state does not name (another run's) keep Lightning's way: a
+checkpoint saved under such a name gets ``-v1``, and one line names them. What is not put back:
+other files. A ``TensorBoardLogger`` writes on where the new kernel's logger writes (give it a
+fixed ``version`` to keep one folder).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ import io
 import os
 import pickle
 import warnings
+import weakref
 from typing import Any
 
 import lightning.pytorch as pl
@@ -98,6 +104,9 @@ class FitCheckpoint:
         self.module_pending: dict[str, Any] = {}  # loaded: the module's plain attributes, put back with them
         self.callbacks_mid_epoch = False
         self.muted: list = []  # loaded: the CSV loggers' writers, which log nothing until the fit is back
+        # loaded: the checkpoint files in each ModelCheckpoint's folder at the safe point (None: not
+        # loaded, or by an earlier version), for the fit's start (_saved_before)
+        self.files_at_safe_point: dict[str, list[str]] | None = None
         # the module's tensors' dtypes as the fit began, before the Trainer's precision converts it
         # ("bf16-true", "64-true"): what a resumed fit's set-up must have built again
         self.dtypes = carried.dtypes(trainer.lightning_module)
@@ -136,6 +145,9 @@ class FitCheckpoint:
             # each CSVLogger's version and the rows it logged so far: its file is written from what
             # its writer holds, which a new writer (a resumed kernel's, a retried fit's) has not
             "csv_logs": _csv_logs(t),
+            # the checkpoint files in each ModelCheckpoint's folder: those a resumed fit finds there
+            # and not among these were saved after the safe point, and are saved again under their names
+            "checkpoint_files": _checkpoint_files(t),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -240,6 +252,7 @@ class ResilienceCallback(pl.Callback):
         self._epochs = run.loops.iterate(Stretches(state))
         self._first = next(self._epochs, None)  # a resumed run: the checkpoint is loaded here
         _keep_effective_batch(trainer, batch, state.effective_batch, run)
+        state.files_at_safe_point = None if state.loaded is None else state.loaded.get("checkpoint_files")
         if state.loaded is not None:
             state.muted = _put_csv_logs(trainer, state.loaded.get("csv_logs"), mute=self._first != 0)
             saved = state.loaded["checkpoint"]
@@ -265,8 +278,9 @@ class ResilienceCallback(pl.Callback):
         self._stepped_at = trainer.global_step
         for line in _inexact(trainer):  # the training data is loaded now: what it is
             self._run.say_once(line)
-        for line in _saved_before(trainer):
+        for line in _saved_before(trainer, self._state.files_at_safe_point):
             self._run.say_once(line)
+        self._state.files_at_safe_point = None
         unsaved = unsaved_attributes(_plain_callbacks(trainer), "the fit's callbacks without a state_dict")
         if unsaved:
             self._run.say_once(unsaved)
@@ -626,30 +640,82 @@ def _reloaded_as_before(trainer: pl.Trainer) -> None:
         val_loop._last_val_dl_reload_epoch = last
 
 
-def _saved_before(trainer: pl.Trainer) -> list[str]:
-    """Checkpoint files in a ``ModelCheckpoint``'s folder that its state (restored, or new) does not
-    name, one line per folder: saved by the kernel that died after the safe point the fit goes on
-    from, or by another run. An epoch trained again saves its checkpoint again, and finding the file
-    there, Lightning gives the new one another name (``-v1``)."""
-    import os
-
+def _checkpoint_folders(trainer: pl.Trainer):
+    """``(place, callback, folder, names)`` for each ``ModelCheckpoint`` of the Trainer whose folder
+    exists: its place among the Trainer's checkpoint callbacks and the checkpoint files there."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    out = []
-    for callback in trainer.checkpoint_callbacks:
+    for place, callback in enumerate(trainer.checkpoint_callbacks):
         folder = getattr(callback, "dirpath", None)
-        if not isinstance(callback, ModelCheckpoint) or not folder or not os.path.isdir(folder):
-            continue
+        if isinstance(callback, ModelCheckpoint) and folder and os.path.isdir(folder):
+            yield place, callback, folder, sorted(name for name in os.listdir(folder)
+                                                  if name.endswith(callback.FILE_EXTENSION))
+
+
+def _checkpoint_files(trainer: pl.Trainer) -> dict[str, list[str]]:
+    """The checkpoint files in each ``ModelCheckpoint``'s folder, by the callback's place (a safe
+    point's: what :func:`_saved_before` compares with)."""
+    return {str(place): names for place, _, _, names in _checkpoint_folders(trainer)}
+
+
+def _saved_before(trainer: pl.Trainer, at_safe_point: dict[str, list[str]] | None) -> list[str]:
+    """Checkpoint files in a ``ModelCheckpoint``'s folder that its state (restored, or new) does not
+    name, one line per folder. Those that were not there at the safe point the fit goes on from
+    (``at_safe_point``, the names its checkpoint holds; None for a fit that begins, or a checkpoint
+    of an earlier version) were saved after it (by the kernel that died): the
+    epoch trained again saves each of them again under its name, as the uninterrupted fit did
+    (:func:`_save_again`), where Lightning, finding the file there, would give the new one another
+    name (``-v1``). The others are another run's: a checkpoint saved under such a name gets ``-v1``."""
+    out = []
+    for place, callback, folder, names in _checkpoint_folders(trainer):
         known = {os.path.abspath(p) for p in [*callback.best_k_models, callback.best_model_path,
                                               callback.last_model_path, callback.kth_best_model_path] if p}
-        later = sorted(name for name in os.listdir(folder) if name.endswith(callback.FILE_EXTENSION)
-                       and os.path.abspath(os.path.join(folder, name)) not in known)
-        if later:
-            out.append(f"colab_resilience: ModelCheckpoint's folder {folder} holds {', '.join(later)}, which this fit "
-                       "did not save (an earlier kernel did, after the safe point the fit goes on from, or another "
-                       "run); a checkpoint saved again under a name there gets another name (-v1), so the file names "
-                       "differ from an uninterrupted fit's (the weights do not)")
+        later = [name for name in names if os.path.abspath(os.path.join(folder, name)) not in known]
+        listed = None if at_safe_point is None else at_safe_point.get(str(place))
+        again = [] if listed is None else [name for name in later if name not in listed]
+        others = [name for name in later if name not in again]
+        if again:
+            _save_again(callback, {os.path.abspath(os.path.join(folder, name)) for name in again})
+            out.append(f"colab_resilience: ModelCheckpoint's folder {folder} holds {', '.join(again)}, saved after "
+                       "the safe point the fit goes on from; the fit saves "
+                       f"{'it' if len(again) == 1 else 'them'} again under {'its name' if len(again) == 1 else 'their names'} "
+                       "when it gets there, as an uninterrupted fit did (not as -v1)")
+        if others:
+            who = ("an earlier kernel did, after the safe point the fit goes on from, or another run" if listed is None
+                   else "another run did")
+            out.append(f"colab_resilience: ModelCheckpoint's folder {folder} holds {', '.join(others)}, which this fit "
+                       f"did not save ({who}); a checkpoint saved again under a name there gets another name (-v1), "
+                       "so the file names differ from an uninterrupted fit's (the weights do not)")
     return out
+
+
+# ModelCheckpoint -> the paths it takes for files that are not there (:func:`_save_again`); kept
+# here, not on the callback, whose attributes are what it is (colab-resilience check compares them)
+_AGAIN: "weakref.WeakKeyDictionary[Any, set[str]]" = weakref.WeakKeyDictionary()
+
+
+def _save_again(callback, paths: set[str]) -> None:
+    """Have ``callback`` (a ``ModelCheckpoint``) take each of ``paths`` for a file that is not there
+    the first time it asks (as it picks the name of a checkpoint it is about to save): the new file
+    is saved over it under its name, not as ``-v1``. Asked again, the file is there: a second save
+    under that name in the same fit gets ``-v1``, as in an uninterrupted fit."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    _AGAIN[callback] = set(paths)
+    exists = ModelCheckpoint.file_exists
+    if getattr(exists, "_colab_resilience", False):
+        return
+
+    def file_exists(self, filepath, trainer) -> bool:
+        again = _AGAIN.get(self)
+        path = os.path.abspath(os.fspath(filepath))
+        if again and path in again:
+            again.discard(path)
+            return False
+        return exists(self, filepath, trainer)
+
+    file_exists._colab_resilience = True
+    ModelCheckpoint.file_exists = file_exists
 
 
 CSV_LOG_BUDGET = 16 << 20  # bytes of a CSVLogger's file read at a safe point: a larger one is not kept
