@@ -182,21 +182,26 @@ def test_a_finished_fit_that_does_not_fit_the_rebuilt_module_stops_the_run(tmp_p
     assert "putting back the finished run " in marker and "RESULT" not in marker, marker
 
 
-def test_a_checkpoint_file_a_dead_kernel_saved_is_saved_again_under_its_name(tmp_path, tmp_path_factory):
-    """Killed as epoch 1 begins, after ModelCheckpoint saved epoch=0-step=10.ckpt and before epoch
-    0's safe point: the new kernel trains epoch 0 again, and Lightning, finding that file there,
-    would save epoch=0-step=10-v1.ckpt. The file was not there at the safe point (its checkpoint
-    holds the folder's names), so the fit saves it again under its name, and says so in one line
-    before training: the folder and the best checkpoint's name are the uninterrupted fit's. A file
-    another run left there (there at the safe point, not in the callback's state) is named in its
-    own line, and left alone."""
+@pytest.mark.parametrize("fault,restarts", [("sigkill", 1), ("oom-error", 0)])
+def test_a_checkpoint_file_saved_after_the_safe_point_is_saved_again_under_its_name(tmp_path, tmp_path_factory,
+                                                                                    fault, restarts):
+    """Killed (or out of memory, retried in the kernel) as epoch 1 begins, after ModelCheckpoint
+    saved epoch=0-step=10.ckpt and before epoch 0's safe point: the fit goes on from its start and
+    trains epoch 0 again, and Lightning, finding that file there, would save
+    epoch=0-step=10-v1.ckpt. The file was not there at the safe point (its checkpoint holds the
+    folder's names), so the fit saves it again under its name, and says so in one line before
+    training: the folder and the best checkpoint's name are the uninterrupted fit's. A file another
+    run left there (there at the safe point, not in the callback's state) is named in its own line,
+    and left alone. In the kernel, the callbacks go back to their state as the fit began: the
+    failed attempt's losses, EarlyStopping's count, ModelCheckpoint's best and last save (which
+    kept it from saving at step 10 again: the best was epoch 1's) were in them."""
     reference = twin(tmp_path_factory)
-    nb = load(tmp_path, fault="sigkill", fault_step="epoch 1 start")
+    nb = load(tmp_path, fault=fault, fault_step="epoch 1 start")
     folder = tmp_path / "out" / "best"
     folder.mkdir(parents=True)
     (folder / "another-run.ckpt").write_bytes(b"not this fit's")
     run, out = harness.run_ok(nb, tmp_path)
-    assert len(run.restarts) == 1, out
+    assert len(run.restarts) == restarts, out
     assert out.count(f"colab_resilience: ModelCheckpoint's folder {folder} holds epoch=0-step=10.ckpt, saved after "
                      "the safe point the fit goes on from; the fit saves it again under its name when it gets there, "
                      "as an uninterrupted fit did (not as -v1)") == 1, out

@@ -27,7 +27,10 @@ random state is then put back as it was before the next batch was loaded. What t
 runs again before the fit is back at the safe point change (``on_train_start``, an epoch's
 ``on_train_epoch_start``) goes back as the checkpoint holds it once it is there: the module's
 modes, flags and plain attributes, the optimizers, the schedulers. A fit that had ended trains
-nothing, and ``trainer.callback_metrics`` is what it was.
+nothing, and ``trainer.callback_metrics`` is what it was. A retry in the kernel that goes back to
+the fit's start puts the callbacks back as they were then (the failed attempt had changed them),
+and each ``ModelCheckpoint``'s last save (the step it saved at, which it does not save at twice)
+is put back as the safe point holds it.
 
 A resumed fit is identical to an uninterrupted one where Lightning is (on CPU; on a GPU with
 ``Trainer(deterministic=True)``), for training data whose order is drawn when an epoch begins
@@ -107,6 +110,7 @@ class FitCheckpoint:
         # loaded: the checkpoint files in each ModelCheckpoint's folder at the safe point (None: not
         # loaded, or by an earlier version), for the fit's start (_saved_before)
         self.files_at_safe_point: dict[str, list[str]] | None = None
+        self.saves_at_safe_point: dict[str, list] | None = None  # loaded: ModelCheckpoints' last saves
         # the module's tensors' dtypes as the fit began, before the Trainer's precision converts it
         # ("bf16-true", "64-true"): what a resumed fit's set-up must have built again
         self.dtypes = carried.dtypes(trainer.lightning_module)
@@ -148,6 +152,11 @@ class FitCheckpoint:
             # the checkpoint files in each ModelCheckpoint's folder: those a resumed fit finds there
             # and not among these were saved after the safe point, and are saved again under their names
             "checkpoint_files": _checkpoint_files(t),
+            # what each ModelCheckpoint keeps outside its state_dict of its last save: the step it
+            # saved at, which it does not save at twice (an attempt that failed after a save left
+            # it at a step the retry saves at again), and the file
+            "checkpoint_saves": {str(place): [cb._last_global_step_saved, cb._last_checkpoint_saved]
+                                 for place, cb in _model_checkpoints(t)},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -253,6 +262,7 @@ class ResilienceCallback(pl.Callback):
         self._first = next(self._epochs, None)  # a resumed run: the checkpoint is loaded here
         _keep_effective_batch(trainer, batch, state.effective_batch, run)
         state.files_at_safe_point = None if state.loaded is None else state.loaded.get("checkpoint_files")
+        state.saves_at_safe_point = None if state.loaded is None else state.loaded.get("checkpoint_saves")
         if state.loaded is not None:
             state.muted = _put_csv_logs(trainer, state.loaded.get("csv_logs"), mute=self._first != 0)
             saved = state.loaded["checkpoint"]
@@ -260,8 +270,14 @@ class ResilienceCallback(pl.Callback):
             carried.apply({"module": pl_module}, ["module"], state.loaded["carried"])
         if state.loaded is not None and self._first == 0:  # saved as the fit began: its module as it was
             pl_module.load_state_dict(state.loaded["checkpoint"]["state_dict"])
+            # and its callbacks as they were: an attempt that failed in this kernel before the first
+            # epoch's safe point had changed them (the losses a callback keeps, EarlyStopping's count,
+            # ModelCheckpoint's best), and the fit starts over with them
+            from lightning.pytorch.trainer.call import _call_callbacks_load_state_dict
+
+            _call_callbacks_load_state_dict(trainer, state.loaded["checkpoint"])
+            state.give_callbacks()  # those without a state of Lightning's: their plain attributes, and the module's
             state.loaded = None
-            state.callbacks_pending = state.module_pending = {}  # the fit starts over, and its callbacks with it
         elif state.loaded is not None:
             _resume(trainer, state)
             # what the hooks that run again before the fit is back at the safe point may change
@@ -280,7 +296,8 @@ class ResilienceCallback(pl.Callback):
             self._run.say_once(line)
         for line in _saved_before(trainer, self._state.files_at_safe_point):
             self._run.say_once(line)
-        self._state.files_at_safe_point = None
+        _put_saves(trainer, self._state.saves_at_safe_point)
+        self._state.files_at_safe_point = self._state.saves_at_safe_point = None
         unsaved = unsaved_attributes(_plain_callbacks(trainer), "the fit's callbacks without a state_dict")
         if unsaved:
             self._run.say_once(unsaved)
@@ -640,16 +657,33 @@ def _reloaded_as_before(trainer: pl.Trainer) -> None:
         val_loop._last_val_dl_reload_epoch = last
 
 
-def _checkpoint_folders(trainer: pl.Trainer):
-    """``(place, callback, folder, names)`` for each ``ModelCheckpoint`` of the Trainer whose folder
-    exists: its place among the Trainer's checkpoint callbacks and the checkpoint files there."""
+def _model_checkpoints(trainer: pl.Trainer):
+    """``(place, callback)`` for each ``ModelCheckpoint`` of the Trainer, by its place among the
+    Trainer's checkpoint callbacks."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    for place, callback in enumerate(trainer.checkpoint_callbacks):
+    return [(place, cb) for place, cb in enumerate(trainer.checkpoint_callbacks) if isinstance(cb, ModelCheckpoint)]
+
+
+def _checkpoint_folders(trainer: pl.Trainer):
+    """``(place, callback, folder, names)`` for each ``ModelCheckpoint`` of the Trainer with a
+    folder: its place and the checkpoint files there (none where the folder is not made yet)."""
+    for place, callback in _model_checkpoints(trainer):
         folder = getattr(callback, "dirpath", None)
-        if isinstance(callback, ModelCheckpoint) and folder and os.path.isdir(folder):
+        if folder:
             yield place, callback, folder, sorted(name for name in os.listdir(folder)
-                                                  if name.endswith(callback.FILE_EXTENSION))
+                                                  if name.endswith(callback.FILE_EXTENSION)) if os.path.isdir(folder) else []
+
+
+def _put_saves(trainer: pl.Trainer, saves: dict[str, list] | None) -> None:
+    """Each ``ModelCheckpoint``'s last save as at the safe point the fit goes on from (``saves``,
+    its checkpoint's): Lightning's ``load_state_dict`` leaves them as they are, and where an attempt
+    that failed in this kernel had saved after the safe point, the callback would not save at that
+    step again."""
+    for place, callback in _model_checkpoints(trainer):
+        saved = (saves or {}).get(str(place))
+        if saved is not None:
+            callback._last_global_step_saved, callback._last_checkpoint_saved = saved
 
 
 def _checkpoint_files(trainer: pl.Trainer) -> dict[str, list[str]]:
