@@ -50,7 +50,7 @@ row an uninterrupted fit's would: each checkpoint holds its version and the rows
 (up to 16 MiB of file), and the fit that resumes gives them to its logger's writer, which writes
 the file anew with them. A ``ModelCheckpoint``'s files: each checkpoint holds the names of the
 checkpoint files in its folder, and a file there that was saved after the safe point the fit goes
-on from (by the kernel that died) is saved again under its own name
+on from (by the kernel that died, or an attempt that failed in the kernel) is saved again under its own name
 when the fit gets there, as the uninterrupted fit saved it (Lightning would give the new one
 another name, ``-v1``); one line says so before training starts. Files that were there at the
 safe point and that the callback's state does not name (another run's) keep Lightning's way: a
@@ -696,7 +696,7 @@ def _saved_before(trainer: pl.Trainer, at_safe_point: dict[str, list[str]] | Non
     """Checkpoint files in a ``ModelCheckpoint``'s folder that its state (restored, or new) does not
     name, one line per folder. Those that were not there at the safe point the fit goes on from
     (``at_safe_point``, the names its checkpoint holds; None for a fit that begins, or a checkpoint
-    of an earlier version) were saved after it (by the kernel that died): the
+    of an earlier version) were saved after it (by the kernel that died, or a failed attempt): the
     epoch trained again saves each of them again under its name, as the uninterrupted fit did
     (:func:`_save_again`), where Lightning, finding the file there, would give the new one another
     name (``-v1``). The others are another run's: a checkpoint saved under such a name gets ``-v1``."""
