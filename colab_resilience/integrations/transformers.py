@@ -28,6 +28,10 @@ other callbacks get their state back after their ``on_train_begin``; the epoch t
 with is not begun again for them (every safe point is taken as a step begins, after its epoch's
 ``on_epoch_begin`` hooks, whose doing the checkpoint holds), and what the hooks before the first
 step change goes back to the safe point's as it begins.
+An OOM retried in the kernel before the first step's safe point goes back to the checkpoint
+``train`` began with, and what the failed attempt changed that ``train`` does not make anew goes
+back as it was then (:meth:`TrainerCheckpoint.back_to_start`): the optimizer (``train`` keeps one
+it finds), a given scheduler, the floating-point operations counted toward ``total_flos``.
 
 A resumed run is identical to an uninterrupted one where the Trainer is deterministic (CPU, or
 ``full_determinism``): weights, optimizer, log history and ``training_loss``. That holds for a data
@@ -157,6 +161,22 @@ class TrainerCheckpoint:
         carried.apply({"model": t.model}, ["model"], loaded.get("carried") or {})
         self.load_optimizer_and_scheduler()
         put_attributes(dict(loaded.get("callbacks") or {}), _stateful(t))
+
+    def back_to_start(self) -> None:
+        """Before a ``train`` that begins again from the checkpoint taken as it began (an attempt in
+        this kernel failed before the first step's safe point): what that attempt changed and
+        ``train`` does not make anew goes back as it was then. ``train`` keeps an optimizer it finds
+        (it makes one only where there is none): the one the attempt made and stepped goes, and a
+        given one (``Trainer(optimizers=...)``, or one an earlier ``train`` made) gets its saved
+        state back, as does a given scheduler; the floating-point operations the attempt counted,
+        which ``train`` adds to ``total_flos``, go back to the count of then."""
+        loaded, t = self.loaded, self.trainer
+        if loaded["optimizer"] is None:
+            t.optimizer = None
+        if loaded["scheduler"] is None and getattr(t, "_created_lr_scheduler", False):
+            t.lr_scheduler, t._created_lr_scheduler = None, False
+        self.load_optimizer_and_scheduler()
+        t.current_flos = loaded["logging"].get("current_flos", 0)
 
     def load_optimizer_and_scheduler(self) -> None:
         """The saved optimizer and scheduler state, into the ones ``train`` made."""
@@ -292,8 +312,10 @@ class ResilienceCallback(TrainerCallback):
                 if state.loaded is not None:
                     # a checkpoint taken as train() began, before any callback event: the other
                     # callbacks' state goes back now, and they begin as they did then (given at the
-                    # first epoch's start, it undid what their on_epoch_begin had just counted)
+                    # first epoch's start, it undid what their on_epoch_begin had just counted);
+                    # so do the optimizer and the operations count a failed attempt had stepped
                     self._give_callbacks()
+                    state.back_to_start()
                 return call(resume_from_checkpoint=None)
             return self._resume(trainer, run, call, finished=first is None)
         finally:
