@@ -255,6 +255,10 @@ def _walk(value, h, seen: set, depth: int) -> None:
     if checkpoint is not None:  # a Lightning Trainer is what its checkpoint holds (it keeps clock readings)
         _walk(checkpoint, h, seen, depth + 1)
         return
+    state = _lightning_callback_state(value)
+    if state is not None:  # a Lightning callback in a list too is what a name bound to it is: its state_dict
+        _walk(state, h, seen, depth + 1)
+        return
     if isinstance(value, random.Random):  # its state is not in its __dict__
         _walk(value.getstate(), h, seen, depth + 1)
         return
@@ -333,6 +337,23 @@ def _walk_reduced(value, h, seen: set, depth: int) -> None:
         _walk(list(reduced[1:3]), h, seen, depth + 1)
         return
     h.update(re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value)).encode())
+
+
+def _lightning_callback_state(value):
+    """What a Lightning callback with a ``state_dict`` of its own holds (what Lightning writes of it
+    into a checkpoint, and what :func:`state_digest` digests of one bound to a name), or None for
+    anything else (a callback without one is its attributes, which the integration saves). Its
+    other attributes are its workings: ``ModelCheckpoint`` keeps the clock reading of its last
+    check."""
+    import sys
+
+    pl = sys.modules.get("lightning.pytorch")
+    if pl is None or not isinstance(value, pl.Callback) or type(value).state_dict is pl.Callback.state_dict:
+        return None
+    try:
+        return value.state_dict()
+    except Exception:  # a callback whose state_dict fails: walked by its attributes
+        return None
 
 
 def _lightning_checkpoint(value):
