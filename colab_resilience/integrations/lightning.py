@@ -154,8 +154,9 @@ class FitCheckpoint:
             "checkpoint_files": _checkpoint_files(t),
             # what each ModelCheckpoint keeps outside its state_dict of its last save: the step it
             # saved at, which it does not save at twice (an attempt that failed after a save left
-            # it at a step the retry saves at again), and the file
-            "checkpoint_saves": {str(place): [cb._last_global_step_saved, cb._last_checkpoint_saved]
+            # it at a step the retry saves at again), and the file; and the score it last checked,
+            # which its state_dict holds and its load_state_dict does not put back
+            "checkpoint_saves": {str(place): [cb._last_global_step_saved, cb._last_checkpoint_saved, _score_held(cb)]
                                  for place, cb in _model_checkpoints(t)},
         }
 
@@ -375,6 +376,7 @@ class ResilienceCallback(pl.Callback):
         if self._epochs is not None and state.loaded is not None and state.loaded["finished"]:
             _put_metrics(trainer, state.loaded["metrics"])  # a fit that had ended trained nothing
             self._give_callbacks()  # (where its on_train_end did not run)
+            _put_saves(trainer, state.loaded.get("checkpoint_saves"))  # nor its on_train_start
             # and the random state as the fit left it at its end: what this fit drew on its way here,
             # though it trained nothing, is not what that fit drew, and the cells after this one
             # draw on from it (a shuffle of the next fit's, killed before its first checkpoint)
@@ -676,14 +678,40 @@ def _checkpoint_folders(trainer: pl.Trainer):
 
 
 def _put_saves(trainer: pl.Trainer, saves: dict[str, list] | None) -> None:
-    """Each ``ModelCheckpoint``'s last save as at the safe point the fit goes on from (``saves``,
-    its checkpoint's): Lightning's ``load_state_dict`` leaves them as they are, and where an attempt
-    that failed in this kernel had saved after the safe point, the callback would not save at that
-    step again."""
+    """Each ``ModelCheckpoint``'s last save and last checked score as at the safe point the fit
+    goes on from (``saves``, its checkpoint's): Lightning's ``load_state_dict`` leaves them as they
+    are (where an attempt that failed in this kernel had saved after the safe point, the callback
+    would not save at that step again; a fit that had ended, resumed, would end with no score
+    checked, where it had its last epoch's)."""
     for place, callback in _model_checkpoints(trainer):
         saved = (saves or {}).get(str(place))
         if saved is not None:
-            callback._last_global_step_saved, callback._last_checkpoint_saved = saved
+            callback._last_global_step_saved, callback._last_checkpoint_saved = saved[:2]
+            if len(saved) > 2:  # (a checkpoint of an earlier version has no score)
+                callback.current_score = _score_from(callback, saved[2])
+
+
+def _score_held(callback) -> dict[str, Any]:
+    """A ``ModelCheckpoint``'s last checked score, as it holds it: where the check found it among
+    the best, it is the very tensor its best score (or one of its best k) is, and a resume makes it
+    that one again (its ``state_dict`` holds them once); else its value."""
+    current = callback.current_score
+    if current is not None:
+        if current is callback.best_model_score:
+            return {"same_as": "best"}
+        for path, score in callback.best_k_models.items():
+            if current is score:
+                return {"same_as": "best_k", "path": path}
+    return {"value": current}
+
+
+def _score_from(callback, held: dict[str, Any]) -> Any:
+    """The score :func:`_score_held` kept, in ``callback`` with its state loaded."""
+    if held.get("same_as") == "best":
+        return callback.best_model_score
+    if held.get("same_as") == "best_k" and held.get("path") in callback.best_k_models:
+        return callback.best_k_models[held["path"]]
+    return held.get("value")
 
 
 def _checkpoint_files(trainer: pl.Trainer) -> dict[str, list[str]]:
