@@ -172,9 +172,7 @@ class TrainerCheckpoint:
         which ``train`` adds to ``total_flos``, go back to the count of then."""
         loaded, t = self.loaded, self.trainer
         if loaded["optimizer"] is None:
-            t.optimizer = None
-        if loaded["scheduler"] is None and getattr(t, "_created_lr_scheduler", False):
-            t.lr_scheduler, t._created_lr_scheduler = None, False
+            t.optimizer = None  # (a scheduler train() made, it makes anew itself)
         self.load_optimizer_and_scheduler()
         t.current_flos = loaded["logging"].get("current_flos", 0)
 
